@@ -1,0 +1,1 @@
+"""The agents of kf: archivist, mutator, compiler, verifier, profiler, prompt evolver."""

@@ -1,0 +1,1 @@
+"""Hardware agents: one module per device kind."""

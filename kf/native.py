@@ -1,0 +1,126 @@
+"""The CPU fast path: C++ source → shared library by a direct compiler call, cached by content.
+
+A candidate module embeds C++ as a string and calls :func:`build`; the library comes
+back as a :class:`ctypes.CDLL`. Builds are content-addressed (source, flags, compiler,
+host CPU), written atomically and guarded by a file lock, so parallel processes building
+the same source compile it once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping, Sequence
+from functools import cache
+from pathlib import Path
+
+__all__ = ["NativeCompileError", "build", "cache_dir", "compiler_version"]
+
+DEFAULT_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c++17", "-fopenmp")
+
+
+class NativeCompileError(RuntimeError):
+    """The C++ compiler rejected a kernel; ``log`` holds its full output."""
+
+    def __init__(self, message: str, log: str) -> None:
+        super().__init__(f"{message}\n{log}")
+        self.log = log
+
+
+def cache_dir() -> Path:
+    """The build cache: ``$KF_CACHE_DIR/native`` or ``~/.cache/kf/native``."""
+    root = os.environ.get("KF_CACHE_DIR") or str(Path.home() / ".cache" / "kf")
+    path = Path(root) / "native"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise NativeCompileError(f"C++ compiler {cxx!r} not found on PATH; install g++ or set CXX", "")
+    return cxx
+
+
+@cache
+def compiler_version(cxx: str | None = None) -> str:
+    """First line of ``CXX --version`` (part of the cache key)."""
+    out = subprocess.run(
+        [cxx or _compiler(), "--version"], capture_output=True, text=True, check=False
+    )
+    return out.stdout.splitlines()[0] if out.stdout else "unknown"
+
+
+@cache
+def _host_id() -> str:
+    model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                model += line
+    except OSError:
+        pass
+    return f"{platform.machine()}|{model}"
+
+
+def build(
+    source: str,
+    *,
+    flags: Sequence[str] = (),
+    defines: Mapping[str, object] | None = None,
+    timeout_s: float = 120.0,
+) -> ctypes.CDLL:
+    """Compile ``source`` into a shared library (or reuse the cached one) and load it.
+
+    ``defines`` become ``-DNAME=VALUE``; ``flags`` are appended after the defaults.
+    Raises :class:`NativeCompileError` with the compiler's output when it fails.
+    """
+    return ctypes.CDLL(str(build_path(source, flags=flags, defines=defines, timeout_s=timeout_s)))
+
+
+def build_path(
+    source: str,
+    *,
+    flags: Sequence[str] = (),
+    defines: Mapping[str, object] | None = None,
+    timeout_s: float = 120.0,
+) -> Path:
+    """Like :func:`build` but return the library's path without loading it."""
+    cxx = _compiler()
+    argv = [*DEFAULT_FLAGS, *(f"-D{k}={v}" for k, v in sorted((defines or {}).items())), *flags]
+    key_material = "\0".join([source, *argv, compiler_version(cxx), _host_id()])
+    key = hashlib.sha256(key_material.encode()).hexdigest()[:32]
+    root = cache_dir()
+    lib = root / f"{key}.so"
+    if lib.exists():
+        return lib
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists():
+            return lib
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            src = Path(tmp) / "kernel.cpp"
+            src.write_text(source)
+            out = Path(tmp) / "kernel.so"
+            try:
+                proc = subprocess.run(
+                    [cxx, *argv, str(src), "-o", str(out)],
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout_s,
+                    check=False,
+                )
+            except subprocess.TimeoutExpired as exc:
+                raise NativeCompileError(f"{cxx} timed out after {timeout_s:.0f}s", "") from exc
+            if proc.returncode != 0:
+                raise NativeCompileError(
+                    f"{cxx} exited with status {proc.returncode}", proc.stderr + proc.stdout
+                )
+            os.replace(out, lib)
+    return lib
