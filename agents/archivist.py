@@ -1,0 +1,299 @@
+"""The archivist: the log's single writer, and host of the archive's decision agents.
+
+It receives batches of envelopes on ``kf.R.in``, validates each one (bad ones go to the
+log's ``rejected`` table, are counted and logged; the rest of the batch is unaffected),
+deduplicates by ``event_id``, commits in one transaction, lets the hosted agents (the
+MAP-Elites archive and selection) fold the committed events and append their decisions,
+replies to the producers, and publishes every committed envelope on ``kf.R.log`` in
+``seq`` order. It also serves committed ranges on ``kf.R.fetch``.
+
+Restart: the log is the state. On start the archivist folds the whole log into its hosted
+agents and answers any event they had not yet answered, then serves again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from kf import bus
+from kf.agent import Agent, AgentContext
+from kf.events import (
+    Decision,
+    Envelope,
+    EventError,
+    Record,
+    decode_envelope,
+    decode_event,
+    derived_id,
+    encode_envelope,
+    make_envelope,
+)
+from kf.log import EventLog
+from kf.runtime import AgentCrashed
+
+__all__ = ["Archivist", "ArchivistStats"]
+
+log = structlog.get_logger("kf.archivist")
+
+_ENC = msgspec.msgpack.Encoder()
+_BATCH = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_FETCH = msgspec.msgpack.Decoder(dict[str, Any])
+_MAX_FETCH_BYTES = 768 * 1024
+
+
+class ArchivistStats(msgspec.Struct, kw_only=True):
+    """Counters, for logs and tests."""
+
+    committed: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    batches: int = 0
+    decisions: int = 0
+
+
+class Archivist:
+    """Single writer of the run's log; hosts pure decision agents that fold it."""
+
+    kind = "archivist"
+
+    def __init__(
+        self,
+        ctx: AgentContext,
+        *,
+        db: str | Path | None = None,
+        hosted: Sequence[type[Agent[Any]]] = (),
+        nc: Client | None = None,
+    ) -> None:
+        self.ctx = ctx
+        db = db or ctx.options.get("db")
+        if not db:
+            raise ValueError("the archivist needs a log path (--db)")
+        self.db_path = Path(db)
+        self.nc = nc
+        self.hosted_types = tuple(hosted)
+        self.stats = ArchivistStats()
+        self.log_: EventLog | None = None
+        self._queue: asyncio.Queue[Msg] = asyncio.Queue()
+        self._hosted: list[tuple[Agent[Any], Any]] = []
+
+    # -- hosted agents -------------------------------------------------------------------
+
+    def _start_hosted(self, elog: EventLog) -> None:
+        """Fold the whole log into the hosted agents; answer what they had not answered."""
+        agents = [cls(AgentContext(run_id=self.ctx.run_id, agent_id=self.ctx.agent_id))
+                  for cls in self.hosted_types]
+        for a in agents:
+            if not a.decides:
+                raise TypeError(f"hosted agent {a.kind} must be a pure decision agent")
+        states = [a.initial_state() for a in agents]
+        answered: set[tuple[str, str]] = set()
+        history: list[Envelope] = []
+        for env in elog.read():
+            history.append(env)
+            if env.caused_by is not None:
+                answered.add((env.source_kind, env.caused_by))
+        self._hosted = list(zip(agents, states, strict=True))
+        pending: list[Envelope] = []
+        for env in history:
+            pending.extend(self._fold_hosted(env, answered))
+        self._commit_decisions(elog, pending, answered)
+
+    def _fold_hosted(
+        self, env: Envelope, answered: set[tuple[str, str]] | None = None
+    ) -> list[Envelope]:
+        """Fold one committed envelope into every hosted agent; return their decisions."""
+        out: list[Envelope] = []
+        rec: Record | None = None
+        for i, (agent, state) in enumerate(self._hosted):
+            if not agent.listens_to(env.type):
+                continue
+            try:
+                if rec is None:
+                    rec = Record(env, decode_event(env))
+                state = agent.evolve(state, rec)
+                self._hosted[i] = (agent, state)
+                if answered is not None and (agent.kind, env.event_id) in answered:
+                    continue
+                events = agent.react(state, rec)
+            except Exception as exc:
+                raise AgentCrashed(
+                    f"hosted {agent.kind} failed on seq {env.seq} ({env.type}): {exc!r}"
+                ) from exc
+            assert isinstance(events, Sequence), f"{agent.kind}.react must be synchronous"
+            for j, ev in enumerate(events):
+                out.append(
+                    make_envelope(
+                        ev,
+                        run_id=self.ctx.run_id,
+                        source=f"{agent.kind}@{self.ctx.agent_id.partition('@')[2]}",
+                        event_id=derived_id(agent.kind, env.event_id, j),
+                        caused_by=env.event_id,
+                        based_on=env.seq if isinstance(ev, Decision) else None,
+                    )
+                )
+        return out
+
+    def _commit_decisions(
+        self,
+        elog: EventLog,
+        pending: list[Envelope],
+        answered: set[tuple[str, str]] | None = None,
+    ) -> list[Envelope]:
+        """Append decisions, fold them back in, and repeat until the agents are quiet."""
+        committed: list[Envelope] = []
+        while pending:
+            new = elog.append(pending)
+            self.stats.decisions += len(new)
+            committed.extend(new)
+            pending = []
+            for env in new:
+                pending.extend(self._fold_hosted(env, answered))
+        return committed
+
+    def hosted_states(self) -> dict[str, Any]:
+        """Current hosted states by kind (for tests and reports)."""
+        return {a.kind: s for a, s in self._hosted}
+
+    # -- serving -------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
+        """Open the log, fold it, serve until ``stop``, then finish the queued batches."""
+        structlog.contextvars.bind_contextvars(agent=self.ctx.agent_id, run=self.ctx.run_id)
+        elog = EventLog(self.db_path)
+        self.log_ = elog
+        own_nc = self.nc is None
+        nc = self.nc
+        if nc is None:
+            url = self.ctx.options.get("nats_url")
+            if not url:
+                raise ValueError("the archivist needs a NATS URL")
+            nc = await bus.connect(bus.BusOptions.from_env(url, name=self.ctx.agent_id))
+        try:
+            self._start_hosted(elog)
+            in_sub = await nc.subscribe(
+                bus.inbound_subject(self.ctx.run_id),
+                cb=self._on_inbound,
+                pending_msgs_limit=-1,
+                pending_bytes_limit=-1,
+            )
+            fetch_sub = await nc.subscribe(
+                bus.fetch_subject(self.ctx.run_id), cb=self._on_fetch
+            )
+            await nc.flush()
+            log.info("archivist_ready", db=str(self.db_path), head=elog.head)
+            if ready is not None:
+                ready.set()
+            writer = asyncio.create_task(self._writer(nc, elog))
+            stopping = asyncio.create_task(stop.wait())
+            try:
+                await asyncio.wait({writer, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if writer.done():
+                    writer.result()  # a failed writer propagates: the log cannot be served
+                await in_sub.unsubscribe()
+                # let what already arrived be committed and answered
+                while not self._queue.empty():
+                    await asyncio.sleep(0.01)
+                await fetch_sub.unsubscribe()
+            finally:
+                stopping.cancel()
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await writer
+        finally:
+            log.info("archivist_stopped", **msgspec.structs.asdict(self.stats), head=elog.head)
+            elog.close()
+            if own_nc:
+                await bus.close(nc)
+
+    async def _on_inbound(self, msg: Msg) -> None:
+        self._queue.put_nowait(msg)
+
+    async def _on_fetch(self, msg: Msg) -> None:
+        elog = self.log_
+        assert elog is not None
+        try:
+            req = _FETCH.decode(msg.data)
+            start = int(req.get("from", 1))
+            limit = max(0, min(int(req.get("limit", 1000)), 5000))
+        except (msgspec.DecodeError, ValueError, TypeError) as exc:
+            self.stats.rejected += 1
+            log.warning("bad_fetch_request", error=str(exc))
+            if msg.reply:
+                await msg.respond(_ENC.encode({"error": f"bad fetch request: {exc}"}))
+            return
+        events: list[bytes] = []
+        size = 0
+        if limit:
+            for body in elog.read_raw(start, start + limit - 1):
+                size += len(body)
+                if events and size > _MAX_FETCH_BYTES:
+                    break
+                events.append(body)
+        if msg.reply:
+            await msg.respond(_ENC.encode({"head": elog.head, "events": events}))
+
+    def _validate(self, subject: str, raw: bytes, elog: EventLog) -> Envelope | None:
+        try:
+            env = decode_envelope(raw)
+            if env.run_id != self.ctx.run_id:
+                raise EventError(f"event for run {env.run_id!r} sent to run {self.ctx.run_id!r}")
+            if env.seq is not None:
+                raise EventError("inbound events must not carry a seq (only the log assigns it)")
+            decode_event(env)  # known types must match their schema
+            return env
+        except EventError as exc:
+            self.stats.rejected += 1
+            log.warning("event_rejected", subject=subject, reason=str(exc), size=len(raw))
+            elog.reject(subject, str(exc), raw)
+            return None
+
+    async def _writer(self, nc: Client, elog: EventLog) -> None:
+        log_subject = bus.log_subject(self.ctx.run_id)
+        while True:
+            msgs = [await self._queue.get()]
+            while not self._queue.empty() and len(msgs) < 256:
+                msgs.append(self._queue.get_nowait())
+            accepted: list[Envelope] = []
+            replies: list[tuple[Msg, list[tuple[str, str]]]] = []
+            for msg in msgs:
+                refused: list[tuple[str, str]] = []
+                try:
+                    items = _BATCH.decode(msg.data)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    self.stats.rejected += 1
+                    reason = f"not a batch of kf envelopes: {exc}"
+                    log.warning("message_rejected", subject=msg.subject, reason=reason)
+                    elog.reject(msg.subject, reason, msg.data)
+                    refused.append(("", reason))
+                    replies.append((msg, refused))
+                    continue
+                for raw in items:
+                    env = self._validate(msg.subject, bytes(raw), elog)
+                    if env is None:
+                        refused.append(("", "invalid envelope"))
+                    else:
+                        accepted.append(env)
+                replies.append((msg, refused))
+            self.stats.batches += 1
+            committed = elog.append(accepted)
+            self.stats.duplicates += len(accepted) - len(committed)
+            self.stats.committed += len(committed)
+            pending: list[Envelope] = []
+            for env in committed:
+                pending.extend(self._fold_hosted(env))
+            committed.extend(self._commit_decisions(elog, pending))
+            for msg, refused in replies:
+                if msg.reply:
+                    with contextlib.suppress(Exception):
+                        await msg.respond(_ENC.encode({"ok": True, "rejected": refused}))
+            for env in committed:
+                await nc.publish(log_subject, encode_envelope(env))

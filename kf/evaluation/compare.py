@@ -1,0 +1,92 @@
+"""Output and input comparison, run inside the candidate-free reference runner.
+
+``torch`` is passed in so that this module can be imported without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["compare_inputs", "compare_outputs", "tolerance"]
+
+_HALF = ("float16", "bfloat16")
+
+
+def tolerance(dtype_name: str) -> float:
+    """atol = rtol for a dtype, as KernelBench: 1e-2 for half types, 1e-4 otherwise."""
+    return 1e-2 if dtype_name in _HALF else 1e-4
+
+
+def _name(torch: Any, dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def compare_outputs(torch: Any, expected: list[Any], got: Any) -> dict[str, Any]:
+    """A verdict ``{ok, kind, reason, max_abs_err, max_rel_err}`` for one trial's outputs."""
+    verdict: dict[str, Any] = {"ok": True, "kind": None, "reason": None,
+                               "max_abs_err": 0.0, "max_rel_err": 0.0}
+
+    def fail(kind: str, reason: str) -> dict[str, Any]:
+        return {**verdict, "ok": False, "kind": kind, "reason": reason}
+
+    if not isinstance(got, list | tuple) or len(got) != len(expected):
+        count = len(got) if isinstance(got, list | tuple) else "?"
+        return fail("shape_mismatch", f"returned {count} outputs, expected {len(expected)}")
+    for i, (want, have) in enumerate(zip(expected, got, strict=True)):
+        label = f"output {i}" if len(expected) > 1 else "output"
+        if not isinstance(have, torch.Tensor):
+            return fail("exception", f"{label} is a {type(have).__name__}, not a tensor")
+        if tuple(have.shape) != tuple(want.shape):
+            return fail("shape_mismatch",
+                        f"{label} has shape {list(have.shape)}, expected {list(want.shape)}")
+        if have.dtype != want.dtype:
+            return fail("dtype_mismatch",
+                        f"{label} has dtype {_name(torch, have.dtype)}, "
+                        f"expected {_name(torch, want.dtype)}")
+        want_c = want.detach().cpu()
+        if not (want_c.is_floating_point() or want_c.is_complex()):
+            if not torch.equal(have, want_c):
+                bad = int((have != want_c).sum())
+                return fail("mismatch", f"{label}: {bad} of {want_c.numel()} elements differ")
+            continue
+        have64, want64 = have.double(), want_c.double()
+        bad_finite = ~torch.isfinite(have64) & torch.isfinite(want64)
+        if bool(bad_finite.any()):
+            return fail("nan_inf", f"{label} holds {int(bad_finite.sum())} NaN/Inf values "
+                                   "where the reference is finite")
+        finite = torch.isfinite(want64)
+        if not bool(torch.equal(have64[~finite].nan_to_num(0.0), want64[~finite].nan_to_num(0.0))):
+            return fail("mismatch", f"{label} differs from the reference's non-finite values")
+        diff = (have64 - want64).abs()[finite]
+        ref = want64.abs()[finite]
+        if diff.numel():
+            abs_err = float(diff.max())
+            rel_err = float((diff / ref.clamp_min(1e-12)).max())
+            verdict["max_abs_err"] = max(verdict["max_abs_err"], abs_err)
+            verdict["max_rel_err"] = max(verdict["max_rel_err"], rel_err)
+            tol = tolerance(_name(torch, want.dtype))
+            over = diff > tol + tol * ref
+            if bool(over.any()):
+                return fail("mismatch",
+                            f"{label}: {int(over.sum())} of {want_c.numel()} elements outside "
+                            f"atol=rtol={tol:g} (max abs err {abs_err:.3g})")
+    return verdict
+
+
+def compare_inputs(torch: Any, pristine: list[Any], after: Any) -> str | None:
+    """Why the candidate's inputs changed during its call, or None when they did not."""
+    if not isinstance(after, list | tuple) or len(after) != len(pristine):
+        return "the candidate's inputs could not be read back"
+    for i, (before, now) in enumerate(zip(pristine, after, strict=True)):
+        if isinstance(before, torch.Tensor):
+            same = (
+                isinstance(now, torch.Tensor)
+                and now.shape == before.shape
+                and now.dtype == before.dtype
+                and torch.equal(now, before.detach().cpu())
+            )
+            if not same:
+                return f"input {i} was modified by the candidate's forward"
+        elif before != now:
+            return f"input {i} was modified by the candidate's forward"
+    return None

@@ -1,0 +1,149 @@
+"""What each evaluation stage found, as msgspec structs that kf's events can embed.
+
+Schema rules: every field after the first few has a default, so fields can be added
+later without breaking old logs; a field's type never changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "FAILURE_KINDS",
+    "CompileReport",
+    "EvalResult",
+    "FailureKind",
+    "ProfileReport",
+    "TrialEvidence",
+    "VerifyReport",
+]
+
+FailureKind = Literal[
+    "exception",
+    "shape_mismatch",
+    "dtype_mismatch",
+    "mismatch",
+    "nan_inf",
+    "input_mutated",
+    "timeout",
+    "crash",
+    "compile_error",
+]
+FAILURE_KINDS: tuple[str, ...] = FailureKind.__args__  # type: ignore[attr-defined]
+
+
+class CompileReport(msgspec.Struct, frozen=True, kw_only=True):
+    """Whether the candidate imported and its ``ModelNew`` was constructed (building its code)."""
+
+    ok: bool
+    error: str | None = None
+    log: str = ""
+    duration_s: float = 0.0
+    failure_kind: str | None = None
+
+
+class TrialEvidence(msgspec.Struct, frozen=True, kw_only=True):
+    """One correctness trial: the seed of its inputs and how far the candidate was off."""
+
+    seed: int
+    ok: bool
+    max_abs_err: float = 0.0
+    max_rel_err: float = 0.0
+    reason: str | None = None
+
+
+class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
+    """Whether the candidate matched the reference on every trial, with per-trial evidence."""
+
+    correct: bool
+    failure_kind: str | None = None
+    error: str | None = None
+    trials: int = 0
+    max_abs_err: float = 0.0
+    max_rel_err: float = 0.0
+    evidence: tuple[TrialEvidence, ...] = ()
+    atol: float = 0.0
+    rtol: float = 0.0
+    duration_s: float = 0.0
+
+
+class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
+    """Candidate and PyTorch-eager timings from one session on one device."""
+
+    ok: bool
+    error: str | None = None
+    runtime_ms: float = 0.0
+    runtime_std_ms: float = 0.0
+    runtime_median_ms: float = 0.0
+    runtime_min_ms: float = 0.0
+    runtime_ci95_ms: float = 0.0
+    trials: int = 0
+    ref_runtime_ms: float = 0.0
+    ref_runtime_std_ms: float = 0.0
+    ref_runtime_median_ms: float = 0.0
+    ref_trials: int = 0
+    speedup: float = 0.0
+    timer: str = ""
+    outside_wall_ms: float | None = None
+    outside_calls: int = 0
+    flags: tuple[str, ...] = ()
+    device: str = "cpu"
+    threads: int = 0
+    failure_kind: str | None = None
+    duration_s: float = 0.0
+
+
+class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
+    """``kf eval``: compile, then verify, then (only when correct) profile."""
+
+    task: str
+    compile: CompileReport
+    verify: VerifyReport | None = None
+    profile: ProfileReport | None = None
+    device: str = "cpu"
+    seed: int = 0
+
+    @property
+    def correct(self) -> bool:
+        return self.verify is not None and self.verify.correct
+
+    @property
+    def error(self) -> str | None:
+        """The first stage's error, or None when every stage that ran succeeded."""
+        if not self.compile.ok:
+            return self.compile.error
+        if self.verify is not None and not self.verify.correct:
+            return self.verify.error
+        if self.profile is not None and not self.profile.ok:
+            return self.profile.error
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        """A flat JSON-ready object (``kf eval --json``)."""
+        v, p = self.verify, self.profile
+        return {
+            "task": self.task,
+            "device": self.device,
+            "seed": self.seed,
+            "compiled": self.compile.ok,
+            "correct": self.correct,
+            "failure_kind": (
+                self.compile.failure_kind
+                if not self.compile.ok
+                else (v.failure_kind if v is not None else None)
+            ),
+            "max_abs_err": v.max_abs_err if v is not None else None,
+            "max_rel_err": v.max_rel_err if v is not None else None,
+            "trials": v.trials if v is not None else 0,
+            "runtime_ms": p.runtime_ms if p is not None and p.ok else None,
+            "runtime_std_ms": p.runtime_std_ms if p is not None and p.ok else None,
+            "ref_runtime_ms": p.ref_runtime_ms if p is not None and p.ok else None,
+            "speedup": p.speedup if p is not None and p.ok else None,
+            "flags": list(p.flags) if p is not None else [],
+            "error": self.error,
+            "compile": msgspec.to_builtins(self.compile),
+            "verify": msgspec.to_builtins(v) if v is not None else None,
+            "profile": msgspec.to_builtins(p) if p is not None else None,
+        }

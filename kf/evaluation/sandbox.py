@@ -1,0 +1,317 @@
+"""Sandboxed runner processes and a pool of pre-spawned warm ones.
+
+Each runner is ``python -m kf.evaluation.runner`` in its own session (process group),
+with a private scratch directory as its cwd and ``TMPDIR``. Limits (address space,
+CPU seconds, file size) are applied when a runner is set up for its one job. A runner
+serves one candidate (or one task reference) and is then killed; the pool keeps a few
+started in advance so the next job's interpreter and torch import overlap this one's
+work.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from kf.evaluation.protocol import decode, encode
+
+__all__ = [
+    "Limits",
+    "RunnerCrashed",
+    "RunnerError",
+    "RunnerFailed",
+    "RunnerHandle",
+    "RunnerPool",
+    "RunnerTimeout",
+    "default_pool",
+    "default_threads",
+]
+
+log = structlog.get_logger("kf.evaluation.sandbox")
+
+_LOG_TAIL = 4000
+STARTUP_TIMEOUT_S = 180.0
+
+
+def default_threads() -> int:
+    """Threads for torch and OpenMP in every runner: ``$KF_EVAL_THREADS`` or the usable cores."""
+    env = os.environ.get("KF_EVAL_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits applied to a runner for its job (0 means no limit)."""
+
+    memory_bytes: int = int(os.environ.get("KF_EVAL_MEMORY_MB", "8192")) * 2**20
+    cpu_s: int = 0  # derived from the stage's timeout when 0
+    file_bytes: int = 1 << 30
+
+
+class RunnerError(Exception):
+    """A request to a runner did not produce a reply."""
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+class RunnerTimeout(RunnerError):
+    """The runner did not answer in time and was killed."""
+
+
+class RunnerCrashed(RunnerError):
+    """The runner process died; ``signal_name`` is set when a signal killed it."""
+
+    def __init__(self, message: str, log_tail: str, returncode: int | None) -> None:
+        super().__init__(message, log_tail)
+        self.returncode = returncode
+        self.signal_name: str | None = None
+        if returncode is not None and returncode < 0:
+            try:
+                self.signal_name = signal.Signals(-returncode).name
+            except ValueError:
+                self.signal_name = f"signal {-returncode}"
+
+
+class RunnerFailed(RunnerError):
+    """The runner answered with an error (``kind`` says which: exception, compile_error…)."""
+
+    def __init__(self, kind: str, message: str, log_tail: str = "") -> None:
+        super().__init__(message, log_tail)
+        self.kind = kind
+
+
+class RunnerHandle:
+    """The grader's side of one runner process."""
+
+    def __init__(self, python: str, threads: int) -> None:
+        self.scratch = Path(tempfile.mkdtemp(prefix="kf-runner-"))
+        self.log_path = self.scratch / "runner.log"
+        self.threads = threads
+        parent_sock, child_sock = socket.socketpair()
+        env = dict(os.environ)
+        env.update(
+            TMPDIR=str(self.scratch),
+            OMP_NUM_THREADS=str(threads),
+            MKL_NUM_THREADS=str(threads),
+            PYTHONUNBUFFERED="1",
+            PYTHONDONTWRITEBYTECODE="1",
+        )
+        with open(self.log_path, "wb") as logf:
+            self.proc = subprocess.Popen(
+                [python, "-P", "-m", "kf.evaluation.runner",
+                 str(child_sock.fileno()), str(os.getpid())],
+                pass_fds=(child_sock.fileno(),),
+                cwd=self.scratch,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        child_sock.close()
+        self.conn = Connection(parent_sock.detach())
+        self.ready = False
+        self.closed = False
+        self.spawned_at = time.monotonic()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-_LOG_TAIL:].decode("utf-8", "replace")
+
+    def _receive(self, timeout_s: float, what: str) -> dict[str, Any]:
+        try:
+            has_reply = self.conn.poll(max(0.0, timeout_s))
+        except OSError:
+            has_reply = True
+        if not has_reply:
+            tail = self.log_tail()
+            self.kill()
+            raise RunnerTimeout(f"no answer after {timeout_s:.1f}s during {what}", tail)
+        try:
+            return decode(self.conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            returncode = self._wait_exit()
+            tail = self.log_tail()
+            self.kill()
+            if returncode is not None and returncode < 0:
+                name = RunnerCrashed("", "", returncode).signal_name
+                msg = f"process killed by {name} during {what}"
+            else:
+                msg = f"process exited with status {returncode} during {what}"
+            raise RunnerCrashed(msg, tail, returncode) from exc
+        except Exception as exc:  # undecodable bytes: the process wrote garbage on the socket
+            tail = self.log_tail()
+            self.kill()
+            raise RunnerCrashed(f"garbled reply during {what}: {exc}", tail, None) from exc
+
+    def _wait_exit(self) -> int | None:
+        try:
+            return self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Block until the runner has imported torch (raises RunnerError if it cannot)."""
+        if self.ready:
+            return
+        reply = self._receive(timeout_s, "start-up")
+        if reply.get("op") != "ready":
+            self.kill()
+            raise RunnerCrashed(f"unexpected start-up message {reply!r}", self.log_tail(), None)
+        self.ready = True
+
+    def poll_ready(self) -> bool:
+        """True once the ready message has arrived (does not block)."""
+        if not self.ready and self.conn.poll(0):
+            self.wait_ready(1.0)
+        return self.ready
+
+    def request(self, op: str, timeout_s: float, **fields: Any) -> dict[str, Any]:
+        """Send one request and wait for its reply; raise RunnerError on any failure."""
+        self.wait_ready()
+        what = op if "what" not in fields else str(fields.pop("what"))
+        try:
+            self.conn.send_bytes(encode({"op": op, **fields}))
+        except OSError as exc:
+            returncode = self._wait_exit()
+            tail = self.log_tail()
+            self.kill()
+            raise RunnerCrashed(f"process gone before {what}", tail, returncode) from exc
+        reply = self._receive(timeout_s, what)
+        if not reply.get("ok"):
+            raise RunnerFailed(
+                str(reply.get("kind", "exception")),
+                str(reply.get("error", "unknown error")),
+                str(reply.get("log", "")),
+            )
+        return reply
+
+    def kill(self) -> None:
+        """Kill the runner's whole process group and remove its scratch directory."""
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+class RunnerPool:
+    """A thread-safe pool of warm runners; each leased runner is used once and killed."""
+
+    def __init__(self, size: int = 2, *, threads: int | None = None, python: str | None = None):
+        self.size = max(0, size)
+        self.threads = threads or default_threads()
+        self.python = python or sys.executable
+        self._idle: list[RunnerHandle] = []
+        self._leased: set[RunnerHandle] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _spawn(self) -> RunnerHandle:
+        handle = RunnerHandle(self.python, self.threads)
+        log.debug("runner_spawned", pid=handle.pid)
+        return handle
+
+    def _fill(self) -> None:
+        # Caller holds the lock.
+        while not self._closed and len(self._idle) < self.size:
+            self._idle.append(self._spawn())
+
+    def start(self) -> None:
+        """Spawn the warm runners now (otherwise they are spawned on first use)."""
+        with self._lock:
+            self._fill()
+
+    def acquire(self) -> RunnerHandle:
+        """Take a runner (started earlier when possible) and spawn its replacement."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the runner pool is closed")
+            handle = self._idle.pop(0) if self._idle else self._spawn()
+            self._leased.add(handle)
+            self._fill()
+        return handle
+
+    def release(self, handle: RunnerHandle) -> None:
+        """Discard a leased runner (runners are never reused)."""
+        handle.kill()
+        with self._lock:
+            self._leased.discard(handle)
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[RunnerHandle]:
+        """A runner for one job, killed when the block ends."""
+        handle = self.acquire()
+        try:
+            yield handle
+        finally:
+            self.release(handle)
+
+    def wait_warm(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Wait until every idle runner has finished starting (quiet machine for timing)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            idle = list(self._idle)
+        for handle in idle:
+            try:
+                handle.wait_ready(max(0.0, deadline - time.monotonic()))
+            except RunnerError:
+                with self._lock:
+                    if handle in self._idle:
+                        self._idle.remove(handle)
+
+    def close(self) -> None:
+        """Kill every runner, idle or leased; later acquires fail."""
+        with self._lock:
+            self._closed = True
+            handles = [*self._idle, *self._leased]
+            self._idle.clear()
+            self._leased.clear()
+        for handle in handles:
+            handle.kill()
+
+
+_default: RunnerPool | None = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> RunnerPool:
+    """The process-wide pool (size ``$KF_EVAL_POOL``, default 2), closed at exit."""
+    global _default  # noqa: PLW0603 — one lazily created pool per process
+    with _default_lock:
+        if _default is None or _default._closed:
+            _default = RunnerPool(size=int(os.environ.get("KF_EVAL_POOL", "2")))
+            atexit.register(_default.close)
+        return _default
