@@ -171,9 +171,7 @@ def isa_from_flags(flags: str) -> tuple[str, ...]:
 
 def physical_cores_from_cpuinfo(processors: Sequence[Mapping[str, str]]) -> int | None:
     """Distinct ``(physical id, core id)`` pairs, or None when cpuinfo does not say."""
-    pairs = {
-        (p.get("physical id", "0"), p["core id"]) for p in processors if "core id" in p
-    }
+    pairs = {(p.get("physical id", "0"), p["core id"]) for p in processors if "core id" in p}
     return len(pairs) or None
 
 

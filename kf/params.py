@@ -200,7 +200,9 @@ def _find_block(lines: Sequence[str]) -> tuple[int, int] | None:
     for i in range(start + 1, len(lines)):
         if _END.match(lines[i].rstrip("\r\n")):
             return start, i
-    raise ParamsError(f"'# --- kf:params ---' on line {start + 1} has no '# --- kf:end ---' after it")
+    raise ParamsError(
+        f"'# --- kf:params ---' on line {start + 1} has no '# --- kf:end ---' after it"
+    )
 
 
 def _margin(lines: Sequence[str]) -> str:
@@ -232,13 +234,13 @@ def _read_block(source: str) -> _Block | None:
         raise ParamsError(f"kf:params block does not parse at line {line}: {exc.msg}") from exc
     nodes: dict[str, ast.Assign | ast.AnnAssign] = {}
     for stmt in tree.body:
-        target = None
+        target: ast.expr | None = None
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
             target = stmt.targets[0]
         elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
             target = stmt.target
         name = target.id if isinstance(target, ast.Name) else None
-        if name not in ("SPACE", "CONFIG"):
+        if name not in ("SPACE", "CONFIG") or not isinstance(stmt, ast.Assign | ast.AnnAssign):
             raise ParamsError(
                 f"line {stmt.lineno + offset}: a kf:params block holds only "
                 "'SPACE = {...}' and 'CONFIG = {...}'"
