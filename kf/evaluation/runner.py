@@ -206,7 +206,7 @@ class Runner:
 
     def op_run(self, msg: dict[str, Any]) -> dict[str, Any]:
         torch = self.torch
-        self.inputs = list(self.load(msg["inputs"]))
+        self.inputs = [self.backend.to_device(v) for v in self.load(msg["inputs"])]
         try:
             with torch.no_grad():
                 out = self.model(*self.inputs)

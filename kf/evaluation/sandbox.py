@@ -132,6 +132,7 @@ class RunnerHandle:
         self.conn = Connection(parent_sock.detach())
         self.ready = False
         self.closed = False
+        self._ready_lock = threading.Lock()
         self.spawned_at = time.monotonic()
 
     @property
@@ -179,18 +180,20 @@ class RunnerHandle:
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Block until the runner has imported torch (raises RunnerError if it cannot)."""
-        if self.ready:
-            return
-        reply = self._receive(timeout_s, "start-up")
-        if reply.get("op") != "ready":
-            self.kill()
-            raise RunnerCrashed(f"unexpected start-up message {reply!r}", self.log_tail(), None)
-        self.ready = True
+        with self._ready_lock:
+            if self.ready:
+                return
+            reply = self._receive(timeout_s, "start-up")
+            if reply.get("op") != "ready":
+                self.kill()
+                raise RunnerCrashed(f"unexpected start-up message {reply!r}", self.log_tail(), None)
+            self.ready = True
 
     def poll_ready(self) -> bool:
         """True once the ready message has arrived (does not block)."""
-        if not self.ready and self.conn.poll(0):
-            self.wait_ready(1.0)
+        with contextlib.suppress(OSError):
+            if not self.ready and self.conn.poll(0):
+                self.wait_ready(1.0)
         return self.ready
 
     def request(self, op: str, timeout_s: float, **fields: Any) -> dict[str, Any]:

@@ -1,0 +1,99 @@
+"""``kf eval TASK CANDIDATE.py``: compile, verify and profile one candidate.
+
+Exit status: 0 when the candidate is correct, 1 when it failed (any stage), 2 for bad
+usage, a broken task or an unavailable device (the message goes to stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kf.evaluation.device import DeviceError, parse_device
+from kf.evaluation.reports import EvalResult
+from kf.evaluation.stages import evaluate
+from kf.tasks import TaskError, load_task
+
+__all__ = ["main"]
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(f"{self.prog}: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kf eval", description="Compile, verify and time one candidate kernel.")
+    p.add_argument("task", help="task file (KernelBench format: Model, get_inputs, get_init_inputs)")
+    p.add_argument("candidate", help="candidate file defining ModelNew")
+    p.add_argument("--device", default="cpu", help="device to evaluate on (default: cpu)")
+    p.add_argument("--seed", type=int, default=0, help="seed for inputs and parameters")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def _human(result: EvalResult) -> str:
+    lines = [f"task {result.task} on {result.device}"]
+    c, v, p = result.compile, result.verify, result.profile
+    lines.append(f"compile: {'ok' if c.ok else 'FAILED'} ({c.duration_s:.2f}s)")
+    if not c.ok:
+        lines.append(f"  {c.failure_kind}: {c.error}")
+        if c.log:
+            lines.append("  " + c.log[-2000:].replace("\n", "\n  "))
+    if v is not None:
+        status = "correct" if v.correct else f"REJECTED ({v.failure_kind})"
+        lines.append(f"verify: {status}, {v.trials} trials, max abs err {v.max_abs_err:.3g}")
+        if not v.correct:
+            lines.append(f"  {v.error}")
+    if p is not None:
+        if p.ok:
+            lines.append(
+                f"profile: {p.runtime_ms:.4f} ms ± {p.runtime_ci95_ms:.4f} (n={p.trials}), "
+                f"eager {p.ref_runtime_ms:.4f} ms, speedup {p.speedup:.2f}×"
+            )
+            if p.flags:
+                lines.append(f"  flags: {', '.join(p.flags)}")
+        else:
+            lines.append(f"profile: FAILED ({p.failure_kind}): {p.error}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """Run ``kf eval`` with ``argv`` (the arguments after ``eval``); return the exit status."""
+    try:
+        args = _parser().parse_args(argv)
+    except _UsageError as exc:
+        print(f"{exc}\n{_parser().format_usage().rstrip()}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    try:
+        device = parse_device(args.device)
+        task = load_task(args.task)
+        candidate = Path(args.candidate)
+        try:
+            source = candidate.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            print(f"kf eval: {candidate}: cannot read candidate: {exc}", file=sys.stderr)
+            return 2
+        result = evaluate(task, source, device=device, seed=args.seed)
+    except (TaskError, DeviceError) as exc:
+        print(f"kf eval: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.summary()))
+    else:
+        print(_human(result))
+        if result.error and not result.correct:
+            print(f"kf eval: candidate failed: {result.error.splitlines()[0]}", file=sys.stderr)
+    return 0 if result.correct else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,390 @@
+"""Compile, verify and profile a candidate, each in fresh sandboxed runners.
+
+The grader (this process) never imports task or candidate code and never unpickles
+what a runner sends: it shuttles ``torch.save`` payloads between a candidate runner and
+a candidate-free reference runner, which holds the expected outputs and judges them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import threading
+import time
+from typing import Any
+
+import structlog
+
+from kf.evaluation.device import parse_device
+from kf.evaluation.reports import (
+    FAILURE_KINDS,
+    CompileReport,
+    EvalResult,
+    ProfileReport,
+    TrialEvidence,
+    VerifyReport,
+)
+from kf.evaluation.sandbox import (
+    Limits,
+    RunnerCrashed,
+    RunnerError,
+    RunnerFailed,
+    RunnerHandle,
+    RunnerPool,
+    RunnerTimeout,
+    default_pool,
+)
+from kf.tasks import Task, TaskError, TaskInfo
+
+__all__ = [
+    "TIMER_DISAGREEMENT",
+    "compile_candidate",
+    "cross_check_flags",
+    "evaluate",
+    "profile_candidate",
+    "run_task_check",
+    "timing_stats",
+    "verify_candidate",
+]
+
+log = structlog.get_logger("kf.evaluation")
+
+_MAX_LOG = 20_000
+TIMER_DISAGREEMENT = "timer_disagreement"
+OUTPUT_CHANGED = "output_changed_after_timing"
+_device_locks: dict[str, threading.Lock] = {}
+_device_locks_guard = threading.Lock()
+
+
+def _device_lock(device: str) -> threading.Lock:
+    """One profile at a time per device in this process, so timings do not overlap."""
+    with _device_locks_guard:
+        return _device_locks.setdefault(device, threading.Lock())
+
+
+class _Deadline:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.end = time.monotonic() + timeout_s
+
+    def left(self) -> float:
+        return max(0.001, self.end - time.monotonic())
+
+
+class _CandidateFailed(Exception):
+    def __init__(self, kind: str, error: str, log: str = "") -> None:
+        super().__init__(error)
+        self.kind, self.error, self.log = kind, error, log
+
+
+def _setup_fields(handle: RunnerHandle, device: str, limits: Limits,
+                  deadline: _Deadline) -> dict[str, Any]:
+    return {
+        "device": device,
+        "threads": handle.threads,
+        "memory_bytes": limits.memory_bytes,
+        "cpu_s": limits.cpu_s or int(deadline.timeout_s * handle.threads) + 30,
+        "file_bytes": limits.file_bytes,
+    }
+
+
+def _setup(handle: RunnerHandle, device: str, limits: Limits, deadline: _Deadline) -> None:
+    handle.request("setup", deadline.left(), **_setup_fields(handle, device, limits, deadline))
+
+
+def _reference(task: Task, handle: RunnerHandle, op: str, deadline: _Deadline, **kw: Any) -> Any:
+    """A request to the reference runner; any failure there is the task's fault."""
+    try:
+        return handle.request(op, deadline.left(), **kw)
+    except RunnerFailed as exc:
+        raise TaskError(f"{task.label}: {exc}") from exc
+    except RunnerTimeout as exc:
+        raise TaskError(f"{task.label}: the reference timed out ({exc})") from exc
+    except RunnerCrashed as exc:
+        raise TaskError(f"{task.label}: the reference crashed ({exc}); log: {exc.log_tail[-500:]}") from exc
+
+
+def _candidate(task: Task, handle: RunnerHandle, op: str, deadline: _Deadline, **kw: Any) -> Any:
+    """A request to the candidate runner; failures become :class:`_CandidateFailed`."""
+    try:
+        return handle.request(op, deadline.left(), **kw)
+    except RunnerFailed as exc:
+        if exc.kind == "task_error":
+            raise TaskError(f"{task.label}: {exc}") from exc
+        kind = exc.kind if exc.kind in FAILURE_KINDS else "exception"
+        raise _CandidateFailed(kind, str(exc), exc.log_tail) from exc
+    except RunnerTimeout as exc:
+        raise _CandidateFailed(
+            "timeout", f"candidate timed out after {deadline.timeout_s:g}s ({exc})", exc.log_tail
+        ) from exc
+    except RunnerCrashed as exc:
+        raise _CandidateFailed("crash", f"candidate crashed: {exc}", exc.log_tail) from exc
+
+
+def _truncate(text: str) -> str:
+    return text if len(text) <= _MAX_LOG else "… (truncated)\n" + text[-_MAX_LOG:]
+
+
+def _seed_trials(seed: int, trials: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2**31) for _ in range(trials)]
+
+
+def run_task_check(task: Task, *, device: str = "cpu", timeout_s: float = 120.0,
+                   limits: Limits | None = None, pool: RunnerPool | None = None) -> TaskInfo:
+    """See :func:`kf.tasks.check_task`."""
+    device = parse_device(device)
+    limits = limits or Limits()
+    pool = pool or default_pool()
+    deadline = _Deadline(timeout_s)
+    with pool.lease() as ref:
+        try:
+            ref.wait_ready()
+        except RunnerError as exc:
+            raise TaskError(f"{task.label}: runner failed to start: {exc}") from exc
+        _reference(task, ref, "setup", deadline, **_setup_fields(ref, device, limits, deadline))
+        _reference(task, ref, "load_task", deadline, source=task.source, name=task.name, seed=0)
+        info = _reference(task, ref, "make_inputs", deadline, seed=0)
+    return TaskInfo(
+        name=task.name,
+        input_shapes=info["input_shapes"],
+        input_dtypes=info["input_dtypes"],
+        output_shapes=info["output_shapes"],
+        output_dtypes=info["output_dtypes"],
+        eager_ms=float(info["eager_ms"]),
+        device=device,
+    )
+
+
+def compile_candidate(task: Task, source: str, *, device: str = "cpu", timeout_s: float = 180.0,
+                      limits: Limits | None = None, pool: RunnerPool | None = None) -> CompileReport:
+    """Import the candidate and construct ``ModelNew(*get_init_inputs())`` in a sandbox.
+
+    Native builds land in kf.native's on-disk cache, so later stages load them at once.
+    Raises :class:`TaskError` when the task itself is broken.
+    """
+    device = parse_device(device)
+    pool = pool or default_pool()
+    limits = limits or Limits()
+    with pool.lease() as cand:
+        cand.wait_ready()
+        start = time.monotonic()
+        deadline = _Deadline(timeout_s)
+        try:
+            _setup(cand, device, limits, deadline)
+            _candidate(task, cand, "load_candidate", deadline, source=source, seed=0,
+                       task_source=task.source, task_name=task.name, init=None,
+                       what="import and construction of ModelNew")
+        except _CandidateFailed as exc:
+            log.info("candidate_compile_failed", task=task.name, kind=exc.kind)
+            return CompileReport(ok=False, error=exc.error, log=_truncate(exc.log),
+                                 duration_s=time.monotonic() - start, failure_kind=exc.kind)
+    log.info("candidate_compiled", task=task.name)
+    return CompileReport(ok=True, duration_s=time.monotonic() - start)
+
+
+def verify_candidate(task: Task, source: str, *, device: str = "cpu", seed: int = 0,
+                     trials: int = 5, timeout_s: float = 120.0, limits: Limits | None = None,
+                     pool: RunnerPool | None = None) -> VerifyReport:
+    """Check the candidate against the reference on ``trials`` fresh seeded inputs (KernelBench).
+
+    Raises :class:`TaskError` when the task itself is broken.
+    """
+    device = parse_device(device)
+    pool = pool or default_pool()
+    limits = limits or Limits()
+    evidence: list[TrialEvidence] = []
+    atol = 0.0
+    with pool.lease() as ref, pool.lease() as cand:
+        ref.wait_ready()
+        cand.wait_ready()
+        start = time.monotonic()
+        deadline = _Deadline(timeout_s)
+
+        def report(**kw: Any) -> VerifyReport:
+            return VerifyReport(
+                trials=len(evidence),
+                max_abs_err=max((e.max_abs_err for e in evidence), default=0.0),
+                max_rel_err=max((e.max_rel_err for e in evidence), default=0.0),
+                evidence=tuple(evidence), atol=atol, rtol=atol,
+                duration_s=time.monotonic() - start, **kw,
+            )
+
+        try:
+            _reference(task, ref, "setup", deadline, **_setup_fields(ref, device, limits, deadline))
+            _setup(cand, device, limits, deadline)
+            init = _reference(task, ref, "load_task", deadline, source=task.source,
+                              name=task.name, seed=seed)["init"]
+            _candidate(task, cand, "load_candidate", deadline, source=source, seed=seed,
+                       init=init, what="construction of ModelNew")
+            for i, trial_seed in enumerate(_seed_trials(seed, trials)):
+                made = _reference(task, ref, "make_inputs", deadline, seed=trial_seed)
+                atol = max([_tol(d) for d in made["output_dtypes"]], default=1e-4)
+                ran = _candidate(task, cand, "run", deadline, inputs=made["inputs"],
+                                 what=f"forward (trial {i + 1})")
+                verdict = _reference(task, ref, "check", deadline, seed=trial_seed,
+                                     outputs=ran["outputs"], inputs_after=ran["inputs_after"])
+                evidence.append(TrialEvidence(
+                    seed=trial_seed, ok=bool(verdict["ok"]),
+                    max_abs_err=float(verdict.get("max_abs_err") or 0.0),
+                    max_rel_err=float(verdict.get("max_rel_err") or 0.0),
+                    reason=verdict.get("reason"),
+                ))
+                if not verdict["ok"]:
+                    log.info("candidate_rejected", task=task.name, kind=verdict["kind"])
+                    return report(correct=False, failure_kind=verdict["kind"],
+                                  error=f"trial {i + 1}/{trials} (seed {trial_seed}): "
+                                        f"{verdict['reason']}")
+        except _CandidateFailed as exc:
+            log.info("candidate_rejected", task=task.name, kind=exc.kind)
+            detail = f"\n{exc.log[-1500:]}" if exc.kind in ("crash", "exception") and exc.log else ""
+            return report(correct=False, failure_kind=exc.kind, error=exc.error + detail)
+    log.info("candidate_verified", task=task.name, trials=len(evidence))
+    return report(correct=True)
+
+
+def _tol(dtype: str) -> float:
+    from kf.evaluation.compare import tolerance
+
+    return tolerance(dtype)
+
+
+def timing_stats(samples_ms: list[float]) -> dict[str, float]:
+    """Mean, sample std, median, min and the 95% confidence half width of the mean."""
+    n = len(samples_ms)
+    mean = statistics.fmean(samples_ms)
+    std = statistics.stdev(samples_ms) if n > 1 else 0.0
+    # Student t for small samples, 1.96 beyond 30.
+    t_table = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 8: 2.36, 10: 2.26, 15: 2.14,
+               20: 2.09, 30: 2.04}
+    t = next((v for k, v in sorted(t_table.items()) if n <= k), 1.96)
+    return {
+        "mean": mean,
+        "std": std,
+        "median": statistics.median(samples_ms),
+        "min": min(samples_ms),
+        "ci95": t * std / math.sqrt(n) if n > 1 else 0.0,
+    }
+
+
+def cross_check_flags(in_process_ms: float, outside_ms: float, *, ratio: float = 1.5,
+                      min_gap_ms: float = 0.02) -> tuple[str, ...]:
+    """Flag a disagreement over ``ratio``× (and over ``min_gap_ms``) between the two timers."""
+    if in_process_ms <= 0 or outside_ms <= 0:
+        return (TIMER_DISAGREEMENT,) if abs(in_process_ms - outside_ms) > min_gap_ms else ()
+    r = outside_ms / in_process_ms
+    if (r > ratio or r < 1 / ratio) and abs(outside_ms - in_process_ms) > min_gap_ms:
+        return (TIMER_DISAGREEMENT,)
+    return ()
+
+
+def profile_candidate(task: Task, source: str, *, device: str = "cpu", seed: int = 0,
+                      warmup: int = 5, min_trials: int = 20, min_time_s: float = 0.5,
+                      max_trials: int = 1000, timeout_s: float = 120.0,
+                      limits: Limits | None = None, pool: RunnerPool | None = None) -> ProfileReport:
+    """Time the candidate and PyTorch eager alternately, in separate runners, in one session.
+
+    Raises :class:`TaskError` when the task itself is broken.
+    """
+    device = parse_device(device)
+    pool = pool or default_pool()
+    limits = limits or Limits()
+    with _device_lock(device), pool.lease() as ref, pool.lease() as cand:
+        ref.wait_ready()
+        cand.wait_ready()
+        pool.wait_warm()  # replacement runners import torch now, not during the timing
+        start = time.monotonic()
+        deadline = _Deadline(timeout_s)
+        try:
+            _reference(task, ref, "setup", deadline, **_setup_fields(ref, device, limits, deadline))
+            _setup(cand, device, limits, deadline)
+            init = _reference(task, ref, "load_task", deadline, source=task.source,
+                              name=task.name, seed=seed)["init"]
+            _candidate(task, cand, "load_candidate", deadline, source=source, seed=seed,
+                       init=init, what="construction of ModelNew")
+            made = _reference(task, ref, "make_inputs", deadline, seed=seed)
+            problem = _run_and_check(task, ref, cand, made["inputs"], seed, deadline)
+            if problem is not None:
+                return ProfileReport(ok=False, failure_kind=problem[0],
+                                     error=f"wrong output before timing: {problem[1]}",
+                                     device=device, duration_s=time.monotonic() - start)
+
+            def timed(handle: RunnerHandle, n: int, is_candidate: bool) -> list[float]:
+                call = _candidate if is_candidate else _reference
+                reply = call(task, handle, "time", deadline, n=n, what=f"timing {n} calls")
+                return [ns / 1e6 for ns in reply["samples_ns"]]
+
+            est_c = statistics.median(timed(cand, warmup, True) or [1.0])
+            est_r = statistics.median(timed(ref, warmup, False) or [1.0])
+            round_s = max(min_time_s / 10, 0.01)
+            per_round = max(1, min(200, int(round_s * 1e3 / max(est_c, est_r, 1e-3))))
+            cand_ms: list[float] = []
+            ref_ms: list[float] = []
+            while len(cand_ms) < max_trials:
+                enough = len(cand_ms) >= min_trials and len(ref_ms) >= min_trials
+                if enough and (sum(cand_ms) >= min_time_s * 1e3 or deadline.left() < timeout_s / 3):
+                    break
+                cand_ms += timed(cand, per_round, True)
+                ref_ms += timed(ref, per_round, False)
+            c, r = timing_stats(cand_ms), timing_stats(ref_ms)
+
+            # Outside view: wall time of K back-to-back calls, minus one request's overhead.
+            rtt_ns = min(_round_trip_ns(task, cand, deadline) for _ in range(3))
+            k = max(5, min(10_000, math.ceil(50.0 / max(c["mean"], 1e-3))))
+            t0 = time.perf_counter_ns()
+            _candidate(task, cand, "batch", deadline, n=k, what=f"a batch of {k} calls")
+            outside_ms = max(0.0, (time.perf_counter_ns() - t0 - rtt_ns) / 1e6 / k)
+            flags = list(cross_check_flags(c["mean"], outside_ms))
+
+            if _run_and_check(task, ref, cand, made["inputs"], seed, deadline) is not None:
+                flags.append(OUTPUT_CHANGED)
+        except _CandidateFailed as exc:
+            log.info("candidate_profile_failed", task=task.name, kind=exc.kind)
+            return ProfileReport(ok=False, failure_kind=exc.kind, error=exc.error, device=device,
+                                 duration_s=time.monotonic() - start)
+    timer = (
+        "time.perf_counter_ns bound at runner start-up before candidate import; one call per "
+        "sample; PyTorch eager timed alternately in a candidate-free runner"
+    )
+    report = ProfileReport(
+        ok=True,
+        runtime_ms=c["mean"], runtime_std_ms=c["std"], runtime_median_ms=c["median"],
+        runtime_min_ms=c["min"], runtime_ci95_ms=c["ci95"], trials=len(cand_ms),
+        ref_runtime_ms=r["mean"], ref_runtime_std_ms=r["std"], ref_runtime_median_ms=r["median"],
+        ref_trials=len(ref_ms), speedup=r["mean"] / c["mean"] if c["mean"] > 0 else 0.0,
+        timer=timer, outside_wall_ms=outside_ms, outside_calls=k, flags=tuple(flags),
+        device=device, threads=cand.threads, duration_s=time.monotonic() - start,
+    )
+    log.info("candidate_profiled", task=task.name, runtime_ms=report.runtime_ms,
+             speedup=report.speedup, flags=report.flags)
+    return report
+
+
+def _round_trip_ns(task: Task, handle: RunnerHandle, deadline: _Deadline) -> int:
+    t0 = time.perf_counter_ns()
+    _candidate(task, handle, "ping", deadline)
+    return time.perf_counter_ns() - t0
+
+
+def _run_and_check(task: Task, ref: RunnerHandle, cand: RunnerHandle, inputs: bytes, seed: int,
+                   deadline: _Deadline) -> tuple[str, str] | None:
+    ran = _candidate(task, cand, "run", deadline, inputs=inputs, what="forward")
+    verdict = _reference(task, ref, "check", deadline, seed=seed, outputs=ran["outputs"],
+                         inputs_after=ran["inputs_after"])
+    return None if verdict["ok"] else (str(verdict["kind"]), str(verdict["reason"]))
+
+
+def evaluate(task: Task, source: str, *, device: str = "cpu", seed: int = 0,
+             pool: RunnerPool | None = None) -> EvalResult:
+    """Compile, verify, and (when correct) profile; what ``kf eval`` runs."""
+    compiled = compile_candidate(task, source, device=device, pool=pool)
+    if not compiled.ok:
+        return EvalResult(task=task.name, compile=compiled, device=device, seed=seed)
+    verified = verify_candidate(task, source, device=device, seed=seed, pool=pool)
+    if not verified.correct:
+        return EvalResult(task=task.name, compile=compiled, verify=verified, device=device,
+                          seed=seed)
+    profiled = profile_candidate(task, source, device=device, seed=seed, pool=pool)
+    return EvalResult(task=task.name, compile=compiled, verify=verified, profile=profiled,
+                      device=device, seed=seed)

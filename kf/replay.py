@@ -1,0 +1,189 @@
+"""Replay: fold a log into the deciding agents' states, and prove the decisions deterministic.
+
+``fold`` rebuilds every deciding agent's state from the log and hashes the snapshots.
+``check`` walks the log once more and, at every committed event, recomputes what each
+deciding agent would decide from the prefix up to that event, comparing with the
+decisions recorded in the log (same ids, types, data and ``based_on``). The first
+difference is returned, named by its ``seq``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kf.agent import Agent, AgentContext, agent_types, snapshot_hash
+from kf.events import Decision, Envelope, Event, Record, decode_envelope, decode_event, derived_id
+from kf.log import EventLog
+
+__all__ = ["CheckResult", "Difference", "FoldResult", "check", "deciding_agent_types", "fold"]
+
+_ENC = msgspec.msgpack.Encoder()
+
+
+@dataclass(frozen=True)
+class FoldResult:
+    """States of the deciding agents after the whole log, and their hash."""
+
+    head: int
+    events: int
+    snapshots: dict[str, Any]
+    hash: str
+    run_id: str = ""
+
+
+@dataclass(frozen=True)
+class Difference:
+    """The first place where the log and a recomputed decision disagree."""
+
+    seq: int
+    kind: str
+    event_type: str
+    message: str
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """Outcome of ``replay --check``."""
+
+    ok: bool
+    decisions_checked: int
+    events: int
+    difference: Difference | None = None
+    hash: str = ""
+    kinds: tuple[str, ...] = field(default_factory=tuple)
+
+
+def deciding_agent_types(kinds: Iterable[str] | None = None) -> list[type[Agent[Any]]]:
+    """Registered agent types that make decisions (optionally only the given kinds)."""
+    found = agent_types()
+    wanted = sorted(found) if kinds is None else list(kinds)
+    out: list[type[Agent[Any]]] = []
+    for name in wanted:
+        cls = found.get(name)
+        if cls is None:
+            raise LookupError(f"no agent type {name!r} is registered in kf.agents")
+        if isinstance(cls, type) and issubclass(cls, Agent) and cls.decides:
+            out.append(cls)
+    return out
+
+
+def _instances(
+    types: Sequence[type[Agent[Any]]], run_id: str, config: dict[str, Any]
+) -> list[Agent[Any]]:
+    return [
+        t(AgentContext(run_id=run_id, agent_id=f"{t.kind}@replay", options=dict(config)))
+        for t in types
+    ]
+
+
+def _load(elog: EventLog) -> list[Envelope]:
+    return [decode_envelope(b) for b in elog.read_raw()]
+
+
+def fold(elog: EventLog, types: Sequence[type[Agent[Any]]]) -> FoldResult:
+    """Fold the whole log into fresh instances of ``types``; hash their snapshots."""
+    run_id = ""
+    agents = _instances(types, run_id, {})
+    states = [a.initial_state() for a in agents]
+    n = 0
+    for body in elog.read_raw():
+        env = decode_envelope(body)
+        n += 1
+        run_id = run_id or env.run_id
+        rec: Record | None = None
+        for i, a in enumerate(agents):
+            if a.listens_to(env.type):
+                if rec is None:
+                    rec = Record(env, decode_event(env))
+                states[i] = a.evolve(states[i], rec)
+    snaps = {a.kind: a.snapshot(s) for a, s in zip(agents, states, strict=True)}
+    return FoldResult(
+        head=elog.head, events=n, snapshots=snaps, hash=snapshot_hash(snaps), run_id=run_id
+    )
+
+
+def check(elog: EventLog, types: Sequence[type[Agent[Any]]]) -> CheckResult:
+    """Recompute every decision from its log prefix; stop at the first difference."""
+    history = _load(elog)
+    run_id = history[0].run_id if history else ""
+    agents = _instances(types, run_id, {})
+    kinds = tuple(a.kind for a in agents)
+    states = [a.initial_state() for a in agents]
+    # what each deciding kind answered, and up to where
+    logged: dict[str, dict[str, dict[str, Envelope]]] = {k: {} for k in kinds}
+    answered: dict[str, set[str]] = {k: set() for k in kinds}
+    last_cause_seq: dict[str, int] = dict.fromkeys(kinds, 0)
+    seq_of = {e.event_id: e.seq or 0 for e in history}
+    for env in history:
+        k = env.source_kind
+        if k in logged and env.caused_by is not None:
+            answered[k].add(env.caused_by)
+            last_cause_seq[k] = max(last_cause_seq[k], seq_of.get(env.caused_by, 0))
+            if isinstance(decode_event(env), Decision):
+                logged[k].setdefault(env.caused_by, {})[env.event_id] = env
+    checked = 0
+
+    def diff(env: Envelope, kind: str, msg: str) -> CheckResult:
+        return CheckResult(
+            ok=False,
+            decisions_checked=checked,
+            events=len(history),
+            difference=Difference(seq=env.seq or 0, kind=kind, event_type=env.type, message=msg),
+            kinds=kinds,
+        )
+
+    for env in history:
+        rec: Record | None = None
+        for i, a in enumerate(agents):
+            if not a.listens_to(env.type):
+                continue
+            if rec is None:
+                rec = Record(env, decode_event(env))
+            states[i] = a.evolve(states[i], rec)
+            if env.event_id not in answered[a.kind] and (env.seq or 0) > last_cause_seq[a.kind]:
+                continue  # the run ended before this agent answered; nothing to compare
+            out = a.react(states[i], rec)
+            if not isinstance(out, Sequence):
+                raise TypeError(f"{a.kind}.react must be synchronous to be replayed")
+            expected_ids: set[str] = set()
+            mine = logged[a.kind].get(env.event_id, {})
+            for j, ev in enumerate(out):
+                if not isinstance(ev, Decision):
+                    continue
+                eid = derived_id(a.kind, env.event_id, j)
+                expected_ids.add(eid)
+                got = mine.get(eid)
+                if got is None:
+                    return diff(env, a.kind, f"replay decides {ev.tag} {_show(ev)} but the log has none")
+                if got.type != ev.tag or bytes(got.data) != _ENC.encode(ev):
+                    logged_ev = decode_event(got)
+                    return diff(
+                        env,
+                        a.kind,
+                        f"decision {eid} (seq {got.seq}) differs: log has {got.type} "
+                        f"{_show(logged_ev)}, replay gives {ev.tag} {_show(ev)}",
+                    )
+                if got.based_on != env.seq:
+                    return diff(
+                        env, a.kind, f"decision {eid} based_on {got.based_on}, expected {env.seq}"
+                    )
+                checked += 1
+            extra = sorted(e.seq or 0 for eid, e in mine.items() if eid not in expected_ids)
+            if extra:
+                return diff(env, a.kind, f"the log has decisions (seq {extra}) replay does not make")
+    return CheckResult(
+        ok=True,
+        decisions_checked=checked,
+        events=len(history),
+        hash=fold(elog, types).hash,
+        kinds=kinds,
+    )
+
+
+def _show(ev: Event) -> str:
+    text = msgspec.json.encode(ev).decode()
+    return text if len(text) < 300 else text[:300] + "…"
