@@ -1,0 +1,88 @@
+"""Helpers for integration tests: wait on conditions, run archivists, count the log."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from agents.archivist import Archivist
+from kf import bus
+from kf.agent import AgentContext
+from kf.events import make_envelope
+from kf.runtime import fetch_range
+from tests.tally import Pinged, Tally
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def wait_for(
+    cond: Callable[[], Any] | Callable[[], Awaitable[Any]], timeout_s: float = 30.0, what: str = ""
+) -> Any:
+    """Poll ``cond`` until truthy; fail with ``what`` after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        value = cond()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or cond}")
+        await asyncio.sleep(0.02)
+
+
+async def log_head(nc: Any, run_id: str) -> int:
+    """The committed head as the archivist reports it (0 when it does not answer)."""
+    try:
+        head, _ = await fetch_range(nc, run_id, 1, limit=0, timeout_s=0.5)
+        return head
+    except Exception:
+        return -1
+
+
+@contextlib.asynccontextmanager
+async def archivist(
+    url: str, run_id: str, db: Path, hosted: tuple[type, ...] = (Tally,)
+) -> AsyncIterator[Archivist]:
+    """An in-process archivist, ready on entry, drained on exit."""
+    nc = await bus.connect(bus.BusOptions(url))
+    stop, ready = asyncio.Event(), asyncio.Event()
+    arch = Archivist(
+        AgentContext(run_id=run_id, agent_id="archivist@test"), db=db, hosted=hosted, nc=nc
+    )
+    task = asyncio.create_task(arch.run(stop, ready))
+    await asyncio.wait({task, asyncio.create_task(ready.wait())}, return_when="FIRST_COMPLETED")
+    if task.done():
+        task.result()
+    try:
+        yield arch
+    finally:
+        stop.set()
+        await task
+        await bus.close(nc)
+
+
+def archivist_process(url: str, run_id: str, db: Path) -> subprocess.Popen[bytes]:
+    """The archivist (hosting Tally) as a separate process."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.archivist_proc", url, run_id, str(db)], cwd=ROOT, env=env
+    )
+
+
+def pings(producer: str, count: int, run_id: str, start: int = 0) -> list[Any]:
+    """Envelopes of ``count`` pings with ids fixed by producer and index."""
+    return [
+        make_envelope(
+            Pinged(producer=producer, n=i), run_id=run_id, source=f"{producer}@test",
+            event_id=f"{producer}-{i}",
+        )
+        for i in range(start, start + count)
+    ]

@@ -1,0 +1,285 @@
+"""The runtime against a real nats-server: delivery, ordering, faults, bad input, plugins."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kf import bus
+from kf.agent import AgentContext
+from kf.bus import EmbeddedServer
+from kf.events import Envelope, encode_envelope, make_envelope
+from kf.log import EventLog
+from kf.replay import check, fold
+from kf.runtime import AgentRunner, Outbox
+from tests.harness import ROOT, archivist, archivist_process, log_head, pings, wait_for
+from tests.tally import Pinged, Tally
+
+RUN = "r1"
+
+
+async def _connect(url: str):
+    return await bus.connect(bus.BusOptions(url))
+
+
+async def test_runtime_delivers_every_event_once_in_order(nats_server: EmbeddedServer, db_path: Path) -> None:
+    """Four producers' events are committed once each and reach a subscriber in seq order."""
+    nc = await _connect(nats_server.url)
+    async with archivist(nats_server.url, RUN, db_path) as arch:
+        runner = AgentRunner(Tally(AgentContext(run_id=RUN, agent_id="tally@sub")), nc)
+        # a standalone Tally would emit decisions too; only observe here
+        runner.react_to_history = False
+        seen: list[int] = []
+        original = runner._fold
+
+        def spy(env: Envelope):
+            seen.append(env.seq or 0)
+            return original(env)
+
+        runner._fold = spy  # type: ignore[method-assign]
+        runner.agent.react = lambda s, r: ()  # type: ignore[method-assign]
+        stop, ready = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(runner.run(stop, ready))
+        await ready.wait()
+        outboxes = [Outbox(nc, RUN) for _ in range(4)]
+        tasks = [asyncio.create_task(o.run()) for o in outboxes]
+        for k, o in enumerate(outboxes):
+            o.put(pings(f"p{k}", 500, RUN))
+        for o in outboxes:
+            assert await o.flush(30)
+        assert arch.stats.committed >= 2000
+        head = arch.log_.head if arch.log_ else 0
+        await wait_for(lambda: seen and seen[-1] >= head, what="subscriber to reach head")
+        stop.set()
+        await task
+        for t in tasks:
+            t.cancel()
+    assert seen == sorted(set(seen)), "committed events must arrive in seq order without repeats"
+    with EventLog(db_path) as elog:
+        ids = [e.event_id for e in elog.read(types=["test.pinged"])]
+        assert len(ids) == len(set(ids)) == 2000
+        assert [e.seq for e in elog.read()] == list(range(1, elog.head + 1))
+    await bus.close(nc)
+
+
+async def test_runtime_archivist_killed_midstream_loses_nothing(
+    nats_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """SIGKILL of the archivist mid-stream: after restart the log equals an uninterrupted run's."""
+    nc = await _connect(nats_server.url)
+    # the uninterrupted run
+    calm = tmp_path / "calm.db"
+    async with archivist(nats_server.url, "calm", calm):
+        o = Outbox(nc, "calm")
+        t = asyncio.create_task(o.run())
+        for k in range(4):
+            o.put(pings(f"p{k}", 400, "calm"))
+        assert await o.flush(30)
+        t.cancel()
+    # the interrupted one
+    db = tmp_path / "killed.db"
+    proc = archivist_process(nats_server.url, "killed", db)
+    try:
+        await wait_for(lambda: log_head(nc, "killed"), what="archivist process to answer")
+        outboxes = [Outbox(nc, "killed", batch=32) for _ in range(4)]
+        tasks = [asyncio.create_task(o.run()) for o in outboxes]
+        for k, o in enumerate(outboxes):
+            o.put(pings(f"p{k}", 400, "killed"))
+        await wait_for(
+            lambda: _at_least(log_head(nc, "killed"), 300), what="some events committed"
+        )
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert any(o.backlog for o in outboxes), "the kill should land mid-stream"
+        proc = archivist_process(nats_server.url, "killed", db)
+        for o in outboxes:
+            assert await o.flush(60)
+        for t in tasks:
+            t.cancel()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+    await bus.close(nc)
+    with EventLog(calm, readonly=True) as a, EventLog(db, readonly=True) as b:
+        ids = [e.event_id for e in b.read(types=["test.pinged"])]
+        assert len(ids) == len(set(ids)) == 1600
+        assert [e.seq for e in b.read()] == list(range(1, b.head + 1))
+        assert fold(a, [Tally]).hash == fold(b, [Tally]).hash
+        assert check(b, [Tally]).ok
+
+
+async def _at_least(head_coro, n: int) -> bool:
+    return (await head_coro) >= n
+
+
+async def test_runtime_nats_restart_midstream_loses_nothing(db_path: Path) -> None:
+    """The nats-server stopped for two seconds and restarted: agents reconnect, nothing lost."""
+    server = EmbeddedServer().start()
+    port = server.port
+    nc = await _connect(server.url)
+    sub_nc = await _connect(server.url)
+    try:
+        async with archivist(server.url, RUN, db_path) as arch:
+            observer = AgentRunner(Tally(AgentContext(run_id=RUN, agent_id="tally@obs")), sub_nc)
+            observer.agent.react = lambda s, r: ()  # type: ignore[method-assign]
+            stop, ready = asyncio.Event(), asyncio.Event()
+            obs_task = asyncio.create_task(observer.run(stop, ready))
+            await ready.wait()
+            o = Outbox(nc, RUN, batch=16, timeout_s=1.0)
+            t = asyncio.create_task(o.run())
+            o.put(pings("a", 300, RUN))
+            await wait_for(lambda: arch.stats.committed >= 100, what="first events committed")
+            server.stop()
+            o.put(pings("b", 300, RUN))
+            await asyncio.sleep(2.0)  # the outage itself, not a synchronisation
+            server = EmbeddedServer(port=port).start()
+            assert await o.flush(60)
+            total = arch.log_.head if arch.log_ else 0
+            await wait_for(lambda: observer.folded >= total, timeout_s=30, what="observer caught up")
+            stop.set()
+            await obs_task
+            t.cancel()
+            assert observer.state.count == 600
+    finally:
+        await bus.close(nc)
+        await bus.close(sub_nc)
+        server.stop()
+    with EventLog(db_path, readonly=True) as elog:
+        assert sum(1 for _ in elog.read(types=["test.pinged"])) == 600
+        assert check(elog, [Tally]).ok
+
+
+async def test_runtime_garbage_is_rejected_counted_and_survived(
+    nats_server: EmbeddedServer, db_path: Path
+) -> None:
+    """Garbage bytes and wrong-schema events are rejected and counted; agents live on."""
+    nc = await _connect(nats_server.url)
+    async with archivist(nats_server.url, RUN, db_path) as arch:
+        obs = AgentRunner(Tally(AgentContext(run_id=RUN, agent_id="tally@obs")), nc)
+        obs.agent.react = lambda s, r: ()  # type: ignore[method-assign]
+        stop, ready = asyncio.Event(), asyncio.Event()
+        obs_task = asyncio.create_task(obs.run(stop, ready))
+        await ready.wait()
+        good = make_envelope(Pinged(producer="x", n=1), run_id=RUN, source="x@t")
+        wrong_schema = Envelope(
+            event_id="bad1", run_id=RUN, source="x@t", type="test.pinged", schema=1, time=0.0,
+            data=msgspec.Raw(msgpack.packb({"producer": 3, "n": "three"})),
+        )
+        other_run = make_envelope(Pinged(producer="x", n=2), run_id="elsewhere", source="x@t")
+        await nc.publish(bus.inbound_subject(RUN), b"\x00\xffnot msgpack at all")
+        reply = await nc.request(bus.inbound_subject(RUN), b"\xc1", timeout=5)
+        assert msgpack.unpackb(reply.data)["rejected"]
+        batch = msgpack.packb(
+            [msgpack.unpackb(encode_envelope(e)) for e in (wrong_schema, other_run, good)]
+        )
+        reply = await nc.request(bus.inbound_subject(RUN), batch, timeout=5)
+        assert len(msgpack.unpackb(reply.data)["rejected"]) == 2
+        await nc.publish(bus.log_subject(RUN), b"garbage on the committed subject")
+        bad_fetch = await nc.request(bus.fetch_subject(RUN), b"\x93junk", timeout=5)
+        assert "error" in msgpack.unpackb(bad_fetch.data)
+        o = Outbox(nc, RUN)
+        t = asyncio.create_task(o.run())
+        o.put(pings("y", 10, RUN))
+        assert await o.flush(10)
+        await wait_for(lambda: obs.state.count == 11, what="observer to see the 11 good pings")
+        # kept: two garbage messages, the wrong-schema event, the wrong-run event
+        assert arch.log_ is not None and arch.log_.rejected_count() == 4
+        assert arch.stats.rejected == 5  # those four and the bad fetch request
+        stop.set()
+        await obs_task
+        t.cancel()
+    await bus.close(nc)
+
+
+async def test_runtime_plugin_agent_receives_committed_events(
+    nats_server: EmbeddedServer, db_path: Path, tmp_path: Path
+) -> None:
+    """A plugin installed from a separate package runs under `kf agent` and sees committed events."""
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(ROOT / "tests/plugins/kf_echo_plugin")],
+        check=True,
+    )
+    env = dict(os.environ, PYTHONPATH=f"{target}{os.pathsep}{ROOT}")
+    nc = await _connect(nats_server.url)
+    async with archivist(nats_server.url, RUN, db_path) as arch:
+        o = Outbox(nc, RUN)
+        t = asyncio.create_task(o.run())
+        o.put(pings("before", 5, RUN))
+        assert await o.flush(10)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kf.cli", "agent", "echo", "--nats", nats_server.url,
+             "--run", RUN],
+            env=env, cwd=tmp_path,
+        )
+        try:
+            o.put(pings("after", 5, RUN))
+            assert await o.flush(10)
+            elog = arch.log_
+            assert elog is not None
+            await wait_for(
+                lambda: sum(1 for _ in elog.read(types=["plugin.echoed"])) == 10,
+                timeout_s=60, what="10 echoes from the plugin",
+            )
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(20) == 0
+        t.cancel()
+        kinds = {e.source_kind for e in elog.read(types=["plugin.echoed", "agent.started"])}
+        assert "echo" in kinds
+    await bus.close(nc)
+
+
+@pytest.fixture(scope="module")
+def shared_server():
+    """One nats-server for the property test's many examples."""
+    server = EmbeddedServer().start()
+    yield server
+    server.stop()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(-1000, 1000)), max_size=45
+    )
+)
+def test_runtime_fold_of_any_log_equals_live_state(
+    shared_server: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory, items
+) -> None:
+    """Folding any generated log gives exactly the state the live archive built."""
+    db = tmp_path_factory.mktemp("prop") / "run.db"
+
+    async def go():
+        nc = await _connect(shared_server.url)
+        async with archivist(shared_server.url, "prop", db) as arch:
+            o = Outbox(nc, "prop", batch=7)
+            t = asyncio.create_task(o.run())
+            o.put([
+                make_envelope(Pinged(producer=p, n=n), run_id="prop", source=f"{p}@t")
+                for p, n in items
+            ])
+            assert await o.flush(20)
+            t.cancel()
+            live = arch.hosted_states()["tally"]
+        await bus.close(nc)
+        return live
+
+    live = asyncio.run(go())
+    with EventLog(db, readonly=True) as elog:
+        replayed = fold(elog, [Tally])
+        assert replayed.snapshots["tally"] == live
+        assert live.count == len(items)
+        assert live.milestones == tuple(range(10, len(items) + 1, 10))
+        assert check(elog, [Tally]).ok
