@@ -11,8 +11,11 @@ import json
 import sys
 from pathlib import Path
 
+import structlog
+
 from kf.evaluation.device import DeviceError, parse_device
 from kf.evaluation.reports import EvalResult
+from kf.evaluation.sandbox import RunnerStartError
 from kf.evaluation.stages import evaluate
 from kf.tasks import TaskError, load_task
 
@@ -66,6 +69,8 @@ def _human(result: EvalResult) -> str:
 
 def main(argv: list[str]) -> int:
     """Run ``kf eval`` with ``argv`` (the arguments after ``eval``); return the exit status."""
+    if not structlog.is_configured():  # keep stdout for the result (--json)
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     try:
         args = _parser().parse_args(argv)
     except _UsageError as exc:
@@ -83,7 +88,7 @@ def main(argv: list[str]) -> int:
             print(f"kf eval: {candidate}: cannot read candidate: {exc}", file=sys.stderr)
             return 2
         result = evaluate(task, source, device=device, seed=args.seed)
-    except (TaskError, DeviceError) as exc:
+    except (TaskError, DeviceError, RunnerStartError) as exc:
         print(f"kf eval: {exc}", file=sys.stderr)
         return 2
     if args.json:
@@ -92,7 +97,7 @@ def main(argv: list[str]) -> int:
         print(_human(result))
         if result.error and not result.correct:
             print(f"kf eval: candidate failed: {result.error.splitlines()[0]}", file=sys.stderr)
-    return 0 if result.correct else 1
+    return 0 if result.passed else 1
 
 
 if __name__ == "__main__":

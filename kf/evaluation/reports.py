@@ -110,6 +110,11 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
         return self.verify is not None and self.verify.correct
 
     @property
+    def passed(self) -> bool:
+        """Correct, and profiled without failure when profiling ran."""
+        return self.correct and (self.profile is None or self.profile.ok)
+
+    @property
     def error(self) -> str | None:
         """The first stage's error, or None when every stage that ran succeeded."""
         if not self.compile.ok:

@@ -222,6 +222,9 @@ class Runner:
         }
 
     def op_check(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"verdict": self._check(msg)}
+
+    def _check(self, msg: dict[str, Any]) -> dict[str, Any]:
         from kf.evaluation.compare import compare_inputs, compare_outputs
 
         pristine, expected = self.trials[int(msg["seed"])]
@@ -282,11 +285,14 @@ def main(argv: list[str]) -> int:
 
     from kf.evaluation.protocol import decode, encode
 
+    import faulthandler
+
+    faulthandler.enable()  # a crashing candidate leaves a Python traceback in the log
     fd, parent_pid = int(argv[0]), int(argv[1])
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     conn = Connection(fd)
     runner = Runner(clock_ns)
-    conn.send_bytes(encode({"op": "ready", "pid": os.getpid(), "torch": runner.torch.__version__}))
+    conn.send_bytes(encode({"op": "ready", "pid": os.getpid(), "torch": str(runner.torch.__version__)}))
     while True:
         try:
             msg = decode(conn.recv_bytes())

@@ -38,6 +38,7 @@ __all__ = [
     "RunnerFailed",
     "RunnerHandle",
     "RunnerPool",
+    "RunnerStartError",
     "RunnerTimeout",
     "default_pool",
     "default_threads",
@@ -72,6 +73,10 @@ class RunnerError(Exception):
     def __init__(self, message: str, log_tail: str = "") -> None:
         super().__init__(message)
         self.log_tail = log_tail
+
+
+class RunnerStartError(RuntimeError):
+    """No runner process could be started (a broken environment, not a candidate's fault)."""
 
 
 class RunnerTimeout(RunnerError):
@@ -273,10 +278,29 @@ class RunnerPool:
         with self._lock:
             self._leased.discard(handle)
 
+    def acquire_ready(self, attempts: int = 3) -> RunnerHandle:
+        """A leased runner that has started; a runner that fails to start is replaced."""
+        for attempt in range(1, attempts + 1):
+            handle = self.acquire()
+            try:
+                handle.wait_ready()
+            except RunnerError as exc:
+                self.release(handle)
+                log.warning("runner_start_failed", attempt=attempt, error=str(exc),
+                            log_tail=exc.log_tail[-1000:])
+                if attempt == attempts:
+                    raise RunnerStartError(
+                        f"no runner could start ({exc}); its output ends with:\n"
+                        f"{exc.log_tail[-1500:]}"
+                    ) from exc
+                continue
+            return handle
+        raise AssertionError("unreachable")  # pragma: no cover
+
     @contextlib.contextmanager
     def lease(self) -> Iterator[RunnerHandle]:
-        """A runner for one job, killed when the block ends."""
-        handle = self.acquire()
+        """A started runner for one job, killed when the block ends."""
+        handle = self.acquire_ready()
         try:
             yield handle
         finally:
