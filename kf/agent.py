@@ -68,6 +68,7 @@ class Agent(Generic[S]):
     listens: ClassVar[tuple[type[Event], ...] | None] = None  # None: every event
     concurrency: ClassVar[int] = 1  # reactions that may run at once
     decides: ClassVar[bool] = False  # emits Decisions; react must be pure and synchronous
+    _listen_tags: ClassVar[frozenset[str] | None] = None
 
     def __init__(self, ctx: AgentContext) -> None:
         self.ctx = ctx
@@ -103,7 +104,13 @@ class Agent(Generic[S]):
     @classmethod
     def listens_to(cls, tag: str) -> bool:
         """Whether events with ``tag`` reach evolve/react."""
-        return cls.listens is None or any(t.tag == tag for t in cls.listens)
+        if cls.listens is None:
+            return True
+        tags = cls.__dict__.get("_listen_tags")
+        if tags is None:
+            tags = frozenset(t.tag for t in cls.listens)
+            cls._listen_tags = tags
+        return tag in tags
 
 
 class Runnable(Protocol):
