@@ -232,6 +232,8 @@ def _read_block(source: str) -> _Block | None:
     except SyntaxError as exc:
         line = (exc.lineno or 1) + offset
         raise ParamsError(f"kf:params block does not parse at line {line}: {exc.msg}") from exc
+    except (ValueError, RecursionError, MemoryError) as exc:  # null bytes, absurd nesting
+        raise ParamsError(f"kf:params block at line {start + 1} does not parse: {exc}") from exc
     nodes: dict[str, ast.Assign | ast.AnnAssign] = {}
     for stmt in tree.body:
         target: ast.expr | None = None
