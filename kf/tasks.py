@@ -94,13 +94,13 @@ def _read(path: Path) -> str:
 
 
 def _seeds_for(path: Path) -> tuple[Seed, ...]:
+    """``seeds/<stem>.py`` first, then ``seeds/<stem>.*.py`` sorted by name."""
     folder = path.parent / "seeds"
     if not folder.is_dir():
         return ()
     stem = path.stem
-    files = sorted(
-        p for p in folder.glob("*.py") if p.name == f"{stem}.py" or p.name.startswith(f"{stem}.")
-    )
+    main = [folder / f"{stem}.py"] if (folder / f"{stem}.py").is_file() else []
+    files = main + sorted(p for p in folder.glob(f"{stem}.*.py") if p.is_file())
     return tuple(Seed(name=p.stem, source=_read(p)) for p in files)
 
 

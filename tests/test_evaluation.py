@@ -1,0 +1,176 @@
+"""Candidate evaluation: compile, verify and profile in sandboxed runners, and the pool."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kf.evaluation import (
+    DeviceError,
+    RunnerPool,
+    compile_candidate,
+    parse_device,
+    profile_candidate,
+    verify_candidate,
+)
+from kf.evaluation.compare import compare_inputs, compare_outputs
+from kf.evaluation.stages import TIMER_DISAGREEMENT, cross_check_flags, timing_stats
+from kf.tasks import TaskError, load_task
+
+FIXTURES = Path(__file__).parent / "fixtures" / "eval"
+TASK = load_task(FIXTURES / "task_gelu.py")
+
+
+def candidate(name: str) -> str:
+    return (FIXTURES / f"{name}.py").read_text()
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[RunnerPool]:
+    """A pool of single-threaded warm runners shared by this module's tests."""
+    runners = RunnerPool(size=2, threads=1)
+    runners.start()
+    try:
+        yield runners
+    finally:
+        runners.close()
+
+
+def test_honest_candidate_passes_every_stage(pool: RunnerPool) -> None:
+    """An honest C++ candidate compiles, verifies on 5 trials and gets a positive speedup."""
+    source = candidate("honest")
+    compiled = compile_candidate(TASK, source, pool=pool)
+    assert compiled.ok, compiled.error
+    verified = verify_candidate(TASK, source, pool=pool)
+    assert verified.correct, verified.error
+    assert verified.trials == 5
+    assert len(verified.evidence) == 5
+    assert all(e.ok for e in verified.evidence)
+    assert len({e.seed for e in verified.evidence}) == 5
+    assert verified.max_abs_err < 1e-4
+    profiled = profile_candidate(TASK, source, pool=pool, warmup=2, min_trials=20, min_time_s=0.05)
+    assert profiled.ok, profiled.error
+    assert profiled.trials >= 20
+    assert profiled.ref_trials >= 20
+    assert profiled.speedup > 0
+    assert profiled.runtime_ms > 0
+    assert profiled.ref_runtime_ms > 0
+    assert profiled.runtime_min_ms <= profiled.runtime_median_ms
+    assert profiled.outside_wall_ms is not None
+    assert "perf_counter_ns" in profiled.timer
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "reason"),
+    [
+        ("wrong", "mismatch", "outside atol=rtol=0.0001"),
+        ("nan", "nan_inf", "NaN/Inf"),
+        ("wrong_shape", "shape_mismatch", "shape [64, 512], expected [64, 1024]"),
+        ("mutating", "input_mutated", "input 0 was modified"),
+        ("segfault", "crash", "SIGSEGV"),
+    ],
+)
+def test_verify_rejects_bad_candidate_with_kind(
+    pool: RunnerPool, name: str, kind: str, reason: str
+) -> None:
+    """Each kind of bad candidate is rejected with the matching failure_kind and a clear error."""
+    report = verify_candidate(TASK, candidate(name), pool=pool)
+    assert not report.correct
+    assert report.failure_kind == kind
+    assert report.error is not None
+    assert reason in report.error
+
+
+def test_verify_hanging_candidate_times_out(pool: RunnerPool) -> None:
+    """A forward that never returns is killed at the timeout and reported as 'timeout'."""
+    report = verify_candidate(TASK, candidate("hang"), pool=pool, timeout_s=3)
+    assert not report.correct
+    assert report.failure_kind == "timeout"
+
+
+def test_verify_passes_after_a_crash(pool: RunnerPool) -> None:
+    """A candidate that segfaults does not stop the next candidate from passing."""
+    crashed = verify_candidate(TASK, candidate("segfault"), pool=pool)
+    assert crashed.failure_kind == "crash"
+    assert verify_candidate(TASK, candidate("honest"), pool=pool).correct
+
+
+def test_compile_error_reports_compiler_log(pool: RunnerPool) -> None:
+    """C++ that does not compile gives ok=False, kind compile_error and the compiler's log."""
+    report = compile_candidate(TASK, candidate("compile_error"), pool=pool)
+    assert not report.ok
+    assert report.failure_kind == "compile_error"
+    assert "undeclared_name" in report.log
+
+
+def test_compile_without_model_new_says_so(pool: RunnerPool) -> None:
+    """A candidate that defines no ModelNew fails to compile with a message saying so."""
+    report = compile_candidate(TASK, candidate("no_model_new"), pool=pool)
+    assert not report.ok
+    assert report.error == "the candidate defines no class ModelNew"
+
+
+def test_verify_broken_task_raises_task_error(pool: RunnerPool) -> None:
+    """A task whose import fails is the task's fault: TaskError, not a rejected candidate."""
+    broken = load_task(FIXTURES / "broken_task.py")
+    with pytest.raises(TaskError, match=r"broken_task\.py: .*ModuleNotFoundError"):
+        verify_candidate(broken, candidate("honest"), pool=pool)
+
+
+def test_pool_close_kills_every_runner() -> None:
+    """Closing a pool kills its idle and leased runners and refuses new leases."""
+    runners = RunnerPool(size=1, threads=1)
+    leased = runners.acquire()
+    idle = list(runners._idle)
+    runners.close()
+    for handle in [leased, *idle]:
+        assert handle.proc.poll() is not None
+    with pytest.raises(RuntimeError, match="closed"):
+        runners.acquire()
+
+
+def test_parse_device_rejects_unavailable_devices() -> None:
+    """Only 'cpu' is accepted for now; CUDA and unknown devices get a clear DeviceError."""
+    assert parse_device("CPU") == "cpu"
+    with pytest.raises(DeviceError, match="only 'cpu' is implemented"):
+        parse_device("cuda:0")
+    with pytest.raises(DeviceError, match="unknown device 'tpu'"):
+        parse_device("tpu")
+
+
+def test_cross_check_flags_large_disagreement_only() -> None:
+    """Timers agreeing within 1.5x raise no flag; a 3x disagreement is flagged."""
+    assert cross_check_flags(1.0, 1.2) == ()
+    assert cross_check_flags(1.0, 3.0) == (TIMER_DISAGREEMENT,)
+    assert cross_check_flags(3.0, 1.0) == (TIMER_DISAGREEMENT,)
+    assert cross_check_flags(0.001, 0.004) == ()  # below the absolute gap: overhead, not cheating
+
+
+def test_timing_stats_summarises_samples() -> None:
+    """Mean, median, min and a confidence half width come out of the samples."""
+    stats = timing_stats([1.0, 2.0, 3.0, 4.0])
+    assert stats["mean"] == 2.5
+    assert stats["median"] == 2.5
+    assert stats["min"] == 1.0
+    assert stats["ci95"] > 0
+
+
+def test_compare_outputs_flags_dtype_and_tolerance() -> None:
+    """Comparison reports a dtype mismatch, and accepts half-precision error within 1e-2."""
+    ref = [torch.ones(4)]
+    assert compare_outputs(torch, ref, [torch.ones(4, dtype=torch.float64)])["kind"] == (
+        "dtype_mismatch"
+    )
+    half = [torch.ones(4, dtype=torch.float16)]
+    assert compare_outputs(torch, half, [half[0] + 0.005])["ok"]
+    assert not compare_outputs(torch, ref, [ref[0] + 0.005])["ok"]
+
+
+def test_compare_inputs_detects_change() -> None:
+    """An input that differs after the call is reported; an identical one is not."""
+    x = torch.arange(4.0)
+    assert compare_inputs(torch, [x], [x.clone()]) is None
+    assert compare_inputs(torch, [x], [x + 1]) == "input 0 was modified by the candidate's forward"
