@@ -1,0 +1,77 @@
+"""``kf eval``: exit codes 0/1/2, the JSON object and the human summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kf.evaluation.cli import main
+
+FIXTURES = Path(__file__).parent / "fixtures" / "eval"
+TASK = str(FIXTURES / "task_gelu.py")
+
+
+@pytest.fixture(autouse=True)
+def single_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runners use one thread so tests do not oversubscribe a small machine."""
+    monkeypatch.setenv("KF_EVAL_THREADS", "1")
+
+
+def test_eval_honest_json_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    """An honest candidate exits 0 and prints JSON with the documented fields."""
+    assert main([TASK, str(FIXTURES / "honest.py"), "--json", "--seed", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("compiled", "correct", "max_abs_err", "trials", "runtime_ms", "ref_runtime_ms",
+                "speedup", "flags", "error"):
+        assert key in out
+    assert out["compiled"] is True
+    assert out["correct"] is True
+    assert out["trials"] == 5
+    assert out["speedup"] > 0
+    assert out["error"] is None
+    assert out["seed"] == 3
+
+
+def test_eval_wrong_candidate_exits_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """A wrong candidate exits 1 and the summary says why it was rejected."""
+    assert main([TASK, str(FIXTURES / "wrong.py")]) == 1
+    captured = capsys.readouterr()
+    assert "REJECTED (mismatch)" in captured.out
+    assert "candidate failed" in captured.err
+
+
+def test_eval_broken_task_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
+    """A task that cannot be imported exits 2 with the file and cause on stderr."""
+    assert main([str(FIXTURES / "broken_task.py"), str(FIXTURES / "honest.py")]) == 2
+    err = capsys.readouterr().err
+    assert "broken_task.py" in err
+    assert "ModuleNotFoundError" in err
+
+
+def test_eval_bad_usage_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
+    """Missing arguments, a missing task file and an unavailable device each exit 2."""
+    assert main([TASK]) == 2
+    assert main(["/nonexistent/task.py", str(FIXTURES / "honest.py")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main([TASK, str(FIXTURES / "honest.py"), "--device", "cuda:0"]) == 2
+    assert "only 'cpu'" in capsys.readouterr().err
+
+
+def test_eval_module_subprocess_reports_json() -> None:
+    """``python -m kf.evaluation.cli`` on a candidate without ModelNew exits 1 with JSON."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kf.evaluation.cli", TASK, str(FIXTURES / "no_model_new.py"),
+         "--json"],
+        capture_output=True, text=True, timeout=240, check=False,
+        env={**os.environ, "KF_EVAL_THREADS": "1", "KF_EVAL_POOL": "1"},
+    )
+    assert proc.returncode == 1, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["compiled"] is False
+    assert out["correct"] is False
+    assert "ModelNew" in out["error"]
