@@ -105,7 +105,7 @@ def _seeds_for(path: Path) -> tuple[Seed, ...]:
 
 
 def load_task(path: str | Path) -> Task:
-    """Read one task file (and its seeds); raise :class:`TaskError` if it is missing or unparsable."""
+    """Read one task file and its seeds; raise :class:`TaskError` if missing or unparsable."""
     p = Path(path)
     if not p.exists():
         raise TaskError(f"{p}: no such file")

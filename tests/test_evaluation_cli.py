@@ -26,8 +26,17 @@ def test_eval_honest_json_exits_zero(capsys: pytest.CaptureFixture[str]) -> None
     """An honest candidate exits 0 and prints JSON with the documented fields."""
     assert main([TASK, str(FIXTURES / "honest.py"), "--json", "--seed", "3"]) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("compiled", "correct", "max_abs_err", "trials", "runtime_ms", "ref_runtime_ms",
-                "speedup", "flags", "error"):
+    for key in (
+        "compiled",
+        "correct",
+        "max_abs_err",
+        "trials",
+        "runtime_ms",
+        "ref_runtime_ms",
+        "speedup",
+        "flags",
+        "error",
+    ):
         assert key in out
     assert out["compiled"] is True
     assert out["correct"] is True
@@ -65,9 +74,18 @@ def test_eval_bad_usage_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
 def test_eval_module_subprocess_reports_json() -> None:
     """``python -m kf.evaluation.cli`` on a candidate without ModelNew exits 1 with JSON."""
     proc = subprocess.run(
-        [sys.executable, "-m", "kf.evaluation.cli", TASK, str(FIXTURES / "no_model_new.py"),
-         "--json"],
-        capture_output=True, text=True, timeout=240, check=False,
+        [
+            sys.executable,
+            "-m",
+            "kf.evaluation.cli",
+            TASK,
+            str(FIXTURES / "no_model_new.py"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
         env={**os.environ, "KF_EVAL_THREADS": "1", "KF_EVAL_POOL": "1"},
     )
     assert proc.returncode == 1, proc.stderr

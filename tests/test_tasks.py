@@ -133,9 +133,13 @@ def test_check_task_missing_get_inputs_names_file_and_cause(pool: RunnerPool) ->
 def test_check_task_get_inputs_raising_names_cause(tmp_path: Path, pool: RunnerPool) -> None:
     """A get_inputs() that raises is reported with its exception type and message."""
     path = tmp_path / "raising.py"
-    path.write_text(TINY_TASK.replace(
-        "def get_inputs() -> list[torch.Tensor]:\n",
-        "def get_inputs() -> list[torch.Tensor]:\n    raise ValueError('no inputs today')\n",
-    ))
-    with pytest.raises(TaskError, match=r"raising\.py: get_inputs\(\) raised ValueError: no inputs"):
+    path.write_text(
+        TINY_TASK.replace(
+            "def get_inputs() -> list[torch.Tensor]:\n",
+            "def get_inputs() -> list[torch.Tensor]:\n    raise ValueError('no inputs today')\n",
+        )
+    )
+    with pytest.raises(
+        TaskError, match=r"raising\.py: get_inputs\(\) raised ValueError: no inputs"
+    ):
         run_task_check(load_task(path), pool=pool)

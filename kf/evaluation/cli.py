@@ -33,7 +33,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kf eval", description="Compile, verify and time one candidate kernel.")
-    p.add_argument("task", help="task file (KernelBench format: Model, get_inputs, get_init_inputs)")
+    p.add_argument(
+        "task", help="task file (KernelBench format: Model, get_inputs, get_init_inputs)"
+    )
     p.add_argument("candidate", help="candidate file defining ModelNew")
     p.add_argument("--device", default="cpu", help="device to evaluate on (default: cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed for inputs and parameters")

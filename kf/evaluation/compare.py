@@ -23,8 +23,13 @@ def _name(torch: Any, dtype: Any) -> str:
 
 def compare_outputs(torch: Any, expected: list[Any], got: Any) -> dict[str, Any]:
     """A verdict ``{ok, kind, reason, max_abs_err, max_rel_err}`` for one trial's outputs."""
-    verdict: dict[str, Any] = {"ok": True, "kind": None, "reason": None,
-                               "max_abs_err": 0.0, "max_rel_err": 0.0}
+    verdict: dict[str, Any] = {
+        "ok": True,
+        "kind": None,
+        "reason": None,
+        "max_abs_err": 0.0,
+        "max_rel_err": 0.0,
+    }
 
     def fail(kind: str, reason: str) -> dict[str, Any]:
         return {**verdict, "ok": False, "kind": kind, "reason": reason}
@@ -37,12 +42,16 @@ def compare_outputs(torch: Any, expected: list[Any], got: Any) -> dict[str, Any]
         if not isinstance(have, torch.Tensor):
             return fail("exception", f"{label} is a {type(have).__name__}, not a tensor")
         if tuple(have.shape) != tuple(want.shape):
-            return fail("shape_mismatch",
-                        f"{label} has shape {list(have.shape)}, expected {list(want.shape)}")
+            return fail(
+                "shape_mismatch",
+                f"{label} has shape {list(have.shape)}, expected {list(want.shape)}",
+            )
         if have.dtype != want.dtype:
-            return fail("dtype_mismatch",
-                        f"{label} has dtype {_name(torch, have.dtype)}, "
-                        f"expected {_name(torch, want.dtype)}")
+            return fail(
+                "dtype_mismatch",
+                f"{label} has dtype {_name(torch, have.dtype)}, "
+                f"expected {_name(torch, want.dtype)}",
+            )
         want_c = want.detach().cpu()
         if not (want_c.is_floating_point() or want_c.is_complex()):
             if not torch.equal(have, want_c):
@@ -52,8 +61,11 @@ def compare_outputs(torch: Any, expected: list[Any], got: Any) -> dict[str, Any]
         have64, want64 = have.double(), want_c.double()
         bad_finite = ~torch.isfinite(have64) & torch.isfinite(want64)
         if bool(bad_finite.any()):
-            return fail("nan_inf", f"{label} holds {int(bad_finite.sum())} NaN/Inf values "
-                                   "where the reference is finite")
+            return fail(
+                "nan_inf",
+                f"{label} holds {int(bad_finite.sum())} NaN/Inf values "
+                "where the reference is finite",
+            )
         finite = torch.isfinite(want64)
         if not bool(torch.equal(have64[~finite].nan_to_num(0.0), want64[~finite].nan_to_num(0.0))):
             return fail("mismatch", f"{label} differs from the reference's non-finite values")
@@ -67,9 +79,11 @@ def compare_outputs(torch: Any, expected: list[Any], got: Any) -> dict[str, Any]
             tol = tolerance(_name(torch, want.dtype))
             over = diff > tol + tol * ref
             if bool(over.any()):
-                return fail("mismatch",
-                            f"{label}: {int(over.sum())} of {want_c.numel()} elements outside "
-                            f"atol=rtol={tol:g} (max abs err {abs_err:.3g})")
+                return fail(
+                    "mismatch",
+                    f"{label}: {int(over.sum())} of {want_c.numel()} elements outside "
+                    f"atol=rtol={tol:g} (max abs err {abs_err:.3g})",
+                )
     return verdict
 
 

@@ -120,7 +120,9 @@ class Runner:
         try:
             init = module.get_init_inputs()
         except BaseException as exc:
-            raise _Failure("task_error", f"get_init_inputs() raised {_describe(exc)}", _tb()) from exc
+            raise _Failure(
+                "task_error", f"get_init_inputs() raised {_describe(exc)}", _tb()
+            ) from exc
         if not isinstance(init, list | tuple):
             raise _Failure(
                 "task_error", f"get_init_inputs() returned {type(init).__name__}, not a list"
@@ -135,7 +137,9 @@ class Runner:
         try:
             model = module.Model(*init)
         except BaseException as exc:
-            raise _Failure("task_error", f"Model(*get_init_inputs()) raised {_describe(exc)}", _tb()) from exc
+            raise _Failure(
+                "task_error", f"Model(*get_init_inputs()) raised {_describe(exc)}", _tb()
+            ) from exc
         self.model = self.backend.to_device(model)
         return {"init": self.dump(init)}
 
@@ -166,7 +170,9 @@ class Runner:
             "inputs": self.dump(inputs),
             "input_shapes": [list(v.shape) if isinstance(v, torch.Tensor) else [] for v in inputs],
             "input_dtypes": [
-                str(v.dtype).removeprefix("torch.") if isinstance(v, torch.Tensor) else type(v).__name__
+                str(v.dtype).removeprefix("torch.")
+                if isinstance(v, torch.Tensor)
+                else type(v).__name__
                 for v in inputs
             ],
             "output_shapes": [list(o.shape) for o in outs],
@@ -188,7 +194,9 @@ class Runner:
         except NativeCompileError as exc:
             raise _Failure("compile_error", "C++ compilation failed", exc.log) from exc
         except BaseException as exc:
-            raise _Failure("exception", f"importing the candidate raised {_describe(exc)}", _tb()) from exc
+            raise _Failure(
+                "exception", f"importing the candidate raised {_describe(exc)}", _tb()
+            ) from exc
         cls = getattr(module, "ModelNew", None)
         if cls is None:
             raise _Failure("exception", "the candidate defines no class ModelNew")
@@ -200,7 +208,9 @@ class Runner:
         except NativeCompileError as exc:
             raise _Failure("compile_error", "C++ compilation failed", exc.log) from exc
         except BaseException as exc:
-            raise _Failure("exception", f"ModelNew(*get_init_inputs()) raised {_describe(exc)}", _tb()) from exc
+            raise _Failure(
+                "exception", f"ModelNew(*get_init_inputs()) raised {_describe(exc)}", _tb()
+            ) from exc
         self.model = self.backend.to_device(model)
         return {}
 
@@ -217,7 +227,10 @@ class Runner:
         return {
             "outputs": self.dump([o.detach().cpu().clone() for o in outs]),
             "inputs_after": self.dump(
-                [v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for v in self.inputs]
+                [
+                    v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+                    for v in self.inputs
+                ]
             ),
         }
 
@@ -232,7 +245,11 @@ class Runner:
             got = self.load(msg["outputs"])
             after = self.load(msg["inputs_after"])
         except Exception as exc:
-            return {"ok": False, "kind": "exception", "reason": f"unreadable output: {_describe(exc)}"}
+            return {
+                "ok": False,
+                "kind": "exception",
+                "reason": f"unreadable output: {_describe(exc)}",
+            }
         verdict = compare_outputs(self.torch, expected, got)
         if verdict["ok"]:
             problem = compare_inputs(self.torch, pristine, after)
@@ -250,7 +267,9 @@ class Runner:
                     backend.flush_cache()
                     samples.append(backend.time_call_ns(lambda: model(*inputs)))
         except BaseException as exc:
-            raise _Failure("exception", f"forward raised {_describe(exc)} while timing", _tb()) from exc
+            raise _Failure(
+                "exception", f"forward raised {_describe(exc)} while timing", _tb()
+            ) from exc
         return {"samples_ns": samples}
 
     def op_batch(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -272,27 +291,32 @@ def _tb() -> str:
 def _flatten(torch: Any, out: Any, what: str, kind: str) -> list[Any]:
     items = [out] if isinstance(out, torch.Tensor) else out
     if not isinstance(items, list | tuple):
-        raise _Failure(kind, f"{what} returned {type(out).__name__}, not a tensor or a tuple of tensors")
+        raise _Failure(
+            kind, f"{what} returned {type(out).__name__}, not a tensor or a tuple of tensors"
+        )
     for item in items:
         if type(item) not in (torch.Tensor, torch.nn.Parameter):
-            raise _Failure(kind, f"{what} returned a {type(item).__name__}, not a plain torch.Tensor")
+            raise _Failure(
+                kind, f"{what} returned a {type(item).__name__}, not a plain torch.Tensor"
+            )
     return list(items)
 
 
 def main(argv: list[str]) -> int:
     clock_ns = time.perf_counter_ns  # bound before any candidate code is imported
+    import faulthandler
     from multiprocessing.connection import Connection
 
     from kf.evaluation.protocol import decode, encode
-
-    import faulthandler
 
     faulthandler.enable()  # a crashing candidate leaves a Python traceback in the log
     fd, parent_pid = int(argv[0]), int(argv[1])
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     conn = Connection(fd)
     runner = Runner(clock_ns)
-    conn.send_bytes(encode({"op": "ready", "pid": os.getpid(), "torch": str(runner.torch.__version__)}))
+    conn.send_bytes(
+        encode({"op": "ready", "pid": os.getpid(), "torch": str(runner.torch.__version__)})
+    )
     while True:
         try:
             msg = decode(conn.recv_bytes())

@@ -123,8 +123,14 @@ class RunnerHandle:
         )
         with open(self.log_path, "wb") as logf:
             self.proc = subprocess.Popen(
-                [python, "-P", "-m", "kf.evaluation.runner",
-                 str(child_sock.fileno()), str(os.getpid())],
+                [
+                    python,
+                    "-P",
+                    "-m",
+                    "kf.evaluation.runner",
+                    str(child_sock.fileno()),
+                    str(os.getpid()),
+                ],
                 pass_fds=(child_sock.fileno(),),
                 cwd=self.scratch,
                 env=env,
@@ -286,8 +292,12 @@ class RunnerPool:
                 handle.wait_ready()
             except RunnerError as exc:
                 self.release(handle)
-                log.warning("runner_start_failed", attempt=attempt, error=str(exc),
-                            log_tail=exc.log_tail[-1000:])
+                log.warning(
+                    "runner_start_failed",
+                    attempt=attempt,
+                    error=str(exc),
+                    log_tail=exc.log_tail[-1000:],
+                )
                 if attempt == attempts:
                     raise RunnerStartError(
                         f"no runner could start ({exc}); its output ends with:\n"

@@ -77,8 +77,9 @@ class _CandidateFailed(Exception):
         self.kind, self.error, self.log = kind, error, log
 
 
-def _setup_fields(handle: RunnerHandle, device: str, limits: Limits,
-                  deadline: _Deadline) -> dict[str, Any]:
+def _setup_fields(
+    handle: RunnerHandle, device: str, limits: Limits, deadline: _Deadline
+) -> dict[str, Any]:
     return {
         "device": device,
         "threads": handle.threads,
@@ -101,7 +102,9 @@ def _reference(task: Task, handle: RunnerHandle, op: str, deadline: _Deadline, *
     except RunnerTimeout as exc:
         raise TaskError(f"{task.label}: the reference timed out ({exc})") from exc
     except RunnerCrashed as exc:
-        raise TaskError(f"{task.label}: the reference crashed ({exc}); log: {exc.log_tail[-500:]}") from exc
+        raise TaskError(
+            f"{task.label}: the reference crashed ({exc}); log: {exc.log_tail[-500:]}"
+        ) from exc
 
 
 def _candidate(task: Task, handle: RunnerHandle, op: str, deadline: _Deadline, **kw: Any) -> Any:
@@ -130,8 +133,14 @@ def _seed_trials(seed: int, trials: int) -> list[int]:
     return [rng.randrange(2**31) for _ in range(trials)]
 
 
-def run_task_check(task: Task, *, device: str = "cpu", timeout_s: float = 120.0,
-                   limits: Limits | None = None, pool: RunnerPool | None = None) -> TaskInfo:
+def run_task_check(
+    task: Task,
+    *,
+    device: str = "cpu",
+    timeout_s: float = 120.0,
+    limits: Limits | None = None,
+    pool: RunnerPool | None = None,
+) -> TaskInfo:
     """See :func:`kf.tasks.check_task`."""
     device = parse_device(device)
     limits = limits or Limits()
@@ -152,8 +161,15 @@ def run_task_check(task: Task, *, device: str = "cpu", timeout_s: float = 120.0,
     )
 
 
-def compile_candidate(task: Task, source: str, *, device: str = "cpu", timeout_s: float = 180.0,
-                      limits: Limits | None = None, pool: RunnerPool | None = None) -> CompileReport:
+def compile_candidate(
+    task: Task,
+    source: str,
+    *,
+    device: str = "cpu",
+    timeout_s: float = 180.0,
+    limits: Limits | None = None,
+    pool: RunnerPool | None = None,
+) -> CompileReport:
     """Import the candidate and construct ``ModelNew(*get_init_inputs())`` in a sandbox.
 
     Native builds land in kf.native's on-disk cache, so later stages load them at once.
@@ -167,20 +183,42 @@ def compile_candidate(task: Task, source: str, *, device: str = "cpu", timeout_s
         deadline = _Deadline(timeout_s)
         try:
             _setup(cand, device, limits, deadline)
-            _candidate(task, cand, "load_candidate", deadline, source=source, seed=0,
-                       task_source=task.source, task_name=task.name, init=None,
-                       what="import and construction of ModelNew")
+            _candidate(
+                task,
+                cand,
+                "load_candidate",
+                deadline,
+                source=source,
+                seed=0,
+                task_source=task.source,
+                task_name=task.name,
+                init=None,
+                what="import and construction of ModelNew",
+            )
         except _CandidateFailed as exc:
             log.info("candidate_compile_failed", task=task.name, kind=exc.kind)
-            return CompileReport(ok=False, error=exc.error, log=_truncate(exc.log),
-                                 duration_s=time.monotonic() - start, failure_kind=exc.kind)
+            return CompileReport(
+                ok=False,
+                error=exc.error,
+                log=_truncate(exc.log),
+                duration_s=time.monotonic() - start,
+                failure_kind=exc.kind,
+            )
     log.info("candidate_compiled", task=task.name)
     return CompileReport(ok=True, duration_s=time.monotonic() - start)
 
 
-def verify_candidate(task: Task, source: str, *, device: str = "cpu", seed: int = 0,
-                     trials: int = 5, timeout_s: float = 120.0, limits: Limits | None = None,
-                     pool: RunnerPool | None = None) -> VerifyReport:
+def verify_candidate(
+    task: Task,
+    source: str,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    trials: int = 5,
+    timeout_s: float = 120.0,
+    limits: Limits | None = None,
+    pool: RunnerPool | None = None,
+) -> VerifyReport:
     """Check the candidate against the reference on ``trials`` fresh seeded inputs (KernelBench).
 
     Raises :class:`TaskError` when the task itself is broken.
@@ -199,39 +237,70 @@ def verify_candidate(task: Task, source: str, *, device: str = "cpu", seed: int 
                 trials=len(evidence),
                 max_abs_err=max((e.max_abs_err for e in evidence), default=0.0),
                 max_rel_err=max((e.max_rel_err for e in evidence), default=0.0),
-                evidence=tuple(evidence), atol=atol, rtol=atol,
-                duration_s=time.monotonic() - start, **kw,
+                evidence=tuple(evidence),
+                atol=atol,
+                rtol=atol,
+                duration_s=time.monotonic() - start,
+                **kw,
             )
 
         try:
             _reference(task, ref, "setup", deadline, **_setup_fields(ref, device, limits, deadline))
             _setup(cand, device, limits, deadline)
-            init = _reference(task, ref, "load_task", deadline, source=task.source,
-                              name=task.name, seed=seed)["init"]
-            _candidate(task, cand, "load_candidate", deadline, source=source, seed=seed,
-                       init=init, what="construction of ModelNew")
+            init = _reference(
+                task, ref, "load_task", deadline, source=task.source, name=task.name, seed=seed
+            )["init"]
+            _candidate(
+                task,
+                cand,
+                "load_candidate",
+                deadline,
+                source=source,
+                seed=seed,
+                init=init,
+                what="construction of ModelNew",
+            )
             for i, trial_seed in enumerate(_seed_trials(seed, trials)):
                 made = _reference(task, ref, "make_inputs", deadline, seed=trial_seed)
                 atol = max([_tol(d) for d in made["output_dtypes"]], default=1e-4)
-                ran = _candidate(task, cand, "run", deadline, inputs=made["inputs"],
-                                 what=f"forward (trial {i + 1})")
-                verdict = _reference(task, ref, "check", deadline, seed=trial_seed,
-                                     outputs=ran["outputs"],
-                                     inputs_after=ran["inputs_after"])["verdict"]
-                evidence.append(TrialEvidence(
-                    seed=trial_seed, ok=bool(verdict["ok"]),
-                    max_abs_err=float(verdict.get("max_abs_err") or 0.0),
-                    max_rel_err=float(verdict.get("max_rel_err") or 0.0),
-                    reason=verdict.get("reason"),
-                ))
+                ran = _candidate(
+                    task,
+                    cand,
+                    "run",
+                    deadline,
+                    inputs=made["inputs"],
+                    what=f"forward (trial {i + 1})",
+                )
+                verdict = _reference(
+                    task,
+                    ref,
+                    "check",
+                    deadline,
+                    seed=trial_seed,
+                    outputs=ran["outputs"],
+                    inputs_after=ran["inputs_after"],
+                )["verdict"]
+                evidence.append(
+                    TrialEvidence(
+                        seed=trial_seed,
+                        ok=bool(verdict["ok"]),
+                        max_abs_err=float(verdict.get("max_abs_err") or 0.0),
+                        max_rel_err=float(verdict.get("max_rel_err") or 0.0),
+                        reason=verdict.get("reason"),
+                    )
+                )
                 if not verdict["ok"]:
                     log.info("candidate_rejected", task=task.name, kind=verdict["kind"])
-                    return report(correct=False, failure_kind=verdict["kind"],
-                                  error=f"trial {i + 1}/{trials} (seed {trial_seed}): "
-                                        f"{verdict['reason']}")
+                    return report(
+                        correct=False,
+                        failure_kind=verdict["kind"],
+                        error=f"trial {i + 1}/{trials} (seed {trial_seed}): {verdict['reason']}",
+                    )
         except _CandidateFailed as exc:
             log.info("candidate_rejected", task=task.name, kind=exc.kind)
-            detail = f"\n{exc.log[-1500:]}" if exc.kind in ("crash", "exception") and exc.log else ""
+            detail = (
+                f"\n{exc.log[-1500:]}" if exc.kind in ("crash", "exception") and exc.log else ""
+            )
             return report(correct=False, failure_kind=exc.kind, error=exc.error + detail)
     log.info("candidate_verified", task=task.name, trials=len(evidence))
     return report(correct=True)
@@ -249,8 +318,18 @@ def timing_stats(samples_ms: list[float]) -> dict[str, float]:
     mean = statistics.fmean(samples_ms)
     std = statistics.stdev(samples_ms) if n > 1 else 0.0
     # Student t for small samples, 1.96 beyond 30.
-    t_table = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 8: 2.36, 10: 2.26, 15: 2.14,
-               20: 2.09, 30: 2.04}
+    t_table = {
+        2: 12.71,
+        3: 4.30,
+        4: 3.18,
+        5: 2.78,
+        6: 2.57,
+        8: 2.36,
+        10: 2.26,
+        15: 2.14,
+        20: 2.09,
+        30: 2.04,
+    }
     t = next((v for k, v in sorted(t_table.items()) if n <= k), 1.96)
     return {
         "mean": mean,
@@ -261,8 +340,9 @@ def timing_stats(samples_ms: list[float]) -> dict[str, float]:
     }
 
 
-def cross_check_flags(in_process_ms: float, outside_ms: float, *, ratio: float = 1.5,
-                      min_gap_ms: float = 0.02) -> tuple[str, ...]:
+def cross_check_flags(
+    in_process_ms: float, outside_ms: float, *, ratio: float = 1.5, min_gap_ms: float = 0.02
+) -> tuple[str, ...]:
     """Flag a disagreement over ``ratio``× (and over ``min_gap_ms``) between the two timers."""
     if in_process_ms <= 0 or outside_ms <= 0:
         return (TIMER_DISAGREEMENT,) if abs(in_process_ms - outside_ms) > min_gap_ms else ()
@@ -272,10 +352,20 @@ def cross_check_flags(in_process_ms: float, outside_ms: float, *, ratio: float =
     return ()
 
 
-def profile_candidate(task: Task, source: str, *, device: str = "cpu", seed: int = 0,
-                      warmup: int = 5, min_trials: int = 20, min_time_s: float = 0.5,
-                      max_trials: int = 1000, timeout_s: float = 120.0,
-                      limits: Limits | None = None, pool: RunnerPool | None = None) -> ProfileReport:
+def profile_candidate(
+    task: Task,
+    source: str,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    warmup: int = 5,
+    min_trials: int = 20,
+    min_time_s: float = 0.5,
+    max_trials: int = 1000,
+    timeout_s: float = 120.0,
+    limits: Limits | None = None,
+    pool: RunnerPool | None = None,
+) -> ProfileReport:
     """Time the candidate and PyTorch eager alternately, in separate runners, in one session.
 
     Raises :class:`TaskError` when the task itself is broken.
@@ -290,16 +380,31 @@ def profile_candidate(task: Task, source: str, *, device: str = "cpu", seed: int
         try:
             _reference(task, ref, "setup", deadline, **_setup_fields(ref, device, limits, deadline))
             _setup(cand, device, limits, deadline)
-            init = _reference(task, ref, "load_task", deadline, source=task.source,
-                              name=task.name, seed=seed)["init"]
-            _candidate(task, cand, "load_candidate", deadline, source=source, seed=seed,
-                       init=init, what="construction of ModelNew")
+            init = _reference(
+                task, ref, "load_task", deadline, source=task.source, name=task.name, seed=seed
+            )["init"]
+            _candidate(
+                task,
+                cand,
+                "load_candidate",
+                deadline,
+                source=source,
+                seed=seed,
+                init=init,
+                what="construction of ModelNew",
+            )
             made = _reference(task, ref, "make_inputs", deadline, seed=seed)
-            problem = _run_and_check(task, ref, cand, made["inputs"], seed, deadline)
+            problem = _run_and_check(
+                task, ref, cand, inputs=made["inputs"], seed=seed, deadline=deadline
+            )
             if problem is not None:
-                return ProfileReport(ok=False, failure_kind=problem[0],
-                                     error=f"wrong output before timing: {problem[1]}",
-                                     device=device, duration_s=time.monotonic() - start)
+                return ProfileReport(
+                    ok=False,
+                    failure_kind=problem[0],
+                    error=f"wrong output before timing: {problem[1]}",
+                    device=device,
+                    duration_s=time.monotonic() - start,
+                )
 
             def timed(handle: RunnerHandle, n: int, is_candidate: bool) -> list[float]:
                 call = _candidate if is_candidate else _reference
@@ -330,12 +435,20 @@ def profile_candidate(task: Task, source: str, *, device: str = "cpu", seed: int
             # Same K calls seen by both clocks: machine noise cancels, a tampered clock does not.
             flags = list(cross_check_flags(inside_ms, outside_ms))
 
-            if _run_and_check(task, ref, cand, made["inputs"], seed, deadline) is not None:
+            if (
+                _run_and_check(task, ref, cand, inputs=made["inputs"], seed=seed, deadline=deadline)
+                is not None
+            ):
                 flags.append(OUTPUT_CHANGED)
         except _CandidateFailed as exc:
             log.info("candidate_profile_failed", task=task.name, kind=exc.kind)
-            return ProfileReport(ok=False, failure_kind=exc.kind, error=exc.error, device=device,
-                                 duration_s=time.monotonic() - start)
+            return ProfileReport(
+                ok=False,
+                failure_kind=exc.kind,
+                error=exc.error,
+                device=device,
+                duration_s=time.monotonic() - start,
+            )
     timer = (
         "time.perf_counter_ns bound at runner start-up before candidate import; one call per "
         "sample; PyTorch eager timed alternately in a candidate-free runner; cross-checked "
@@ -343,15 +456,32 @@ def profile_candidate(task: Task, source: str, *, device: str = "cpu", seed: int
     )
     report = ProfileReport(
         ok=True,
-        runtime_ms=c["mean"], runtime_std_ms=c["std"], runtime_median_ms=c["median"],
-        runtime_min_ms=c["min"], runtime_ci95_ms=c["ci95"], trials=len(cand_ms),
-        ref_runtime_ms=r["mean"], ref_runtime_std_ms=r["std"], ref_runtime_median_ms=r["median"],
-        ref_trials=len(ref_ms), speedup=r["mean"] / c["mean"] if c["mean"] > 0 else 0.0,
-        timer=timer, outside_wall_ms=outside_ms, outside_calls=k, flags=tuple(flags),
-        device=device, threads=cand.threads, duration_s=time.monotonic() - start,
+        runtime_ms=c["mean"],
+        runtime_std_ms=c["std"],
+        runtime_median_ms=c["median"],
+        runtime_min_ms=c["min"],
+        runtime_ci95_ms=c["ci95"],
+        trials=len(cand_ms),
+        ref_runtime_ms=r["mean"],
+        ref_runtime_std_ms=r["std"],
+        ref_runtime_median_ms=r["median"],
+        ref_trials=len(ref_ms),
+        speedup=r["mean"] / c["mean"] if c["mean"] > 0 else 0.0,
+        timer=timer,
+        outside_wall_ms=outside_ms,
+        outside_calls=k,
+        flags=tuple(flags),
+        device=device,
+        threads=cand.threads,
+        duration_s=time.monotonic() - start,
     )
-    log.info("candidate_profiled", task=task.name, runtime_ms=report.runtime_ms,
-             speedup=report.speedup, flags=report.flags)
+    log.info(
+        "candidate_profiled",
+        task=task.name,
+        runtime_ms=report.runtime_ms,
+        speedup=report.speedup,
+        flags=report.flags,
+    )
     return report
 
 
@@ -361,24 +491,47 @@ def _round_trip_ns(task: Task, handle: RunnerHandle, deadline: _Deadline) -> int
     return time.perf_counter_ns() - t0
 
 
-def _run_and_check(task: Task, ref: RunnerHandle, cand: RunnerHandle, inputs: bytes, seed: int,
-                   deadline: _Deadline) -> tuple[str, str] | None:
+def _run_and_check(
+    task: Task,
+    ref: RunnerHandle,
+    cand: RunnerHandle,
+    *,
+    inputs: bytes,
+    seed: int,
+    deadline: _Deadline,
+) -> tuple[str, str] | None:
+    """Run the candidate once and have the reference judge it: None, or (kind, reason)."""
     ran = _candidate(task, cand, "run", deadline, inputs=inputs, what="forward")
-    verdict = _reference(task, ref, "check", deadline, seed=seed, outputs=ran["outputs"],
-                         inputs_after=ran["inputs_after"])["verdict"]
+    verdict = _reference(
+        task,
+        ref,
+        "check",
+        deadline,
+        seed=seed,
+        outputs=ran["outputs"],
+        inputs_after=ran["inputs_after"],
+    )["verdict"]
     return None if verdict["ok"] else (str(verdict["kind"]), str(verdict["reason"]))
 
 
-def evaluate(task: Task, source: str, *, device: str = "cpu", seed: int = 0,
-             pool: RunnerPool | None = None) -> EvalResult:
+def evaluate(
+    task: Task, source: str, *, device: str = "cpu", seed: int = 0, pool: RunnerPool | None = None
+) -> EvalResult:
     """Compile, verify, and (when correct) profile; what ``kf eval`` runs."""
     compiled = compile_candidate(task, source, device=device, pool=pool)
     if not compiled.ok:
         return EvalResult(task=task.name, compile=compiled, device=device, seed=seed)
     verified = verify_candidate(task, source, device=device, seed=seed, pool=pool)
     if not verified.correct:
-        return EvalResult(task=task.name, compile=compiled, verify=verified, device=device,
-                          seed=seed)
+        return EvalResult(
+            task=task.name, compile=compiled, verify=verified, device=device, seed=seed
+        )
     profiled = profile_candidate(task, source, device=device, seed=seed, pool=pool)
-    return EvalResult(task=task.name, compile=compiled, verify=verified, profile=profiled,
-                      device=device, seed=seed)
+    return EvalResult(
+        task=task.name,
+        compile=compiled,
+        verify=verified,
+        profile=profiled,
+        device=device,
+        seed=seed,
+    )
