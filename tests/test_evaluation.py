@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,24 @@ def test_verify_passes_after_a_crash(pool: RunnerPool) -> None:
     crashed = verify_candidate(TASK, candidate("segfault"), pool=pool)
     assert crashed.failure_kind == "crash"
     assert verify_candidate(TASK, candidate("honest"), pool=pool).correct
+
+
+def test_verify_is_thread_safe_and_isolates_crashes(pool: RunnerPool) -> None:
+    """Two verifications in parallel threads share the pool; one crashing spoils neither."""
+    with ThreadPoolExecutor(max_workers=2) as executor:
+        crashed = executor.submit(verify_candidate, TASK, candidate("segfault"), pool=pool)
+        honest = executor.submit(verify_candidate, TASK, candidate("honest"), pool=pool)
+        assert crashed.result().failure_kind == "crash"
+        assert honest.result().correct
+
+
+def test_profile_clock_tampering_does_not_stop_the_timer(pool: RunnerPool) -> None:
+    """A candidate that patches time.perf_counter_ns at import cannot zero its own timings."""
+    report = profile_candidate(
+        TASK, candidate("clock_tamper"), pool=pool, warmup=1, min_trials=5, min_time_s=0.01
+    )
+    assert report.ok, report.error
+    assert report.runtime_min_ms > 0
 
 
 def test_compile_error_reports_compiler_log(pool: RunnerPool) -> None:
