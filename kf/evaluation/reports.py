@@ -110,6 +110,17 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
         return self.verify is not None and self.verify.correct
 
     @property
+    def failure_kind(self) -> str | None:
+        """The first failing stage's failure kind, or None."""
+        if not self.compile.ok:
+            return self.compile.failure_kind
+        if self.verify is not None and not self.verify.correct:
+            return self.verify.failure_kind
+        if self.profile is not None and not self.profile.ok:
+            return self.profile.failure_kind
+        return None
+
+    @property
     def passed(self) -> bool:
         """Correct, and profiled without failure when profiling ran."""
         return self.correct and (self.profile is None or self.profile.ok)
@@ -134,11 +145,7 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
             "seed": self.seed,
             "compiled": self.compile.ok,
             "correct": self.correct,
-            "failure_kind": (
-                self.compile.failure_kind
-                if not self.compile.ok
-                else (v.failure_kind if v is not None else None)
-            ),
+            "failure_kind": self.failure_kind,
             "max_abs_err": v.max_abs_err if v is not None else None,
             "max_rel_err": v.max_rel_err if v is not None else None,
             "trials": v.trials if v is not None else 0,
