@@ -187,6 +187,117 @@ def _summary(snap: Any) -> str:
     return text if len(text) < 2000 else text[:2000] + " …"
 
 
+# -- kf run / worker / report / export -----------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Evolve kernels for the given tasks on this machine."""
+    from kf.orchestra import RunOptions, run_search
+    from kf.report import build_report, format_table
+    from kf.tasks import TaskError, check_task, load_tasks
+
+    if args.llm_url:
+        print("kf run: --llm-url is not available yet (the LLM mutator is a later issue)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if args.budget < 1:
+        print("kf run: --budget must be at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        tasks = load_tasks(args.tasks)
+        for t in tasks:
+            check_task(t, device=args.device)
+    except TaskError as exc:
+        print(f"kf run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    opts = RunOptions(
+        budget=args.budget, seed=args.seed, db=args.db, device=args.device,
+        nats_url=args.nats, islands=args.islands, max_in_flight=args.max_in_flight,
+        timeout_s=args.timeout,
+    )
+    if args.nats:
+        opts.bus_options = _bus_options(args, args.nats, "kf-run")
+    try:
+        run_id, db = asyncio.run(run_search(tasks, opts, out=sys.stderr if args.json else sys.stdout))
+    except KeyboardInterrupt:
+        print("kf run: interrupted; the log keeps what was committed (rerun with --db to resume)",
+              file=sys.stderr)
+        return 130
+    report = build_report(db)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print()
+        print(format_table(report))
+        print(f"\nlog: {db}    (kf report {db} --json; kf replay {db} --check)")
+    return EXIT_OK
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Serve a run started elsewhere with this machine's device."""
+    from kf.bus import valid_run_id
+    from kf.orchestra import run_worker
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        _install_signal_handlers(stop)
+        await run_worker(valid_run_id(args.run), _bus_options(args, args.nats, "kf-worker"),
+                         device=args.device, stop=stop, options={"timeout_s": args.timeout})
+
+    try:
+        asyncio.run(go())
+    except ValueError as exc:
+        print(f"kf worker: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ConnectionError as exc:
+        print(f"kf worker: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Print a run's results."""
+    from kf.log import LogError
+    from kf.report import build_report, format_table
+
+    try:
+        report = build_report(args.db)
+    except LogError as exc:
+        print(f"kf report: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write the best kernel of a task as a module defining ``ModelNew``."""
+    from agents.archive import best_candidate
+    from kf.log import EventLog, LogError
+    from kf.report import fold_archive
+
+    try:
+        with EventLog(args.db, readonly=True) as elog:
+            state = fold_archive(elog)
+    except LogError as exc:
+        print(f"kf export: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    names = sorted(state.tasks)
+    task = args.task or (names[0] if len(names) == 1 else None)
+    if task is None or task not in state.tasks:
+        print(f"kf export: choose a task with --task (tasks: {', '.join(names)})", file=sys.stderr)
+        return EXIT_USAGE
+    best = best_candidate(state, task)
+    if best is None:
+        print(f"kf export: task {task} has no correct, profiled kernel", file=sys.stderr)
+        return EXIT_FAILED
+    header = (f"# kf export: best kernel for task {task} from run {state.run_id}\n"
+              f"# candidate {best.id}: {best.speedup:.2f}x over PyTorch eager "
+              f"({best.runtime_ms:.4f} ms vs {best.ref_ms:.4f} ms), config {best.config}\n")
+    args.output.write_text(header + best.source)
+    print(f"wrote {args.output} ({task}, {best.speedup:.2f}× over eager)")
+    return EXIT_OK
+
+
 # -- placeholders ----------------------------------------------------------------------------
 
 
@@ -239,16 +350,44 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("rest", nargs=argparse.REMAINDER)
     e.set_defaults(func=cmd_eval)
 
-    for verb, issue, text in [
-        ("run", "the search loop", "evolve kernels for a task or folder of tasks"),
-        ("worker", "the worker", "serve a run from this machine's device"),
-        ("report", "reports", "summarise a run"),
-        ("serve", "the dashboard", "dashboard for a run"),
-        ("export", "export", "best kernel as a drop-in module"),
-    ]:
-        q = sub.add_parser(verb, help=text)
-        q.add_argument("rest", nargs=argparse.REMAINDER)
-        q.set_defaults(func=_not_yet(verb, f"{issue} is not built yet"))
+    rn = sub.add_parser("run", help="evolve kernels for a task file or a folder of tasks")
+    rn.add_argument("tasks", type=Path, help="a KernelBench-format task file, or a folder of them")
+    rn.add_argument("--budget", type=int, default=20, help="candidates per task (seeds included)")
+    rn.add_argument("--seed", type=int, default=0, help="the run's seed (selection, mutation)")
+    rn.add_argument("--db", type=Path, help="event log path (default runs/<run_id>.db); an "
+                    "existing log is resumed")
+    rn.add_argument("--device", default="cpu", help="cpu (cuda:N comes with the GPU worker)")
+    rn.add_argument("--islands", type=int, default=2)
+    rn.add_argument("--max-in-flight", type=int, default=2,
+                    help="candidates being evaluated at once, across tasks")
+    rn.add_argument("--llm-url", help="OpenAI-compatible endpoint (not available yet)")
+    rn.add_argument("--timeout", type=float, default=180.0,
+                    help="seconds per candidate stage before it is killed")
+    rn.add_argument("--json", action="store_true", help="print the final report as JSON")
+    _add_nats_options(rn, required=False)
+    rn.set_defaults(func=cmd_run)
+
+    w = sub.add_parser("worker", help="serve a run from this machine's device")
+    w.add_argument("--device", default="cpu")
+    w.add_argument("--run", required=True, metavar="RUN_ID")
+    w.add_argument("--timeout", type=float, default=180.0)
+    _add_nats_options(w, required=True)
+    w.set_defaults(func=cmd_worker)
+
+    rp = sub.add_parser("report", help="summarise a run from its log")
+    rp.add_argument("db", type=Path)
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(func=cmd_report)
+
+    ex = sub.add_parser("export", help="write a task's best kernel as a drop-in module")
+    ex.add_argument("db", type=Path)
+    ex.add_argument("-o", "--output", type=Path, required=True)
+    ex.add_argument("--task", help="which task (default: the only one)")
+    ex.set_defaults(func=cmd_export)
+
+    sv = sub.add_parser("serve", help="dashboard for a run")
+    sv.add_argument("rest", nargs=argparse.REMAINDER)
+    sv.set_defaults(func=_not_yet("serve", "the dashboard is not built yet"))
     return p
 
 

@@ -1,0 +1,426 @@
+"""The MAP-Elites archive and parent selection: a pure decision agent hosted by the archivist.
+
+State is a fold over the log. Every decision is *planned inside the fold*: when an event
+changes what should happen next (a candidate finished, a run started), ``evolve`` computes
+the decisions, applies their effect to the state at once (a reserved selection, an
+admitted elite) and keeps them as the plan for that event; ``react`` only returns the
+plan. So a batch of events can never over-commit the budget, and ``kf replay --check``
+recomputes exactly the same decisions from the same prefix.
+
+Behavioural cells come from the candidate's source (:func:`kf.behaviour.describe`):
+(memory, compute, parallelism) levels 0..3, i.e. 64 cells per island per task.
+Randomness: each selection draws from ``random.Random`` seeded by sha256 of the run seed,
+the task and the selection number, so no choice depends on anything but the log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from kf.agent import Agent
+from kf.behaviour import describe
+from kf.events import Event, Record
+from kf.facts import ReactionFailed, RunFinished, RunStarted
+from kf.params import family as param_family
+from kf.search_facts import (
+    CandidateCompiled,
+    CandidateProfiled,
+    CandidateProposed,
+    CandidateRejected,
+    CandidateVerified,
+    EliteAdmitted,
+    MutationFailed,
+    ParentSelected,
+    TaskSkipped,
+)
+
+__all__ = ["ArchiveAgent", "ArchiveState", "Cand", "SearchConfig", "TaskArchive", "cell_key"]
+
+CELLS_PER_ISLAND = 4 * 4 * 4
+
+
+class SearchConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The run's search settings, read from ``RunStarted.config``."""
+
+    budget: int = 20
+    islands: int = 2
+    max_in_flight: int = 2
+    crossover_rate: float = 0.3
+    migrate_every: int = 8
+    llm: bool = False
+
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> SearchConfig:
+        """Known keys from a run config, defaults for the rest."""
+        fields = {f: config[f] for f in cls.__struct_fields__ if f in config}
+        return msgspec.convert(fields, cls)
+
+
+class Cand(msgspec.Struct, kw_only=True):
+    """One candidate as the archive knows it."""
+
+    id: str
+    task: str
+    island: int
+    operator: str
+    mutator: str
+    family: str
+    config: dict[str, Any] = {}
+    parent_id: str | None = None
+    selection: int | None = None
+    status: str = "proposed"  # compiled | correct | profiled | failed
+    failure: str | None = None
+    error: str | None = None
+    speedup: float | None = None
+    runtime_ms: float | None = None
+    runtime_std_ms: float | None = None
+    ref_ms: float | None = None
+    cell: tuple[int, int, int] | None = None
+    source: str = ""
+
+    @property
+    def in_flight(self) -> bool:
+        """Not yet finished (profiled or failed)."""
+        return self.status not in ("profiled", "failed")
+
+
+def cell_key(island: int, cell: Sequence[int]) -> str:
+    """``"island:m.c.p"`` — the archive's map key for a cell on an island."""
+    return f"{island}:{cell[0]}.{cell[1]}.{cell[2]}"
+
+
+class TaskArchive(msgspec.Struct, kw_only=True):
+    """Per-task search progress and its MAP-Elites grid."""
+
+    name: str
+    seeds: int = 0
+    selections: int = 0  # issued (each uses one unit of budget)
+    proposed: int = 0
+    compiled: int = 0
+    correct: int = 0
+    profiled: int = 0
+    failed: int = 0
+    pending: list[int] = []  # selections not yet answered by a proposal or failure
+    elites: dict[str, str] = {}  # cell_key → candidate id
+    skipped: str | None = None
+    exhausted: bool = False
+
+
+class ArchiveState(msgspec.Struct, kw_only=True):
+    """Everything the archive decides from."""
+
+    run_id: str = ""
+    seed: int = 0
+    config: SearchConfig = SearchConfig()
+    started: bool = False
+    finished: bool = False
+    tasks: dict[str, TaskArchive] = {}
+    candidates: dict[str, Cand] = {}
+    event_candidate: dict[str, str] = {}  # candidate event id → candidate id
+    plan: tuple[str, list[Event]] = ("", [])  # decisions planned by the last folded event
+
+    def summary(self) -> str:
+        """A few lines per task: progress, best kernel, filled cells."""
+        lines = [f"run {self.run_id} seed {self.seed} finished={self.finished}"]
+        for name, t in self.tasks.items():
+            best = best_candidate(self, name)
+            best_s = f"best {best.speedup:.2f}× ({best.id[:12]})" if best and best.speedup else "no best"
+            lines.append(
+                f"  {name}: proposed {t.proposed}, compiled {t.compiled}, correct {t.correct}, "
+                f"failed {t.failed}, {len(t.elites)} elite cells, {best_s}"
+                + (f", skipped: {t.skipped}" if t.skipped else "")
+            )
+        return "\n".join(lines)
+
+
+class ArchiveAgent(Agent[ArchiveState]):
+    """MAP-Elites over kernel behaviour, with islands, migration and seeded selection."""
+
+    kind = "archive"
+    decides = True
+    listens = (
+        RunStarted,
+        CandidateProposed,
+        MutationFailed,
+        CandidateCompiled,
+        CandidateVerified,
+        CandidateRejected,
+        CandidateProfiled,
+        ReactionFailed,
+    )
+
+    def initial_state(self) -> ArchiveState:
+        return ArchiveState()
+
+    def react(self, state: ArchiveState, rec: Record) -> Sequence[Event]:
+        event_id, decisions = state.plan
+        return list(decisions) if event_id == rec.event_id else ()
+
+    def snapshot(self, state: ArchiveState) -> Any:
+        return msgspec.structs.replace(state, plan=("", []))
+
+    # -- the fold -------------------------------------------------------------------------
+
+    def evolve(self, state: ArchiveState, rec: Record) -> ArchiveState:
+        plan: list[Event] = []
+        ev = rec.event
+        if isinstance(ev, RunStarted):
+            self._start(state, ev, plan)
+        elif isinstance(ev, CandidateProposed):
+            self._proposed(state, ev, rec.event_id)
+        elif isinstance(ev, MutationFailed):
+            t = state.tasks.get(ev.task)
+            if t is not None and ev.selection in t.pending:
+                t.pending.remove(ev.selection)
+        elif isinstance(ev, CandidateCompiled):
+            c = self._cand(state, ev.candidate_id, rec.event_id)
+            if c is not None and c.status == "proposed":
+                if ev.report.ok:
+                    c.status = "compiled"
+                    state.tasks[c.task].compiled += 1
+                else:
+                    self._fail(state, c, ev.report.failure_kind or "compile_error", ev.report.error)
+        elif isinstance(ev, CandidateVerified):
+            c = self._cand(state, ev.candidate_id, rec.event_id)
+            if c is not None and c.status == "compiled":
+                c.status = "correct"
+                state.tasks[c.task].correct += 1
+        elif isinstance(ev, CandidateRejected):
+            c = self._cand(state, ev.candidate_id, rec.event_id)
+            if c is not None and c.in_flight:
+                self._fail(state, c, ev.report.failure_kind or "incorrect", ev.report.error)
+        elif isinstance(ev, CandidateProfiled):
+            c = state.candidates.get(ev.candidate_id)
+            if c is not None and c.status == "correct":
+                if ev.report.ok:
+                    self._profiled(state, c, ev, plan)
+                else:
+                    self._fail(state, c, ev.report.failure_kind or "profile_failed", ev.report.error)
+        elif isinstance(ev, ReactionFailed):
+            cid = state.event_candidate.get(rec.envelope.caused_by or "")
+            c = state.candidates.get(cid or "")
+            if c is not None and c.in_flight:
+                self._fail(state, c, f"agent_error:{ev.kind}", ev.error)
+        if state.started and not state.finished:
+            self._top_up(state, plan)
+        state.plan = (rec.event_id, plan)
+        return state
+
+    def _start(self, state: ArchiveState, ev: RunStarted, plan: list[Event]) -> None:
+        if state.started:
+            return
+        state.started = True
+        state.run_id = ev.run_id
+        state.seed = ev.seed
+        state.config = SearchConfig.of(ev.config)
+        for spec in ev.tasks:
+            t = TaskArchive(name=spec.name, seeds=len(spec.seeds))
+            state.tasks[spec.name] = t
+            if not spec.seeds and not state.config.llm:
+                t.skipped = (
+                    "no seed kernel and no LLM configured: the offline mutator can only tune "
+                    "and recombine existing kernels (add seeds/<task>.py or pass --llm-url)"
+                )
+                plan.append(TaskSkipped(task=spec.name, reason=t.skipped))
+
+    def _cand(self, state: ArchiveState, cid: str, event_id: str) -> Cand | None:
+        c = state.candidates.get(cid)
+        if c is not None:
+            state.event_candidate[event_id] = cid
+        return c
+
+    def _proposed(self, state: ArchiveState, ev: CandidateProposed, event_id: str) -> None:
+        t = state.tasks.get(ev.task)
+        if t is None or ev.candidate_id in state.candidates:
+            return
+        state.candidates[ev.candidate_id] = Cand(
+            id=ev.candidate_id,
+            task=ev.task,
+            island=ev.island % max(1, state.config.islands),
+            operator=ev.operator,
+            mutator=ev.mutator,
+            family=ev.family or param_family(ev.source),
+            config=dict(ev.config),
+            parent_id=ev.parent_id,
+            selection=ev.selection,
+            source=ev.source,
+        )
+        state.event_candidate[event_id] = ev.candidate_id
+        t.proposed += 1
+        if ev.selection is not None and ev.selection in t.pending:
+            t.pending.remove(ev.selection)
+
+    def _fail(self, state: ArchiveState, c: Cand, kind: str, error: str | None) -> None:
+        c.status = "failed"
+        c.failure = kind
+        c.error = (error or "")[:2000]
+        state.tasks[c.task].failed += 1
+
+    def _profiled(
+        self, state: ArchiveState, c: Cand, ev: CandidateProfiled, plan: list[Event]
+    ) -> None:
+        r = ev.report
+        c.status = "profiled"
+        c.speedup = r.speedup
+        c.runtime_ms = r.runtime_ms
+        c.runtime_std_ms = r.runtime_std_ms
+        c.ref_ms = r.ref_runtime_ms
+        c.cell = describe(c.source).cell()
+        t = state.tasks[c.task]
+        t.profiled += 1
+        self._admit(state, t, c, c.island, plan, migrated_from=None)
+
+    def _admit(
+        self,
+        state: ArchiveState,
+        t: TaskArchive,
+        c: Cand,
+        island: int,
+        plan: list[Event],
+        migrated_from: int | None,
+    ) -> None:
+        assert c.cell is not None and c.speedup is not None
+        key = cell_key(island, c.cell)
+        incumbent = state.candidates.get(t.elites.get(key, ""))
+        if incumbent is not None and (incumbent.speedup or 0.0) >= c.speedup:
+            return
+        t.elites[key] = c.id
+        plan.append(
+            EliteAdmitted(
+                task=t.name,
+                candidate_id=c.id,
+                island=island,
+                cell=c.cell,
+                speedup=c.speedup,
+                replaced=incumbent.id if incumbent is not None else None,
+                migrated_from=migrated_from,
+            )
+        )
+
+    # -- selection --------------------------------------------------------------------------
+
+    def _in_flight(self, state: ArchiveState, task: str | None = None) -> int:
+        n = 0
+        for t in state.tasks.values():
+            if task is None or t.name == task:
+                n += len(t.pending)
+        for c in state.candidates.values():
+            if c.in_flight and (task is None or c.task == task):
+                n += 1
+        return n
+
+    def _used(self, t: TaskArchive) -> int:
+        return t.seeds + t.selections
+
+    def _top_up(self, state: ArchiveState, plan: list[Event]) -> None:
+        cfg = state.config
+        in_flight = self._in_flight(state)
+        while in_flight < cfg.max_in_flight:
+            eligible = [
+                t
+                for t in state.tasks.values()
+                if t.skipped is None and self._used(t) < cfg.budget and t.elites
+            ]
+            if not eligible:
+                break
+            t = min(eligible, key=lambda t: (self._used(t), t.name))
+            self._select(state, t, plan)
+            in_flight += 1
+        # tasks that can never go on: no elite, nothing in flight, seeds all done
+        for t in state.tasks.values():
+            if t.skipped is None and not t.elites and not t.exhausted:
+                if t.proposed >= t.seeds and self._in_flight(state, t.name) == 0:
+                    t.exhausted = True
+                    t.skipped = "no correct candidate to start from: every seed failed"
+                    plan.append(TaskSkipped(task=t.name, reason=t.skipped))
+        if in_flight == 0 and all(
+            t.skipped is not None or self._used(t) >= cfg.budget for t in state.tasks.values()
+        ):
+            if all(t.proposed >= t.seeds or t.skipped for t in state.tasks.values()):
+                state.finished = True
+                plan.append(RunFinished(reason=_finish_reason(state)))
+
+    def _select(self, state: ArchiveState, t: TaskArchive, plan: list[Event]) -> None:
+        cfg = state.config
+        n = t.selections
+        digest = hashlib.sha256(f"{state.seed}:{t.name}:{n}".encode()).digest()
+        rng = random.Random(int.from_bytes(digest[:8], "big"))
+        island = n % max(1, cfg.islands)
+        if cfg.islands > 1 and cfg.migrate_every > 0 and n > 0 and n % cfg.migrate_every == 0:
+            self._migrate(state, t, plan)
+        pool = self._pool(state, t, island)
+        parent = self._tournament(rng, pool)
+        operator, second = "mutate", None
+        mates = [c for c in pool if c.family == parent.family and c.id != parent.id]
+        if mates and rng.random() < cfg.crossover_rate:
+            operator, second = "crossover", rng.choice(mates).id
+        t.selections += 1
+        t.pending.append(n)
+        plan.append(ParentSelected(
+            task=t.name,
+            selection=n,
+            island=island,
+            operator=operator,
+            parent_id=parent.id,
+            second_parent_id=second,
+            rng_seed=rng.getrandbits(32),
+        ))
+
+    def _pool(self, state: ArchiveState, t: TaskArchive, island: int) -> list[Cand]:
+        prefix = f"{island}:"
+        ids = [cid for key, cid in sorted(t.elites.items()) if key.startswith(prefix)]
+        if not ids:
+            ids = [cid for _, cid in sorted(t.elites.items())]
+        seen: set[str] = set()
+        pool: list[Cand] = []
+        for cid in ids:
+            if cid not in seen:
+                seen.add(cid)
+                pool.append(state.candidates[cid])
+        return pool
+
+    @staticmethod
+    def _tournament(rng: random.Random, pool: list[Cand]) -> Cand:
+        a, b = rng.choice(pool), rng.choice(pool)
+        return a if (a.speedup or 0.0) >= (b.speedup or 0.0) else b
+
+    def _migrate(self, state: ArchiveState, t: TaskArchive, plan: list[Event]) -> None:
+        cfg = state.config
+        for src in range(cfg.islands):
+            members = [state.candidates[cid] for key, cid in sorted(t.elites.items())
+                       if key.startswith(f"{src}:")]
+            if not members:
+                continue
+            best = max(members, key=lambda c: (c.speedup or 0.0, c.id))
+            self._admit(state, t, best, (src + 1) % cfg.islands, plan, migrated_from=src)
+
+
+def _finish_reason(state: ArchiveState) -> str:
+    parts = []
+    for t in state.tasks.values():
+        parts.append(f"{t.name}: {t.skipped}" if t.skipped else f"{t.name}: budget spent")
+    return "; ".join(parts)
+
+
+def best_candidate(state: ArchiveState, task: str) -> Cand | None:
+    """The fastest profiled candidate of a task (ties: the earlier id order)."""
+    best: Cand | None = None
+    for c in state.candidates.values():
+        if c.task == task and c.status == "profiled" and c.speedup is not None:
+            if best is None or c.speedup > (best.speedup or 0.0):
+                best = c
+    return best
+
+
+def geomean(values: Sequence[float]) -> float | None:
+    """Geometric mean of positive values (None when empty)."""
+    vals = [v for v in values if v > 0]
+    if not vals:
+        return None
+    return math.exp(sum(math.log(v) for v in vals) / len(vals))

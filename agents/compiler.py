@@ -1,0 +1,35 @@
+"""The compiler: builds each proposed candidate in a sandbox and records the outcome."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
+from kf.evaluation import compile_candidate
+from kf.events import Event, Record
+from kf.search_facts import CandidateCompiled, CandidateProposed
+
+__all__ = ["Compiler"]
+
+
+class Compiler(EvaluatorAgent):
+    """Imports the candidate and constructs ``ModelNew`` (building its native code)."""
+
+    kind = "compiler"
+    concurrency = 2
+
+    async def react(self, state: EvaluatorState, rec: Record) -> Sequence[Event]:  # type: ignore[override]
+        ev = rec.event
+        if not isinstance(ev, CandidateProposed) or not self.serves(ev.device):
+            return ()
+        found = self.lookup(state, ev.task, ev.candidate_id)
+        if found is None:
+            return ()
+        task, source = found
+        async with await gate_for(self.device).shared():
+            report = await asyncio.to_thread(
+                compile_candidate, task, source, device=self.device, timeout_s=self.timeout_s
+            )
+        return [CandidateCompiled(candidate_id=ev.candidate_id, task=ev.task,
+                                  device_id=self.device_id, report=report)]

@@ -1,0 +1,143 @@
+"""What the compiler, verifier and profiler share: the run's tasks and candidate sources
+for their device, and a gate that keeps timing alone on the device.
+
+Each of the three is its own agent (its own kind, its own reactions); a worker process
+hosts them next to the device they serve. The blocking evaluation calls run in threads
+(``asyncio.to_thread``); every candidate runs in its own sandboxed process
+(:mod:`kf.evaluation`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from kf.agent import Agent, AgentContext
+from kf.events import Event, Record
+from kf.facts import RunStarted
+from kf.search_facts import CandidateProposed
+from kf.tasks import Seed, Task
+
+__all__ = ["DeviceGate", "EvaluatorAgent", "EvaluatorState", "gate_for"]
+
+
+class DeviceGate:
+    """A readers-writer gate per device: timing is exclusive; compiling and verifying share.
+
+    On a CPU every stage competes for the same cores, so a profile waits until no
+    compile or verification is running, and none starts while it times.
+    """
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting_exclusive = 0
+
+    async def shared(self) -> _Hold:
+        async with self._cond:
+            await self._cond.wait_for(
+                lambda: not self._exclusive and self._waiting_exclusive == 0
+            )
+            self._shared += 1
+        return _Hold(self, exclusive=False)
+
+    async def exclusive(self) -> _Hold:
+        async with self._cond:
+            self._waiting_exclusive += 1
+            try:
+                await self._cond.wait_for(lambda: not self._exclusive and self._shared == 0)
+            finally:
+                self._waiting_exclusive -= 1
+            self._exclusive = True
+        return _Hold(self, exclusive=True)
+
+    async def _release(self, exclusive: bool) -> None:
+        async with self._cond:
+            if exclusive:
+                self._exclusive = False
+            else:
+                self._shared -= 1
+            self._cond.notify_all()
+
+
+class _Hold:
+    def __init__(self, gate: DeviceGate, *, exclusive: bool) -> None:
+        self.gate = gate
+        self.exclusive = exclusive
+
+    async def __aenter__(self) -> _Hold:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.gate._release(self.exclusive)
+
+
+_GATES: dict[tuple[int, str], DeviceGate] = {}
+
+
+def gate_for(device: str) -> DeviceGate:
+    """The gate of ``device`` in this process and event loop."""
+    key = (id(asyncio.get_running_loop()), device)
+    gate = _GATES.get(key)
+    if gate is None:
+        gate = _GATES[key] = DeviceGate()
+    return gate
+
+
+class EvaluatorState(msgspec.Struct, kw_only=True):
+    """The run's tasks (from RunStarted) and the sources of candidates for this device."""
+
+    seed: int = 0
+    tasks: dict[str, Any] = {}  # name → Task (not serialised: rebuilt from the log)
+    sources: dict[str, str] = {}
+
+
+class EvaluatorAgent(Agent[EvaluatorState]):
+    """Base of compiler, verifier and profiler: knows tasks and candidate sources."""
+
+    listens: tuple[type[Event], ...] = (RunStarted, CandidateProposed)
+    concurrency = 1
+
+    def __init__(self, ctx: AgentContext) -> None:
+        super().__init__(ctx)
+        self.device = str(ctx.options.get("device", "cpu"))
+        self.device_id = str(ctx.options.get("device_id", self.device))
+        self.timeout_s = float(ctx.options.get("timeout_s", 180.0))
+
+    def initial_state(self) -> EvaluatorState:
+        return EvaluatorState()
+
+    def evolve(self, state: EvaluatorState, rec: Record) -> EvaluatorState:
+        ev = rec.event
+        if isinstance(ev, RunStarted):
+            state.seed = ev.seed
+            state.tasks = {
+                t.name: Task.from_source(
+                    t.name, t.source, path=t.path,
+                    seeds=tuple(Seed(name=n, source=s) for n, s in t.seeds),
+                )
+                for t in ev.tasks
+            }
+        elif isinstance(ev, CandidateProposed) and self.serves(ev.device):
+            state.sources[ev.candidate_id] = ev.source
+        return state
+
+    def serves(self, device: str) -> bool:
+        """Whether a candidate targeting ``device`` is this agent's to evaluate."""
+        return device == self.device or (device == "cpu" and self.device.startswith("cpu"))
+
+    def snapshot(self, state: EvaluatorState) -> Any:
+        return {"tasks": sorted(state.tasks), "candidates": len(state.sources)}
+
+    def lookup(self, state: EvaluatorState, task: str, cid: str) -> tuple[Task, str] | None:
+        """The task and source of a candidate this agent serves, or None."""
+        t = state.tasks.get(task)
+        src = state.sources.get(cid)
+        return (t, src) if t is not None and src is not None else None
+
+    def react(self, state: EvaluatorState, rec: Record) -> Sequence[Event]:
+        return ()

@@ -1,0 +1,38 @@
+"""The verifier: KernelBench's correctness protocol on every compiled candidate."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
+from kf.evaluation import verify_candidate
+from kf.events import Event, Record
+from kf.facts import RunStarted
+from kf.search_facts import CandidateCompiled, CandidateProposed, CandidateRejected, CandidateVerified
+
+__all__ = ["Verifier"]
+
+
+class Verifier(EvaluatorAgent):
+    """Five seeded trials against the reference, in separate processes; evidence recorded."""
+
+    kind = "verifier"
+    listens = (RunStarted, CandidateProposed, CandidateCompiled)
+
+    async def react(self, state: EvaluatorState, rec: Record) -> Sequence[Event]:  # type: ignore[override]
+        ev = rec.event
+        if not isinstance(ev, CandidateCompiled) or not ev.report.ok:
+            return ()
+        found = self.lookup(state, ev.task, ev.candidate_id)
+        if found is None:
+            return ()
+        task, source = found
+        async with await gate_for(self.device).shared():
+            report = await asyncio.to_thread(
+                verify_candidate, task, source, device=self.device, seed=state.seed,
+                timeout_s=self.timeout_s,
+            )
+        cls = CandidateVerified if report.correct else CandidateRejected
+        return [cls(candidate_id=ev.candidate_id, task=ev.task, device_id=self.device_id,
+                    report=report)]

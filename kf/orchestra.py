@@ -1,0 +1,314 @@
+"""``kf run`` and ``kf worker``: start the agents of a run in this process.
+
+``kf run`` starts (or connects to) NATS, the archivist hosting the archive, the mutator
+and a worker for the chosen device, publishes ``RunStarted`` with the tasks' sources,
+shows progress from the committed log and stops everything cleanly when the archive
+decides the run is finished. ``kf worker`` runs just the worker agents (hardware,
+compiler, verifier, profiler) for a run started elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from kf import bus
+from kf.agent import Agent, AgentContext, make_agent_id
+from kf.events import Record, decode_event, make_envelope
+from kf.facts import RunFinished, RunStarted, TaskSpec
+from kf.runtime import AgentRunner, CommittedFeed, Outbox, supervise
+from kf.tasks import Task
+
+__all__ = ["RunOptions", "run_search", "run_worker", "worker_agents"]
+
+
+@dataclass
+class RunOptions:
+    """Settings of ``kf run``."""
+
+    budget: int = 20
+    seed: int = 0
+    db: Path | None = None
+    device: str = "cpu"
+    nats_url: str | None = None
+    bus_options: Any = None
+    islands: int = 2
+    max_in_flight: int = 2
+    llm_url: str | None = None
+    timeout_s: float = 180.0
+    measure_device: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def new_run_id() -> str:
+    """A readable, unique run id (chosen once, recorded in the log)."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def worker_agents() -> list[type[Agent[Any]]]:
+    """The agents a worker process hosts next to its device."""
+    from agents.compiler import Compiler
+    from agents.profiler import Profiler
+    from agents.verifier import Verifier
+    from hardware_agents.cpu_agent import CpuHardwareAgent
+
+    return [CpuHardwareAgent, Compiler, Verifier, Profiler]
+
+
+def _runner_factory(
+    cls: type[Agent[Any]], run_id: str, nc: Any, options: dict[str, Any]
+) -> Callable[[], AgentRunner]:
+    agent_id = make_agent_id(cls.kind)
+    return lambda: AgentRunner(
+        cls(AgentContext(run_id=run_id, agent_id=agent_id, options=dict(options))), nc
+    )
+
+
+async def run_worker(
+    run_id: str,
+    opts: Any,
+    *,
+    device: str = "cpu",
+    stop: asyncio.Event | None = None,
+    options: dict[str, Any] | None = None,
+) -> None:
+    """Serve a run from this machine's device until ``stop`` (or SIGINT/SIGTERM)."""
+    from hardware_agents.cpu import host_id
+
+    if not device.startswith("cpu"):
+        raise ValueError(
+            f"device {device!r} is not supported by this kf yet (the CUDA worker is a later "
+            "issue); use --device cpu"
+        )
+    stop = stop or asyncio.Event()
+    nc = await bus.connect(opts)
+    opt = {"device": device, "device_id": f"{host_id()}/{device}", **(options or {})}
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for cls in worker_agents():
+                tg.create_task(
+                    supervise(_runner_factory(cls, run_id, nc, opt), stop, name=cls.kind)
+                )
+    finally:
+        await bus.close(nc)
+
+
+@dataclass
+class Progress:
+    """Folds the committed log with the archive's own fold, for the live display."""
+
+    out: TextIO
+    total_budget: int
+    finished: RunFinished | None = None
+    state: Any = None
+    agent: Any = None
+    done: int = 0
+
+    def __post_init__(self) -> None:
+        from agents.archive import ArchiveAgent
+
+        self.agent = ArchiveAgent(AgentContext(run_id="", agent_id="archive@progress"))
+        self.state = self.agent.initial_state()
+
+    def feed(self, rec: Record) -> None:
+        from kf.search_facts import (
+            CandidateCompiled,
+            CandidateProfiled,
+            CandidateRejected,
+            MutationFailed,
+            TaskSkipped,
+        )
+
+        ev = rec.event
+        if self.agent.listens_to(rec.envelope.type):
+            self.state = self.agent.evolve(self.state, rec)
+        if isinstance(ev, RunFinished):
+            self.finished = ev
+        elif isinstance(ev, TaskSkipped):
+            print(f"  {ev.task}: skipped — {ev.reason}", file=self.out, flush=True)
+        elif isinstance(ev, (CandidateProfiled, CandidateRejected, CandidateCompiled,
+                             MutationFailed)):
+            if isinstance(ev, CandidateCompiled) and ev.report.ok:
+                return
+            self.done += 1
+            self._line(ev)
+
+    def _line(self, ev: Any) -> None:
+        from agents.archive import best_candidate
+
+        task = ev.task
+        c = self.state.candidates.get(getattr(ev, "candidate_id", ""), None)
+        if c is None:
+            what = f"mutation failed: {getattr(ev, 'reason', '')}"
+        elif c.status == "profiled":
+            what = f"correct  {c.speedup:6.2f}×  ({c.runtime_ms:.3f} ms vs eager {c.ref_ms:.3f} ms)"
+        else:
+            what = f"failed   {c.failure}: {(c.error or '').splitlines()[0][:80] if c.error else ''}"
+        t = self.state.tasks[task]
+        best = best_candidate(self.state, task)
+        best_s = f"best {best.speedup:.2f}×" if best is not None and best.speedup else "best —"
+        op = c.operator if c is not None else ""
+        print(
+            f"[{self.done:4d}/{self.total_budget}] {task:<18} {op:<9} {what}   "
+            f"(evaluated {t.profiled + t.failed}, correct {t.correct}, {best_s})",
+            file=self.out,
+            flush=True,
+        )
+
+
+async def run_search(tasks: list[Task], o: RunOptions, *, out: TextIO = sys.stdout) -> tuple[str, Path]:
+    """Run a whole search in this process; return ``(run_id, db path)`` when it finished."""
+    from agents.archive import ArchiveAgent
+    from agents.archivist import Archivist
+    from agents.mutator import OFFLINE_MUTATOR, OfflineMutator
+    from hardware_agents.cpu import host_id
+
+    resume = o.db is not None and o.db.exists()
+    run_id = _run_id_of(o.db) if resume and o.db is not None else new_run_id()
+    db = o.db or Path("runs") / f"{run_id}.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    server: bus.EmbeddedServer | None = None
+    if o.nats_url is None:
+        server = bus.EmbeddedServer().start()
+        url = server.url
+    else:
+        url = o.nats_url
+    opts = o.bus_options or bus.BusOptions.from_env(url)
+    if o.bus_options is not None:
+        opts = bus.BusOptions(**{**opts.__dict__, "url": url})
+    stop_agents, stop_archivist, ready = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    nc = await bus.connect(opts)
+    mutator = "llm" if o.llm_url else OFFLINE_MUTATOR
+    print(
+        f"kf run {run_id}: {len(tasks)} task(s), budget {o.budget} candidates each, seed {o.seed}, "
+        f"device {o.device}\n  log: {db}\n  mutator: {mutator}",
+        file=out,
+        flush=True,
+    )
+    archivist_task: asyncio.Task[None] | None = None
+    agent_tasks: list[asyncio.Task[None]] = []
+    try:
+        arch = Archivist(
+            AgentContext(run_id=run_id, agent_id=make_agent_id("archivist")),
+            db=db,
+            hosted=[ArchiveAgent],
+            nc=nc,
+        )
+        archivist_task = asyncio.create_task(
+            supervise(lambda: arch, stop_archivist, ready, name="archivist")
+        )
+        await _first(ready.wait(), [archivist_task])
+        if not resume:
+            await _publish_start(nc, run_id, tasks, o, mutator)
+        opt = {"device": o.device, "device_id": f"{host_id()}/{o.device}",
+               "timeout_s": o.timeout_s, "measure": o.measure_device}
+        agent_tasks.append(asyncio.create_task(
+            supervise(_runner_factory(OfflineMutator, run_id, nc, {}), stop_agents,
+                      name="mutator")))
+        for cls in worker_agents():
+            agent_tasks.append(asyncio.create_task(
+                supervise(_runner_factory(cls, run_id, nc, opt), stop_agents, name=cls.kind)))
+        progress = Progress(out=out, total_budget=o.budget * max(1, len(tasks)))
+        await _first(_follow(nc, run_id, progress), [archivist_task, *agent_tasks])
+        # agents drain (flushing what they produced) before the archivist stops
+        stop_agents.set()
+        await asyncio.gather(*agent_tasks)
+        stop_archivist.set()
+        await archivist_task
+    finally:
+        stop_agents.set()
+        stop_archivist.set()
+        for t in [*agent_tasks, *([archivist_task] if archivist_task else [])]:
+            if not t.done():
+                t.cancel()
+            with contextlib.suppress(BaseException):
+                await t
+        await bus.close(nc)
+        if server is not None:
+            server.stop()
+    return run_id, db
+
+
+async def _first(main: Any, watch: list[asyncio.Task[None]]) -> None:
+    """Await ``main``; if a watched task ends first (an agent gave up), raise its error."""
+    main_task = asyncio.ensure_future(main)
+    done, _ = await asyncio.wait({main_task, *watch}, return_when=asyncio.FIRST_COMPLETED)
+    if main_task in done:
+        main_task.result()
+        return
+    main_task.cancel()
+    for t in done:
+        t.result()
+    raise RuntimeError("an agent stopped before the run finished")
+
+
+async def _publish_start(
+    nc: Any, run_id: str, tasks: list[Task], o: RunOptions, mutator: str
+) -> None:
+    started = RunStarted(
+        run_id=run_id,
+        seed=o.seed,
+        config={
+            "budget": o.budget,
+            "islands": o.islands,
+            "max_in_flight": o.max_in_flight,
+            "device": o.device,
+            "llm": bool(o.llm_url),
+            "mutator": mutator,
+            **o.extra,
+        },
+        tasks=tuple(
+            TaskSpec(
+                name=t.name, source=t.source, sha256=t.sha256, path=t.path,
+                seeds=tuple((s.name, s.source) for s in t.seeds),
+            )
+            for t in tasks
+        ),
+        kf_version=_version(),
+    )
+    outbox = Outbox(nc, run_id)
+    ob_task = asyncio.create_task(outbox.run())
+    outbox.put([make_envelope(started, run_id=run_id, source=make_agent_id("cli"))])
+    await outbox.flush()
+    ob_task.cancel()
+
+
+async def _follow(nc: Any, run_id: str, progress: Progress) -> None:
+    feed = CommittedFeed(nc, run_id)
+    await feed.subscribe()
+    try:
+        for env in await feed.catch_up():
+            progress.feed(Record(env, decode_event(env)))
+        if progress.finished:
+            return
+        async for env in feed:
+            progress.feed(Record(env, decode_event(env)))
+            if progress.finished:
+                return
+    finally:
+        await feed.unsubscribe()
+
+
+def _run_id_of(db: Path) -> str:
+    from kf.log import EventLog
+
+    with EventLog(db, readonly=True) as elog:
+        for env in elog.read(1, 1):
+            return env.run_id
+    raise ValueError(f"{db}: the log is empty; delete it or choose another --db")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    with contextlib.suppress(PackageNotFoundError):
+        return version("kf")
+    return os.environ.get("KF_VERSION", "dev")

@@ -1,0 +1,126 @@
+"""``kf report``: a run's results, folded from its log with the archive's own fold.
+
+KernelBench's ``fast_p``: the fraction of the run's tasks whose best kernel is correct
+and more than ``p`` times faster than PyTorch eager (``fast_0`` counts correct tasks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kf.agent import AgentContext
+from kf.events import Record, decode_event
+from kf.log import EventLog
+
+__all__ = ["FAST_P", "build_report", "fold_archive", "format_table"]
+
+FAST_P = (0.0, 1.0, 1.5, 2.0)
+
+
+def fold_archive(elog: EventLog) -> Any:
+    """The archive state after the whole log."""
+    from agents.archive import ArchiveAgent
+
+    agent = ArchiveAgent(AgentContext(run_id="", agent_id="archive@report"))
+    state = agent.initial_state()
+    for env in elog.read():
+        if agent.listens_to(env.type):
+            state = agent.evolve(state, Record(env, decode_event(env)))
+    return state
+
+
+def build_report(db: str | Path) -> dict[str, Any]:
+    """The JSON report of ``kf report --json``."""
+    from agents.archive import CELLS_PER_ISLAND, best_candidate, geomean
+
+    with EventLog(db, readonly=True) as elog:
+        state = fold_archive(elog)
+        devices = sorted(
+            {str(decode_event(e).device_id) for e in elog.read(types=["device.announced"])}  # type: ignore[attr-defined]
+        )
+        finished = [decode_event(e) for e in elog.read(types=["run.finished"])]
+        events = elog.count()
+    tasks: list[dict[str, Any]] = []
+    speedups: dict[str, float] = {}
+    filled = 0
+    for name, t in state.tasks.items():
+        best = best_candidate(state, name)
+        filled += len(t.elites)
+        entry = {
+            "task": name,
+            "candidates": t.proposed,
+            "compiled": t.compiled,
+            "correct": t.correct,
+            "profiled": t.profiled,
+            "failed": t.failed,
+            "best_speedup": best.speedup if best else None,
+            "best_candidate_id": best.id if best else None,
+            "best_config": best.config if best else None,
+            "best_cell": list(best.cell) if best and best.cell else None,
+            "ref_ms": best.ref_ms if best else None,
+            "best_ms": best.runtime_ms if best else None,
+            "best_std_ms": best.runtime_std_ms if best else None,
+            "archive_cells_filled": len(t.elites),
+            "skipped": t.skipped,
+        }
+        tasks.append(entry)
+        if best is not None and best.speedup is not None:
+            speedups[name] = best.speedup
+    n = len(state.tasks)
+    total_cells = n * state.config.islands * CELLS_PER_ISLAND
+    mutators = sorted({c.mutator for c in state.candidates.values()})
+    return {
+        "run_id": state.run_id,
+        "seed": state.seed,
+        "events": events,
+        "finished": bool(finished),
+        "finish_reason": finished[0].reason if finished else None,  # type: ignore[attr-defined]
+        "config": {
+            "budget": state.config.budget,
+            "islands": state.config.islands,
+            "max_in_flight": state.config.max_in_flight,
+        },
+        "tasks": tasks,
+        "archive": {"filled_cells": filled, "total_cells": total_cells},
+        "fast_p": {
+            f"fast_{p:g}": (sum(1 for s in speedups.values() if s > p) / n if n else 0.0)
+            for p in FAST_P
+        },
+        "geomean_speedup": geomean(list(speedups.values())),
+        "mutator": mutators[0] if len(mutators) == 1 else mutators,
+        "devices": devices,
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A plain-text table of the report."""
+    rows = [("task", "cands", "compiled", "correct", "eager ms", "best ms", "speedup", "best")]
+    for t in report["tasks"]:
+        rows.append(
+            (
+                t["task"],
+                str(t["candidates"]),
+                str(t["compiled"]),
+                str(t["correct"]),
+                f"{t['ref_ms']:.3f}" if t["ref_ms"] else "—",
+                f"{t['best_ms']:.3f}" if t["best_ms"] else "—",
+                f"{t['best_speedup']:.2f}×" if t["best_speedup"] else "—",
+                (t["best_candidate_id"] or t["skipped"] or "—")[:40],
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    fp = report["fast_p"]
+    gm = report["geomean_speedup"]
+    lines.append("")
+    lines.append(
+        "fast_p: " + ", ".join(f"{k} = {v:.2f}" for k, v in fp.items())
+        + f"; geomean speedup over correct tasks: {gm:.2f}×" if gm else
+        "fast_p: " + ", ".join(f"{k} = {v:.2f}" for k, v in fp.items())
+    )
+    a = report["archive"]
+    lines.append(f"archive: {a['filled_cells']} of {a['total_cells']} cells filled; "
+                 f"mutator: {report['mutator']}")
+    return "\n".join(lines)

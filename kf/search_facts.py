@@ -1,0 +1,126 @@
+"""The kernel-search facts: candidates proposed, compiled, verified, profiled; parents
+selected and elites admitted by the archive; tasks that could not be searched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kf.evaluation.reports import CompileReport, ProfileReport, VerifyReport
+from kf.events import Decision, Observation, event
+
+__all__ = [
+    "CandidateCompiled",
+    "CandidateProfiled",
+    "CandidateProposed",
+    "CandidateRejected",
+    "CandidateVerified",
+    "EliteAdmitted",
+    "MutationFailed",
+    "ParentSelected",
+    "TaskSkipped",
+]
+
+
+@event("kernel.candidate_proposed")
+class CandidateProposed(Observation, frozen=True, kw_only=True):
+    """A mutator (offline or LLM) proposed a candidate kernel module for a task."""
+
+    candidate_id: str
+    task: str
+    source: str
+    operator: str  # seed | mutate | crossover | rewrite | diff
+    mutator: str  # who made it, honestly: "offline: …" or "llm: <model>"
+    island: int = 0
+    selection: int | None = None  # the ParentSelected.selection this answers (None: a seed)
+    parent_id: str | None = None
+    second_parent_id: str | None = None
+    backend: str = "cpp-openmp"
+    device: str = "cpu"
+    family: str = ""
+    config: dict[str, Any] = {}
+    note: str = ""
+
+
+@event("kernel.mutation_failed")
+class MutationFailed(Observation, frozen=True, kw_only=True):
+    """A mutator could not produce a candidate for a selection (the reason says why)."""
+
+    task: str
+    selection: int
+    reason: str
+    mutator: str = ""
+
+
+@event("kernel.candidate_compiled")
+class CandidateCompiled(Observation, frozen=True, kw_only=True):
+    """A compiler built (or failed to build) a candidate; the report holds its output."""
+
+    candidate_id: str
+    task: str
+    device_id: str
+    report: CompileReport
+
+
+@event("kernel.candidate_verified")
+class CandidateVerified(Observation, frozen=True, kw_only=True):
+    """A verifier found a candidate's outputs equal to the reference on every trial."""
+
+    candidate_id: str
+    task: str
+    device_id: str
+    report: VerifyReport
+
+
+@event("kernel.candidate_rejected")
+class CandidateRejected(Observation, frozen=True, kw_only=True):
+    """A verifier found a candidate wrong (or crashing, hanging, cheating); evidence attached."""
+
+    candidate_id: str
+    task: str
+    device_id: str
+    report: VerifyReport
+
+
+@event("kernel.candidate_profiled")
+class CandidateProfiled(Observation, frozen=True, kw_only=True):
+    """A profiler timed a verified candidate and PyTorch eager on the same device."""
+
+    candidate_id: str
+    task: str
+    device_id: str
+    report: ProfileReport
+
+
+@event("search.parent_selected")
+class ParentSelected(Decision, frozen=True, kw_only=True):
+    """The archive chose a parent (and operator) for the next candidate of a task."""
+
+    task: str
+    selection: int  # 0-based count of selections for this task
+    island: int
+    operator: str  # mutate | crossover
+    parent_id: str
+    second_parent_id: str | None = None
+    rng_seed: int = 0  # the mutator seeds its own choices with this
+
+
+@event("search.elite_admitted")
+class EliteAdmitted(Decision, frozen=True, kw_only=True):
+    """A profiled candidate became the elite of its behavioural cell on an island."""
+
+    task: str
+    candidate_id: str
+    island: int
+    cell: tuple[int, int, int]
+    speedup: float
+    replaced: str | None = None
+    migrated_from: int | None = None
+
+
+@event("search.task_skipped")
+class TaskSkipped(Decision, frozen=True, kw_only=True):
+    """A task cannot be searched in this run (for example: no seed kernel and no LLM)."""
+
+    task: str
+    reason: str
