@@ -206,6 +206,8 @@ def decode_event(env: Envelope) -> Event:
     type whose data does not match its schema raises :class:`EventError`.
     """
     cls = _REGISTRY.get(env.type)
+    if cls is None and _load_builtin_events():
+        cls = _REGISTRY.get(env.type)
     if cls is None:
         try:
             raw = _ANY_DECODER.decode(env.data)
@@ -234,6 +236,23 @@ def decode_event(env: Envelope) -> Event:
         return msgspec.convert(data, cls)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise EventError(f"{env.type} (schema {env.schema}): {exc}") from None
+
+
+BUILTIN_EVENT_MODULES = ("kf.facts", "kf.search_facts")
+_builtin_loaded = False
+
+
+def _load_builtin_events() -> bool:
+    """Import kf's own event modules once, so any process can decode any kf event."""
+    global _builtin_loaded
+    if _builtin_loaded:
+        return False
+    _builtin_loaded = True
+    import importlib
+
+    for mod in BUILTIN_EVENT_MODULES:
+        importlib.import_module(mod)
+    return True
 
 
 @dataclass(frozen=True, slots=True)

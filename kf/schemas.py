@@ -14,12 +14,12 @@ from typing import Any
 
 import msgspec
 
-from kf.events import Envelope, registry
+from kf.events import BUILTIN_EVENT_MODULES, Envelope, registry
 
 __all__ = ["EVENT_MODULES", "generate", "schema_dir", "write"]
 
 # Modules that define kf's own event types (plugins' events are their own business).
-EVENT_MODULES = ("kf.facts", "kf.search_facts")
+EVENT_MODULES = BUILTIN_EVENT_MODULES
 
 
 def schema_dir() -> Path:
@@ -30,11 +30,7 @@ def schema_dir() -> Path:
 def generate() -> dict[str, str]:
     """File name → JSON text for the envelope and every registered kf event type."""
     for mod in EVENT_MODULES:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            if exc.name != mod:
-                raise
+        importlib.import_module(mod)
     out: dict[str, str] = {"envelope.json": _dump(msgspec.json.schema(Envelope))}
     for tag, cls in registry().items():
         if not cls.__module__.startswith("kf."):

@@ -1,0 +1,203 @@
+"""The MAP-Elites archive and the offline mutator as pure folds: no server, no clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from agents.archive import ArchiveAgent, cell_key
+from agents.mutator import OFFLINE_MUTATOR, OfflineMutator
+from kf.agent import AgentContext
+from kf.evaluation.reports import CompileReport, ProfileReport, VerifyReport
+from kf.events import Event, Record, make_envelope
+from kf.facts import RunFinished, RunStarted, TaskSpec
+from kf.params import parse
+from kf.search_facts import (
+    CandidateCompiled,
+    CandidateProfiled,
+    CandidateProposed,
+    CandidateRejected,
+    CandidateVerified,
+    EliteAdmitted,
+    MutationFailed,
+    ParentSelected,
+    TaskSkipped,
+)
+
+SEED_SRC = (Path(__file__).parent / "fixtures/search/seeds/scale_relu.py").read_text()
+_seq = 0
+
+
+def rec(ev: Event, eid: str | None = None) -> Record:
+    global _seq
+    _seq += 1
+    env = make_envelope(ev, run_id="r", source="t@x", event_id=eid or f"e{_seq}", seq=_seq)
+    return Record(env, ev)
+
+
+def started(budget: int = 4, tasks: tuple[str, ...] = ("t",), seeds: bool = True, **cfg: Any):
+    return RunStarted(
+        run_id="r", seed=7,
+        config={"budget": budget, "islands": 2, "max_in_flight": 2, **cfg},
+        tasks=tuple(
+            TaskSpec(name=n, source="x", sha256="h", seeds=(("s", SEED_SRC),) if seeds else ())
+            for n in tasks
+        ),
+    )
+
+
+class Driver:
+    """Feeds events to an archive and collects the decisions its react returns."""
+
+    def __init__(self) -> None:
+        self.agent = ArchiveAgent(AgentContext(run_id="r", agent_id="archive@t"))
+        self.state = self.agent.initial_state()
+        self.decisions: list[Event] = []
+
+    def feed(self, ev: Event) -> list[Event]:
+        r = rec(ev)
+        self.state = self.agent.evolve(self.state, r)
+        out = list(self.agent.react(self.state, r))
+        self.decisions.extend(out)
+        for d in out:  # decisions are committed too, and folded back
+            self.state = self.agent.evolve(self.state, rec(d))
+        return out
+
+    def finish(self, cid: str, task: str = "t", speedup: float = 1.5) -> list[Event]:
+        self.feed(CandidateCompiled(candidate_id=cid, task=task, device_id="d",
+                                    report=CompileReport(ok=True)))
+        self.feed(CandidateVerified(candidate_id=cid, task=task, device_id="d",
+                                    report=VerifyReport(correct=True, trials=5)))
+        return self.feed(CandidateProfiled(
+            candidate_id=cid, task=task, device_id="d",
+            report=ProfileReport(ok=True, speedup=speedup, runtime_ms=1.0, ref_runtime_ms=speedup),
+        ))
+
+
+def propose(cid: str, *, task: str = "t", selection: int | None = None, island: int = 0,
+            source: str = SEED_SRC) -> CandidateProposed:
+    return CandidateProposed(candidate_id=cid, task=task, source=source, island=island,
+                             operator="seed" if selection is None else "mutate",
+                             mutator=OFFLINE_MUTATOR, selection=selection)
+
+
+def test_archive_admits_profiled_seed_and_selects_parents() -> None:
+    """A profiled seed becomes an elite and selections fill the in-flight slots."""
+    d = Driver()
+    d.feed(started())
+    d.feed(propose("seed1"))
+    out = d.finish("seed1", speedup=1.2)
+    admitted = [e for e in out if isinstance(e, EliteAdmitted)]
+    selected = [e for e in out if isinstance(e, ParentSelected)]
+    assert len(admitted) == 1 and admitted[0].candidate_id == "seed1"
+    assert len(selected) == 2 and {s.selection for s in selected} == {0, 1}
+    assert all(s.parent_id == "seed1" for s in selected)
+    assert cell_key(0, admitted[0].cell) in d.state.tasks["t"].elites
+
+
+def test_archive_never_exceeds_budget() -> None:
+    """Selections stop once seeds plus selections reach the budget, and the run finishes."""
+    d = Driver()
+    d.feed(started(budget=3))
+    d.feed(propose("seed1"))
+    d.finish("seed1")
+    sels = [e for e in d.decisions if isinstance(e, ParentSelected)]
+    assert len(sels) == 2
+    for s in sels:
+        d.feed(propose(f"c{s.selection}", selection=s.selection, island=s.island))
+    d.finish("c0", speedup=2.0)
+    assert not any(isinstance(e, RunFinished) for e in d.decisions)
+    d.feed(CandidateRejected(candidate_id="c1", task="t", device_id="d",
+                             report=VerifyReport(correct=False, failure_kind="mismatch")))
+    assert len([e for e in d.decisions if isinstance(e, ParentSelected)]) == 2
+    assert sum(isinstance(e, RunFinished) for e in d.decisions) == 1
+    assert d.state.tasks["t"].failed == 1
+
+
+def test_archive_keeps_the_faster_elite_per_cell() -> None:
+    """A slower candidate in an occupied cell is not admitted; a faster one replaces."""
+    d = Driver()
+    d.feed(started(budget=10))
+    d.feed(propose("seed1"))
+    d.finish("seed1", speedup=1.5)
+    sels = [e for e in d.decisions if isinstance(e, ParentSelected)]
+    d.feed(propose("slow", selection=sels[0].selection, island=0))
+    out = d.finish("slow", speedup=1.1)
+    assert not any(isinstance(e, EliteAdmitted) for e in out)
+    d.feed(propose("fast", selection=sels[1].selection, island=0))
+    out = d.finish("fast", speedup=3.0)
+    adm = [e for e in out if isinstance(e, EliteAdmitted)]
+    assert adm and adm[0].replaced == "seed1"
+
+
+def test_archive_decisions_are_deterministic() -> None:
+    """Two archives fed the same events decide exactly the same things."""
+    def run() -> list[Event]:
+        d = Driver()
+        d.feed(started(budget=8))
+        d.feed(propose("seed1"))
+        d.finish("seed1", speedup=1.3)
+        for s in [e for e in d.decisions if isinstance(e, ParentSelected)]:
+            d.feed(propose(f"c{s.selection}", selection=s.selection, island=s.island))
+            d.finish(f"c{s.selection}", speedup=1.0 + s.selection / 10)
+        return d.decisions
+
+    assert run() == run()
+
+
+def test_archive_skips_task_without_seed_and_llm() -> None:
+    """A task with no seed and no LLM is skipped with a reason; the run finishes."""
+    d = Driver()
+    out = d.feed(started(seeds=False))
+    skipped = [e for e in out if isinstance(e, TaskSkipped)]
+    assert skipped and "no seed kernel and no LLM" in skipped[0].reason
+    assert any(isinstance(e, RunFinished) for e in out)
+
+
+def test_archive_skips_task_whose_seeds_all_failed() -> None:
+    """When every seed fails, the task ends with that reason instead of waiting forever."""
+    d = Driver()
+    d.feed(started())
+    d.feed(propose("seed1"))
+    out = d.feed(CandidateCompiled(candidate_id="seed1", task="t", device_id="d",
+                                   report=CompileReport(ok=False, error="boom",
+                                                        failure_kind="compile_error")))
+    assert any(isinstance(e, TaskSkipped) and "every seed failed" in e.reason for e in out)
+    assert any(isinstance(e, RunFinished) for e in out)
+
+
+def test_mutator_proposes_seeds_and_honest_mutations() -> None:
+    """The offline mutator proposes seeds, then children inside the declared space."""
+    m = OfflineMutator(AgentContext(run_id="r", agent_id="mutator@t"))
+    st = m.initial_state()
+    r = rec(started())
+    st = m.evolve(st, r)
+    seeds = list(m.react(st, r))
+    assert len(seeds) == 1 and isinstance(seeds[0], CandidateProposed)
+    assert seeds[0].mutator == OFFLINE_MUTATOR and "no LLM" in seeds[0].mutator
+    st = m.evolve(st, rec(seeds[0]))
+    sel = rec(ParentSelected(task="t", selection=0, island=1, operator="mutate",
+                             parent_id=seeds[0].candidate_id, rng_seed=11))
+    st = m.evolve(st, sel)
+    (child,) = m.react(st, sel)
+    assert isinstance(child, CandidateProposed)
+    parsed = parse(child.source)
+    assert parsed is not None
+    space, config = parsed
+    assert config != parse(SEED_SRC)[1]  # type: ignore[index]
+    assert all(config[k] in space.choices(k) for k in space.names)
+    assert child.selection == 0 and child.parent_id == seeds[0].candidate_id
+    assert child.island == 1
+
+
+def test_mutator_fails_clearly_on_parent_without_parameters() -> None:
+    """A parent with no kf:params block gets a MutationFailed that says why."""
+    m = OfflineMutator(AgentContext(run_id="r", agent_id="mutator@t"))
+    st = m.initial_state()
+    st = m.evolve(st, rec(started()))
+    st = m.evolve(st, rec(propose("plain", source="class ModelNew: pass\n")))
+    sel = rec(ParentSelected(task="t", selection=0, island=0, operator="mutate",
+                             parent_id="plain", rng_seed=1))
+    st = m.evolve(st, sel)
+    (out,) = m.react(st, sel)
+    assert isinstance(out, MutationFailed) and "no template parameters" in out.reason

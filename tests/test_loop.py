@@ -1,0 +1,113 @@
+"""The whole loop on a CPU: `kf run` with real agents, NATS, compiler, sandboxed kernels."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kf.events import decode_event
+from kf.log import EventLog
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests/fixtures/search"
+
+
+def kf(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, KF_LOG_LEVEL="WARNING", KF_EVAL_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "kf.cli", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def run_db(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """One search over the fixture tasks, shared by the tests below."""
+    db = tmp_path_factory.mktemp("loop") / "run.db"
+    proc = kf("run", str(FIXTURES), "--budget", "4", "--seed", "3", "--db", str(db), "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return db, json.loads(proc.stdout)
+
+
+def test_loop_finds_a_correct_kernel_with_a_speedup(run_db: tuple[Path, dict]) -> None:
+    """The search ends with a verified, profiled kernel and its measured speedup."""
+    _, report = run_db
+    task = next(t for t in report["tasks"] if t["task"] == "scale_relu")
+    assert task["candidates"] == 4
+    assert task["correct"] >= 1
+    assert task["best_speedup"] > 0 and task["ref_ms"] > 0 and task["best_ms"] > 0
+    assert task["best_candidate_id"]
+    assert report["finished"] is True
+    assert set(report["fast_p"]) == {"fast_0", "fast_1", "fast_1.5", "fast_2"}
+    assert report["archive"]["filled_cells"] >= 1
+    assert "offline" in report["mutator"] and "no LLM" in report["mutator"]
+
+
+def test_loop_records_a_crashing_kernel_and_carries_on(run_db: tuple[Path, dict]) -> None:
+    """A segfaulting seed is a failed candidate with its signal; the run still completes."""
+    db, report = run_db
+    crashy = next(t for t in report["tasks"] if t["task"] == "crashy")
+    assert crashy["failed"] == 1 and crashy["correct"] == 0
+    assert "every seed failed" in crashy["skipped"]
+    with EventLog(db, readonly=True) as elog:
+        rejected = [decode_event(e) for e in elog.read(types=["kernel.candidate_rejected"])]
+    crash = [r for r in rejected if r.task == "crashy"]  # type: ignore[attr-defined]
+    assert crash and crash[0].report.failure_kind == "crash"  # type: ignore[attr-defined]
+    assert "SIGSEGV" in (crash[0].report.error or "")  # type: ignore[attr-defined]
+
+
+def test_loop_skips_task_without_seed_with_a_clear_reason(run_db: tuple[Path, dict]) -> None:
+    """A task with no seed and no LLM is reported as skipped, never faked."""
+    _, report = run_db
+    noseed = next(t for t in report["tasks"] if t["task"] == "noseed")
+    assert noseed["candidates"] == 0
+    assert "no seed kernel and no LLM" in noseed["skipped"]
+
+
+def test_loop_replay_check_passes_and_hash_is_stable(run_db: tuple[Path, dict]) -> None:
+    """`kf replay --check` recomputes every decision; two replays give one hash."""
+    db, _ = run_db
+    first = kf("replay", str(db), "--check", "--json")
+    assert first.returncode == 0, first.stdout + first.stderr
+    out = json.loads(first.stdout)
+    assert out["check"]["ok"] is True and out["check"]["decisions_checked"] > 0
+    second = json.loads(kf("replay", str(db), "--json").stdout)
+    assert out["hash"] == second["hash"]
+
+
+def test_loop_announces_the_cpu_device(run_db: tuple[Path, dict]) -> None:
+    """The CPU hardware agent announced its capabilities, heartbeated and left."""
+    db, report = run_db
+    with EventLog(db, readonly=True) as elog:
+        ann = [decode_event(e) for e in elog.read(types=["device.announced"])]
+        left = list(elog.read(types=["device.left"]))
+    caps = ann[0].capabilities  # type: ignore[attr-defined]
+    assert caps["logical_cores"] >= 1 and caps["isa"] is not None
+    assert caps["measured_copy_bandwidth_gbs"] > 0
+    assert "cpp-openmp" in caps["backends"]
+    assert left and report["devices"]
+
+
+def test_loop_export_writes_a_drop_in_module(run_db: tuple[Path, dict], tmp_path: Path) -> None:
+    """`kf export` writes the best kernel, which `kf eval` then verifies as correct."""
+    db, _ = run_db
+    out = tmp_path / "best.py"
+    assert kf("export", str(db), "-o", str(out), "--task", "scale_relu").returncode == 0
+    assert "class ModelNew" in out.read_text()
+    ev = kf("eval", str(FIXTURES / "scale_relu.py"), str(out), "--json")
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    assert json.loads(ev.stdout)["correct"] is True
+
+
+def test_loop_broken_task_is_a_usage_error(tmp_path: Path) -> None:
+    """A task file that fails to import stops `kf run` with exit 2, naming the file."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nraise ValueError('no good')\n")
+    proc = kf("run", str(bad), "--budget", "1", "--db", str(tmp_path / "x.db"))
+    assert proc.returncode == 2
+    assert "bad.py" in proc.stderr and "ValueError" in proc.stderr
