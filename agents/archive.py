@@ -130,7 +130,9 @@ class ArchiveState(msgspec.Struct, kw_only=True):
         lines = [f"run {self.run_id} seed {self.seed} finished={self.finished}"]
         for name, t in self.tasks.items():
             best = best_candidate(self, name)
-            best_s = f"best {best.speedup:.2f}× ({best.id[:12]})" if best and best.speedup else "no best"
+            best_s = (
+                f"best {best.speedup:.2f}× ({best.id[:12]})" if best and best.speedup else "no best"
+            )
             lines.append(
                 f"  {name}: proposed {t.proposed}, compiled {t.compiled}, correct {t.correct}, "
                 f"failed {t.failed}, {len(t.elites)} elite cells, {best_s}"
@@ -201,7 +203,9 @@ class ArchiveAgent(Agent[ArchiveState]):
                 if ev.report.ok:
                     self._profiled(state, c, ev, plan)
                 else:
-                    self._fail(state, c, ev.report.failure_kind or "profile_failed", ev.report.error)
+                    self._fail(
+                        state, c, ev.report.failure_kind or "profile_failed", ev.report.error
+                    )
         elif isinstance(ev, ReactionFailed):
             cid = state.event_candidate.get(rec.envelope.caused_by or "")
             c = state.candidates.get(cid or "")
@@ -285,7 +289,8 @@ class ArchiveAgent(Agent[ArchiveState]):
         plan: list[Event],
         migrated_from: int | None,
     ) -> None:
-        assert c.cell is not None and c.speedup is not None
+        assert c.cell is not None
+        assert c.speedup is not None
         key = cell_key(island, c.cell)
         incumbent = state.candidates.get(t.elites.get(key, ""))
         if incumbent is not None and (incumbent.speedup or 0.0) >= c.speedup:
@@ -334,17 +339,26 @@ class ArchiveAgent(Agent[ArchiveState]):
             in_flight += 1
         # tasks that can never go on: no elite, nothing in flight, seeds all done
         for t in state.tasks.values():
-            if t.skipped is None and not t.elites and not t.exhausted:
-                if t.proposed >= t.seeds and self._in_flight(state, t.name) == 0:
-                    t.exhausted = True
-                    t.skipped = "no correct candidate to start from: every seed failed"
-                    plan.append(TaskSkipped(task=t.name, reason=t.skipped))
-        if in_flight == 0 and all(
-            t.skipped is not None or self._used(t) >= cfg.budget for t in state.tasks.values()
+            if (
+                t.skipped is None
+                and not t.elites
+                and not t.exhausted
+                and t.proposed >= t.seeds
+                and self._in_flight(state, t.name) == 0
+            ):
+                t.exhausted = True
+                t.skipped = "no correct candidate to start from: every seed failed"
+                plan.append(TaskSkipped(task=t.name, reason=t.skipped))
+        if (
+            in_flight == 0
+            and all(
+                t.skipped is not None or self._used(t) >= cfg.budget
+                for t in state.tasks.values()
+            )
+            and all(t.proposed >= t.seeds or t.skipped for t in state.tasks.values())
         ):
-            if all(t.proposed >= t.seeds or t.skipped for t in state.tasks.values()):
-                state.finished = True
-                plan.append(RunFinished(reason=_finish_reason(state)))
+            state.finished = True
+            plan.append(RunFinished(reason=_finish_reason(state)))
 
     def _select(self, state: ArchiveState, t: TaskArchive, plan: list[Event]) -> None:
         cfg = state.config
@@ -362,15 +376,17 @@ class ArchiveAgent(Agent[ArchiveState]):
             operator, second = "crossover", rng.choice(mates).id
         t.selections += 1
         t.pending.append(n)
-        plan.append(ParentSelected(
-            task=t.name,
-            selection=n,
-            island=island,
-            operator=operator,
-            parent_id=parent.id,
-            second_parent_id=second,
-            rng_seed=rng.getrandbits(32),
-        ))
+        plan.append(
+            ParentSelected(
+                task=t.name,
+                selection=n,
+                island=island,
+                operator=operator,
+                parent_id=parent.id,
+                second_parent_id=second,
+                rng_seed=rng.getrandbits(32),
+            )
+        )
 
     def _pool(self, state: ArchiveState, t: TaskArchive, island: int) -> list[Cand]:
         prefix = f"{island}:"
@@ -393,8 +409,11 @@ class ArchiveAgent(Agent[ArchiveState]):
     def _migrate(self, state: ArchiveState, t: TaskArchive, plan: list[Event]) -> None:
         cfg = state.config
         for src in range(cfg.islands):
-            members = [state.candidates[cid] for key, cid in sorted(t.elites.items())
-                       if key.startswith(f"{src}:")]
+            members = [
+                state.candidates[cid]
+                for key, cid in sorted(t.elites.items())
+                if key.startswith(f"{src}:")
+            ]
             if not members:
                 continue
             best = max(members, key=lambda c: (c.speedup or 0.0, c.id))
@@ -412,9 +431,13 @@ def best_candidate(state: ArchiveState, task: str) -> Cand | None:
     """The fastest profiled candidate of a task (ties: the earlier id order)."""
     best: Cand | None = None
     for c in state.candidates.values():
-        if c.task == task and c.status == "profiled" and c.speedup is not None:
-            if best is None or c.speedup > (best.speedup or 0.0):
-                best = c
+        if (
+            c.task == task
+            and c.status == "profiled"
+            and c.speedup is not None
+            and (best is None or c.speedup > (best.speedup or 0.0))
+        ):
+            best = c
     return best
 
 

@@ -89,8 +89,10 @@ class Archivist:
 
     def _start_hosted(self, elog: EventLog) -> None:
         """Fold the whole log into the hosted agents; answer what they had not answered."""
-        agents = [cls(AgentContext(run_id=self.ctx.run_id, agent_id=self.ctx.agent_id))
-                  for cls in self.hosted_types]
+        agents = [
+            cls(AgentContext(run_id=self.ctx.run_id, agent_id=self.ctx.agent_id))
+            for cls in self.hosted_types
+        ]
         for a in agents:
             if not a.decides:
                 raise TypeError(f"hosted agent {a.kind} must be a pure decision agent")
@@ -113,13 +115,13 @@ class Archivist:
         """Fold one committed envelope into every hosted agent; return their decisions."""
         out: list[Envelope] = []
         rec: Record | None = None
-        for i, (agent, state) in enumerate(self._hosted):
+        for i, (agent, before) in enumerate(self._hosted):
             if not agent.listens_to(env.type):
                 continue
             try:
                 if rec is None:
                     rec = Record(env, decode_event(env))
-                state = agent.evolve(state, rec)
+                state = agent.evolve(before, rec)
                 self._hosted[i] = (agent, state)
                 if answered is not None and (agent.kind, env.event_id) in answered:
                     continue
@@ -185,9 +187,7 @@ class Archivist:
                 pending_msgs_limit=-1,
                 pending_bytes_limit=-1,
             )
-            fetch_sub = await nc.subscribe(
-                bus.fetch_subject(self.ctx.run_id), cb=self._on_fetch
-            )
+            fetch_sub = await nc.subscribe(bus.fetch_subject(self.ctx.run_id), cb=self._on_fetch)
             await nc.flush()
             log.info("archivist_ready", db=str(self.db_path), head=elog.head)
             if ready is not None:
@@ -200,8 +200,10 @@ class Archivist:
                     writer.result()  # a failed writer propagates: the log cannot be served
                 await in_sub.unsubscribe()
                 # let what already arrived be committed and answered
-                while not self._queue.empty():
-                    await asyncio.sleep(0.01)
+                try:
+                    await asyncio.wait_for(self._queue.join(), 30)
+                except TimeoutError:
+                    log.error("archivist_drain_timeout", queued=self._queue.qsize())
                 await fetch_sub.unsubscribe()
             finally:
                 stopping.cancel()
@@ -257,43 +259,58 @@ class Archivist:
             return None
 
     async def _writer(self, nc: Client, elog: EventLog) -> None:
-        log_subject = bus.log_subject(self.ctx.run_id)
         while True:
             msgs = [await self._queue.get()]
             while not self._queue.empty() and len(msgs) < 256:
                 msgs.append(self._queue.get_nowait())
-            accepted: list[Envelope] = []
-            replies: list[tuple[Msg, list[tuple[str, str]]]] = []
-            for msg in msgs:
-                refused: list[tuple[str, str]] = []
-                try:
-                    items = _BATCH.decode(msg.data)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    self.stats.rejected += 1
-                    reason = f"not a batch of kf envelopes: {exc}"
-                    log.warning("message_rejected", subject=msg.subject, reason=reason)
-                    elog.reject(msg.subject, reason, msg.data)
-                    refused.append(("", reason))
-                    replies.append((msg, refused))
-                    continue
-                for raw in items:
-                    env = self._validate(msg.subject, bytes(raw), elog)
-                    if env is None:
-                        refused.append(("", "invalid envelope"))
-                    else:
-                        accepted.append(env)
+            try:
+                await self._commit_batch(nc, elog, msgs)
+            finally:
+                for _ in msgs:
+                    self._queue.task_done()
+
+    async def _commit_batch(self, nc: Client, elog: EventLog, msgs: list[Msg]) -> None:
+        """Validate, commit, let hosted agents decide, reply, publish — one batch."""
+        accepted: list[Envelope] = []
+        replies: list[tuple[Msg, list[tuple[str, str]]]] = []
+        for msg in msgs:
+            refused: list[tuple[str, str]] = []
+            try:
+                items = _BATCH.decode(msg.data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self.stats.rejected += 1
+                reason = f"not a batch of kf envelopes: {exc}"
+                log.warning("message_rejected", subject=msg.subject, reason=reason)
+                elog.reject(msg.subject, reason, msg.data)
+                refused.append(("", reason))
                 replies.append((msg, refused))
-            self.stats.batches += 1
-            committed = elog.append(accepted)
-            self.stats.duplicates += len(accepted) - len(committed)
-            self.stats.committed += len(committed)
-            pending: list[Envelope] = []
-            for env in committed:
-                pending.extend(self._fold_hosted(env))
-            committed.extend(self._commit_decisions(elog, pending))
-            for msg, refused in replies:
-                if msg.reply:
-                    with contextlib.suppress(Exception):
-                        await msg.respond(_ENC.encode({"ok": True, "rejected": refused}))
-            for env in committed:
-                await nc.publish(log_subject, encode_envelope(env))
+                continue
+            for raw in items:
+                env = self._validate(msg.subject, bytes(raw), elog)
+                if env is None:
+                    refused.append(("", "invalid envelope"))
+                else:
+                    accepted.append(env)
+            replies.append((msg, refused))
+        self.stats.batches += 1
+        committed = elog.append(accepted)
+        self.stats.duplicates += len(accepted) - len(committed)
+        self.stats.committed += len(committed)
+        pending: list[Envelope] = []
+        for env in committed:
+            pending.extend(self._fold_hosted(env))
+        committed.extend(self._commit_decisions(elog, pending))
+        # Replies and publications are best effort: a producer that misses its reply
+        # retries (and is deduplicated); a subscriber that misses an event fills the gap.
+        for msg, refused in replies:
+            if msg.reply:
+                try:
+                    await msg.respond(_ENC.encode({"ok": True, "rejected": refused}))
+                except Exception as exc:
+                    log.info("reply_failed", error=repr(exc))
+        subject = bus.log_subject(self.ctx.run_id)
+        for env in committed:
+            try:
+                await nc.publish(subject, encode_envelope(env))
+            except Exception as exc:
+                log.info("publish_failed", seq=env.seq, error=repr(exc))

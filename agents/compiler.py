@@ -31,5 +31,8 @@ class Compiler(EvaluatorAgent):
             report = await asyncio.to_thread(
                 compile_candidate, task, source, device=self.device, timeout_s=self.timeout_s
             )
-        return [CandidateCompiled(candidate_id=ev.candidate_id, task=ev.task,
-                                  device_id=self.device_id, report=report)]
+        return [
+            CandidateCompiled(
+                candidate_id=ev.candidate_id, task=ev.task, device_id=self.device_id, report=report
+            )
+        ]

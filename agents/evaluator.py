@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -39,9 +39,7 @@ class DeviceGate:
 
     async def shared(self) -> _Hold:
         async with self._cond:
-            await self._cond.wait_for(
-                lambda: not self._exclusive and self._waiting_exclusive == 0
-            )
+            await self._cond.wait_for(lambda: not self._exclusive and self._waiting_exclusive == 0)
             self._shared += 1
         return _Hold(self, exclusive=False)
 
@@ -99,7 +97,7 @@ class EvaluatorState(msgspec.Struct, kw_only=True):
 class EvaluatorAgent(Agent[EvaluatorState]):
     """Base of compiler, verifier and profiler: knows tasks and candidate sources."""
 
-    listens: tuple[type[Event], ...] = (RunStarted, CandidateProposed)
+    listens: ClassVar[tuple[type[Event], ...] | None] = (RunStarted, CandidateProposed)
     concurrency = 1
 
     def __init__(self, ctx: AgentContext) -> None:
@@ -117,7 +115,9 @@ class EvaluatorAgent(Agent[EvaluatorState]):
             state.seed = ev.seed
             state.tasks = {
                 t.name: Task.from_source(
-                    t.name, t.source, path=t.path,
+                    t.name,
+                    t.source,
+                    path=t.path,
                     seeds=tuple(Seed(name=n, source=s) for n, s in t.seeds),
                 )
                 for t in ev.tasks

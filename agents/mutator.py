@@ -119,8 +119,9 @@ class OfflineMutator(Agent[MutatorState]):
         start: dict[str, Any] = dict(config)
         if ev.operator == "crossover" and ev.second_parent_id in state.sources:
             other = params.parse(state.sources[ev.second_parent_id])
-            if other is not None and params.family(state.sources[ev.second_parent_id]) == \
-                    params.family(parent):
+            if other is not None and params.family(
+                state.sources[ev.second_parent_id]
+            ) == params.family(parent):
                 start = params.crossover(space, config, other[1], rng)
                 note = f"uniform crossover with {ev.second_parent_id}"
         for attempt in range(_ATTEMPTS):

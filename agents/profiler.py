@@ -30,8 +30,15 @@ class Profiler(EvaluatorAgent):
         task, source = found
         async with await gate_for(self.device).exclusive():
             report = await asyncio.to_thread(
-                profile_candidate, task, source, device=self.device, seed=state.seed,
+                profile_candidate,
+                task,
+                source,
+                device=self.device,
+                seed=state.seed,
                 timeout_s=self.timeout_s,
             )
-        return [CandidateProfiled(candidate_id=ev.candidate_id, task=ev.task,
-                                  device_id=self.device_id, report=report)]
+        return [
+            CandidateProfiled(
+                candidate_id=ev.candidate_id, task=ev.task, device_id=self.device_id, report=report
+            )
+        ]

@@ -9,7 +9,12 @@ from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
 from kf.evaluation import verify_candidate
 from kf.events import Event, Record
 from kf.facts import RunStarted
-from kf.search_facts import CandidateCompiled, CandidateProposed, CandidateRejected, CandidateVerified
+from kf.search_facts import (
+    CandidateCompiled,
+    CandidateProposed,
+    CandidateRejected,
+    CandidateVerified,
+)
 
 __all__ = ["Verifier"]
 
@@ -30,9 +35,14 @@ class Verifier(EvaluatorAgent):
         task, source = found
         async with await gate_for(self.device).shared():
             report = await asyncio.to_thread(
-                verify_candidate, task, source, device=self.device, seed=state.seed,
+                verify_candidate,
+                task,
+                source,
+                device=self.device,
+                seed=state.seed,
                 timeout_s=self.timeout_s,
             )
         cls = CandidateVerified if report.correct else CandidateRejected
-        return [cls(candidate_id=ev.candidate_id, task=ev.task, device_id=self.device_id,
-                    report=report)]
+        return [
+            cls(candidate_id=ev.candidate_id, task=ev.task, device_id=self.device_id, report=report)
+        ]

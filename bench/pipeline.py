@@ -25,16 +25,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kf import bus  # noqa: E402
-from kf.agent import AgentContext  # noqa: E402
-from kf.bus import EmbeddedServer  # noqa: E402
-from kf.events import Record, make_envelope  # noqa: E402
-from kf.log import EventLog  # noqa: E402
-from kf.logs import configure  # noqa: E402
-from kf.replay import fold  # noqa: E402
-from kf.runtime import AgentRunner, Outbox  # noqa: E402
-from tests.harness import archivist, pings  # noqa: E402
-from tests.tally import Pinged, Tally  # noqa: E402
+from kf import bus
+from kf.agent import AgentContext
+from kf.bus import EmbeddedServer
+from kf.events import Record, make_envelope
+from kf.log import EventLog
+from kf.logs import configure
+from kf.replay import fold
+from kf.runtime import AgentRunner, Outbox
+from tests.harness import archivist, pings
+from tests.tally import Pinged, Tally
 
 
 async def throughput(url: str, db: Path, n: int) -> dict[str, float]:
@@ -60,8 +60,15 @@ async def throughput(url: str, db: Path, n: int) -> dict[str, float]:
     lost = n - len(set(ids))
     dup = len(ids) - len(set(ids))
     gapless = seqs == list(range(1, len(seqs) + 1))
-    return {"events": n, "seconds": dt, "rate": n / dt, "lost": lost, "duplicated": dup,
-            "gapless": float(gapless), "batches": stats.batches}
+    return {
+        "events": n,
+        "seconds": dt,
+        "rate": n / dt,
+        "lost": lost,
+        "duplicated": dup,
+        "gapless": float(gapless),
+        "batches": stats.batches,
+    }
 
 
 def replay_rate(db: Path, n: int) -> dict[str, float]:
@@ -99,8 +106,9 @@ async def latency(url: str, db: Path, samples: int) -> dict[str, float]:
         ot = asyncio.create_task(o.run())
         lat: list[float] = []
         for i in range(samples):
-            env = make_envelope(Pinged(producer="l", n=i), run_id="lat", source="l@b",
-                                event_id=f"lat-{i}")
+            env = make_envelope(
+                Pinged(producer="l", n=i), run_id="lat", source="l@b", event_id=f"lat-{i}"
+            )
             got.clear()
             t0 = time.perf_counter()
             o.put([env])
@@ -114,8 +122,12 @@ async def latency(url: str, db: Path, samples: int) -> dict[str, float]:
     await bus.close(nc)
     await bus.close(sub_nc)
     lat.sort()
-    return {"samples": samples, "p50_ms": statistics.median(lat),
-            "p99_ms": lat[int(0.99 * (len(lat) - 1))], "max_ms": lat[-1]}
+    return {
+        "samples": samples,
+        "p50_ms": statistics.median(lat),
+        "p99_ms": lat[int(0.99 * (len(lat) - 1))],
+        "max_ms": lat[-1],
+    }
 
 
 async def main() -> None:
@@ -130,16 +142,24 @@ async def main() -> None:
         tp = await throughput(srv.url, tmp / "tp.db", args.events)
         lt = await latency(srv.url, tmp / "lat.db", args.samples)
     rp = replay_rate(tmp / "replay.db", args.replay)
-    print("kf event pipeline benchmark — real nats-server on loopback, SQLite WAL + synchronous=FULL")
-    print(f"throughput: 4 publishers × {args.events // 4} events → committed: "
-          f"{tp['rate']:,.0f} events/s ({tp['seconds']:.2f} s); lost {tp['lost']}, "
-          f"duplicated {tp['duplicated']}, seq gapless: {bool(tp['gapless'])}, "
-          f"{tp['batches']:.0f} commit batches")
-    print(f"replay fold: {rp['events']:,} events in {rp['seconds']:.2f} s = "
-          f"{rp['rate']:,.0f} events/s (read + decode + Tally fold)")
-    print(f"latency put → committed → delivered to a subscribing agent, one at a time, "
-          f"{lt['samples']} samples: p50 {lt['p50_ms']:.2f} ms, p99 {lt['p99_ms']:.2f} ms, "
-          f"max {lt['max_ms']:.2f} ms")
+    print(
+        "kf event pipeline benchmark — real nats-server on loopback, SQLite WAL + synchronous=FULL"
+    )
+    print(
+        f"throughput: 4 publishers × {args.events // 4} events → committed: "
+        f"{tp['rate']:,.0f} events/s ({tp['seconds']:.2f} s); lost {tp['lost']}, "
+        f"duplicated {tp['duplicated']}, seq gapless: {bool(tp['gapless'])}, "
+        f"{tp['batches']:.0f} commit batches"
+    )
+    print(
+        f"replay fold: {rp['events']:,} events in {rp['seconds']:.2f} s = "
+        f"{rp['rate']:,.0f} events/s (read + decode + Tally fold)"
+    )
+    print(
+        f"latency put → committed → delivered to a subscribing agent, one at a time, "
+        f"{lt['samples']} samples: p50 {lt['p50_ms']:.2f} ms, p99 {lt['p99_ms']:.2f} ms, "
+        f"max {lt['max_ms']:.2f} ms"
+    )
     if tp["lost"] or tp["duplicated"] or not tp["gapless"]:
         raise SystemExit("FAILED: events lost, duplicated or seq not gapless")
 

@@ -43,7 +43,9 @@ class CpuHardwareAgent(Agent[None]):
         capabilities: dict[str, Any] = msgspec.to_builtins(caps)
         self.emit(
             DeviceAnnounced(
-                device_id=self.device_id, kind="cpu", agent_id=self.ctx.agent_id,
+                device_id=self.device_id,
+                kind="cpu",
+                agent_id=self.ctx.agent_id,
                 capabilities=capabilities,
             )
         )

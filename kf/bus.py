@@ -212,7 +212,7 @@ async def connect(
         kwargs["tls"] = ctx
 
     async def _disconnected() -> None:
-        log.warning("nats_disconnected", url=_redact(opts.url))
+        log.info("nats_disconnected", url=_redact(opts.url))
 
     async def _reconnected() -> None:
         log.info("nats_reconnected", url=_redact(opts.url))
@@ -222,9 +222,7 @@ async def connect(
     async def _error(exc: Exception) -> None:
         log.warning("nats_error", error=repr(exc))
 
-    kwargs.update(
-        disconnected_cb=_disconnected, reconnected_cb=_reconnected, error_cb=_error
-    )
+    kwargs.update(disconnected_cb=_disconnected, reconnected_cb=_reconnected, error_cb=_error)
     deadline = asyncio.get_running_loop().time() + connect_timeout_s
     while True:
         try:

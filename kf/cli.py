@@ -156,7 +156,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
             }
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
-        print(f"log {args.db}: run {result.run_id or '?'}, {result.events} events (head {result.head})")
+        run = result.run_id or "?"
+        print(f"log {args.db}: run {run}, {result.events} events (head {result.head})")
         for kind, snap in result.snapshots.items():
             print(f"[{kind}]")
             print(_summary(snap))
@@ -197,8 +198,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kf.tasks import TaskError, check_task, load_tasks
 
     if args.llm_url:
-        print("kf run: --llm-url is not available yet (the LLM mutator is a later issue)",
-              file=sys.stderr)
+        print(
+            "kf run: --llm-url is not available yet (the LLM mutator is a later issue)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if args.budget < 1:
         print("kf run: --budget must be at least 1", file=sys.stderr)
@@ -211,17 +214,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"kf run: {exc}", file=sys.stderr)
         return EXIT_USAGE
     opts = RunOptions(
-        budget=args.budget, seed=args.seed, db=args.db, device=args.device,
-        nats_url=args.nats, islands=args.islands, max_in_flight=args.max_in_flight,
+        budget=args.budget,
+        seed=args.seed,
+        db=args.db,
+        device=args.device,
+        nats_url=args.nats,
+        islands=args.islands,
+        max_in_flight=args.max_in_flight,
         timeout_s=args.timeout,
     )
     if args.nats:
         opts.bus_options = _bus_options(args, args.nats, "kf-run")
     try:
-        run_id, db = asyncio.run(run_search(tasks, opts, out=sys.stderr if args.json else sys.stdout))
+        _, db = asyncio.run(
+            run_search(tasks, opts, out=sys.stderr if args.json else sys.stdout)
+        )
     except KeyboardInterrupt:
-        print("kf run: interrupted; the log keeps what was committed (rerun with --db to resume)",
-              file=sys.stderr)
+        print(
+            "kf run: interrupted; the log keeps what was committed (rerun with --db to resume)",
+            file=sys.stderr,
+        )
         return 130
     report = build_report(db)
     if args.json:
@@ -241,8 +253,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     async def go() -> None:
         stop = asyncio.Event()
         _install_signal_handlers(stop)
-        await run_worker(valid_run_id(args.run), _bus_options(args, args.nats, "kf-worker"),
-                         device=args.device, stop=stop, options={"timeout_s": args.timeout})
+        await run_worker(
+            valid_run_id(args.run),
+            _bus_options(args, args.nats, "kf-worker"),
+            device=args.device,
+            stop=stop,
+            options={"timeout_s": args.timeout},
+        )
 
     try:
         asyncio.run(go())
@@ -290,9 +307,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     if best is None:
         print(f"kf export: task {task} has no correct, profiled kernel", file=sys.stderr)
         return EXIT_FAILED
-    header = (f"# kf export: best kernel for task {task} from run {state.run_id}\n"
-              f"# candidate {best.id}: {best.speedup:.2f}x over PyTorch eager "
-              f"({best.runtime_ms:.4f} ms vs {best.ref_ms:.4f} ms), config {best.config}\n")
+    header = (
+        f"# kf export: best kernel for task {task} from run {state.run_id}\n"
+        f"# candidate {best.id}: {best.speedup:.2f}x over PyTorch eager "
+        f"({best.runtime_ms:.4f} ms vs {best.ref_ms:.4f} ms), config {best.config}\n"
+    )
     args.output.write_text(header + best.source)
     print(f"wrote {args.output} ({task}, {best.speedup:.2f}× over eager)")
     return EXIT_OK
@@ -311,11 +330,9 @@ def _not_yet(verb: str, issue: str) -> Any:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Verify and time one candidate against a task through the sandboxed protocol."""
-    try:
-        from kf.evaluation.cli import main as eval_main
-    except ImportError:
-        return _not_yet("eval", "the evaluation harness is not installed")(args)
-    return int(eval_main(list(args.rest)))
+    from kf.evaluation.cli import main as eval_main
+
+    return eval_main(list(args.rest))
 
 
 # -- parser --------------------------------------------------------------------------------
@@ -333,10 +350,20 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--run", required=True, metavar="RUN_ID", help="the run to join")
     a.add_argument("--db", help="log path (the archivist's)")
     a.add_argument("--id", help="instance id (default host.pid)")
-    a.add_argument("--host", action="append", default=[], metavar="KIND",
-                   help="(archivist) decision agent to host; repeatable")
-    a.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="agent option (JSON values allowed); repeatable")
+    a.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        metavar="KIND",
+        help="(archivist) decision agent to host; repeatable",
+    )
+    a.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="agent option (JSON values allowed); repeatable",
+    )
     a.set_defaults(func=cmd_agent)
 
     r = sub.add_parser("replay", help="fold a run's log; --check proves the decisions")
@@ -354,15 +381,26 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("tasks", type=Path, help="a KernelBench-format task file, or a folder of them")
     rn.add_argument("--budget", type=int, default=20, help="candidates per task (seeds included)")
     rn.add_argument("--seed", type=int, default=0, help="the run's seed (selection, mutation)")
-    rn.add_argument("--db", type=Path, help="event log path (default runs/<run_id>.db); an "
-                    "existing log is resumed")
+    rn.add_argument(
+        "--db",
+        type=Path,
+        help="event log path (default runs/<run_id>.db); an existing log is resumed",
+    )
     rn.add_argument("--device", default="cpu", help="cpu (cuda:N comes with the GPU worker)")
     rn.add_argument("--islands", type=int, default=2)
-    rn.add_argument("--max-in-flight", type=int, default=2,
-                    help="candidates being evaluated at once, across tasks")
+    rn.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=2,
+        help="candidates being evaluated at once, across tasks",
+    )
     rn.add_argument("--llm-url", help="OpenAI-compatible endpoint (not available yet)")
-    rn.add_argument("--timeout", type=float, default=180.0,
-                    help="seconds per candidate stage before it is killed")
+    rn.add_argument(
+        "--timeout",
+        type=float,
+        default=180.0,
+        help="seconds per candidate stage before it is killed",
+    )
     rn.add_argument("--json", action="store_true", help="print the final report as JSON")
     _add_nats_options(rn, required=False)
     rn.set_defaults(func=cmd_run)

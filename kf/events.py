@@ -94,7 +94,9 @@ def event(tag: str, *, version: int = 1) -> Callable[[E], E]:
 
 def upcaster(
     tag: str, from_version: int
-) -> Callable[[Callable[[dict[str, Any]], dict[str, Any]]], Callable[[dict[str, Any]], dict[str, Any]]]:
+) -> Callable[
+    [Callable[[dict[str, Any]], dict[str, Any]]], Callable[[dict[str, Any]], dict[str, Any]]
+]:
     """Register a function turning ``tag``'s data at ``from_version`` into ``from_version + 1``."""
 
     def register(

@@ -55,7 +55,7 @@ class EventLog:
     def _ensure_schema(self) -> None:
         db = self.db
         if "events" not in db.table_names():
-            db["events"].create(
+            db.table("events").create(
                 {
                     "seq": int,
                     "event_id": str,
@@ -70,9 +70,9 @@ class EventLog:
                 pk="seq",
                 not_null={"event_id", "type", "source", "schema", "time", "body"},
             )
-            db["events"].create_index(["event_id"], unique=True)
-            db["events"].create_index(["type", "seq"])
-            db["events"].create_index(["caused_by"])
+            db.table("events").create_index(["event_id"], unique=True)
+            db.table("events").create_index(["type", "seq"])
+            db.table("events").create_index(["caused_by"])
             db.execute(
                 "CREATE TRIGGER events_no_update BEFORE UPDATE ON events "
                 "BEGIN SELECT RAISE(ABORT, 'kf event log is append-only: UPDATE refused'); END"
@@ -81,12 +81,12 @@ class EventLog:
                 "CREATE TRIGGER events_no_delete BEFORE DELETE ON events "
                 "BEGIN SELECT RAISE(ABORT, 'kf event log is append-only: DELETE refused'); END"
             )
-            db["rejected"].create(
+            db.table("rejected").create(
                 {"id": int, "received": float, "subject": str, "reason": str, "body": bytes},
                 pk="id",
             )
-            db["meta"].create({"key": str, "value": str}, pk="key")
-            db["meta"].insert({"key": "format", "value": f"kf-log/{_SCHEMA_VERSION}"})
+            db.table("meta").create({"key": str, "value": str}, pk="key")
+            db.table("meta").insert({"key": "format", "value": f"kf-log/{_SCHEMA_VERSION}"})
 
     # -- writing -----------------------------------------------------------------------
 
@@ -141,7 +141,7 @@ class EventLog:
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         try:
-            self.db["events"].insert_all(rows, batch_size=1000)
+            self.db.table("events").insert_all(rows, batch_size=1000)
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
@@ -152,7 +152,7 @@ class EventLog:
     def reject(self, subject: str, reason: str, body: bytes) -> None:
         """Keep a message that was not a valid event, with the reason, outside the log."""
         self._conn.execute("BEGIN IMMEDIATE")
-        self.db["rejected"].insert(
+        self.db.table("rejected").insert(
             {"received": time.time(), "subject": subject, "reason": reason, "body": body}
         )
         self._conn.execute("COMMIT")
@@ -190,7 +190,9 @@ class EventLog:
 
     def get(self, event_id: str) -> Envelope | None:
         """One committed envelope by id."""
-        row = self._conn.execute("SELECT body FROM events WHERE event_id = ?", [event_id]).fetchone()
+        row = self._conn.execute(
+            "SELECT body FROM events WHERE event_id = ?", [event_id]
+        ).fetchone()
         return decode_envelope(row[0]) if row else None
 
     def count(self) -> int:

@@ -44,7 +44,9 @@ def cache_dir() -> Path:
 def _compiler() -> str:
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
-        raise NativeCompileError(f"C++ compiler {cxx!r} not found on PATH; install g++ or set CXX", "")
+        raise NativeCompileError(
+            f"C++ compiler {cxx!r} not found on PATH; install g++ or set CXX", ""
+        )
     return cxx
 
 

@@ -134,8 +134,9 @@ class Progress:
             self.finished = ev
         elif isinstance(ev, TaskSkipped):
             print(f"  {ev.task}: skipped — {ev.reason}", file=self.out, flush=True)
-        elif isinstance(ev, (CandidateProfiled, CandidateRejected, CandidateCompiled,
-                             MutationFailed)):
+        elif isinstance(
+            ev, (CandidateProfiled, CandidateRejected, CandidateCompiled, MutationFailed)
+        ):
             if isinstance(ev, CandidateCompiled) and ev.report.ok:
                 return
             self.done += 1
@@ -151,7 +152,9 @@ class Progress:
         elif c.status == "profiled":
             what = f"correct  {c.speedup:6.2f}×  ({c.runtime_ms:.3f} ms vs eager {c.ref_ms:.3f} ms)"
         else:
-            what = f"failed   {c.failure}: {(c.error or '').splitlines()[0][:80] if c.error else ''}"
+            what = (
+                f"failed   {c.failure}: {(c.error or '').splitlines()[0][:80] if c.error else ''}"
+            )
         t = self.state.tasks[task]
         best = best_candidate(self.state, task)
         best_s = f"best {best.speedup:.2f}×" if best is not None and best.speedup else "best —"
@@ -164,7 +167,9 @@ class Progress:
         )
 
 
-async def run_search(tasks: list[Task], o: RunOptions, *, out: TextIO = sys.stdout) -> tuple[str, Path]:
+async def run_search(
+    tasks: list[Task], o: RunOptions, *, out: TextIO = sys.stdout
+) -> tuple[str, Path]:
     """Run a whole search in this process; return ``(run_id, db path)`` when it finished."""
     from agents.archive import ArchiveAgent
     from agents.archivist import Archivist
@@ -208,14 +213,25 @@ async def run_search(tasks: list[Task], o: RunOptions, *, out: TextIO = sys.stdo
         await _first(ready.wait(), [archivist_task])
         if not resume:
             await _publish_start(nc, run_id, tasks, o, mutator)
-        opt = {"device": o.device, "device_id": f"{host_id()}/{o.device}",
-               "timeout_s": o.timeout_s, "measure": o.measure_device}
-        agent_tasks.append(asyncio.create_task(
-            supervise(_runner_factory(OfflineMutator, run_id, nc, {}), stop_agents,
-                      name="mutator")))
+        opt = {
+            "device": o.device,
+            "device_id": f"{host_id()}/{o.device}",
+            "timeout_s": o.timeout_s,
+            "measure": o.measure_device,
+        }
+        agent_tasks.append(
+            asyncio.create_task(
+                supervise(
+                    _runner_factory(OfflineMutator, run_id, nc, {}), stop_agents, name="mutator"
+                )
+            )
+        )
         for cls in worker_agents():
-            agent_tasks.append(asyncio.create_task(
-                supervise(_runner_factory(cls, run_id, nc, opt), stop_agents, name=cls.kind)))
+            agent_tasks.append(
+                asyncio.create_task(
+                    supervise(_runner_factory(cls, run_id, nc, opt), stop_agents, name=cls.kind)
+                )
+            )
         progress = Progress(out=out, total_budget=o.budget * max(1, len(tasks)))
         await _first(_follow(nc, run_id, progress), [archivist_task, *agent_tasks])
         # agents drain (flushing what they produced) before the archivist stops
@@ -267,7 +283,10 @@ async def _publish_start(
         },
         tasks=tuple(
             TaskSpec(
-                name=t.name, source=t.source, sha256=t.sha256, path=t.path,
+                name=t.name,
+                source=t.source,
+                sha256=t.sha256,
+                path=t.path,
                 seeds=tuple((s.name, s.source) for s in t.seeds),
             )
             for t in tasks

@@ -158,7 +158,9 @@ def check(elog: EventLog, types: Sequence[type[Agent[Any]]]) -> CheckResult:
                 expected_ids.add(eid)
                 got = mine.get(eid)
                 if got is None:
-                    return diff(env, a.kind, f"replay decides {ev.tag} {_show(ev)} but the log has none")
+                    return diff(
+                        env, a.kind, f"replay decides {ev.tag} {_show(ev)} but the log has none"
+                    )
                 if got.type != ev.tag or bytes(got.data) != _ENC.encode(ev):
                     logged_ev = decode_event(got)
                     return diff(
@@ -174,7 +176,9 @@ def check(elog: EventLog, types: Sequence[type[Agent[Any]]]) -> CheckResult:
                 checked += 1
             extra = sorted(e.seq or 0 for eid, e in mine.items() if eid not in expected_ids)
             if extra:
-                return diff(env, a.kind, f"the log has decisions (seq {extra}) replay does not make")
+                return diff(
+                    env, a.kind, f"the log has decisions (seq {extra}) replay does not make"
+                )
     return CheckResult(
         ok=True,
         decisions_checked=checked,

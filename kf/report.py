@@ -116,11 +116,15 @@ def format_table(report: dict[str, Any]) -> str:
     gm = report["geomean_speedup"]
     lines.append("")
     lines.append(
-        "fast_p: " + ", ".join(f"{k} = {v:.2f}" for k, v in fp.items())
-        + f"; geomean speedup over correct tasks: {gm:.2f}×" if gm else
-        "fast_p: " + ", ".join(f"{k} = {v:.2f}" for k, v in fp.items())
+        "fast_p: "
+        + ", ".join(f"{k} = {v:.2f}" for k, v in fp.items())
+        + f"; geomean speedup over correct tasks: {gm:.2f}×"
+        if gm
+        else "fast_p: " + ", ".join(f"{k} = {v:.2f}" for k, v in fp.items())
     )
     a = report["archive"]
-    lines.append(f"archive: {a['filled_cells']} of {a['total_cells']} cells filled; "
-                 f"mutator: {report['mutator']}")
+    lines.append(
+        f"archive: {a['filled_cells']} of {a['total_cells']} cells filled; "
+        f"mutator: {report['mutator']}"
+    )
     return "\n".join(lines)

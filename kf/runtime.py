@@ -334,9 +334,7 @@ class AgentRunner:
             raise
         except Exception as exc:
             self.reactions_failed += 1
-            self.log.error(
-                "react_failed", seq=rec.seq, event_type=rec.envelope.type, exc_info=True
-            )
+            self.log.error("react_failed", seq=rec.seq, event_type=rec.envelope.type, exc_info=True)
             failure = ReactionFailed(
                 kind=self.agent.kind,
                 agent_id=self.ctx.agent_id,

@@ -81,7 +81,9 @@ def pings(producer: str, count: int, run_id: str, start: int = 0) -> list[Any]:
     """Envelopes of ``count`` pings with ids fixed by producer and index."""
     return [
         make_envelope(
-            Pinged(producer=producer, n=i), run_id=run_id, source=f"{producer}@test",
+            Pinged(producer=producer, n=i),
+            run_id=run_id,
+            source=f"{producer}@test",
             event_id=f"{producer}-{i}",
         )
         for i in range(start, start + count)

@@ -37,7 +37,8 @@ def rec(ev: Event, eid: str | None = None) -> Record:
 
 def started(budget: int = 4, tasks: tuple[str, ...] = ("t",), seeds: bool = True, **cfg: Any):
     return RunStarted(
-        run_id="r", seed=7,
+        run_id="r",
+        seed=7,
         config={"budget": budget, "islands": 2, "max_in_flight": 2, **cfg},
         tasks=tuple(
             TaskSpec(name=n, source="x", sha256="h", seeds=(("s", SEED_SRC),) if seeds else ())
@@ -64,21 +65,48 @@ class Driver:
         return out
 
     def finish(self, cid: str, task: str = "t", speedup: float = 1.5) -> list[Event]:
-        self.feed(CandidateCompiled(candidate_id=cid, task=task, device_id="d",
-                                    report=CompileReport(ok=True)))
-        self.feed(CandidateVerified(candidate_id=cid, task=task, device_id="d",
-                                    report=VerifyReport(correct=True, trials=5)))
-        return self.feed(CandidateProfiled(
-            candidate_id=cid, task=task, device_id="d",
-            report=ProfileReport(ok=True, speedup=speedup, runtime_ms=1.0, ref_runtime_ms=speedup),
-        ))
+        self.feed(
+            CandidateCompiled(
+                candidate_id=cid, task=task, device_id="d", report=CompileReport(ok=True)
+            )
+        )
+        self.feed(
+            CandidateVerified(
+                candidate_id=cid,
+                task=task,
+                device_id="d",
+                report=VerifyReport(correct=True, trials=5),
+            )
+        )
+        return self.feed(
+            CandidateProfiled(
+                candidate_id=cid,
+                task=task,
+                device_id="d",
+                report=ProfileReport(
+                    ok=True, speedup=speedup, runtime_ms=1.0, ref_runtime_ms=speedup
+                ),
+            )
+        )
 
 
-def propose(cid: str, *, task: str = "t", selection: int | None = None, island: int = 0,
-            source: str = SEED_SRC) -> CandidateProposed:
-    return CandidateProposed(candidate_id=cid, task=task, source=source, island=island,
-                             operator="seed" if selection is None else "mutate",
-                             mutator=OFFLINE_MUTATOR, selection=selection)
+def propose(
+    cid: str,
+    *,
+    task: str = "t",
+    selection: int | None = None,
+    island: int = 0,
+    source: str = SEED_SRC,
+) -> CandidateProposed:
+    return CandidateProposed(
+        candidate_id=cid,
+        task=task,
+        source=source,
+        island=island,
+        operator="seed" if selection is None else "mutate",
+        mutator=OFFLINE_MUTATOR,
+        selection=selection,
+    )
 
 
 def test_archive_admits_profiled_seed_and_selects_parents() -> None:
@@ -107,8 +135,14 @@ def test_archive_never_exceeds_budget() -> None:
         d.feed(propose(f"c{s.selection}", selection=s.selection, island=s.island))
     d.finish("c0", speedup=2.0)
     assert not any(isinstance(e, RunFinished) for e in d.decisions)
-    d.feed(CandidateRejected(candidate_id="c1", task="t", device_id="d",
-                             report=VerifyReport(correct=False, failure_kind="mismatch")))
+    d.feed(
+        CandidateRejected(
+            candidate_id="c1",
+            task="t",
+            device_id="d",
+            report=VerifyReport(correct=False, failure_kind="mismatch"),
+        )
+    )
     assert len([e for e in d.decisions if isinstance(e, ParentSelected)]) == 2
     assert sum(isinstance(e, RunFinished) for e in d.decisions) == 1
     assert d.state.tasks["t"].failed == 1
@@ -132,6 +166,7 @@ def test_archive_keeps_the_faster_elite_per_cell() -> None:
 
 def test_archive_decisions_are_deterministic() -> None:
     """Two archives fed the same events decide exactly the same things."""
+
     def run() -> list[Event]:
         d = Driver()
         d.feed(started(budget=8))
@@ -159,9 +194,14 @@ def test_archive_skips_task_whose_seeds_all_failed() -> None:
     d = Driver()
     d.feed(started())
     d.feed(propose("seed1"))
-    out = d.feed(CandidateCompiled(candidate_id="seed1", task="t", device_id="d",
-                                   report=CompileReport(ok=False, error="boom",
-                                                        failure_kind="compile_error")))
+    out = d.feed(
+        CandidateCompiled(
+            candidate_id="seed1",
+            task="t",
+            device_id="d",
+            report=CompileReport(ok=False, error="boom", failure_kind="compile_error"),
+        )
+    )
     assert any(isinstance(e, TaskSkipped) and "every seed failed" in e.reason for e in out)
     assert any(isinstance(e, RunFinished) for e in out)
 
@@ -176,8 +216,16 @@ def test_mutator_proposes_seeds_and_honest_mutations() -> None:
     assert len(seeds) == 1 and isinstance(seeds[0], CandidateProposed)
     assert seeds[0].mutator == OFFLINE_MUTATOR and "no LLM" in seeds[0].mutator
     st = m.evolve(st, rec(seeds[0]))
-    sel = rec(ParentSelected(task="t", selection=0, island=1, operator="mutate",
-                             parent_id=seeds[0].candidate_id, rng_seed=11))
+    sel = rec(
+        ParentSelected(
+            task="t",
+            selection=0,
+            island=1,
+            operator="mutate",
+            parent_id=seeds[0].candidate_id,
+            rng_seed=11,
+        )
+    )
     st = m.evolve(st, sel)
     (child,) = m.react(st, sel)
     assert isinstance(child, CandidateProposed)
@@ -196,8 +244,11 @@ def test_mutator_fails_clearly_on_parent_without_parameters() -> None:
     st = m.initial_state()
     st = m.evolve(st, rec(started()))
     st = m.evolve(st, rec(propose("plain", source="class ModelNew: pass\n")))
-    sel = rec(ParentSelected(task="t", selection=0, island=0, operator="mutate",
-                             parent_id="plain", rng_seed=1))
+    sel = rec(
+        ParentSelected(
+            task="t", selection=0, island=0, operator="mutate", parent_id="plain", rng_seed=1
+        )
+    )
     st = m.evolve(st, sel)
     (out,) = m.react(st, sel)
     assert isinstance(out, MutationFailed) and "no template parameters" in out.reason

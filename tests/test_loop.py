@@ -21,7 +21,11 @@ def kf(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, KF_LOG_LEVEL="WARNING", KF_EVAL_THREADS="1")
     return subprocess.run(
         [sys.executable, "-m", "kf.cli", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
     )
 
 

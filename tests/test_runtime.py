@@ -32,7 +32,9 @@ async def _connect(url: str):
     return await bus.connect(bus.BusOptions(url))
 
 
-async def test_runtime_delivers_every_event_once_in_order(nats_server: EmbeddedServer, db_path: Path) -> None:
+async def test_runtime_delivers_every_event_once_in_order(
+    nats_server: EmbeddedServer, db_path: Path
+) -> None:
     """Four producers' events are committed once each and reach a subscriber in seq order."""
     nc = await _connect(nats_server.url)
     async with archivist(nats_server.url, RUN, db_path) as arch:
@@ -95,9 +97,7 @@ async def test_runtime_archivist_killed_midstream_loses_nothing(
         tasks = [asyncio.create_task(o.run()) for o in outboxes]
         for k, o in enumerate(outboxes):
             o.put(pings(f"p{k}", 400, "killed"))
-        await wait_for(
-            lambda: _at_least(log_head(nc, "killed"), 300), what="some events committed"
-        )
+        await wait_for(lambda: _at_least(log_head(nc, "killed"), 300), what="some events committed")
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert any(o.backlog for o in outboxes), "the kill should land mid-stream"
@@ -145,7 +145,9 @@ async def test_runtime_nats_restart_midstream_loses_nothing(db_path: Path) -> No
             server = EmbeddedServer(port=port).start()
             assert await o.flush(60)
             total = arch.log_.head if arch.log_ else 0
-            await wait_for(lambda: observer.folded >= total, timeout_s=30, what="observer caught up")
+            await wait_for(
+                lambda: observer.folded >= total, timeout_s=30, what="observer caught up"
+            )
             stop.set()
             await obs_task
             t.cancel()
@@ -172,7 +174,12 @@ async def test_runtime_garbage_is_rejected_counted_and_survived(
         await ready.wait()
         good = make_envelope(Pinged(producer="x", n=1), run_id=RUN, source="x@t")
         wrong_schema = Envelope(
-            event_id="bad1", run_id=RUN, source="x@t", type="test.pinged", schema=1, time=0.0,
+            event_id="bad1",
+            run_id=RUN,
+            source="x@t",
+            type="test.pinged",
+            schema=1,
+            time=0.0,
             data=msgspec.Raw(msgpack.packb({"producer": 3, "n": "three"})),
         )
         other_run = make_envelope(Pinged(producer="x", n=2), run_id="elsewhere", source="x@t")
@@ -204,11 +211,21 @@ async def test_runtime_garbage_is_rejected_counted_and_survived(
 async def test_runtime_plugin_agent_receives_committed_events(
     nats_server: EmbeddedServer, db_path: Path, tmp_path: Path
 ) -> None:
-    """A plugin installed from a separate package runs under `kf agent` and sees committed events."""
+    """A plugin from a separate package runs under `kf agent` and sees committed events."""
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(ROOT / "tests/plugins/kf_echo_plugin")],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(ROOT / "tests/plugins/kf_echo_plugin"),
+        ],
         check=True,
     )
     env = dict(os.environ, PYTHONPATH=f"{target}{os.pathsep}{ROOT}")
@@ -219,9 +236,19 @@ async def test_runtime_plugin_agent_receives_committed_events(
         o.put(pings("before", 5, RUN))
         assert await o.flush(10)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kf.cli", "agent", "echo", "--nats", nats_server.url,
-             "--run", RUN],
-            env=env, cwd=tmp_path,
+            [
+                sys.executable,
+                "-m",
+                "kf.cli",
+                "agent",
+                "echo",
+                "--nats",
+                nats_server.url,
+                "--run",
+                RUN,
+            ],
+            env=env,
+            cwd=tmp_path,
         )
         try:
             o.put(pings("after", 5, RUN))
@@ -230,7 +257,8 @@ async def test_runtime_plugin_agent_receives_committed_events(
             assert elog is not None
             await wait_for(
                 lambda: sum(1 for _ in elog.read(types=["plugin.echoed"])) == 10,
-                timeout_s=60, what="10 echoes from the plugin",
+                timeout_s=60,
+                what="10 echoes from the plugin",
             )
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -249,12 +277,10 @@ def shared_server():
     server.stop()
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    st.lists(
-        st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(-1000, 1000)), max_size=45
-    )
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(-1000, 1000)), max_size=45))
 def test_runtime_fold_of_any_log_equals_live_state(
     shared_server: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory, items
 ) -> None:
@@ -266,10 +292,12 @@ def test_runtime_fold_of_any_log_equals_live_state(
         async with archivist(shared_server.url, "prop", db) as arch:
             o = Outbox(nc, "prop", batch=7)
             t = asyncio.create_task(o.run())
-            o.put([
-                make_envelope(Pinged(producer=p, n=n), run_id="prop", source=f"{p}@t")
-                for p, n in items
-            ])
+            o.put(
+                [
+                    make_envelope(Pinged(producer=p, n=n), run_id="prop", source=f"{p}@t")
+                    for p, n in items
+                ]
+            )
             assert await o.flush(20)
             t.cancel()
             live = arch.hosted_states()["tally"]

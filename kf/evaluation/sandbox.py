@@ -346,7 +346,7 @@ _default_lock = threading.Lock()
 
 def default_pool() -> RunnerPool:
     """The process-wide pool (size ``$KF_EVAL_POOL``, default 2), closed at exit."""
-    global _default  # noqa: PLW0603 — one lazily created pool per process
+    global _default
     with _default_lock:
         if _default is None or _default._closed:
             _default = RunnerPool(size=int(os.environ.get("KF_EVAL_POOL", "2")))
