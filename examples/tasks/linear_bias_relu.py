@@ -1,6 +1,6 @@
 """Fusion task: a narrow linear layer (matmul + bias) followed by ReLU.
 
-The contraction is short (K = 32) and the output wide, so eager PyTorch spends much of
+The contraction is short (K = 16) and the output wide, so eager PyTorch spends much of
 its time outside the GEMM: it broadcasts the bias into the output, runs the GEMM, then
 makes a separate ReLU pass over 16 MiB. A blocked kernel applies bias and ReLU while the
 tile is still in registers.
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 BATCH = 8192
-IN_FEATURES = 32
+IN_FEATURES = 16
 OUT_FEATURES = 512
 
 
