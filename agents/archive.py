@@ -26,9 +26,17 @@ import msgspec
 from kf.agent import Agent
 from kf.behaviour import describe
 from kf.events import Event, Record
-from kf.facts import ReactionFailed, RunFinished, RunStarted
+from kf.facts import (
+    DeviceAnnounced,
+    DeviceLeft,
+    DeviceLost,
+    ReactionFailed,
+    RunFinished,
+    RunStarted,
+)
 from kf.params import family as param_family
 from kf.search_facts import (
+    CandidateAssigned,
     CandidateCompiled,
     CandidateProfiled,
     CandidateProposed,
@@ -54,6 +62,7 @@ class SearchConfig(msgspec.Struct, frozen=True, kw_only=True):
     crossover_rate: float = 0.3
     migrate_every: int = 8
     llm: bool = False
+    max_attempts: int = 3  # assignments of one candidate before it fails as lost
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> SearchConfig:
@@ -83,6 +92,10 @@ class Cand(msgspec.Struct, kw_only=True):
     ref_ms: float | None = None
     cell: tuple[int, int, int] | None = None
     source: str = ""
+    backend: str = "cpp-openmp"
+    target: str = "cpu"
+    device_id: str | None = None  # current assignment
+    attempt: int = 0
 
     @property
     def in_flight(self) -> bool:
@@ -93,6 +106,14 @@ class Cand(msgspec.Struct, kw_only=True):
 def cell_key(island: int, cell: Sequence[int]) -> str:
     """``"island:m.c.p"`` — the archive's map key for a cell on an island."""
     return f"{island}:{cell[0]}.{cell[1]}.{cell[2]}"
+
+
+class DeviceSlot(msgspec.Struct, kw_only=True):
+    """A device as announced: its kind, its backends and whether it is live."""
+
+    kind: str
+    backends: tuple[str, ...] = ()
+    live: bool = True
 
 
 class TaskArchive(msgspec.Struct, kw_only=True):
@@ -123,6 +144,8 @@ class ArchiveState(msgspec.Struct, kw_only=True):
     tasks: dict[str, TaskArchive] = {}
     candidates: dict[str, Cand] = {}
     event_candidate: dict[str, str] = {}  # candidate event id → candidate id
+    devices: dict[str, DeviceSlot] = {}
+    queue: list[str] = []  # in-flight candidates waiting for a device, in proposal order
     plan: tuple[str, list[Event]] = ("", [])  # decisions planned by the last folded event
 
     def summary(self) -> str:
@@ -155,6 +178,10 @@ class ArchiveAgent(Agent[ArchiveState]):
         CandidateRejected,
         CandidateProfiled,
         ReactionFailed,
+        DeviceAnnounced,
+        DeviceLeft,
+        DeviceLost,
+        CandidateAssigned,
     )
 
     def initial_state(self) -> ArchiveState:
@@ -180,8 +207,18 @@ class ArchiveAgent(Agent[ArchiveState]):
             t = state.tasks.get(ev.task)
             if t is not None and ev.selection in t.pending:
                 t.pending.remove(ev.selection)
+        elif isinstance(ev, CandidateAssigned):
+            # the effect was applied when it was planned; remember the id for failures
+            state.event_candidate[rec.event_id] = ev.candidate_id
+        elif isinstance(ev, DeviceAnnounced):
+            backends = ev.capabilities.get("backends", ())
+            state.devices[ev.device_id] = DeviceSlot(
+                kind=ev.kind, backends=tuple(str(b) for b in backends or ())
+            )
+        elif isinstance(ev, (DeviceLeft, DeviceLost)):
+            self._device_gone(state, ev.device_id)
         elif isinstance(ev, CandidateCompiled):
-            c = self._cand(state, ev.candidate_id, rec.event_id)
+            c = self._current(state, ev, rec.event_id)
             if c is not None and c.status == "proposed":
                 if ev.report.ok:
                     c.status = "compiled"
@@ -189,16 +226,16 @@ class ArchiveAgent(Agent[ArchiveState]):
                 else:
                     self._fail(state, c, ev.report.failure_kind or "compile_error", ev.report.error)
         elif isinstance(ev, CandidateVerified):
-            c = self._cand(state, ev.candidate_id, rec.event_id)
+            c = self._current(state, ev, rec.event_id)
             if c is not None and c.status == "compiled":
                 c.status = "correct"
                 state.tasks[c.task].correct += 1
         elif isinstance(ev, CandidateRejected):
-            c = self._cand(state, ev.candidate_id, rec.event_id)
+            c = self._current(state, ev, rec.event_id)
             if c is not None and c.in_flight:
                 self._fail(state, c, ev.report.failure_kind or "incorrect", ev.report.error)
         elif isinstance(ev, CandidateProfiled):
-            c = state.candidates.get(ev.candidate_id)
+            c = self._current(state, ev, rec.event_id)
             if c is not None and c.status == "correct":
                 if ev.report.ok:
                     self._profiled(state, c, ev, plan)
@@ -212,6 +249,7 @@ class ArchiveAgent(Agent[ArchiveState]):
             if c is not None and c.in_flight:
                 self._fail(state, c, f"agent_error:{ev.kind}", ev.error)
         if state.started and not state.finished:
+            self._dispatch(state, plan)
             self._top_up(state, plan)
         state.plan = (rec.event_id, plan)
         return state
@@ -233,11 +271,70 @@ class ArchiveAgent(Agent[ArchiveState]):
                 )
                 plan.append(TaskSkipped(task=spec.name, reason=t.skipped))
 
-    def _cand(self, state: ArchiveState, cid: str, event_id: str) -> Cand | None:
-        c = state.candidates.get(cid)
-        if c is not None:
-            state.event_candidate[event_id] = cid
+    def _current(self, state: ArchiveState, ev: Any, event_id: str) -> Cand | None:
+        """The candidate a stage event is about, if it answers the current assignment.
+
+        Results from an earlier assignment (a device declared lost that later spoke up)
+        are ignored, so each candidate's outcome is counted once.
+        """
+        c = state.candidates.get(ev.candidate_id)
+        if c is None or ev.device_id != c.device_id or ev.attempt != c.attempt:
+            return None
+        state.event_candidate[event_id] = c.id
         return c
+
+    # -- routing ----------------------------------------------------------------------------
+
+    def _device_gone(self, state: ArchiveState, device_id: str) -> None:
+        slot = state.devices.get(device_id)
+        if slot is not None:
+            slot.live = False
+        orphans = [
+            c.id for c in state.candidates.values() if c.in_flight and c.device_id == device_id
+        ]
+        for cid in orphans:
+            c = state.candidates[cid]
+            c.device_id = None
+            if c.attempt >= state.config.max_attempts:
+                self._fail(state, c, "device_lost", f"device lost {c.attempt} times")
+            elif cid not in state.queue:
+                state.queue.append(cid)
+        order = {cid: i for i, cid in enumerate(state.candidates)}
+        state.queue.sort(key=order.__getitem__)
+
+    def _dispatch(self, state: ArchiveState, plan: list[Event]) -> None:
+        """Assign waiting candidates to the least-loaded live device that can run them."""
+        if not state.queue:
+            return
+        load: dict[str, int] = {d: 0 for d, s in state.devices.items() if s.live}
+        for c in state.candidates.values():
+            if c.in_flight and c.device_id in load:
+                load[c.device_id] += 1
+        waiting: list[str] = []
+        for cid in state.queue:
+            c = state.candidates[cid]
+            if not c.in_flight:
+                continue
+            kind = c.target.partition(":")[0]
+            fits = sorted(
+                (n, d)
+                for d, n in load.items()
+                if state.devices[d].kind == kind
+                and (not state.devices[d].backends or c.backend in state.devices[d].backends)
+            )
+            if not fits:
+                waiting.append(cid)
+                continue
+            device = fits[0][1]
+            load[device] += 1
+            c.device_id = device
+            c.attempt += 1
+            plan.append(
+                CandidateAssigned(
+                    candidate_id=c.id, task=c.task, device_id=device, attempt=c.attempt
+                )
+            )
+        state.queue = waiting
 
     def _proposed(self, state: ArchiveState, ev: CandidateProposed, event_id: str) -> None:
         t = state.tasks.get(ev.task)
@@ -254,7 +351,10 @@ class ArchiveAgent(Agent[ArchiveState]):
             parent_id=ev.parent_id,
             selection=ev.selection,
             source=ev.source,
+            backend=ev.backend,
+            target=ev.device,
         )
+        state.queue.append(ev.candidate_id)
         state.event_candidate[event_id] = ev.candidate_id
         t.proposed += 1
         if ev.selection is not None and ev.selection in t.pending:
@@ -352,8 +452,7 @@ class ArchiveAgent(Agent[ArchiveState]):
         if (
             in_flight == 0
             and all(
-                t.skipped is not None or self._used(t) >= cfg.budget
-                for t in state.tasks.values()
+                t.skipped is not None or self._used(t) >= cfg.budget for t in state.tasks.values()
             )
             and all(t.proposed >= t.seeds or t.skipped for t in state.tasks.values())
         ):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from kf.events import (
     encode_envelope,
     make_envelope,
 )
+from kf.facts import DeviceLost
 from kf.log import EventLog
 from kf.runtime import AgentCrashed
 
@@ -48,6 +50,17 @@ _ENC = msgspec.msgpack.Encoder()
 _BATCH = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _FETCH = msgspec.msgpack.Decoder(dict[str, Any])
 _MAX_FETCH_BYTES = 768 * 1024
+
+
+class _Local:
+    """Envelopes the archivist observed itself (a device gone silent), queued for commit."""
+
+    def __init__(self, envelopes: list[Envelope]) -> None:
+        self.envelopes = envelopes
+
+
+_DEVICE_ALIVE = ("device.announced", "device.heartbeat")
+_DEVICE_GONE = ("device.left", "device.lost")
 
 
 class ArchivistStats(msgspec.Struct, kw_only=True):
@@ -82,7 +95,9 @@ class Archivist:
         self.hosted_types = tuple(hosted)
         self.stats = ArchivistStats()
         self.log_: EventLog | None = None
-        self._queue: asyncio.Queue[Msg] = asyncio.Queue()
+        self._queue: asyncio.Queue[Msg | _Local] = asyncio.Queue()
+        self._last_seen: dict[str, float] = {}  # device → monotonic time last heard
+        self.heartbeat_timeout_s = float(ctx.options.get("heartbeat_timeout_s", 30.0))
         self._hosted: list[tuple[Agent[Any], Any]] = []
 
     # -- hosted agents -------------------------------------------------------------------
@@ -101,6 +116,7 @@ class Archivist:
         history: list[Envelope] = []
         for env in elog.read():
             history.append(env)
+            self._track_device(env)
             if env.caused_by is not None:
                 answered.add((env.source_kind, env.caused_by))
         self._hosted = list(zip(agents, states, strict=True))
@@ -161,6 +177,34 @@ class Archivist:
                 pending.extend(self._fold_hosted(env, answered))
         return committed
 
+    def _track_device(self, env: Envelope) -> None:
+        if env.type in _DEVICE_ALIVE or env.type in _DEVICE_GONE:
+            device = getattr(decode_event(env), "device_id", None)
+            if device is None:
+                return
+            if env.type in _DEVICE_ALIVE:
+                self._last_seen[device] = time.monotonic()
+            else:
+                self._last_seen.pop(device, None)
+
+    async def _watchdog(self) -> None:
+        """Record ``device.lost`` for a device silent longer than the heartbeat timeout.
+
+        The silence is an observation (wall clock, made here); what follows from it — the
+        re-dispatch of that device's candidates — is the archive's decision.
+        """
+        timeout = self.heartbeat_timeout_s
+        while True:
+            await asyncio.sleep(max(0.1, timeout / 4))
+            now = time.monotonic()
+            for device, seen in sorted(self._last_seen.items()):
+                if now - seen > timeout:
+                    del self._last_seen[device]
+                    log.warning("device_lost", device=device, silent_s=round(now - seen, 1))
+                    lost = DeviceLost(device_id=device, silent_s=round(now - seen, 1))
+                    env = make_envelope(lost, run_id=self.ctx.run_id, source=self.ctx.agent_id)
+                    self._queue.put_nowait(_Local([env]))
+
     def hosted_states(self) -> dict[str, Any]:
         """Current hosted states by kind (for tests and reports)."""
         return {a.kind: s for a, s in self._hosted}
@@ -193,6 +237,7 @@ class Archivist:
             if ready is not None:
                 ready.set()
             writer = asyncio.create_task(self._writer(nc, elog))
+            watchdog = asyncio.create_task(self._watchdog())
             stopping = asyncio.create_task(stop.wait())
             try:
                 await asyncio.wait({writer, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -207,6 +252,7 @@ class Archivist:
                 await fetch_sub.unsubscribe()
             finally:
                 stopping.cancel()
+                watchdog.cancel()
                 writer.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await writer
@@ -269,11 +315,14 @@ class Archivist:
                 for _ in msgs:
                     self._queue.task_done()
 
-    async def _commit_batch(self, nc: Client, elog: EventLog, msgs: list[Msg]) -> None:
+    async def _commit_batch(self, nc: Client, elog: EventLog, msgs: list[Msg | _Local]) -> None:
         """Validate, commit, let hosted agents decide, reply, publish — one batch."""
         accepted: list[Envelope] = []
         replies: list[tuple[Msg, list[tuple[str, str]]]] = []
         for msg in msgs:
+            if isinstance(msg, _Local):
+                accepted.extend(msg.envelopes)
+                continue
             refused: list[tuple[str, str]] = []
             try:
                 items = _BATCH.decode(msg.data)
@@ -294,6 +343,8 @@ class Archivist:
             replies.append((msg, refused))
         self.stats.batches += 1
         committed = elog.append(accepted)
+        for env in committed:
+            self._track_device(env)
         self.stats.duplicates += len(accepted) - len(committed)
         self.stats.committed += len(committed)
         pending: list[Envelope] = []

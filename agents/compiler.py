@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
 from kf.evaluation import compile_candidate
 from kf.events import Event, Record
-from kf.search_facts import CandidateCompiled, CandidateProposed
+from kf.facts import RunStarted
+from kf.search_facts import CandidateAssigned, CandidateCompiled, CandidateProposed
 
 __all__ = ["Compiler"]
 
@@ -17,11 +18,12 @@ class Compiler(EvaluatorAgent):
     """Imports the candidate and constructs ``ModelNew`` (building its native code)."""
 
     kind = "compiler"
+    listens = (RunStarted, CandidateProposed, CandidateAssigned)
     concurrency = 2
 
     async def react(self, state: EvaluatorState, rec: Record) -> Sequence[Event]:  # type: ignore[override]
         ev = rec.event
-        if not isinstance(ev, CandidateProposed) or not self.serves(ev.device):
+        if not isinstance(ev, CandidateAssigned) or not self.mine(ev.device_id):
             return ()
         found = self.lookup(state, ev.task, ev.candidate_id)
         if found is None:
@@ -33,6 +35,10 @@ class Compiler(EvaluatorAgent):
             )
         return [
             CandidateCompiled(
-                candidate_id=ev.candidate_id, task=ev.task, device_id=self.device_id, report=report
+                candidate_id=ev.candidate_id,
+                task=ev.task,
+                device_id=self.device_id,
+                report=report,
+                attempt=ev.attempt,
             )
         ]

@@ -122,13 +122,13 @@ class EvaluatorAgent(Agent[EvaluatorState]):
                 )
                 for t in ev.tasks
             }
-        elif isinstance(ev, CandidateProposed) and self.serves(ev.device):
+        elif isinstance(ev, CandidateProposed):
             state.sources[ev.candidate_id] = ev.source
         return state
 
-    def serves(self, device: str) -> bool:
-        """Whether a candidate targeting ``device`` is this agent's to evaluate."""
-        return device == self.device or (device == "cpu" and self.device.startswith("cpu"))
+    def mine(self, device_id: str) -> bool:
+        """Whether work routed to ``device_id`` is this worker's."""
+        return device_id == self.device_id
 
     def snapshot(self, state: EvaluatorState) -> Any:
         return {"tasks": sorted(state.tasks), "candidates": len(state.sources)}

@@ -22,7 +22,7 @@ class Profiler(EvaluatorAgent):
 
     async def react(self, state: EvaluatorState, rec: Record) -> Sequence[Event]:  # type: ignore[override]
         ev = rec.event
-        if not isinstance(ev, CandidateVerified):
+        if not isinstance(ev, CandidateVerified) or not self.mine(ev.device_id):
             return ()
         found = self.lookup(state, ev.task, ev.candidate_id)
         if found is None:
@@ -39,6 +39,10 @@ class Profiler(EvaluatorAgent):
             )
         return [
             CandidateProfiled(
-                candidate_id=ev.candidate_id, task=ev.task, device_id=self.device_id, report=report
+                candidate_id=ev.candidate_id,
+                task=ev.task,
+                device_id=self.device_id,
+                report=report,
+                attempt=ev.attempt,
             )
         ]

@@ -27,7 +27,7 @@ class Verifier(EvaluatorAgent):
 
     async def react(self, state: EvaluatorState, rec: Record) -> Sequence[Event]:  # type: ignore[override]
         ev = rec.event
-        if not isinstance(ev, CandidateCompiled) or not ev.report.ok:
+        if not isinstance(ev, CandidateCompiled) or not ev.report.ok or not self.mine(ev.device_id):
             return ()
         found = self.lookup(state, ev.task, ev.candidate_id)
         if found is None:
@@ -44,5 +44,11 @@ class Verifier(EvaluatorAgent):
             )
         cls = CandidateVerified if report.correct else CandidateRejected
         return [
-            cls(candidate_id=ev.candidate_id, task=ev.task, device_id=self.device_id, report=report)
+            cls(
+                candidate_id=ev.candidate_id,
+                task=ev.task,
+                device_id=self.device_id,
+                report=report,
+                attempt=ev.attempt,
+            )
         ]

@@ -14,6 +14,7 @@ __all__ = [
     "DeviceAnnounced",
     "DeviceHeartbeat",
     "DeviceLeft",
+    "DeviceLost",
     "ReactionFailed",
     "RunFinished",
     "RunStarted",
@@ -98,6 +99,15 @@ class DeviceHeartbeat(Observation, frozen=True, kw_only=True):
     device_id: str
     busy: int = 0
     queued: int = 0
+
+
+@event("device.lost")
+class DeviceLost(Observation, frozen=True, kw_only=True):
+    """The archivist heard nothing from a device for longer than the heartbeat timeout."""
+
+    device_id: str
+    silent_s: float
+    reason: str = "no heartbeat"
 
 
 @event("device.left")

@@ -10,6 +10,7 @@ from kf.evaluation.reports import CompileReport, ProfileReport, VerifyReport
 from kf.events import Decision, Observation, event
 
 __all__ = [
+    "CandidateAssigned",
     "CandidateCompiled",
     "CandidateProfiled",
     "CandidateProposed",
@@ -60,6 +61,7 @@ class CandidateCompiled(Observation, frozen=True, kw_only=True):
     task: str
     device_id: str
     report: CompileReport
+    attempt: int = 1  # which assignment of the candidate this answers
 
 
 @event("kernel.candidate_verified")
@@ -70,6 +72,7 @@ class CandidateVerified(Observation, frozen=True, kw_only=True):
     task: str
     device_id: str
     report: VerifyReport
+    attempt: int = 1  # which assignment of the candidate this answers
 
 
 @event("kernel.candidate_rejected")
@@ -80,6 +83,7 @@ class CandidateRejected(Observation, frozen=True, kw_only=True):
     task: str
     device_id: str
     report: VerifyReport
+    attempt: int = 1  # which assignment of the candidate this answers
 
 
 @event("kernel.candidate_profiled")
@@ -90,6 +94,17 @@ class CandidateProfiled(Observation, frozen=True, kw_only=True):
     task: str
     device_id: str
     report: ProfileReport
+    attempt: int = 1  # which assignment of the candidate this answers
+
+
+@event("search.candidate_assigned")
+class CandidateAssigned(Decision, frozen=True, kw_only=True):
+    """The archive routed a candidate to a live device whose capabilities match it."""
+
+    candidate_id: str
+    task: str
+    device_id: str
+    attempt: int
 
 
 @event("search.parent_selected")

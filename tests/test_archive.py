@@ -10,9 +10,10 @@ from agents.mutator import OFFLINE_MUTATOR, OfflineMutator
 from kf.agent import AgentContext
 from kf.evaluation.reports import CompileReport, ProfileReport, VerifyReport
 from kf.events import Event, Record, make_envelope
-from kf.facts import RunFinished, RunStarted, TaskSpec
+from kf.facts import DeviceAnnounced, DeviceLost, RunFinished, RunStarted, TaskSpec
 from kf.params import parse
 from kf.search_facts import (
+    CandidateAssigned,
     CandidateCompiled,
     CandidateProfiled,
     CandidateProposed,
@@ -54,6 +55,7 @@ class Driver:
         self.agent = ArchiveAgent(AgentContext(run_id="r", agent_id="archive@t"))
         self.state = self.agent.initial_state()
         self.decisions: list[Event] = []
+        self.feed(announce("d"))
 
     def feed(self, ev: Event) -> list[Event]:
         r = rec(ev)
@@ -65,29 +67,21 @@ class Driver:
         return out
 
     def finish(self, cid: str, task: str = "t", speedup: float = 1.5) -> list[Event]:
-        self.feed(
-            CandidateCompiled(
-                candidate_id=cid, task=task, device_id="d", report=CompileReport(ok=True)
-            )
-        )
-        self.feed(
-            CandidateVerified(
-                candidate_id=cid,
-                task=task,
-                device_id="d",
-                report=VerifyReport(correct=True, trials=5),
-            )
-        )
-        return self.feed(
-            CandidateProfiled(
-                candidate_id=cid,
-                task=task,
-                device_id="d",
-                report=ProfileReport(
-                    ok=True, speedup=speedup, runtime_ms=1.0, ref_runtime_ms=speedup
-                ),
-            )
-        )
+        c = self.state.candidates[cid]
+        where: dict[str, Any] = {"device_id": c.device_id or "?", "attempt": c.attempt}
+        self.feed(CandidateCompiled(candidate_id=cid, task=task, report=CompileReport(ok=True),
+                                    **where))
+        self.feed(CandidateVerified(candidate_id=cid, task=task,
+                                    report=VerifyReport(correct=True, trials=5), **where))
+        return self.feed(CandidateProfiled(
+            candidate_id=cid, task=task, **where,
+            report=ProfileReport(ok=True, speedup=speedup, runtime_ms=1.0, ref_runtime_ms=speedup),
+        ))
+
+
+def announce(device_id: str, kind: str = "cpu") -> DeviceAnnounced:
+    return DeviceAnnounced(device_id=device_id, kind=kind, agent_id="hw@x",
+                           capabilities={"backends": ["cpp-openmp"]})
 
 
 def propose(
@@ -252,3 +246,46 @@ def test_mutator_fails_clearly_on_parent_without_parameters() -> None:
     st = m.evolve(st, sel)
     (out,) = m.react(st, sel)
     assert isinstance(out, MutationFailed) and "no template parameters" in out.reason
+
+
+def test_archive_routes_candidates_to_matching_live_devices() -> None:
+    """Candidates go to the least-loaded live device of their kind; none to a GPU."""
+    d = Driver()
+    d.feed(announce("e"))
+    d.feed(announce("g", kind="cuda"))
+    d.feed(started(tasks=("t", "u")))
+    d.feed(propose("s1"))
+    d.feed(propose("s2", task="u"))
+    assigned = [e for e in d.decisions if isinstance(e, CandidateAssigned)]
+    assert [(a.candidate_id, a.device_id) for a in assigned] == [("s1", "d"), ("s2", "e")]
+
+
+def test_archive_waits_for_a_device_before_assigning() -> None:
+    """With no matching device announced, a candidate waits; it is assigned on announce."""
+    d = Driver()
+    d.feed(DeviceLost(device_id="d", silent_s=9.0))
+    d.feed(started())
+    d.feed(propose("s1"))
+    assert not any(isinstance(e, CandidateAssigned) for e in d.decisions)
+    out = d.feed(announce("late"))
+    assert [(a.candidate_id, a.device_id, a.attempt) for a in out
+            if isinstance(a, CandidateAssigned)] == [("s1", "late", 1)]
+
+
+def test_archive_redispatches_work_of_a_lost_device_and_counts_it_once() -> None:
+    """A lost device's candidate is reassigned; the old device's late result is ignored."""
+    d = Driver()
+    d.feed(announce("e"))
+    d.feed(started())
+    d.feed(propose("s1"))  # goes to "d" (ties broken by id)
+    out = d.feed(DeviceLost(device_id="d", silent_s=31.0))
+    again = [a for a in out if isinstance(a, CandidateAssigned)]
+    assert [(a.device_id, a.attempt) for a in again] == [("e", 2)]
+    # the lost device wakes up and reports; it no longer counts
+    d.feed(CandidateCompiled(candidate_id="s1", task="t", device_id="d",
+                             report=CompileReport(ok=False, error="late", failure_kind="x")))
+    assert d.state.candidates["s1"].status == "proposed"
+    d.feed(CandidateCompiled(candidate_id="s1", task="t", device_id="e", attempt=2,
+                             report=CompileReport(ok=True)))
+    assert d.state.candidates["s1"].status == "compiled"
+    assert d.state.tasks["t"].compiled == 1

@@ -1,0 +1,283 @@
+"""The prompt evolver: a population of meta-prompts, co-evolved with the kernels.
+
+A pure decision agent hosted by the archivist (the archive's plan-in-evolve pattern: the
+fold computes the decisions and applies their effect at once; ``react`` returns the plan).
+
+- On ``RunStarted`` (with an LLM configured) it seeds the built-in meta-prompt ``p0``.
+- For each ``ParentSelected`` it decides which prompt and which model of the ensemble
+  answer it (``PromptChosen``), seeded by sha256 of the run seed, the task and the
+  selection number: a prompt never tried goes first; otherwise, with probability
+  ``prompt_explore`` a uniformly drawn prompt, else the fittest. The model is drawn by
+  weight from the same generator.
+- A prompt's fitness is the mean score of the kernels written with it (speedup when
+  profiled correct, 0 when failed), with one pseudo-observation of ``PRIOR``.
+- Every ``prompt_evolve_every`` finished kernels it asks for one region of a prompt (the
+  better of two drawn) to be rewritten by a model (``PromptRewriteRequested``), until the
+  population holds ``max_prompts`` prompts or the LLM budget is spent. The rewrite itself
+  is an observation (``PromptRewritten``) made by the LLM mutator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from kf.agent import Agent
+from kf.events import Event, Record
+from kf.facts import RunStarted
+from kf.llm.prompts import EVOLVABLE_REGIONS, REWRITE_OPERATORS, SEED_REGIONS
+from kf.llm_facts import (
+    LlmBudgetExhausted,
+    PromptChosen,
+    PromptRewriteFailed,
+    PromptRewriteRequested,
+    PromptRewritten,
+    PromptSeeded,
+)
+from kf.search_facts import (
+    CandidateCompiled,
+    CandidateProfiled,
+    CandidateProposed,
+    CandidateRejected,
+    MutationFailed,
+    ParentSelected,
+)
+
+__all__ = ["PRIOR", "EvolverConfig", "EvolverState", "PromptEvolver", "PromptStats"]
+
+PRIOR = 0.5  # the score of one imagined kernel every prompt starts with
+
+
+class EvolverConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Settings read from ``RunStarted.config``."""
+
+    llm: bool = False
+    llm_models: list[tuple[str, float]] = []
+    prompt_evolve_every: int = 2
+    max_prompts: int = 6
+    prompt_explore: float = 0.25
+
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> EvolverConfig:
+        """Known keys from a run config, defaults for the rest."""
+        fields = {f: config[f] for f in cls.__struct_fields__ if f in config}
+        return msgspec.convert(fields, cls)
+
+
+class PromptStats(msgspec.Struct, kw_only=True):
+    """One meta-prompt and how its kernels fared."""
+
+    id: str
+    regions: dict[str, str]
+    parent: str | None = None
+    operator: str = "seed"
+    region: str = ""
+    chosen: int = 0
+    finished: int = 0
+    score_sum: float = 0.0
+    best: float = 0.0
+
+    @property
+    def fitness(self) -> float:
+        """Mean score with one pseudo-observation of :data:`PRIOR`."""
+        return (self.score_sum + PRIOR) / (self.finished + 1)
+
+
+class EvolverState(msgspec.Struct, kw_only=True):
+    """The prompt population and which prompt each selection and candidate used."""
+
+    seed: int = 0
+    config: EvolverConfig = EvolverConfig()
+    active: bool = False
+    prompts: dict[str, PromptStats] = {}
+    selection_prompt: dict[str, str] = {}  # "task:selection" → prompt id
+    candidate_prompt: dict[str, str] = {}  # in-flight candidate id → prompt id
+    finished: int = 0
+    requests: int = 0
+    open_requests: list[int] = []
+    budget_spent: bool = False
+    plan: tuple[str, list[Event]] = ("", [])
+
+    def summary(self) -> str:
+        """One line per prompt: lineage, use and fitness."""
+        lines = [f"{len(self.prompts)} prompts, {self.requests} rewrites requested"]
+        for p in self.prompts.values():
+            lines.append(
+                f"  {p.id}: {p.operator} {p.region or ''} of {p.parent or '-'}; chosen {p.chosen}, "
+                f"finished {p.finished}, fitness {p.fitness:.3f}, best {p.best:.3f}"
+            )
+        return "\n".join(lines)
+
+
+def _rng(*parts: object) -> random.Random:
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+def _pick_model(rng: random.Random, models: Sequence[tuple[str, float]]) -> str:
+    usable = [(m, w) for m, w in models if w > 0]
+    if not usable:
+        return "default"
+    total = sum(w for _, w in usable)
+    x = rng.random() * total
+    for name, weight in usable:
+        x -= weight
+        if x < 0:
+            return name
+    return usable[-1][0]
+
+
+class PromptEvolver(Agent[EvolverState]):
+    """Chooses a meta-prompt and a model per selection; asks for prompt rewrites."""
+
+    kind = "prompt_evolver"
+    decides = True
+    listens = (
+        RunStarted,
+        ParentSelected,
+        CandidateProposed,
+        MutationFailed,
+        CandidateCompiled,
+        CandidateRejected,
+        CandidateProfiled,
+        PromptRewritten,
+        PromptRewriteFailed,
+        LlmBudgetExhausted,
+    )
+
+    def initial_state(self) -> EvolverState:
+        return EvolverState()
+
+    def react(self, state: EvolverState, rec: Record) -> Sequence[Event]:
+        event_id, decisions = state.plan
+        return list(decisions) if event_id == rec.event_id else ()
+
+    def snapshot(self, state: EvolverState) -> Any:
+        return msgspec.structs.replace(state, plan=("", []))
+
+    def evolve(self, state: EvolverState, rec: Record) -> EvolverState:
+        plan: list[Event] = []
+        ev = rec.event
+        if isinstance(ev, RunStarted):
+            if not state.active and not state.prompts:
+                state.seed = ev.seed
+                state.config = EvolverConfig.of(ev.config)
+                state.active = state.config.llm
+                if state.active:
+                    regions = dict(sorted(SEED_REGIONS.items()))
+                    state.prompts["p0"] = PromptStats(id="p0", regions=regions)
+                    plan.append(PromptSeeded(prompt_id="p0", regions=regions))
+        elif not state.active:
+            pass
+        elif isinstance(ev, ParentSelected):
+            plan.append(self._choose(state, ev))
+        elif isinstance(ev, CandidateProposed):
+            pid = state.selection_prompt.pop(f"{ev.task}:{ev.selection}", None)
+            if pid is not None and ev.selection is not None:
+                state.candidate_prompt[ev.candidate_id] = pid
+        elif isinstance(ev, MutationFailed):
+            pid = state.selection_prompt.pop(f"{ev.task}:{ev.selection}", None)
+            if pid is not None:
+                self._finish(state, pid, 0.0, ev.task, plan)
+        elif isinstance(ev, (CandidateCompiled, CandidateRejected, CandidateProfiled)):
+            ok = ev.report.ok if isinstance(ev, (CandidateCompiled, CandidateProfiled)) else False
+            if isinstance(ev, CandidateCompiled) and ok:
+                return self._done(state, rec, plan)
+            pid = state.candidate_prompt.pop(ev.candidate_id, None)
+            if pid is not None:
+                score = ev.report.speedup if isinstance(ev, CandidateProfiled) and ok else 0.0
+                self._finish(state, pid, score, ev.task, plan)
+        elif isinstance(ev, PromptRewritten):
+            if ev.request in state.open_requests:
+                state.open_requests.remove(ev.request)
+                state.prompts[ev.prompt_id] = PromptStats(
+                    id=ev.prompt_id,
+                    regions=dict(sorted(ev.regions.items())),
+                    parent=ev.parent_prompt_id,
+                    operator=ev.operator,
+                    region=ev.region,
+                )
+        elif isinstance(ev, PromptRewriteFailed):
+            if ev.request in state.open_requests:
+                state.open_requests.remove(ev.request)
+        elif isinstance(ev, LlmBudgetExhausted):
+            state.budget_spent = True
+        return self._done(state, rec, plan)
+
+    @staticmethod
+    def _done(state: EvolverState, rec: Record, plan: list[Event]) -> EvolverState:
+        state.plan = (rec.event_id, plan)
+        return state
+
+    def _choose(self, state: EvolverState, ev: ParentSelected) -> PromptChosen:
+        cfg = state.config
+        rng = _rng(state.seed, "prompt", ev.task, ev.selection)
+        prompts = list(state.prompts.values())
+        untried = [p for p in prompts if p.chosen == 0]
+        explore = rng.random() < cfg.prompt_explore
+        if untried:
+            chosen = untried[0]
+        elif explore:
+            chosen = rng.choice(prompts)
+        else:
+            chosen = max(prompts, key=lambda p: (p.fitness, -prompts.index(p)))
+        chosen.chosen += 1
+        model = _pick_model(rng, cfg.llm_models)
+        state.selection_prompt[f"{ev.task}:{ev.selection}"] = chosen.id
+        return PromptChosen(
+            task=ev.task,
+            selection=ev.selection,
+            island=ev.island,
+            operator=ev.operator,
+            parent_id=ev.parent_id,
+            second_parent_id=ev.second_parent_id,
+            prompt_id=chosen.id,
+            model=model,
+            rng_seed=ev.rng_seed,
+        )
+
+    def _finish(
+        self, state: EvolverState, pid: str, score: float, task: str, plan: list[Event]
+    ) -> None:
+        p = state.prompts.get(pid)
+        if p is None:
+            return
+        p.finished += 1
+        p.score_sum += score
+        p.best = max(p.best, score)
+        state.finished += 1
+        cfg = state.config
+        if (
+            cfg.prompt_evolve_every > 0
+            and state.finished % cfg.prompt_evolve_every == 0
+            and len(state.prompts) + len(state.open_requests) < cfg.max_prompts
+            and not state.budget_spent
+        ):
+            plan.append(self._request(state, task))
+
+    def _request(self, state: EvolverState, task: str) -> PromptRewriteRequested:
+        n = state.requests
+        rng = _rng(state.seed, "rewrite", n)
+        prompts = list(state.prompts.values())
+        a, b = rng.choice(prompts), rng.choice(prompts)
+        parent = a if a.fitness >= b.fitness else b
+        state.requests += 1
+        state.open_requests.append(n)
+        return PromptRewriteRequested(
+            request=n,
+            prompt_id=parent.id,
+            new_prompt_id=f"p{n + 1}",
+            operator=rng.choice(REWRITE_OPERATORS),
+            region=rng.choice(EVOLVABLE_REGIONS),
+            model=_pick_model(rng, state.config.llm_models),
+            task=task,
+            fitness=(
+                f"{parent.finished} kernels finished, mean score {parent.fitness:.3f} "
+                f"(speedup when correct, 0 when failed), best speedup {parent.best:.3f}"
+            ),
+            rng_seed=rng.getrandbits(32),
+        )
