@@ -121,6 +121,16 @@ class RunnerHandle:
             PYTHONUNBUFFERED="1",
             PYTHONDONTWRITEBYTECODE="1",
         )
+        # Fair timing on a CPU: idle OpenMP threads of one runner must not spin while the
+        # other runner is being timed, and big buffers are reused from the heap rather than
+        # mmap'ed afresh (page faults) on every call — which helps eager's temporaries most,
+        # so the baseline gets stronger, never weaker. The user's own settings win.
+        for key, value in (
+            ("OMP_WAIT_POLICY", "PASSIVE"),
+            ("MALLOC_MMAP_THRESHOLD_", str(1 << 30)),
+            ("MALLOC_TRIM_THRESHOLD_", str(1 << 31)),
+        ):
+            env.setdefault(key, value)
         with open(self.log_path, "wb") as logf:
             self.proc = subprocess.Popen(
                 [
