@@ -34,6 +34,7 @@ from kf.facts import (
     RunFinished,
     RunStarted,
 )
+from kf.llm_facts import LlmBudgetExhausted
 from kf.params import family as param_family
 from kf.search_facts import (
     CandidateAssigned,
@@ -141,6 +142,7 @@ class ArchiveState(msgspec.Struct, kw_only=True):
     config: SearchConfig = SearchConfig()
     started: bool = False
     finished: bool = False
+    llm_stopped: str | None = None  # the LLM budget ran out: no more selections
     tasks: dict[str, TaskArchive] = {}
     candidates: dict[str, Cand] = {}
     event_candidate: dict[str, str] = {}  # candidate event id → candidate id
@@ -182,6 +184,7 @@ class ArchiveAgent(Agent[ArchiveState]):
         DeviceLeft,
         DeviceLost,
         CandidateAssigned,
+        LlmBudgetExhausted,
     )
 
     def initial_state(self) -> ArchiveState:
@@ -248,6 +251,8 @@ class ArchiveAgent(Agent[ArchiveState]):
             c = state.candidates.get(cid or "")
             if c is not None and c.in_flight:
                 self._fail(state, c, f"agent_error:{ev.kind}", ev.error)
+        elif isinstance(ev, LlmBudgetExhausted) and state.llm_stopped is None:
+            state.llm_stopped = ev.reason
         if state.started and not state.finished:
             self._dispatch(state, plan)
             self._top_up(state, plan)
@@ -430,7 +435,10 @@ class ArchiveAgent(Agent[ArchiveState]):
             eligible = [
                 t
                 for t in state.tasks.values()
-                if t.skipped is None and self._used(t) < cfg.budget and t.elites
+                if t.skipped is None
+                and self._used(t) < cfg.budget
+                and t.elites
+                and state.llm_stopped is None
             ]
             if not eligible:
                 break
@@ -452,7 +460,10 @@ class ArchiveAgent(Agent[ArchiveState]):
         if (
             in_flight == 0
             and all(
-                t.skipped is not None or self._used(t) >= cfg.budget for t in state.tasks.values()
+                t.skipped is not None
+                or self._used(t) >= cfg.budget
+                or state.llm_stopped is not None
+                for t in state.tasks.values()
             )
             and all(t.proposed >= t.seeds or t.skipped for t in state.tasks.values())
         ):
@@ -523,6 +534,8 @@ def _finish_reason(state: ArchiveState) -> str:
     parts = []
     for t in state.tasks.values():
         parts.append(f"{t.name}: {t.skipped}" if t.skipped else f"{t.name}: budget spent")
+    if state.llm_stopped is not None:
+        parts.insert(0, f"stopped early: {state.llm_stopped}")
     return "; ".join(parts)
 
 

@@ -240,7 +240,7 @@ def decode_event(env: Envelope) -> Event:
         raise EventError(f"{env.type} (schema {env.schema}): {exc}") from None
 
 
-BUILTIN_EVENT_MODULES = ("kf.facts", "kf.search_facts")
+BUILTIN_EVENT_MODULES = ("kf.facts", "kf.search_facts", "kf.llm_facts")
 _builtin_loaded = False
 
 

@@ -1,0 +1,476 @@
+"""The LLM mutator: answers each ``PromptChosen`` with a model-written candidate.
+
+An observer (its output is the world's answer, recorded verbatim): for every prompt
+choice it builds a prompt from the task's reference, the parent kernel and its timings,
+the recent failures of the parent's children, up to two inspirations from other archive
+cells and islands, the target device's announced capabilities and the chosen
+meta-prompt; calls the chosen model of the ensemble; records the call (``LlmCalled``:
+request, response, usage, latency, every attempt) and then either a ``CandidateProposed``
+(``mutator`` says "llm: <model> via <base_url>") or a ``MutationFailed`` naming what was
+wrong (HTTP errors after retries, timeouts, garbage, an unappliable diff). It also
+performs the prompt rewrites the prompt evolver asks for, and proposes the tasks' seed
+kernels when the run starts.
+
+Budget: usage is folded from ``llm.called`` events (so a restarted run keeps counting);
+before each call the budget is checked, counting calls in flight. Once it is spent, the
+mutator records ``LlmBudgetExhausted`` (the archive stops selecting and finishes the run)
+and answers remaining choices with failed mutations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from kf import params
+from kf.agent import Agent, AgentContext
+from kf.events import Event, Record, derived_id
+from kf.facts import DeviceAnnounced, RunStarted
+from kf.llm.budget import Budget, Pricing, Usage
+from kf.llm.client import CallOutcome, ClientSettings, LlmClient, api_key_from_env
+from kf.llm.parse import ResponseError, parse_edit, parse_region
+from kf.llm.prompts import (
+    SEED_REGIONS,
+    Inspiration,
+    MutationContext,
+    mutation_messages,
+    prompt_hash,
+    rewrite_messages,
+)
+from kf.llm_facts import (
+    LlmAttempt,
+    LlmBudgetExhausted,
+    LlmCalled,
+    LlmMessage,
+    PromptChosen,
+    PromptRewriteFailed,
+    PromptRewriteRequested,
+    PromptRewritten,
+    PromptSeeded,
+)
+from kf.search_facts import (
+    CandidateCompiled,
+    CandidateProfiled,
+    CandidateProposed,
+    CandidateRejected,
+    EliteAdmitted,
+    MutationFailed,
+)
+
+__all__ = ["CandInfo", "LlmMutator", "LlmMutatorState", "llm_label"]
+
+SEED_LABEL = "seed kernel from the task's seeds/ folder (no LLM)"
+
+
+def llm_label(model: str, base_url: str) -> str:
+    """The honest ``mutator`` field of a model-written candidate."""
+    return f"llm: {model} via {base_url}"
+
+
+class CandInfo(msgspec.Struct, kw_only=True):
+    """What the mutator remembers of a candidate, for prompts."""
+
+    task: str
+    island: int
+    parent_id: str | None = None
+    speedup: float | None = None
+    runtime_ms: float | None = None
+    ref_ms: float | None = None
+    failure: str | None = None
+    cell: tuple[int, int, int] | None = None
+
+
+class LlmMutatorState(msgspec.Struct, kw_only=True):
+    """Tasks, candidates, elites, device capabilities, prompts and LLM usage, from the log."""
+
+    run_id: str = ""
+    islands: int = 1
+    device: str = "cpu"
+    base_url: str = ""
+    budget: Budget = Budget()
+    config: dict[str, Any] = {}
+    references: dict[str, str] = {}
+    seeds: dict[str, list[tuple[str, str]]] = {}
+    sources: dict[str, str] = {}
+    cands: dict[str, CandInfo] = {}
+    elites: dict[str, dict[str, str]] = {}  # task → cell key → candidate id
+    child_failures: dict[str, list[str]] = {}  # parent id → recent failures of its children
+    device_caps: dict[str, Any] = {}
+    prompts: dict[str, dict[str, str]] = {}
+    seen: dict[str, set[str]] = {}
+    usage: Usage = Usage()
+    call_ids: set[str] = set()
+    budget_announced: bool = False
+
+
+def _digest(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+class LlmMutator(Agent[LlmMutatorState]):
+    """Model-written candidates and prompt rewrites, every call recorded verbatim."""
+
+    kind = "llm_mutator"
+    concurrency = 4
+    listens = (
+        RunStarted,
+        DeviceAnnounced,
+        CandidateProposed,
+        CandidateCompiled,
+        CandidateRejected,
+        CandidateProfiled,
+        EliteAdmitted,
+        LlmCalled,
+        LlmBudgetExhausted,
+        PromptSeeded,
+        PromptRewritten,
+        PromptChosen,
+        PromptRewriteRequested,
+    )
+
+    def __init__(self, ctx: AgentContext) -> None:
+        super().__init__(ctx)
+        self._client: LlmClient | None = None
+        self._in_flight = 0
+        self._unfolded: dict[str, tuple[int, int, float]] = {}
+        self._announced = False
+
+    def initial_state(self) -> LlmMutatorState:
+        return LlmMutatorState()
+
+    def snapshot(self, state: LlmMutatorState) -> Any:
+        return {"usage": state.usage, "candidates": len(state.sources)}
+
+    def client(self, config: dict[str, Any]) -> LlmClient:
+        """The endpoint client, made on first use from the run config and agent options.
+
+        Options (``kf agent llm_mutator --option KEY=VALUE``) override the run config's
+        ``llm_*`` keys; the API key comes only from options or the environment.
+        """
+        if self._client is None:
+            o = {**config, **self.ctx.options}
+            url = o.get("llm_url")
+            if not url:
+                raise ValueError("llm_mutator needs llm_url (an OpenAI-compatible base URL)")
+            self._client = LlmClient(
+                ClientSettings(
+                    base_url=str(url),
+                    api_key=self.ctx.options.get("api_key") or api_key_from_env(),
+                    timeout_s=float(o.get("llm_timeout_s", 120.0)),
+                    max_retries=int(o.get("llm_max_retries", 4)),
+                    backoff_s=float(o.get("llm_backoff_s", 1.0)),
+                    concurrency=int(o.get("llm_concurrency", 4)),
+                    temperature=float(o.get("llm_temperature", 0.7)),
+                    max_tokens=int(o.get("llm_max_tokens", 4096)),
+                    pricing=Pricing(
+                        usd_per_mtok_in=float(o.get("llm_usd_per_mtok_in", 0.0)),
+                        usd_per_mtok_out=float(o.get("llm_usd_per_mtok_out", 0.0)),
+                    ),
+                )
+            )
+        return self._client
+
+    async def on_stop(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+    # -- the fold ------------------------------------------------------------------------
+
+    def evolve(self, state: LlmMutatorState, rec: Record) -> LlmMutatorState:
+        ev = rec.event
+        if isinstance(ev, RunStarted):
+            state.run_id = ev.run_id
+            state.islands = int(ev.config.get("islands", 1)) or 1
+            state.device = str(ev.config.get("device", "cpu"))
+            state.base_url = str(ev.config.get("llm_url", ""))
+            state.budget = Budget.of(ev.config)
+            state.config = dict(ev.config)
+            state.references = {t.name: t.source for t in ev.tasks}
+            state.seeds = {t.name: list(t.seeds) for t in ev.tasks}
+        elif isinstance(ev, DeviceAnnounced):
+            state.device_caps = dict(ev.capabilities)
+        elif isinstance(ev, CandidateProposed):
+            state.sources[ev.candidate_id] = ev.source
+            state.seen.setdefault(ev.task, set()).add(_digest(ev.source))
+            state.cands[ev.candidate_id] = CandInfo(
+                task=ev.task, island=ev.island, parent_id=ev.parent_id
+            )
+        elif isinstance(ev, (CandidateCompiled, CandidateRejected)):
+            c = state.cands.get(ev.candidate_id)
+            ok = ev.report.ok if isinstance(ev, CandidateCompiled) else False
+            if c is not None and not ok:
+                kind = ev.report.failure_kind or "failed"
+                c.failure = f"{kind}: {(ev.report.error or '').strip()[:800]}"
+                if c.parent_id is not None:
+                    fails = state.child_failures.setdefault(c.parent_id, [])
+                    fails.append(c.failure)
+                    del fails[:-3]
+        elif isinstance(ev, CandidateProfiled):
+            c = state.cands.get(ev.candidate_id)
+            if c is not None and ev.report.ok:
+                c.speedup = ev.report.speedup
+                c.runtime_ms = ev.report.runtime_ms
+                c.ref_ms = ev.report.ref_runtime_ms
+        elif isinstance(ev, EliteAdmitted):
+            state.elites.setdefault(ev.task, {})[f"{ev.island}:{ev.cell}"] = ev.candidate_id
+            c = state.cands.get(ev.candidate_id)
+            if c is not None:
+                c.cell = ev.cell
+        elif isinstance(ev, LlmCalled):
+            if ev.call_id not in state.call_ids:
+                state.call_ids.add(ev.call_id)
+                if ev.error is None:
+                    state.usage.add(ev.prompt_tokens, ev.completion_tokens, ev.cost_usd)
+                else:
+                    state.usage.add(0, 0, 0.0)
+        elif isinstance(ev, LlmBudgetExhausted):
+            state.budget_announced = True
+        elif isinstance(ev, (PromptSeeded, PromptRewritten)):
+            state.prompts[ev.prompt_id] = dict(ev.regions)
+        return state
+
+    # -- reactions -----------------------------------------------------------------------
+
+    async def react(self, state: LlmMutatorState, rec: Record) -> Sequence[Event]:
+        ev = rec.event
+        if isinstance(ev, RunStarted):
+            return self._seeds(state, rec)
+        if isinstance(ev, PromptChosen):
+            return await self._mutate(state, ev, rec.event_id)
+        if isinstance(ev, PromptRewriteRequested):
+            return await self._rewrite(state, ev, rec.event_id)
+        return ()
+
+    def _seeds(self, state: LlmMutatorState, rec: Record) -> list[Event]:
+        out: list[Event] = []
+        for task, seeds in state.seeds.items():
+            for i, (name, source) in enumerate(seeds):
+                try:
+                    parsed = params.parse(source)
+                except params.ParamsError:
+                    parsed = None
+                out.append(
+                    CandidateProposed(
+                        candidate_id=derived_id("seed", rec.event_id, task, name),
+                        task=task,
+                        source=source,
+                        operator="seed",
+                        mutator=SEED_LABEL,
+                        island=i % state.islands,
+                        device=state.device,
+                        family=params.family(source),
+                        config=dict(parsed[1]) if parsed else {},
+                        note=f"seed kernel {name}",
+                    )
+                )
+        return out
+
+    def _budget_left(self, state: LlmMutatorState) -> str | None:
+        used = msgspec.structs.replace(state.usage)
+        for cid, (pin, pout, cost) in list(self._unfolded.items()):
+            if cid in state.call_ids:
+                del self._unfolded[cid]
+            else:
+                used.add(pin, pout, cost)
+        return state.budget.exhausted(used, self._in_flight)
+
+    def _exhausted(self, state: LlmMutatorState, reason: str) -> list[Event]:
+        if state.budget_announced or self._announced:
+            return []
+        self._announced = True
+        u = state.usage
+        return [
+            LlmBudgetExhausted(reason=reason, calls=u.calls, tokens=u.tokens, cost_usd=u.cost_usd)
+        ]
+
+    async def _call(
+        self,
+        state: LlmMutatorState,
+        call_id: str,
+        purpose: str,
+        model: str,
+        messages: list[dict[str, str]],
+        *,
+        task: str = "",
+        selection: int | None = None,
+        prompt_id: str = "",
+    ) -> tuple[LlmCalled, CallOutcome]:
+        client = self.client(state.config)
+        self._in_flight += 1
+        try:
+            out = await client.chat(model, messages)
+        finally:
+            self._in_flight -= 1
+        self._unfolded[call_id] = (out.prompt_tokens, out.completion_tokens, out.cost_usd)
+        called = LlmCalled(
+            call_id=call_id,
+            purpose=purpose,
+            model=model,
+            base_url=client.settings.base_url,
+            parameters=client.parameters,
+            prompt_hash=prompt_hash(messages),
+            messages=tuple(LlmMessage(role=m["role"], content=m["content"]) for m in messages),
+            response=out.response,
+            finish_reason=out.finish_reason,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            cost_usd=out.cost_usd,
+            latency_s=out.latency_s,
+            attempts=tuple(LlmAttempt(status=s, error=e, latency_s=t) for s, e, t in out.attempts),
+            error=out.error,
+            task=task,
+            selection=selection,
+            prompt_id=prompt_id,
+        )
+        return called, out
+
+    def _inspirations(
+        self, state: LlmMutatorState, ev: PromptChosen, k: int = 2
+    ) -> list[Inspiration]:
+        elites = state.elites.get(ev.task, {})
+        ids = sorted(set(elites.values()) - {ev.parent_id, ev.second_parent_id or ""})
+        if not ids:
+            return []
+        rng = random.Random(ev.rng_seed)
+        other_island = [c for c in ids if state.cands[c].island != ev.island]
+        pool = other_island if len(other_island) >= k else ids
+        picked = sorted(rng.sample(pool, min(k, len(pool))))
+        return [
+            Inspiration(
+                candidate_id=c,
+                island=state.cands[c].island,
+                cell=state.cands[c].cell,
+                speedup=state.cands[c].speedup,
+                source=state.sources[c],
+            )
+            for c in picked
+        ]
+
+    async def _mutate(self, state: LlmMutatorState, ev: PromptChosen, event_id: str) -> list[Event]:
+        label = llm_label(ev.model, state.base_url)
+
+        def failed(reason: str) -> MutationFailed:
+            return MutationFailed(
+                task=ev.task, selection=ev.selection, reason=reason, mutator=label
+            )
+
+        parent = state.sources.get(ev.parent_id)
+        if parent is None:
+            return [failed(f"parent {ev.parent_id} was never proposed in this run")]
+        reason = self._budget_left(state)
+        if reason is not None:
+            return [*self._exhausted(state, reason), failed(reason)]
+        info = state.cands.get(ev.parent_id, CandInfo(task=ev.task, island=ev.island))
+        ctx = MutationContext(
+            task=ev.task,
+            reference=state.references.get(ev.task, ""),
+            parent_id=ev.parent_id,
+            parent_source=parent,
+            operator=ev.operator,
+            regions=state.prompts.get(ev.prompt_id, SEED_REGIONS),
+            parent_speedup=info.speedup,
+            parent_runtime_ms=info.runtime_ms,
+            parent_ref_ms=info.ref_ms,
+            parent_failure=info.failure,
+            second_parent_source=state.sources.get(ev.second_parent_id or ""),
+            inspirations=self._inspirations(state, ev),
+            failures=tuple(state.child_failures.get(ev.parent_id, ())),
+            device=state.device_caps,
+        )
+        call_id = derived_id("llm-call", event_id)
+        called, out = await self._call(
+            state,
+            call_id,
+            "mutate",
+            ev.model,
+            mutation_messages(ctx),
+            task=ev.task,
+            selection=ev.selection,
+            prompt_id=ev.prompt_id,
+        )
+        if not out.ok or out.response is None:
+            return [called, failed(f"LLM call failed: {out.error}")]
+        try:
+            edit = parse_edit(out.response, parent)
+        except ResponseError as exc:
+            return [called, failed(f"unusable LLM response: {exc}")]
+        if _digest(edit.source) in state.seen.get(ev.task, set()):
+            return [called, failed("the LLM's candidate duplicates one already proposed")]
+        try:
+            parsed = params.parse(edit.source)
+        except params.ParamsError:
+            parsed = None
+        crossed = ev.operator == "crossover" and ev.second_parent_id is not None
+        return [
+            called,
+            CandidateProposed(
+                candidate_id=derived_id("candidate", event_id),
+                task=ev.task,
+                source=edit.source,
+                operator=edit.kind,
+                mutator=label,
+                island=ev.island,
+                selection=ev.selection,
+                parent_id=ev.parent_id,
+                second_parent_id=ev.second_parent_id if crossed else None,
+                device=state.device,
+                family=params.family(edit.source),
+                config=dict(parsed[1]) if parsed else {},
+                note=(
+                    f"prompt {ev.prompt_id}; llm call {call_id}; {edit.kind} "
+                    f"({edit.blocks} block{'s' if edit.blocks != 1 else ''})"
+                    + ("; crossover" if crossed else "")
+                ),
+            ),
+        ]
+
+    async def _rewrite(
+        self, state: LlmMutatorState, ev: PromptRewriteRequested, event_id: str
+    ) -> list[Event]:
+        def failed(reason: str, call_id: str = "") -> PromptRewriteFailed:
+            return PromptRewriteFailed(
+                request=ev.request, parent_prompt_id=ev.prompt_id, reason=reason, call_id=call_id
+            )
+
+        regions = state.prompts.get(ev.prompt_id)
+        if regions is None:
+            return [failed(f"prompt {ev.prompt_id} is unknown")]
+        reason = self._budget_left(state)
+        if reason is not None:
+            return [*self._exhausted(state, reason), failed(reason)]
+        messages = rewrite_messages(
+            regions,
+            ev.region,
+            ev.operator,
+            task=ev.task if ev.operator == "specialise" else "",
+            reference=state.references.get(ev.task, ""),
+            device=state.device_caps if ev.operator == "specialise" else None,
+            fitness=ev.fitness,
+        )
+        call_id = derived_id("llm-call", event_id)
+        called, out = await self._call(
+            state, call_id, "prompt_rewrite", ev.model, messages, prompt_id=ev.prompt_id
+        )
+        if not out.ok or out.response is None:
+            return [called, failed(f"LLM call failed: {out.error}", call_id)]
+        try:
+            text = parse_region(out.response)
+        except ResponseError as exc:
+            return [called, failed(f"unusable LLM response: {exc}", call_id)]
+        return [
+            called,
+            PromptRewritten(
+                request=ev.request,
+                prompt_id=ev.new_prompt_id,
+                parent_prompt_id=ev.prompt_id,
+                operator=ev.operator,
+                region=ev.region,
+                regions=dict(sorted({**regions, ev.region: text}.items())),
+                call_id=call_id,
+                model=ev.model,
+            ),
+        ]

@@ -1,0 +1,169 @@
+"""A small client over ``openai.AsyncOpenAI`` for any OpenAI-compatible endpoint.
+
+Per-call timeout, retries with exponential backoff on 429 and 5xx (and on timeouts and
+lost connections), a concurrency limit, token counts and the cost of each call. Every
+attempt is reported back (status, error, latency) so the caller can record the call
+verbatim. The API key comes from ``KF_LLM_API_KEY``, falling back to ``OPENAI_API_KEY``;
+local servers (vLLM, Ollama, llama.cpp) usually need none, and then a placeholder is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+
+from kf.llm.budget import Pricing
+
+__all__ = ["CallOutcome", "ClientSettings", "LlmClient", "api_key_from_env"]
+
+_RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
+
+
+def api_key_from_env(env: dict[str, str] | None = None) -> str | None:
+    """``KF_LLM_API_KEY``, else ``OPENAI_API_KEY``, else None."""
+    env = dict(os.environ) if env is None else env
+    return env.get("KF_LLM_API_KEY") or env.get("OPENAI_API_KEY") or None
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """How to reach the endpoint and how patiently."""
+
+    base_url: str
+    api_key: str | None = None
+    timeout_s: float = 120.0
+    max_retries: int = 4
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    concurrency: int = 4
+    temperature: float = 0.7
+    max_tokens: int = 4096
+    pricing: Pricing = field(default_factory=Pricing)
+
+
+@dataclass(frozen=True)
+class CallOutcome:
+    """What one logical call (possibly several attempts) produced."""
+
+    response: str | None
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: float
+    latency_s: float
+    attempts: tuple[tuple[int | None, str | None, float], ...]
+    error: str | None
+
+    @property
+    def ok(self) -> bool:
+        """A response text came back."""
+        return self.error is None and self.response is not None
+
+
+class LlmClient:
+    """Chat completions with timeout, retries, backoff, a concurrency limit and costs."""
+
+    def __init__(self, settings: ClientSettings) -> None:
+        self.settings = settings
+        self._client = openai.AsyncOpenAI(
+            base_url=settings.base_url,
+            api_key=settings.api_key or "not-needed",
+            timeout=settings.timeout_s,
+            max_retries=0,  # retries are ours, so every attempt is recorded
+        )
+        self._slots = asyncio.Semaphore(max(1, settings.concurrency))
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        """The sampling parameters and limits sent with (or governing) every call."""
+        s = self.settings
+        return {
+            "temperature": s.temperature,
+            "max_tokens": s.max_tokens,
+            "timeout_s": s.timeout_s,
+            "max_retries": s.max_retries,
+        }
+
+    async def close(self) -> None:
+        """Close the HTTP connections."""
+        await self._client.close()
+
+    async def chat(self, model: str, messages: Sequence[dict[str, str]]) -> CallOutcome:
+        """One logical call: retried on 429/5xx/timeouts with backoff; never raises for HTTP."""
+        s = self.settings
+        attempts: list[tuple[int | None, str | None, float]] = []
+        start = time.monotonic()
+        error: str | None = None
+        async with self._slots:
+            for attempt in range(s.max_retries + 1):
+                if attempt:
+                    await asyncio.sleep(min(s.backoff_s * 2 ** (attempt - 1), s.max_backoff_s))
+                t0 = time.monotonic()
+                try:
+                    resp = await self._client.chat.completions.create(
+                        model=model,
+                        messages=list(messages),  # type: ignore[arg-type]
+                        temperature=s.temperature,
+                        max_tokens=s.max_tokens,
+                    )
+                except openai.APIStatusError as exc:
+                    error = f"HTTP {exc.status_code}: {_short(exc.message)}"
+                    attempts.append((exc.status_code, error, time.monotonic() - t0))
+                    if exc.status_code in _RETRYABLE_STATUS:
+                        continue
+                    break
+                except openai.APITimeoutError:
+                    error = f"timed out after {s.timeout_s:g}s"
+                    attempts.append((None, error, time.monotonic() - t0))
+                    continue
+                except openai.APIConnectionError as exc:
+                    error = f"connection failed: {_short(str(exc.__cause__ or exc))}"
+                    attempts.append((None, error, time.monotonic() - t0))
+                    continue
+                except (openai.OpenAIError, ValueError, TypeError) as exc:
+                    error = f"malformed response: {type(exc).__name__}: {_short(str(exc))}"
+                    attempts.append((200, error, time.monotonic() - t0))
+                    break
+                took = time.monotonic() - t0
+                choice = resp.choices[0] if getattr(resp, "choices", None) else None
+                text = choice.message.content if choice is not None else None
+                if choice is None or not isinstance(text, str):
+                    error = "malformed response: no choices[0].message.content"
+                    attempts.append((200, error, took))
+                    break
+                attempts.append((200, None, took))
+                usage = resp.usage
+                pin = int(getattr(usage, "prompt_tokens", 0) or 0)
+                pout = int(getattr(usage, "completion_tokens", 0) or 0)
+                return CallOutcome(
+                    response=text,
+                    finish_reason=choice.finish_reason,
+                    prompt_tokens=pin,
+                    completion_tokens=pout,
+                    cost_usd=s.pricing.cost(pin, pout),
+                    latency_s=time.monotonic() - start,
+                    attempts=tuple(attempts),
+                    error=None,
+                )
+        if error is not None and len(attempts) > s.max_retries:
+            error = f"gave up after {len(attempts)} attempts; last: {error}"
+        return CallOutcome(
+            response=None,
+            finish_reason=None,
+            prompt_tokens=0,
+            completion_tokens=0,
+            cost_usd=0.0,
+            latency_s=time.monotonic() - start,
+            attempts=tuple(attempts),
+            error=error or "no attempt made",
+        )
+
+
+def _short(text: str, limit: int = 500) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"

@@ -1,0 +1,170 @@
+"""The LLM facts: calls to a model recorded verbatim, the LLM budget running out, the
+meta-prompt population (seeded, chosen, rewritten) and template parameters tuned per
+input shape and device.
+
+Calls, rewrites and tunings are observations (the world answered); seeding a prompt,
+choosing one for a selection and asking for a rewrite are decisions of the prompt
+evolver, recomputed by ``kf replay --check``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kf.events import Decision, Observation, event
+
+__all__ = [
+    "ConfigTuned",
+    "LlmAttempt",
+    "LlmBudgetExhausted",
+    "LlmCalled",
+    "LlmMessage",
+    "PromptChosen",
+    "PromptRewriteFailed",
+    "PromptRewriteRequested",
+    "PromptRewritten",
+    "PromptSeeded",
+    "TuningTrial",
+]
+
+
+class LlmMessage(msgspec.Struct, frozen=True, kw_only=True):
+    """One chat message as sent to the model."""
+
+    role: str
+    content: str
+
+
+class LlmAttempt(msgspec.Struct, frozen=True, kw_only=True):
+    """One HTTP attempt of a call: its status (None: no answer), error and latency."""
+
+    status: int | None = None
+    error: str | None = None
+    latency_s: float = 0.0
+
+
+@event("llm.called")
+class LlmCalled(Observation, frozen=True, kw_only=True):
+    """kf called a model: the request and the response (or the error), verbatim, with usage."""
+
+    call_id: str
+    purpose: str  # mutate | prompt_rewrite
+    model: str
+    base_url: str
+    parameters: dict[str, Any] = {}
+    prompt_hash: str = ""
+    messages: tuple[LlmMessage, ...] = ()
+    response: str | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+    latency_s: float = 0.0
+    attempts: tuple[LlmAttempt, ...] = ()
+    error: str | None = None
+    task: str = ""
+    selection: int | None = None
+    prompt_id: str = ""
+
+
+@event("llm.budget_exhausted")
+class LlmBudgetExhausted(Observation, frozen=True, kw_only=True):
+    """The run's LLM budget (tokens, calls or money) is spent; no more selections are made."""
+
+    reason: str
+    calls: int = 0
+    tokens: int = 0
+    cost_usd: float = 0.0
+
+
+@event("prompt.seeded")
+class PromptSeeded(Decision, frozen=True, kw_only=True):
+    """The prompt evolver put a built-in meta-prompt into the population."""
+
+    prompt_id: str
+    regions: dict[str, str]
+
+
+@event("prompt.chosen")
+class PromptChosen(Decision, frozen=True, kw_only=True):
+    """The prompt evolver chose the meta-prompt and model answering a parent selection."""
+
+    task: str
+    selection: int
+    island: int
+    operator: str
+    parent_id: str
+    prompt_id: str
+    model: str
+    second_parent_id: str | None = None
+    rng_seed: int = 0
+
+
+@event("prompt.rewrite_requested")
+class PromptRewriteRequested(Decision, frozen=True, kw_only=True):
+    """The prompt evolver asked for one region of a meta-prompt to be rewritten by a model."""
+
+    request: int
+    prompt_id: str  # the parent prompt
+    new_prompt_id: str
+    operator: str  # improve | specialise | generalise | simplify
+    region: str
+    model: str
+    task: str = ""
+    fitness: str = ""  # how kernels written with the parent prompt fared, for the rewriter
+    rng_seed: int = 0
+
+
+@event("prompt.rewritten")
+class PromptRewritten(Observation, frozen=True, kw_only=True):
+    """A model rewrote a region of a meta-prompt; the new prompt joins the population."""
+
+    request: int
+    prompt_id: str
+    parent_prompt_id: str
+    operator: str
+    region: str
+    regions: dict[str, str]
+    call_id: str
+    model: str = ""
+
+
+@event("prompt.rewrite_failed")
+class PromptRewriteFailed(Observation, frozen=True, kw_only=True):
+    """A requested prompt rewrite produced nothing usable (the reason says why)."""
+
+    request: int
+    parent_prompt_id: str
+    reason: str
+    call_id: str = ""
+
+
+class TuningTrial(msgspec.Struct, frozen=True, kw_only=True):
+    """One configuration timed for one input shape."""
+
+    config: dict[str, Any]
+    ok: bool
+    runtime_ms: float = 0.0
+    runtime_std_ms: float = 0.0
+    ref_runtime_ms: float = 0.0
+    error: str | None = None
+
+
+@event("tuning.config_tuned")
+class ConfigTuned(Observation, frozen=True, kw_only=True):
+    """A tuner timed configurations of a candidate's template on one input shape and device."""
+
+    task: str
+    candidate_id: str
+    device_id: str
+    family: str
+    shape_index: int
+    shape: str  # e.g. "[[64, 256]]": the input shapes of that shape set
+    baseline_config: dict[str, Any]
+    best_config: dict[str, Any] | None = None
+    best_ms: float | None = None
+    baseline_ms: float | None = None
+    trials: tuple[TuningTrial, ...] = ()
+    note: str = ""
