@@ -102,7 +102,7 @@ class LlmMutatorState(msgspec.Struct, kw_only=True):
     device_caps: dict[str, Any] = {}
     prompts: dict[str, dict[str, str]] = {}
     seen: dict[str, set[str]] = {}
-    usage: Usage = Usage()
+    usage: Usage = msgspec.field(default_factory=Usage)
     call_ids: set[str] = set()
     budget_announced: bool = False
 

@@ -193,15 +193,14 @@ def _summary(snap: Any) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Evolve kernels for the given tasks on this machine."""
+    from kf.llm.cli import llm_config
     from kf.orchestra import RunOptions, run_search
     from kf.report import build_report, format_table
     from kf.tasks import TaskError, check_task, load_tasks
 
-    if args.llm_url:
-        print(
-            "kf run: --llm-url is not available yet (the LLM mutator is a later issue)",
-            file=sys.stderr,
-        )
+    llm = llm_config(args)
+    if isinstance(llm, str):
+        print(f"kf run: {llm}", file=sys.stderr)
         return EXIT_USAGE
     if args.budget < 1:
         print("kf run: --budget must be at least 1", file=sys.stderr)
@@ -223,6 +222,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight,
         timeout_s=args.timeout,
     )
+    if llm:
+        opts.llm_url = args.llm_url
+        opts.extra.update(llm)
     if args.nats:
         opts.bus_options = _bus_options(args, args.nats, "kf-run")
     try:
@@ -394,7 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         help="candidates being evaluated at once, across tasks",
     )
-    rn.add_argument("--llm-url", help="OpenAI-compatible endpoint (not available yet)")
+    from kf.llm.cli import add_llm_options
+
+    add_llm_options(rn)
     rn.add_argument(
         "--timeout",
         type=float,

@@ -173,8 +173,9 @@ async def run_search(
     """Run a whole search in this process; return ``(run_id, db path)`` when it finished."""
     from agents.archive import ArchiveAgent
     from agents.archivist import Archivist
-    from agents.mutator import OFFLINE_MUTATOR, OfflineMutator
+    from agents.mutator import OFFLINE_MUTATOR
     from hardware_agents.cpu import host_id
+    from kf.llm.roles import llm_roles
 
     resume = o.db is not None and o.db.exists()
     run_id = _run_id_of(o.db) if resume and o.db is not None else new_run_id()
@@ -192,6 +193,7 @@ async def run_search(
     stop_agents, stop_archivist, ready = asyncio.Event(), asyncio.Event(), asyncio.Event()
     nc = await bus.connect(opts)
     mutator = "llm" if o.llm_url else OFFLINE_MUTATOR
+    llm_hosted, mutator_cls, llm_workers = llm_roles(bool(o.llm_url))
     print(
         f"kf run {run_id}: {len(tasks)} task(s), budget {o.budget} candidates each, seed {o.seed}, "
         f"device {o.device}\n  log: {db}\n  mutator: {mutator}",
@@ -204,7 +206,7 @@ async def run_search(
         arch = Archivist(
             AgentContext(run_id=run_id, agent_id=make_agent_id("archivist")),
             db=db,
-            hosted=[ArchiveAgent],
+            hosted=[ArchiveAgent, *llm_hosted],
             nc=nc,
         )
         archivist_task = asyncio.create_task(
@@ -222,11 +224,11 @@ async def run_search(
         agent_tasks.append(
             asyncio.create_task(
                 supervise(
-                    _runner_factory(OfflineMutator, run_id, nc, {}), stop_agents, name="mutator"
+                    _runner_factory(mutator_cls, run_id, nc, {}), stop_agents, name="mutator"
                 )
             )
         )
-        for cls in worker_agents():
+        for cls in [*worker_agents(), *llm_workers]:
             agent_tasks.append(
                 asyncio.create_task(
                     supervise(_runner_factory(cls, run_id, nc, opt), stop_agents, name=cls.kind)
