@@ -221,6 +221,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         islands=args.islands,
         max_in_flight=args.max_in_flight,
         timeout_s=args.timeout,
+        serve=(args.serve_host, args.serve_port) if args.serve else None,
     )
     if llm:
         opts.llm_url = args.llm_url
@@ -285,6 +286,29 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"kf report: {exc}", file=sys.stderr)
         return EXIT_USAGE
     print(json.dumps(report, indent=2) if args.json else format_table(report))
+    if args.html:
+        from kf.dashboard import write_report
+
+        out = write_report(args.db, args.html)
+        print(f"kf report: wrote {out} (self-contained HTML)", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve the dashboard of a run's log (live while the run writes it)."""
+    from kf.dashboard import DashboardError
+    from kf.dashboard.app import serve
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        _install_signal_handlers(stop)
+        await serve(args.db, host=args.host, port=args.port, stop=stop, out=sys.stdout)
+
+    try:
+        asyncio.run(go())
+    except DashboardError as exc:
+        print(f"kf serve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     return EXIT_OK
 
 
@@ -406,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds per candidate stage before it is killed",
     )
     rn.add_argument("--json", action="store_true", help="print the final report as JSON")
+    rn.add_argument("--serve", action="store_true", help="serve the dashboard while running")
+    rn.add_argument("--serve-port", type=int, default=8765, help="dashboard port (0: any)")
+    rn.add_argument("--serve-host", default="127.0.0.1", help="dashboard address (loopback)")
     _add_nats_options(rn, required=False)
     rn.set_defaults(func=cmd_run)
 
@@ -419,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="summarise a run from its log")
     rp.add_argument("db", type=Path)
     rp.add_argument("--json", action="store_true")
+    rp.add_argument(
+        "--html", type=Path, metavar="OUT.html", help="also write a self-contained HTML report"
+    )
     rp.set_defaults(func=cmd_report)
 
     ex = sub.add_parser("export", help="write a task's best kernel as a drop-in module")
@@ -427,9 +457,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--task", help="which task (default: the only one)")
     ex.set_defaults(func=cmd_export)
 
-    sv = sub.add_parser("serve", help="dashboard for a run")
-    sv.add_argument("rest", nargs=argparse.REMAINDER)
-    sv.set_defaults(func=_not_yet("serve", "the dashboard is not built yet"))
+    sv = sub.add_parser("serve", help="dashboard for a run (live while it runs)")
+    sv.add_argument("db", type=Path, help="the run's event log (runs/<run_id>.db)")
+    sv.add_argument("--port", type=int, default=8765, help="TCP port (0: any free port)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    sv.set_defaults(func=cmd_serve)
     return p
 
 

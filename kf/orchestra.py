@@ -45,6 +45,7 @@ class RunOptions:
     llm_url: str | None = None
     timeout_s: float = 180.0
     measure_device: bool = True
+    serve: tuple[str, int] | None = None  # (host, port): the dashboard beside the run
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -202,6 +203,7 @@ async def run_search(
     )
     archivist_task: asyncio.Task[None] | None = None
     agent_tasks: list[asyncio.Task[None]] = []
+    stop_dashboard: Any = None
     try:
         arch = Archivist(
             AgentContext(run_id=run_id, agent_id=make_agent_id("archivist")),
@@ -234,6 +236,15 @@ async def run_search(
                     supervise(_runner_factory(cls, run_id, nc, opt), stop_agents, name=cls.kind)
                 )
             )
+        if o.serve is not None and db.exists():
+            from kf.dashboard import start_dashboard
+
+            url_, stop_dashboard = await start_dashboard(db, host=o.serve[0], port=o.serve[1])
+            print(
+                f"  dashboard: {url_} (while the run lasts; then: kf serve {db})",
+                file=out,
+                flush=True,
+            )
         progress = Progress(out=out, total_budget=o.budget * max(1, len(tasks)))
         await _first(_follow(nc, run_id, progress), [archivist_task, *agent_tasks])
         # agents drain (flushing what they produced) before the archivist stops
@@ -242,6 +253,8 @@ async def run_search(
         stop_archivist.set()
         await archivist_task
     finally:
+        if stop_dashboard is not None:
+            await stop_dashboard()
         stop_agents.set()
         stop_archivist.set()
         for t in [*agent_tasks, *([archivist_task] if archivist_task else [])]:

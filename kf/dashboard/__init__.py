@@ -1,0 +1,21 @@
+"""The dashboard: watch a search live (``kf serve``, ``kf run --serve``) or study it
+afterwards (``kf report --html``), all from the committed log.
+"""
+
+from __future__ import annotations
+
+from kf.dashboard.app import DashboardError, Feed, make_app, open_log, start_dashboard
+from kf.dashboard.page import live_page, report_html, write_report
+from kf.dashboard.view import RunView
+
+__all__ = [
+    "DashboardError",
+    "Feed",
+    "RunView",
+    "live_page",
+    "make_app",
+    "open_log",
+    "report_html",
+    "start_dashboard",
+    "write_report",
+]

@@ -1,0 +1,297 @@
+"""``kf serve``: an aiohttp app over a run's log — JSON API, server-sent events, the page.
+
+The app opens the log read-only (WAL lets it read while the archivist writes), folds it
+into a :class:`~kf.dashboard.view.RunView`, then polls the file for newly committed
+events. Each time the head moves, every open ``/api/stream`` gets an SSE message and
+the page fetches the state again. The poller is a background task owned by the app's
+``cleanup_ctx``; nothing runs after the app is cleaned up.
+
+Routes (all ``GET``; every view of the page has its JSON behind it):
+
+=============================  ===========================================================
+``/``                          the dashboard page
+``/static/{name}``             its CSS and JavaScript
+``/api/state``                 everything the overview shows, in one object
+``/api/run``                   run id, config, counters, event types
+``/api/archive``               MAP-Elites cells per task and island, with speedups
+``/api/progress``              evaluations in log order (for the speedup and rate plots)
+``/api/devices``               devices: capabilities, heartbeats, departure
+``/api/prompts``               prompt-population / LLM events (none without an LLM)
+``/api/candidates``            one line per candidate
+``/api/candidates/{id}``       one candidate: source, diff, reports, lineage
+``/api/stream``                server-sent events: ``head`` whenever the log grows
+=============================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from kf.dashboard.view import RunView
+from kf.events import EventError, Record
+from kf.log import EventLog, LogError
+
+__all__ = [
+    "FEED_KEY",
+    "DashboardError",
+    "Feed",
+    "make_app",
+    "open_log",
+    "serve",
+    "start_dashboard",
+]
+
+STATIC = Path(__file__).parent / "static"
+_BATCH = 2000
+_KEEPALIVE_S = 15.0
+_log = structlog.get_logger("kf.dashboard")
+
+
+class DashboardError(RuntimeError):
+    """The dashboard cannot show this file; the message says why and what to pass instead."""
+
+
+def open_log(db: str | Path) -> EventLog:
+    """Open a run's log read-only, or raise :class:`DashboardError` saying what is wrong."""
+    path = Path(db)
+    if not path.exists():
+        raise DashboardError(
+            f"{path}: no such file; pass a run's event log (kf run writes runs/<run_id>.db)"
+        )
+    if path.is_dir():
+        raise DashboardError(f"{path}: is a folder; pass a run's event log file (runs/<id>.db)")
+    try:
+        return EventLog(path, readonly=True)
+    except LogError as exc:
+        raise DashboardError(f"{exc}; pass a log written by kf run") from None
+    except sqlite3.DatabaseError as exc:
+        raise DashboardError(f"{path}: not a kf event log ({exc})") from None
+
+
+class Feed:
+    """Follows the committed log into a :class:`RunView` and tells subscribers it moved."""
+
+    def __init__(self, elog: EventLog, *, poll_s: float = 0.25) -> None:
+        self.elog = elog
+        self.view = RunView()
+        self.poll_s = poll_s
+        self.undecodable = 0
+        self._subscribers: set[asyncio.Queue[int | None]] = set()
+        self._closed = False
+
+    def catch_up(self, limit: int | None = None) -> int:
+        """Fold committed events after the view's head (at most ``limit``); return how many."""
+        start = self.view.head + 1
+        stop = None if limit is None else start + limit - 1
+        n = 0
+        for body in self.elog.read_raw(start, stop):
+            n += 1
+            try:
+                rec = Record.from_bytes(body)
+            except EventError as exc:
+                self.undecodable += 1
+                self.view.head += 1
+                _log.warning("dashboard.undecodable_event", seq=self.view.head, error=str(exc))
+                continue
+            self.view.feed(rec)
+        return n
+
+    async def follow(self) -> None:
+        """Poll the log for new events forever, notifying subscribers after each batch."""
+        while True:
+            n = self.catch_up(_BATCH)
+            if n:
+                self._publish(self.view.head)
+            if n < _BATCH:
+                await asyncio.sleep(self.poll_s)
+            else:
+                await asyncio.sleep(0)
+
+    def subscribe(self) -> asyncio.Queue[int | None]:
+        """A queue receiving the new head after each change (``None``: the app is closing)."""
+        q: asyncio.Queue[int | None] = asyncio.Queue(maxsize=64)
+        if self._closed:
+            q.put_nowait(None)
+        self._subscribers.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue[int | None]) -> None:
+        """Stop sending to ``q``."""
+        self._subscribers.discard(q)
+
+    def _publish(self, head: int | None) -> None:
+        for q in self._subscribers:
+            if q.full():
+                # the page refetches the whole state on any message: the latest is enough
+                with contextlib.suppress(asyncio.QueueEmpty):
+                    q.get_nowait()
+            q.put_nowait(head)
+
+    def close(self) -> None:
+        """Tell every stream to end (on app shutdown)."""
+        self._closed = True
+        self._publish(None)
+
+
+FEED_KEY = web.AppKey("kf_feed", Feed)
+DB_KEY = web.AppKey("kf_db", Path)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(data), status=status, content_type="application/json"
+    )
+
+
+def _feed(request: web.Request) -> Feed:
+    return request.app[FEED_KEY]
+
+
+async def _index(request: web.Request) -> web.Response:
+    from kf.dashboard.page import live_page
+
+    return web.Response(text=live_page(), content_type="text/html")
+
+
+async def _state(request: web.Request) -> web.Response:
+    feed = _feed(request)
+    state = feed.view.state()
+    state["server_time"] = time.time()
+    state["db"] = str(request.app[DB_KEY])
+    state["undecodable"] = feed.undecodable
+    return _json(state)
+
+
+def _view(fn: Callable[[RunView], Any]) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(request: web.Request) -> web.Response:
+        return _json(fn(_feed(request).view))
+
+    return handler
+
+
+async def _candidate(request: web.Request) -> web.Response:
+    cid = request.match_info["cid"]
+    detail = _feed(request).view.candidate(cid)
+    if detail is None:
+        return _json({"error": f"no candidate {cid!r} in this run"}, status=404)
+    return _json(detail)
+
+
+async def _stream(request: web.Request) -> web.StreamResponse:
+    feed = _feed(request)
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        }
+    )
+    await resp.prepare(request)
+    q = feed.subscribe()
+    try:
+        head: int | None = feed.view.head
+        while head is not None:
+            await resp.write(f"event: head\ndata: {head}\n\n".encode())
+            try:
+                head = await asyncio.wait_for(q.get(), _KEEPALIVE_S)
+            except TimeoutError:
+                await resp.write(b": keepalive\n\n")
+                head = feed.view.head
+    except ConnectionResetError:
+        pass
+    finally:
+        feed.unsubscribe(q)
+    return resp
+
+
+async def _follow_ctx(app: web.Application) -> AsyncIterator[None]:
+    feed = app[FEED_KEY]
+    task = asyncio.create_task(feed.follow(), name="kf-dashboard-follow")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        feed.elog.close()
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    app[FEED_KEY].close()
+
+
+def make_app(db: str | Path, *, poll_s: float = 0.25) -> web.Application:
+    """The dashboard app for one run's log (raises :class:`DashboardError` for a bad file)."""
+    elog = open_log(db)
+    feed = Feed(elog, poll_s=poll_s)
+    try:
+        feed.catch_up()
+    except BaseException:
+        elog.close()
+        raise
+    app = web.Application()
+    app[FEED_KEY] = feed
+    app[DB_KEY] = Path(db)
+    app.cleanup_ctx.append(_follow_ctx)
+    app.on_shutdown.append(_on_shutdown)
+    app.router.add_get("/", _index)
+    app.router.add_static("/static/", STATIC)
+    app.router.add_get("/api/state", _state)
+    app.router.add_get("/api/run", _view(RunView.run))
+    app.router.add_get("/api/archive", _view(RunView.archive_view))
+    app.router.add_get("/api/progress", _view(RunView.progress))
+    app.router.add_get("/api/devices", _view(RunView.devices_view))
+    app.router.add_get("/api/prompts", _view(RunView.prompts_view))
+    app.router.add_get("/api/candidates", _view(RunView.candidates))
+    app.router.add_get("/api/candidates/{cid}", _candidate)
+    app.router.add_get("/api/stream", _stream)
+    return app
+
+
+async def start_dashboard(
+    db: str | Path, *, host: str = "127.0.0.1", port: int = 0, poll_s: float = 0.25
+) -> tuple[str, Callable[[], Awaitable[None]]]:
+    """Serve the dashboard in the running loop; return its URL and an async ``stop``."""
+    app = make_app(db, poll_s=poll_s)
+    runner = web.AppRunner(app, shutdown_timeout=2.0, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise DashboardError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    bound = port
+    for addr in runner.addresses:
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            bound = int(addr[1])
+            break
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{bound}/", runner.cleanup
+
+
+async def serve(db: str | Path, *, host: str, port: int, stop: asyncio.Event, out: TextIO) -> None:
+    """Serve the dashboard until ``stop`` is set, printing its URL to ``out``."""
+    url, close = await start_dashboard(db, host=host, port=port)
+    print(f"kf serve: dashboard at {url} (log {db}); Ctrl-C stops it", file=out, flush=True)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"kf serve: listening on {host}: anyone who can reach it can read the run "
+            "(sources included); there is no authentication",
+            file=out,
+            flush=True,
+        )
+    try:
+        await stop.wait()
+    finally:
+        await close()
