@@ -38,6 +38,7 @@ __all__ = [
     "inbound_subject",
     "log_subject",
     "nats_server_binary",
+    "redact",
     "valid_run_id",
 ]
 
@@ -212,31 +213,39 @@ async def connect(
         kwargs["tls"] = ctx
 
     async def _disconnected() -> None:
-        log.info("nats_disconnected", url=_redact(opts.url))
+        log.info("nats_disconnected", url=redact(opts.url))
 
     async def _reconnected() -> None:
-        log.info("nats_reconnected", url=_redact(opts.url))
+        log.info("nats_reconnected", url=redact(opts.url))
         if on_reconnect is not None:
             await on_reconnect()
 
+    last_error: list[Exception] = []
+
     async def _error(exc: Exception) -> None:
+        last_error[:] = [exc]
         log.warning("nats_error", error=repr(exc))
 
     kwargs.update(disconnected_cb=_disconnected, reconnected_cb=_reconnected, error_cb=_error)
-    deadline = asyncio.get_running_loop().time() + connect_timeout_s
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + connect_timeout_s
     while True:
         try:
-            return await nats.connect(**kwargs)
+            # nats-py may retry an initial connect forever (reconnects are unlimited), so
+            # the deadline is enforced here
+            return await asyncio.wait_for(nats.connect(**kwargs), max(0.5, deadline - loop.time()))
         except Exception as exc:
-            if asyncio.get_running_loop().time() >= deadline:
+            if loop.time() >= deadline:
+                cause = last_error[0] if last_error else exc
                 raise ConnectionError(
-                    f"cannot reach NATS at {_redact(opts.url)}: {exc!r}; is the server running "
-                    "and are the credentials right?"
+                    f"cannot reach NATS at {redact(opts.url)}: {cause!r}; is the server "
+                    "running and are the credentials right?"
                 ) from exc
             await asyncio.sleep(0.25)
 
 
-def _redact(url: str) -> str:
+def redact(url: str) -> str:
+    """``url`` with any credentials replaced by ``***``."""
     return re.sub(r"//[^@/]*@", "//***@", url)
 
 

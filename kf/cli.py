@@ -195,7 +195,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Evolve kernels for the given tasks on this machine."""
     from kf.llm.cli import llm_config
     from kf.orchestra import RunOptions, run_search
-    from kf.report import build_report, format_table
+    from kf.report import build_report_from, format_table
     from kf.tasks import TaskError, check_task, load_tasks
 
     llm = llm_config(args)
@@ -207,8 +207,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         tasks = load_tasks(args.tasks)
-        for t in tasks:
-            check_task(t, device=args.device)
+        if not args.join:  # a joined deployment's workers check on their own devices
+            for t in tasks:
+                check_task(t, device=args.device)
     except TaskError as exc:
         print(f"kf run: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -222,6 +223,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight,
         timeout_s=args.timeout,
         serve=(args.serve_host, args.serve_port) if args.serve else None,
+        run_id=args.run,
+        join=args.join,
+        local_worker=not args.no_worker,
+        heartbeat_s=args.heartbeat,
+        heartbeat_timeout_s=args.heartbeat_timeout,
     )
     if llm:
         opts.llm_url = args.llm_url
@@ -229,22 +235,30 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.nats:
         opts.bus_options = _bus_options(args, args.nats, "kf-run")
     try:
-        _, db = asyncio.run(
+        _, envelopes = asyncio.run(
             run_search(tasks, opts, out=sys.stderr if args.json else sys.stdout)
         )
+    except ValueError as exc:
+        print(f"kf run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ConnectionError as exc:
+        print(f"kf run: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print(
             "kf run: interrupted; the log keeps what was committed (rerun with --db to resume)",
             file=sys.stderr,
         )
         return 130
-    report = build_report(db)
+    report = build_report_from(envelopes)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print()
         print(format_table(report))
-        print(f"\nlog: {db}    (kf report {db} --json; kf replay {db} --check)")
+        if not args.join:
+            db = args.db or f"runs/{report['run_id']}.db"
+            print(f"\nlog: {db}    (kf report {db} --json; kf replay {db} --check)")
     return EXIT_OK
 
 
@@ -261,9 +275,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
             _bus_options(args, args.nats, "kf-worker"),
             device=args.device,
             stop=stop,
-            options={"timeout_s": args.timeout},
+            options=options,
         )
 
+    options: dict[str, Any] = {"timeout_s": args.timeout, "heartbeat_s": args.heartbeat}
+    if args.name:
+        options["device_id"] = args.name
     try:
         asyncio.run(go())
     except ValueError as exc:
@@ -433,6 +450,23 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("--serve", action="store_true", help="serve the dashboard while running")
     rn.add_argument("--serve-port", type=int, default=8765, help="dashboard port (0: any)")
     rn.add_argument("--serve-host", default="127.0.0.1", help="dashboard address (loopback)")
+    rn.add_argument("--run", metavar="RUN_ID", help="the run's id (default: time + random)")
+    rn.add_argument(
+        "--join",
+        action="store_true",
+        help="only start the run on --nats and follow it: the archivist, mutator and "
+        "workers already run there (compose.yaml)",
+    )
+    rn.add_argument(
+        "--no-worker", action="store_true", help="no local worker: remote `kf worker`s do the work"
+    )
+    rn.add_argument("--heartbeat", type=float, default=10.0, help="worker heartbeat seconds")
+    rn.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=30.0,
+        help="seconds of silence before the archivist declares a device lost and re-dispatches",
+    )
     _add_nats_options(rn, required=False)
     rn.set_defaults(func=cmd_run)
 
@@ -440,6 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--device", default="cpu")
     w.add_argument("--run", required=True, metavar="RUN_ID")
     w.add_argument("--timeout", type=float, default=180.0)
+    w.add_argument("--name", help="device id to announce (default <host>/<device>)")
+    w.add_argument("--heartbeat", type=float, default=10.0, help="heartbeat seconds")
     _add_nats_options(w, required=True)
     w.set_defaults(func=cmd_worker)
 

@@ -22,8 +22,9 @@ from typing import Any, TextIO
 
 from kf import bus
 from kf.agent import Agent, AgentContext, make_agent_id
-from kf.events import Record, decode_event, make_envelope
+from kf.events import Envelope, Record, decode_event, derived_id, make_envelope
 from kf.facts import RunFinished, RunStarted, TaskSpec
+from kf.log import EventLog
 from kf.runtime import AgentRunner, CommittedFeed, Outbox, supervise
 from kf.tasks import Task
 
@@ -45,6 +46,11 @@ class RunOptions:
     llm_url: str | None = None
     timeout_s: float = 180.0
     measure_device: bool = True
+    run_id: str | None = None
+    join: bool = False  # only start the run and follow it: archivist and agents run elsewhere
+    local_worker: bool = True  # run a worker for ``device`` in this process
+    heartbeat_s: float = 10.0
+    heartbeat_timeout_s: float = 30.0
     serve: tuple[str, int] | None = None  # (host, port): the dashboard beside the run
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -54,11 +60,22 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
-def worker_agents() -> list[type[Agent[Any]]]:
-    """The agents a worker process hosts next to its device."""
+def worker_agents(device: str = "cpu") -> list[type[Agent[Any]]]:
+    """The agents a worker process hosts next to its device (``cpu`` or ``cuda:N``).
+
+    For a GPU: the CUDA hardware agent, and a compiler that builds many candidates at
+    once on the host's cores while the GPU verifies and times others; the runner pool
+    keeps as many warm runners as compiles may run (``$KF_EVAL_POOL`` overrides).
+    """
     from agents.compiler import Compiler
     from agents.profiler import Profiler
     from agents.verifier import Verifier
+
+    if device.startswith("cuda"):
+        from hardware_agents.cuda_agent import CudaCompiler, CudaHardwareAgent, compile_concurrency
+
+        os.environ.setdefault("KF_EVAL_POOL", str(compile_concurrency() + 2))
+        return [CudaHardwareAgent, CudaCompiler, Verifier, Profiler]
     from hardware_agents.cpu_agent import CpuHardwareAgent
 
     return [CpuHardwareAgent, Compiler, Verifier, Profiler]
@@ -84,17 +101,15 @@ async def run_worker(
     """Serve a run from this machine's device until ``stop`` (or SIGINT/SIGTERM)."""
     from hardware_agents.cpu import host_id
 
-    if not device.startswith("cpu"):
-        raise ValueError(
-            f"device {device!r} is not supported by this kf yet (the CUDA worker is a later "
-            "issue); use --device cpu"
-        )
+    from kf.evaluation import parse_device
+
+    device = parse_device(device)  # a DeviceError (a ValueError) says what is available
     stop = stop or asyncio.Event()
     nc = await bus.connect(opts)
     opt = {"device": device, "device_id": f"{host_id()}/{device}", **(options or {})}
     try:
         async with asyncio.TaskGroup() as tg:
-            for cls in worker_agents():
+            for cls in worker_agents(device):
                 tg.create_task(
                     supervise(_runner_factory(cls, run_id, nc, opt), stop, name=cls.kind)
                 )
@@ -109,6 +124,7 @@ class Progress:
     out: TextIO
     total_budget: int
     finished: RunFinished | None = None
+    seen: list[Envelope] = field(default_factory=list)
     state: Any = None
     agent: Any = None
     done: int = 0
@@ -129,6 +145,7 @@ class Progress:
         )
 
         ev = rec.event
+        self.seen.append(rec.envelope)
         if self.agent.listens_to(rec.envelope.type):
             self.state = self.agent.evolve(self.state, rec)
         if isinstance(ev, RunFinished):
@@ -170,20 +187,29 @@ class Progress:
 
 async def run_search(
     tasks: list[Task], o: RunOptions, *, out: TextIO = sys.stdout
-) -> tuple[str, Path]:
-    """Run a whole search in this process; return ``(run_id, db path)`` when it finished."""
+) -> tuple[str, list[Envelope]]:
+    """Run a whole search; return the run id and every committed envelope once it finished.
+
+    Locally (the default) this process hosts the archivist, the archive, the mutator and a
+    worker. With ``join`` it only publishes the run's start to a deployment whose agents
+    run elsewhere (``compose.yaml``) and follows the run to its end.
+    """
     from agents.archive import ArchiveAgent
     from agents.archivist import Archivist
     from agents.mutator import OFFLINE_MUTATOR
     from hardware_agents.cpu import host_id
     from kf.llm.roles import llm_roles
 
-    resume = o.db is not None and o.db.exists()
-    run_id = _run_id_of(o.db) if resume and o.db is not None else new_run_id()
+    resume = o.db is not None and o.db.exists() and not o.join
+    if resume and o.db is not None:
+        run_id = _run_id_of(o.db)
+    else:
+        run_id = bus.valid_run_id(o.run_id) if o.run_id else new_run_id()
     db = o.db or Path("runs") / f"{run_id}.db"
-    db.parent.mkdir(parents=True, exist_ok=True)
     server: bus.EmbeddedServer | None = None
     if o.nats_url is None:
+        if o.join:
+            raise ValueError("--join needs --nats: the run's agents must already be running")
         server = bus.EmbeddedServer().start()
         url = server.url
     else:
@@ -195,9 +221,10 @@ async def run_search(
     nc = await bus.connect(opts)
     mutator = "llm" if o.llm_url else OFFLINE_MUTATOR
     llm_hosted, mutator_cls, llm_workers = llm_roles(bool(o.llm_url))
+    where = f"log: {db}" if not o.join else f"joined via {bus.redact(url)}"
     print(
-        f"kf run {run_id}: {len(tasks)} task(s), budget {o.budget} candidates each, seed {o.seed}, "
-        f"device {o.device}\n  log: {db}\n  mutator: {mutator}",
+        f"kf run {run_id}: {len(tasks)} task(s), budget {o.budget} candidates each, "
+        f"seed {o.seed}, device {o.device}\n  {where}\n  mutator: {mutator}",
         file=out,
         flush=True,
     )
@@ -205,37 +232,48 @@ async def run_search(
     agent_tasks: list[asyncio.Task[None]] = []
     stop_dashboard: Any = None
     try:
-        arch = Archivist(
-            AgentContext(run_id=run_id, agent_id=make_agent_id("archivist")),
-            db=db,
-            hosted=[ArchiveAgent, *llm_hosted],
-            nc=nc,
-        )
-        archivist_task = asyncio.create_task(
-            supervise(lambda: arch, stop_archivist, ready, name="archivist")
-        )
-        await _first(ready.wait(), [archivist_task])
+        if not o.join:
+            db.parent.mkdir(parents=True, exist_ok=True)
+            arch = Archivist(
+                AgentContext(
+                    run_id=run_id,
+                    agent_id=make_agent_id("archivist"),
+                    options={"heartbeat_timeout_s": o.heartbeat_timeout_s},
+                ),
+                db=db,
+                hosted=[ArchiveAgent, *llm_hosted],
+                nc=nc,
+            )
+            archivist_task = asyncio.create_task(
+                supervise(lambda: arch, stop_archivist, ready, name="archivist")
+            )
+            await _first(ready.wait(), [archivist_task])
         if not resume:
             await _publish_start(nc, run_id, tasks, o, mutator)
-        opt = {
-            "device": o.device,
-            "device_id": f"{host_id()}/{o.device}",
-            "timeout_s": o.timeout_s,
-            "measure": o.measure_device,
-        }
-        agent_tasks.append(
-            asyncio.create_task(
-                supervise(
-                    _runner_factory(mutator_cls, run_id, nc, {}), stop_agents, name="mutator"
-                )
-            )
-        )
-        for cls in [*worker_agents(), *llm_workers]:
+        if not o.join:
             agent_tasks.append(
                 asyncio.create_task(
-                    supervise(_runner_factory(cls, run_id, nc, opt), stop_agents, name=cls.kind)
+                    supervise(
+                        _runner_factory(mutator_cls, run_id, nc, {}),
+                        stop_agents,
+                        name="mutator",
+                    )
                 )
             )
+        if o.local_worker and not o.join:
+            opt = {
+                "device": o.device,
+                "device_id": f"{host_id()}/{o.device}",
+                "timeout_s": o.timeout_s,
+                "measure": o.measure_device,
+                "heartbeat_s": o.heartbeat_s,
+            }
+            for cls in [*worker_agents(o.device), *llm_workers]:
+                agent_tasks.append(
+                    asyncio.create_task(
+                        supervise(_runner_factory(cls, run_id, nc, opt), stop_agents, name=cls.kind)
+                    )
+                )
         if o.serve is not None and db.exists():
             from kf.dashboard import start_dashboard
 
@@ -246,12 +284,18 @@ async def run_search(
                 flush=True,
             )
         progress = Progress(out=out, total_budget=o.budget * max(1, len(tasks)))
-        await _first(_follow(nc, run_id, progress), [archivist_task, *agent_tasks])
+        watch = [*agent_tasks, *([archivist_task] if archivist_task else [])]
+        await _first(_follow(nc, run_id, progress), watch)
         # agents drain (flushing what they produced) before the archivist stops
         stop_agents.set()
         await asyncio.gather(*agent_tasks)
         stop_archivist.set()
-        await archivist_task
+        if archivist_task is not None:
+            await archivist_task
+            # what the agents said while draining (agent.stopped, device.left) is committed
+            # now; keep the caller's copy of the log complete
+            with EventLog(db, readonly=True) as elog:
+                progress.seen = list(elog.read())
     finally:
         if stop_dashboard is not None:
             await stop_dashboard()
@@ -265,7 +309,7 @@ async def run_search(
         await bus.close(nc)
         if server is not None:
             server.stop()
-    return run_id, db
+    return run_id, progress.seen
 
 
 async def _first(main: Any, watch: list[asyncio.Task[None]]) -> None:
@@ -310,7 +354,11 @@ async def _publish_start(
     )
     outbox = Outbox(nc, run_id)
     ob_task = asyncio.create_task(outbox.run())
-    outbox.put([make_envelope(started, run_id=run_id, source=make_agent_id("cli"))])
+    # one id per run: starting the same run twice (a retried --join) commits it once
+    start_id = derived_id("run.started", run_id)
+    outbox.put(
+        [make_envelope(started, run_id=run_id, source=make_agent_id("cli"), event_id=start_id)]
+    )
     await outbox.flush()
     ob_task.cancel()
 

@@ -6,41 +6,63 @@ and more than ``p`` times faster than PyTorch eager (``fast_0`` counts correct t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from kf.agent import AgentContext
-from kf.events import Record, decode_event
+from kf.events import Envelope, Record, decode_event
 from kf.log import EventLog
 
-__all__ = ["FAST_P", "build_report", "fold_archive", "format_table"]
+__all__ = [
+    "FAST_P",
+    "build_report",
+    "build_report_from",
+    "fold_archive",
+    "fold_envelopes",
+    "format_table",
+]
 
 FAST_P = (0.0, 1.0, 1.5, 2.0)
 
 
 def fold_archive(elog: EventLog) -> Any:
     """The archive state after the whole log."""
+    return fold_envelopes(elog.read())
+
+
+def fold_envelopes(envelopes: Iterable[Envelope]) -> Any:
+    """The archive state after these committed envelopes (in ``seq`` order)."""
     from agents.archive import ArchiveAgent
 
     agent = ArchiveAgent(AgentContext(run_id="", agent_id="archive@report"))
     state = agent.initial_state()
-    for env in elog.read():
+    for env in envelopes:
         if agent.listens_to(env.type):
             state = agent.evolve(state, Record(env, decode_event(env)))
     return state
 
 
 def build_report(db: str | Path) -> dict[str, Any]:
-    """The JSON report of ``kf report --json``."""
+    """The JSON report of ``kf report --json``, from a log file."""
+    with EventLog(db, readonly=True) as elog:
+        return build_report_from(list(elog.read()))
+
+
+def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
+    """The JSON report from committed envelopes (a log file, or a run followed over NATS)."""
     from agents.archive import CELLS_PER_ISLAND, best_candidate, geomean
 
-    with EventLog(db, readonly=True) as elog:
-        state = fold_archive(elog)
-        devices = sorted(
-            {str(decode_event(e).device_id) for e in elog.read(types=["device.announced"])}  # type: ignore[attr-defined]
-        )
-        finished = [decode_event(e) for e in elog.read(types=["run.finished"])]
-        events = elog.count()
+    state = fold_envelopes(envelopes)
+    devices = sorted(
+        {
+            str(getattr(decode_event(e), "device_id", ""))
+            for e in envelopes
+            if e.type == "device.announced"
+        }
+    )
+    finished = [decode_event(e) for e in envelopes if e.type == "run.finished"]
+    events = len(envelopes)
     tasks: list[dict[str, Any]] = []
     speedups: dict[str, float] = {}
     filled = 0
