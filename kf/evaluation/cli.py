@@ -14,7 +14,7 @@ from pathlib import Path
 import structlog
 
 from kf.evaluation.device import DeviceError, parse_device
-from kf.evaluation.reports import EvalResult
+from kf.evaluation.reports import FLAG_REASONS, EvalResult
 from kf.evaluation.sandbox import RunnerStartError
 from kf.evaluation.stages import evaluate
 from kf.tasks import TaskError, load_task
@@ -56,16 +56,25 @@ def _human(result: EvalResult) -> str:
         lines.append(f"verify: {status}, {v.trials} trials, max abs err {v.max_abs_err:.3g}")
         if not v.correct:
             lines.append(f"  {v.error}")
+    if v is not None and v.variant_evidence:
+        passed = sum(1 for e in v.variant_evidence if e.ok)
+        total = len(v.variant_evidence)
+        lines.append(f"generalisation gate: {passed}/{total} unseen shapes passed")
     if p is not None:
         if p.ok:
             lines.append(
                 f"profile: {p.runtime_ms:.4f} ms ± {p.runtime_ci95_ms:.4f} (n={p.trials}), "
                 f"eager {p.ref_runtime_ms:.4f} ms, speedup {p.speedup:.2f}×"
             )
-            if p.flags:
-                lines.append(f"  flags: {', '.join(p.flags)}")
         else:
             lines.append(f"profile: FAILED ({p.failure_kind}): {p.error}")
+    if result.flags:
+        verdict = "SUSPECT" if result.suspect else "flagged"
+        lines.append(f"{verdict}: {len(result.flags)} finding(s)")
+        for flag in result.flags:
+            code = flag.split(":", 1)[0]
+            why = FLAG_REASONS.get(code, "")
+            lines.append(f"  - {flag}" + (f"  [{why}]" if why else ""))
     return "\n".join(lines)
 
 

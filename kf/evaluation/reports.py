@@ -12,6 +12,8 @@ import msgspec
 
 __all__ = [
     "FAILURE_KINDS",
+    "FLAG_REASONS",
+    "SUSPECT_FLAGS",
     "CompileReport",
     "EvalResult",
     "FailureKind",
@@ -30,8 +32,36 @@ FailureKind = Literal[
     "timeout",
     "crash",
     "compile_error",
+    "tampering",
+    "generalisation_failed",
+    "stale_output",
+    "reverify_failed",
 ]
 FAILURE_KINDS: tuple[str, ...] = FailureKind.__args__  # type: ignore[attr-defined]
+
+
+# Flags are strings "code: detail"; the code says which check fired, the detail why.
+FLAG_REASONS: dict[str, str] = {
+    "torch_compute": "forward ran PyTorch compute ops, so the speed may be PyTorch's own",
+    "introspection": "the candidate inspected the garbage collector, stack frames or tracers",
+    "network": "the candidate tried to use the network (blocked)",
+    "tampering": "the candidate patched the runner's classes",
+    "timer_disagreement": "the in-process timer disagrees with the grader's wall clock",
+    "output_changed_after_timing": "the output on the timed inputs changed after timing",
+    "cache_suspected": "much faster on repeated inputs than on fresh ones (a cached result?)",
+    "speedup_over_10x": "a speed-up above 10x: re-verified on fresh inputs and shapes",
+    # static checks (kf.static_checks)
+    "no_custom_kernel": "no native kernel is built or loaded",
+    "kernel_never_called": "a kernel is built but forward never calls it",
+    "try_fallback": "forward catches exceptions (a fallback can hide a broken kernel)",
+    "stream": "side streams or events can carry work past the timer",
+    "thread": "threads or processes can carry work past the timer",
+    "timer_patching": "the candidate reassigns timers, synchronize or modules",
+}
+# Flags that make a timing untrustworthy: such a candidate never becomes an elite.
+SUSPECT_FLAGS = frozenset(
+    {"timer_disagreement", "output_changed_after_timing", "cache_suspected", "tampering"}
+)
 
 
 class CompileReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,6 +72,7 @@ class CompileReport(msgspec.Struct, frozen=True, kw_only=True):
     log: str = ""
     duration_s: float = 0.0
     failure_kind: str | None = None
+    warnings: tuple[str, ...] = ()  # static checks and runtime findings, "code: detail"
 
 
 class TrialEvidence(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,6 +83,7 @@ class TrialEvidence(msgspec.Struct, frozen=True, kw_only=True):
     max_abs_err: float = 0.0
     max_rel_err: float = 0.0
     reason: str | None = None
+    label: str = ""  # for a generalisation variant: which input shapes
 
 
 class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,6 +99,8 @@ class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
     atol: float = 0.0
     rtol: float = 0.0
     duration_s: float = 0.0
+    variant_evidence: tuple[TrialEvidence, ...] = ()  # the generalisation gate's trials
+    flags: tuple[str, ...] = ()
 
 
 class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -93,6 +127,9 @@ class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
     threads: int = 0
     failure_kind: str | None = None
     duration_s: float = 0.0
+    ref_runtime_ci95_ms: float = 0.0
+    fresh_runtime_ms: float | None = None  # median of one call on each of a few fresh inputs
+    reverify: VerifyReport | None = None  # re-verification of a speed-up above 10x
 
 
 class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -119,6 +156,22 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
         if self.profile is not None and not self.profile.ok:
             return self.profile.failure_kind
         return None
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """Every warning and flag of every stage, without repeats."""
+        found: list[str] = []
+        parts = [self.compile.warnings]
+        parts += [self.verify.flags] if self.verify is not None else []
+        parts += [self.profile.flags] if self.profile is not None else []
+        for part in parts:
+            found += [f for f in part if f not in found]
+        return tuple(found)
+
+    @property
+    def suspect(self) -> bool:
+        """Whether a flag makes the timing untrustworthy (see :data:`SUSPECT_FLAGS`)."""
+        return any(f.split(":", 1)[0] in SUSPECT_FLAGS for f in self.flags)
 
     @property
     def passed(self) -> bool:
@@ -153,7 +206,8 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
             "runtime_std_ms": p.runtime_std_ms if p is not None and p.ok else None,
             "ref_runtime_ms": p.ref_runtime_ms if p is not None and p.ok else None,
             "speedup": p.speedup if p is not None and p.ok else None,
-            "flags": list(p.flags) if p is not None else [],
+            "flags": list(self.flags),
+            "suspect": self.suspect,
             "error": self.error,
             "compile": msgspec.to_builtins(self.compile),
             "verify": msgspec.to_builtins(v) if v is not None else None,

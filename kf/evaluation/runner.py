@@ -9,6 +9,7 @@ it by name.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import sys
@@ -37,6 +38,208 @@ def _describe(exc: BaseException) -> str:
     return text if len(text) <= _MAX_ERROR else text[:_MAX_ERROR] + " …"
 
 
+_NETWORK_EVENTS = frozenset(
+    {
+        "socket.bind",
+        "socket.connect",
+        "socket.getaddrinfo",
+        "socket.gethostbyaddr",
+        "socket.gethostbyname",
+        "socket.sendmsg",
+        "socket.sendto",
+    }
+)
+_INTROSPECTION_EVENTS = frozenset(
+    {
+        "gc.get_objects",
+        "gc.get_referents",
+        "gc.get_referrers",
+        "sys._current_frames",
+        "sys._getframe",
+        "sys.setprofile",
+        "sys.settrace",
+    }
+)
+# aten ops that move, view or allocate data; anything else in forward is PyTorch compute.
+_DATA_OPS = frozenset(
+    {
+        "_local_scalar_dense",
+        "_to_copy",
+        "_unsafe_view",
+        "alias",
+        "as_strided",
+        "clone",
+        "contiguous",
+        "copy_",
+        "detach",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "expand",
+        "fill_",
+        "lift_fresh",
+        "new_empty",
+        "new_empty_strided",
+        "new_zeros",
+        "permute",
+        "reshape",
+        "resize_",
+        "select",
+        "slice",
+        "split",
+        "squeeze",
+        "t",
+        "transpose",
+        "unbind",
+        "unsqueeze",
+        "view",
+        "zero_",
+        "zeros",
+        "zeros_like",
+    }
+)
+
+
+class _Watch:
+    """An audit hook: once a candidate is loaded it blocks network calls and notes
+    introspection (garbage collector, frames, tracers) and runner classes being patched.
+
+    Findings travel back with the next reply; a signal, since code that reaches native
+    memory can get around any in-process check.
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+        self._busy = False
+        self._found: dict[str, str] = {}
+
+    def drain(self) -> list[str]:
+        found = [f"{code}: {detail}" for code, detail in self._found.items()]
+        self._found.clear()
+        return found
+
+    def _note(self, code: str, detail: str) -> None:
+        if code not in self._found:
+            self._found[code] = detail
+        elif detail not in self._found[code] and len(self._found[code]) < 300:
+            self._found[code] += f", {detail}"
+
+    def hook(self, event: str, args: tuple[Any, ...]) -> None:
+        if not self.active or self._busy:
+            return
+        if event in _NETWORK_EVENTS:
+            self._note("network", f"{event} blocked")
+            raise PermissionError(f"kf sandbox: network access is blocked ({event})")
+        if event != "object.__setattr__" and event not in _INTROSPECTION_EVENTS:
+            return
+        self._busy = True
+        try:
+            if event == "object.__setattr__":
+                obj = args[0]
+                module = str(getattr(obj, "__module__", "")) if isinstance(obj, type) else ""
+                if module == "__main__" or module.startswith(("kf.evaluation", "kf.native")):
+                    self._note("tampering", f"set {obj.__name__}.{args[1]}")
+            elif _called_from_candidate():
+                self._note("introspection", event)
+        finally:
+            self._busy = False
+
+
+def _called_from_candidate() -> bool:
+    """Whether the Python code behind the current audited call is the candidate's."""
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return False
+        name = frame.f_code.co_filename
+        if name == "<candidate>":
+            return True
+        if not name.endswith(("inspect.py", "traceback.py")):
+            return False
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def _functions(owner: Any) -> dict[str, tuple[Any, Any]]:
+    out: dict[str, tuple[Any, Any]] = {}
+    for name, value in list(vars(owner).items()):
+        code = getattr(value, "__code__", None)
+        if code is not None:
+            out[f"{getattr(owner, '__name__', '?')}.{name}"] = (value, code)
+    return out
+
+
+class _Integrity:
+    """What the runner's grading code looked like before the candidate was imported."""
+
+    def __init__(self, runner: Runner, clock_ns: Callable[[], int], *bound: Any) -> None:
+        self.snapshot = self._take(runner)
+        self.attrs = set(vars(runner))
+        self.backend = runner.backend
+        self.backend_attrs = self._callables(runner.backend)
+        self.clock_ns = clock_ns
+        self.bound = bound
+
+    @staticmethod
+    def _callables(obj: Any) -> dict[str, int]:
+        return {k: id(v) for k, v in vars(obj).items() if callable(v)}
+
+    @staticmethod
+    def _take(runner: Runner) -> dict[str, tuple[Any, Any]]:
+        from kf.evaluation import compare, device, protocol
+
+        snap: dict[str, tuple[Any, Any]] = {}
+        owners: list[Any] = [sys.modules[__name__], compare, device, protocol]
+        owners += [c for c in type(runner).__mro__ if c is not object]
+        owners += [c for c in type(runner.backend).__mro__ if c is not object]
+        for owner in owners:
+            snap.update(_functions(owner))
+        torch = runner.torch
+        for name in ("save", "load"):
+            fn = getattr(torch, name)
+            snap[f"torch.{name}"] = (fn, getattr(fn, "__code__", None))
+        return snap
+
+    def check(self, runner: Runner, clock_ns: Callable[[], int]) -> str | None:
+        """None when nothing changed, else what did."""
+        if set(vars(runner)) != self.attrs:
+            return f"attributes {sorted(set(vars(runner)) ^ self.attrs)} of the runner"
+        if (
+            runner.backend is not self.backend
+            or self._callables(runner.backend) != self.backend_attrs
+        ):
+            return "the timing backend"
+        if runner.clock_ns is not self.clock_ns or clock_ns is not self.clock_ns:
+            return "the runner's clock"
+        now = self._take(runner)
+        changed = [
+            name
+            for name, (fn, code) in self.snapshot.items()
+            if name not in now or now[name][0] is not fn or now[name][1] is not code
+        ]
+        return ", ".join(sorted(changed)[:5]) if changed else None
+
+
+class _OpRecorder:
+    """Records the aten ops a call dispatches (a TorchDispatchMode built lazily)."""
+
+    def __new__(cls, torch: Any) -> Any:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+            def __init__(self) -> None:
+                super().__init__()  # type: ignore[no-untyped-call]
+                self.ops: dict[str, None] = {}
+
+            def __torch_dispatch__(
+                self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+            ) -> Any:
+                self.ops[str(func.overloadpacket.__name__)] = None
+                return func(*args, **(kwargs or {}))
+
+        return Recorder()
+
+
 class _Failure(Exception):
     """A request failed in a way the grader should see with a given kind."""
 
@@ -50,7 +253,7 @@ class _Failure(Exception):
 class Runner:
     """Request handlers; ``self.model`` is either the task's Model or the candidate's ModelNew."""
 
-    def __init__(self, clock_ns: Callable[[], int]) -> None:
+    def __init__(self, clock_ns: Callable[[], int], watch: _Watch | None = None) -> None:
         import torch
 
         from kf.evaluation.device import Backend, make_backend
@@ -62,6 +265,7 @@ class Runner:
         self.task_module: Any = None
         self.inputs: list[Any] = []
         self.trials: dict[int, tuple[list[Any], list[Any]]] = {}
+        self.watch = watch or _Watch()
 
     # -- serialisation -------------------------------------------------------------
     def dump(self, value: Any) -> bytes:
@@ -143,16 +347,82 @@ class Runner:
         self.model = self.backend.to_device(model)
         return {"init": self.dump(init)}
 
-    def op_make_inputs(self, msg: dict[str, Any]) -> dict[str, Any]:
-        torch = self.torch
-        seed = int(msg["seed"])
-        torch.manual_seed(seed)
+    def _get_inputs(self, seed: int) -> list[Any]:
+        self.torch.manual_seed(seed)
         try:
             raw = self.task_module.get_inputs()
         except BaseException as exc:
             raise _Failure("task_error", f"get_inputs() raised {_describe(exc)}", _tb()) from exc
         if not isinstance(raw, list | tuple):
             raise _Failure("task_error", f"get_inputs() returned {type(raw).__name__}, not a list")
+        return list(raw)
+
+    def _variant_candidates(self, seed: int, variant: int) -> list[tuple[str, list[Any]]]:
+        """Input sets for generalisation variant ``variant``, most preferred first.
+
+        The task's own ``get_extra_inputs()`` when it defines one; otherwise the
+        leading (batch) dimension of ``get_inputs()`` is rescaled (to about half, then
+        one and a half times, both odd) by slicing or extending with a second draw.
+        """
+        torch = self.torch
+        extra = getattr(self.task_module, "get_extra_inputs", None)
+        if callable(extra):
+            torch.manual_seed(seed)
+            try:
+                sets = list(extra())
+            except BaseException as exc:
+                raise _Failure(
+                    "task_error", f"get_extra_inputs() raised {_describe(exc)}", _tb()
+                ) from exc
+            return [("get_extra_inputs()", list(sets[variant]))] if variant < len(sets) else []
+        if variant > 1:
+            return []
+        base, more = self._get_inputs(seed), self._get_inputs(seed ^ 0x5EED)
+        tensors = [i for i, v in enumerate(base) if isinstance(v, torch.Tensor) and v.dim() > 0]
+        if not tensors:
+            return []
+        lead = int(base[tensors[0]].shape[0])
+        size = lead // 2 + 1 if variant == 0 else lead + lead // 2 + 1
+        size += 1 - size % 2  # odd sizes catch kernels that assume a multiple of 2, 4, 8…
+
+        def scaled(which: list[int]) -> list[Any]:
+            out = list(base)
+            for i in which:
+                both = torch.cat([base[i], more[i]]) if size > lead else base[i]
+                out[i] = both[:size].clone()
+            return out
+
+        same = [i for i in tensors if int(base[i].shape[0]) == lead]
+        options = [("leading dimension", scaled(same))]
+        if same != tensors[:1]:
+            options.append(("first input's leading dimension", scaled(tensors[:1])))
+        return options if size != lead else []
+
+    def op_make_inputs(self, msg: dict[str, Any]) -> dict[str, Any]:
+        torch = self.torch
+        seed = int(msg["seed"])
+        variant = msg.get("variant")
+        if variant is None:
+            options = [("", self._get_inputs(seed))]
+        else:
+            options = self._variant_candidates(seed, int(variant))
+        out: Any = None
+        raw: list[Any] = []
+        how = ""
+        for label, option in options:
+            how, raw = label, option
+            try:
+                with torch.no_grad():
+                    out = self.model(*self.clone([self.backend.to_device(v) for v in raw]))
+                break
+            except BaseException as exc:
+                if variant is None:
+                    raise _Failure(
+                        "task_error", f"Model.forward raised {_describe(exc)}", _tb()
+                    ) from exc
+                out = None
+        if variant is not None and out is None:
+            return {"inputs": None, "variant": "the task has no other input shapes kf could derive"}
         inputs = [self.backend.to_device(v) for v in raw]
         pristine = self.clone(inputs)
         self.inputs = self.clone(inputs)
@@ -178,6 +448,12 @@ class Runner:
             "output_shapes": [list(o.shape) for o in outs],
             "output_dtypes": [str(o.dtype).removeprefix("torch.") for o in outs],
             "eager_ms": eager_ms,
+            "variant": (
+                f"{how}: input shapes "
+                f"{[list(v.shape) for v in inputs if isinstance(v, torch.Tensor)]}"
+                if variant is not None
+                else ""
+            ),
         }
 
     def op_load_candidate(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -189,6 +465,7 @@ class Runner:
             init = list(self.load(msg["init"]))
         else:
             init = self._init_inputs(self._import_task(msg["task_source"], msg["task_name"]), seed)
+        self.watch.active = True  # from here on, this process runs candidate code
         try:
             module = import_source("kf_candidate", msg["source"], filename="<candidate>")
         except NativeCompileError as exc:
@@ -217,14 +494,21 @@ class Runner:
     def op_run(self, msg: dict[str, Any]) -> dict[str, Any]:
         torch = self.torch
         self.inputs = [self.backend.to_device(v) for v in self.load(msg["inputs"])]
+        recorder = _OpRecorder(torch) if msg.get("trace") else None
         try:
             with torch.no_grad():
-                out = self.model(*self.inputs)
+                if recorder is not None:
+                    with recorder:
+                        out = self.model(*self.inputs)
+                else:
+                    out = self.model(*self.inputs)
             self.backend.synchronize()
         except BaseException as exc:
             raise _Failure("exception", f"ModelNew.forward raised {_describe(exc)}", _tb()) from exc
         outs = _flatten(torch, out, "ModelNew.forward", "exception")
+        ops = [] if recorder is None else [op for op in recorder.ops if op not in _DATA_OPS]
         return {
+            "torch_ops": ops,
             "outputs": self.dump([o.detach().cpu().clone() for o in outs]),
             "inputs_after": self.dump(
                 [
@@ -272,6 +556,27 @@ class Runner:
             ) from exc
         return {"samples_ns": samples}
 
+    def op_time_inputs(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """One timed call on each of several fresh input sets (a cache would miss here)."""
+        torch = self.torch
+        model, backend = self.model, self.backend
+        sets = [[backend.to_device(v) for v in self.load(data)] for data in msg["inputs"]]
+        samples: list[int] = []
+        try:
+            with torch.no_grad():
+                for inputs in sets:
+                    # Read every input once so fresh data is as warm as repeated data.
+                    for v in inputs:
+                        if isinstance(v, torch.Tensor) and v.is_floating_point():
+                            float(v.sum())
+                    backend.flush_cache()
+                    samples.append(backend.time_call_ns(functools.partial(model, *inputs)))
+        except BaseException as exc:
+            raise _Failure(
+                "exception", f"forward raised {_describe(exc)} on fresh inputs", _tb()
+            ) from exc
+        return {"samples_ns": samples}
+
     def op_batch(self, msg: dict[str, Any]) -> dict[str, Any]:
         torch = self.torch
         model, inputs, backend = self.model, self.inputs, self.backend
@@ -304,6 +609,8 @@ def _flatten(torch: Any, out: Any, what: str, kind: str) -> list[Any]:
 
 def main(argv: list[str]) -> int:
     clock_ns = time.perf_counter_ns  # bound before any candidate code is imported
+    watch = _Watch()
+    sys.addaudithook(watch.hook)  # cannot be removed; inert until a candidate is loaded
     import faulthandler
     from multiprocessing.connection import Connection
 
@@ -313,18 +620,20 @@ def main(argv: list[str]) -> int:
     fd, parent_pid = int(argv[0]), int(argv[1])
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     conn = Connection(fd)
-    runner = Runner(clock_ns)
-    conn.send_bytes(
-        encode({"op": "ready", "pid": os.getpid(), "torch": str(runner.torch.__version__)})
-    )
+    send, recv = conn.send_bytes, conn.recv_bytes  # bound before any candidate code runs
+    runner = Runner(clock_ns, watch)
+    send(encode({"op": "ready", "pid": os.getpid(), "torch": str(runner.torch.__version__)}))
+    guard: _Integrity | None = None
     while True:
         try:
-            msg = decode(conn.recv_bytes())
+            msg = decode(recv())
         except EOFError:
             return 0
         op = msg.get("op")
         if op == "exit":
             return 0
+        if op == "load_candidate" and guard is None:
+            guard = _Integrity(runner, clock_ns, send, recv)  # before any candidate code runs
         handler = getattr(runner, f"op_{op}", None)
         try:
             if handler is None:
@@ -334,8 +643,19 @@ def main(argv: list[str]) -> int:
             reply = {"ok": False, "kind": failure.kind, "error": failure.error, "log": failure.log}
         except BaseException as exc:
             reply = {"ok": False, "kind": "exception", "error": _describe(exc), "log": _tb()}
+        if guard is not None:
+            tampered = guard.check(runner, clock_ns)
+            if tampered:
+                reply = {
+                    "ok": False,
+                    "kind": "tampering",
+                    "error": f"the candidate altered the runner that grades it: {tampered}",
+                    "log": "",
+                }
+        reply["id"] = msg.get("id")
+        reply["findings"] = watch.drain()
         sys.stdout.flush()
-        conn.send_bytes(encode(reply))
+        send(encode(reply))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """Sandboxed runner processes and a pool of pre-spawned warm ones.
 
 Each runner is ``python -m kf.evaluation.runner`` in its own session (process group),
-with a private scratch directory as its cwd and ``TMPDIR``. Limits (address space,
+with a private scratch directory as its cwd and ``TMPDIR``, and, where the kernel allows
+unprivileged user namespaces, in a network namespace of its own (``unshare -rn``: only
+a loopback device that is down), so it has no network; the runner's audit hook also
+refuses socket calls once a candidate is loaded. ``$KF_EVAL_NETNS=0`` turns the
+namespace off. Limits (address space,
 CPU seconds, file size) are applied when a runner is set up for its one job. A runner
 serves one candidate (or one task reference) and is then killed; the pool keeps a few
 started in advance so the next job's interpreter and torch import overlap this one's
@@ -13,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -48,6 +53,27 @@ log = structlog.get_logger("kf.evaluation.sandbox")
 
 _LOG_TAIL = 4000
 STARTUP_TIMEOUT_S = 180.0
+
+
+_netns: bool | None = None
+
+
+def network_namespace_available() -> bool:
+    """Whether runners can start in a fresh network namespace (probed once)."""
+    global _netns
+    if _netns is None:
+        unshare = shutil.which("unshare")
+        if os.environ.get("KF_EVAL_NETNS", "1") == "0" or unshare is None:
+            _netns = False
+        else:
+            try:
+                probe = subprocess.run(
+                    [unshare, "-rn", "true"], capture_output=True, timeout=10, check=False
+                )
+                _netns = probe.returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                _netns = False
+    return _netns
 
 
 def default_threads() -> int:
@@ -131,9 +157,13 @@ class RunnerHandle:
             ("MALLOC_TRIM_THRESHOLD_", str(1 << 31)),
         ):
             env.setdefault(key, value)
+        self.isolated_network = network_namespace_available()
+        prefix = [str(shutil.which("unshare")), "-rn"] if self.isolated_network else []
+        self.findings: list[str] = []
         with open(self.log_path, "wb") as logf:
             self.proc = subprocess.Popen(
                 [
+                    *prefix,
                     python,
                     "-P",
                     "-m",
@@ -221,14 +251,30 @@ class RunnerHandle:
         """Send one request and wait for its reply; raise RunnerError on any failure."""
         self.wait_ready()
         what = op if "what" not in fields else str(fields.pop("what"))
+        request_id = secrets.randbits(62)
         try:
-            self.conn.send_bytes(encode({"op": op, **fields}))
+            self.conn.send_bytes(encode({"op": op, "id": request_id, **fields}))
         except OSError as exc:
             returncode = self._wait_exit()
             tail = self.log_tail()
             self.kill()
             raise RunnerCrashed(f"process gone before {what}", tail, returncode) from exc
         reply = self._receive(timeout_s, what)
+        forged = reply.get("id") != request_id
+        with contextlib.suppress(OSError):
+            forged = forged or self.conn.poll(0)  # a second message nobody asked for
+        if forged:
+            tail = self.log_tail()
+            self.kill()
+            raise RunnerFailed(
+                "tampering",
+                f"the runner's reply during {what} did not answer the grader's request "
+                "(a message forged or injected on the grading socket)",
+                tail,
+            )
+        findings = reply.get("findings")
+        if isinstance(findings, list):
+            self.findings.extend(str(f) for f in findings if str(f) not in self.findings)
         if not reply.get("ok"):
             raise RunnerFailed(
                 str(reply.get("kind", "exception")),

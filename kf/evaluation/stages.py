@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import structlog
 
 from kf.evaluation.device import parse_device
@@ -34,14 +35,18 @@ from kf.evaluation.sandbox import (
     RunnerTimeout,
     default_pool,
 )
+from kf.static_checks import check_source
 from kf.tasks import Task, TaskError, TaskInfo
 
 __all__ = [
+    "CACHE_SUSPECTED",
+    "REVERIFY_ABOVE",
     "TIMER_DISAGREEMENT",
     "compile_candidate",
     "cross_check_flags",
     "evaluate",
     "profile_candidate",
+    "reverify_fast",
     "run_task_check",
     "timing_stats",
     "verify_candidate",
@@ -52,6 +57,9 @@ log = structlog.get_logger("kf.evaluation")
 _MAX_LOG = 20_000
 TIMER_DISAGREEMENT = "timer_disagreement"
 OUTPUT_CHANGED = "output_changed_after_timing"
+CACHE_SUSPECTED = "cache_suspected"
+REVERIFY_ABOVE = 10.0  # a speed-up above this is re-verified and flagged
+_FRESH_SETS = 3
 _device_locks: dict[str, threading.Lock] = {}
 _device_locks_guard = threading.Lock()
 
@@ -178,6 +186,7 @@ def compile_candidate(
     device = parse_device(device)
     pool = pool or default_pool()
     limits = limits or Limits()
+    static = check_source(source)
     with pool.lease() as cand:
         start = time.monotonic()
         deadline = _Deadline(timeout_s)
@@ -203,9 +212,11 @@ def compile_candidate(
                 log=_truncate(exc.log),
                 duration_s=time.monotonic() - start,
                 failure_kind=exc.kind,
+                warnings=static + tuple(cand.findings),
             )
-    log.info("candidate_compiled", task=task.name)
-    return CompileReport(ok=True, duration_s=time.monotonic() - start)
+        warnings = static + tuple(cand.findings)
+    log.info("candidate_compiled", task=task.name, warnings=warnings)
+    return CompileReport(ok=True, duration_s=time.monotonic() - start, warnings=warnings)
 
 
 def verify_candidate(
@@ -218,15 +229,22 @@ def verify_candidate(
     timeout_s: float = 120.0,
     limits: Limits | None = None,
     pool: RunnerPool | None = None,
+    generalise: bool = True,
 ) -> VerifyReport:
     """Check the candidate against the reference on ``trials`` fresh seeded inputs (KernelBench).
 
+    The first trial records the PyTorch ops ``forward`` dispatches (flag
+    ``torch_compute``). With ``generalise``, the candidate is then checked on input
+    shapes it never saw (the task's ``get_extra_inputs()``, else a rescaled leading
+    dimension): the generalisation gate; failing it is ``generalisation_failed``.
     Raises :class:`TaskError` when the task itself is broken.
     """
     device = parse_device(device)
     pool = pool or default_pool()
     limits = limits or Limits()
     evidence: list[TrialEvidence] = []
+    variants: list[TrialEvidence] = []
+    flags: list[str] = []
     atol = 0.0
     with pool.lease() as ref, pool.lease() as cand:
         start = time.monotonic()
@@ -241,6 +259,8 @@ def verify_candidate(
                 atol=atol,
                 rtol=atol,
                 duration_s=time.monotonic() - start,
+                variant_evidence=tuple(variants),
+                flags=tuple(flags) + tuple(f for f in cand.findings if f not in flags),
                 **kw,
             )
 
@@ -269,8 +289,12 @@ def verify_candidate(
                     "run",
                     deadline,
                     inputs=made["inputs"],
+                    trace=i == 0,
                     what=f"forward (trial {i + 1})",
                 )
+                if ran.get("torch_ops"):
+                    ops = ", ".join(f"aten.{op}" for op in ran["torch_ops"][:8])
+                    flags.append(f"torch_compute: forward dispatched PyTorch ops {ops}")
                 verdict = _reference(
                     task,
                     ref,
@@ -296,6 +320,11 @@ def verify_candidate(
                         failure_kind=verdict["kind"],
                         error=f"trial {i + 1}/{trials} (seed {trial_seed}): {verdict['reason']}",
                     )
+            if generalise:
+                failed = _generalisation_gate(task, ref, cand, seed, deadline, variants)
+                if failed is not None:
+                    log.info("candidate_rejected", task=task.name, kind="generalisation_failed")
+                    return report(correct=False, failure_kind="generalisation_failed", error=failed)
         except _CandidateFailed as exc:
             log.info("candidate_rejected", task=task.name, kind=exc.kind)
             detail = (
@@ -304,6 +333,54 @@ def verify_candidate(
             return report(correct=False, failure_kind=exc.kind, error=exc.error + detail)
     log.info("candidate_verified", task=task.name, trials=len(evidence))
     return report(correct=True)
+
+
+def _generalisation_gate(
+    task: Task,
+    ref: RunnerHandle,
+    cand: RunnerHandle,
+    seed: int,
+    deadline: _Deadline,
+    evidence: list[TrialEvidence],
+) -> str | None:
+    """Run the candidate on input shapes it never saw; None, or why it failed."""
+    for variant, trial_seed in enumerate(_seed_trials(seed ^ 0x6E4E, 4)):
+        made = _reference(task, ref, "make_inputs", deadline, seed=trial_seed, variant=variant)
+        if made.get("inputs") is None:
+            break
+        label = str(made.get("variant", ""))
+        try:
+            ran = _candidate(
+                task, cand, "run", deadline, inputs=made["inputs"], what=f"forward on {label}"
+            )
+        except _CandidateFailed as exc:
+            evidence.append(TrialEvidence(seed=trial_seed, ok=False, reason=exc.error, label=label))
+            return f"generalisation gate, {label} (never seen before): {exc.kind}: {exc.error}"
+        verdict = _reference(
+            task,
+            ref,
+            "check",
+            deadline,
+            seed=trial_seed,
+            outputs=ran["outputs"],
+            inputs_after=ran["inputs_after"],
+        )["verdict"]
+        evidence.append(
+            TrialEvidence(
+                seed=trial_seed,
+                ok=bool(verdict["ok"]),
+                max_abs_err=float(verdict.get("max_abs_err") or 0.0),
+                max_rel_err=float(verdict.get("max_rel_err") or 0.0),
+                reason=verdict.get("reason"),
+                label=label,
+            )
+        )
+        if not verdict["ok"]:
+            return (
+                f"generalisation gate, {label} (never seen before): "
+                f"{verdict['kind']}: {verdict['reason']}"
+            )
+    return None
 
 
 def _tol(dtype: str) -> float:
@@ -406,10 +483,21 @@ def profile_candidate(
                     duration_s=time.monotonic() - start,
                 )
 
+            rtt_ns = min(_round_trip_ns(task, cand, deadline) for _ in range(3))
+            # The grader's own wall clock around every timing request of the candidate:
+            # samples forged or shrunk in-process cannot add up to it.
+            wall = {"ns": 0, "calls": 0, "sampled_ms": 0.0}
+
             def timed(handle: RunnerHandle, n: int, is_candidate: bool) -> list[float]:
                 call = _candidate if is_candidate else _reference
+                t0 = time.perf_counter_ns()
                 reply = call(task, handle, "time", deadline, n=n, what=f"timing {n} calls")
-                return [ns / 1e6 for ns in reply["samples_ns"]]
+                samples = [ns / 1e6 for ns in reply["samples_ns"]]
+                if is_candidate:
+                    wall["ns"] += max(0, time.perf_counter_ns() - t0 - rtt_ns)
+                    wall["calls"] += len(samples)
+                    wall["sampled_ms"] += sum(samples)
+                return samples
 
             est_c = statistics.median(timed(cand, warmup, True) or [1.0])
             est_r = statistics.median(timed(ref, warmup, False) or [1.0])
@@ -426,7 +514,6 @@ def profile_candidate(
             c, r = timing_stats(cand_ms), timing_stats(ref_ms)
 
             # Outside view: wall time of K back-to-back calls, minus one request's overhead.
-            rtt_ns = min(_round_trip_ns(task, cand, deadline) for _ in range(3))
             k = max(5, min(10_000, math.ceil(50.0 / max(c["mean"], 1e-3))))
             t0 = time.perf_counter_ns()
             batch = _candidate(task, cand, "batch", deadline, n=k, what=f"a batch of {k} calls")
@@ -434,12 +521,59 @@ def profile_candidate(
             inside_ms = int(batch["total_ns"]) / 1e6 / k
             # Same K calls seen by both clocks: machine noise cancels, a tampered clock does not.
             flags = list(cross_check_flags(inside_ms, outside_ms))
+            per_call_wall = wall["ns"] / 1e6 / max(1, int(wall["calls"]))
+            per_call_sampled = float(wall["sampled_ms"]) / max(1, int(wall["calls"]))
+            # Loose on purpose: on a loaded machine the gaps between samples grow too.
+            if not flags and per_call_sampled * 5 < per_call_wall - 0.01:
+                flags.append(
+                    f"{TIMER_DISAGREEMENT}: timing samples add up to {per_call_sampled:.4f} ms "
+                    f"a call but the grader's wall clock saw {per_call_wall:.4f} ms"
+                )
+            elif flags:
+                flags = [
+                    f"{TIMER_DISAGREEMENT}: in-process {inside_ms:.4f} ms a call, the grader's "
+                    f"wall clock {outside_ms:.4f} ms over {k} calls"
+                ]
 
             if (
                 _run_and_check(task, ref, cand, inputs=made["inputs"], seed=seed, deadline=deadline)
                 is not None
             ):
-                flags.append(OUTPUT_CHANGED)
+                flags.append(f"{OUTPUT_CHANGED}: the timed inputs' output is wrong after timing")
+
+            # Fresh inputs after timing: stale buffers and result caches show up here.
+            fresh = [
+                _reference(task, ref, "make_inputs", deadline, seed=fs)
+                for fs in _seed_trials(seed ^ 0xF4E5, _FRESH_SETS)
+            ]
+            fresh_seed = _seed_trials(seed ^ 0xF4E5, _FRESH_SETS)[0]
+            problem = _run_and_check(
+                task, ref, cand, inputs=fresh[0]["inputs"], seed=fresh_seed, deadline=deadline
+            )
+            if problem is not None:
+                return ProfileReport(
+                    ok=False,
+                    failure_kind="stale_output",
+                    error=f"wrong output on fresh inputs after timing: {problem[1]}",
+                    device=device,
+                    flags=tuple(flags),
+                    duration_s=time.monotonic() - start,
+                )
+            reply = _candidate(
+                task,
+                cand,
+                "time_inputs",
+                deadline,
+                inputs=[f["inputs"] for f in fresh],
+                what="timing fresh inputs",
+            )
+            fresh_ms = statistics.median([ns / 1e6 for ns in reply["samples_ns"]] or [0.0])
+            if fresh_ms > 5 * c["median"] and fresh_ms - c["median"] > 0.02:
+                flags.append(
+                    f"{CACHE_SUSPECTED}: {c['median']:.4f} ms a call on repeated inputs but "
+                    f"{fresh_ms:.4f} ms on fresh ones"
+                )
+            flags += [f for f in cand.findings if f not in flags]
         except _CandidateFailed as exc:
             log.info("candidate_profile_failed", task=task.name, kind=exc.kind)
             return ProfileReport(
@@ -466,6 +600,8 @@ def profile_candidate(
         ref_runtime_std_ms=r["std"],
         ref_runtime_median_ms=r["median"],
         ref_trials=len(ref_ms),
+        ref_runtime_ci95_ms=r["ci95"],
+        fresh_runtime_ms=fresh_ms,
         speedup=r["mean"] / c["mean"] if c["mean"] > 0 else 0.0,
         timer=timer,
         outside_wall_ms=outside_ms,
@@ -483,6 +619,45 @@ def profile_candidate(
         flags=report.flags,
     )
     return report
+
+
+def reverify_fast(
+    task: Task,
+    source: str,
+    report: ProfileReport,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    timeout_s: float = 120.0,
+    pool: RunnerPool | None = None,
+) -> ProfileReport:
+    """Re-verify a speed-up above :data:`REVERIFY_ABOVE` on fresh seeds and shapes, and flag it.
+
+    The profile is returned unchanged below the threshold; above it, it carries the
+    re-verification and a ``speedup_over_10x`` flag, and fails (``reverify_failed``)
+    when the re-verification does.
+    """
+    if not report.ok or report.speedup <= REVERIFY_ABOVE:
+        return report
+    again = verify_candidate(
+        task, source, device=device, seed=seed + 1, timeout_s=timeout_s, pool=pool
+    )
+    note = (
+        f"speedup_over_10x: {report.speedup:.1f}× re-verified on {again.trials} fresh inputs "
+        f"and {len(again.variant_evidence)} unseen shapes: "
+        + ("passed" if again.correct else f"FAILED ({again.failure_kind})")
+    )
+    log.info("candidate_reverified", task=task.name, speedup=report.speedup, ok=again.correct)
+    if again.correct:
+        return msgspec.structs.replace(report, flags=(*report.flags, note), reverify=again)
+    return msgspec.structs.replace(
+        report,
+        ok=False,
+        failure_kind="reverify_failed",
+        error=f"a {report.speedup:.1f}× speed-up did not survive re-verification: {again.error}",
+        flags=(*report.flags, note),
+        reverify=again,
+    )
 
 
 def _round_trip_ns(task: Task, handle: RunnerHandle, deadline: _Deadline) -> int:
@@ -515,18 +690,47 @@ def _run_and_check(
 
 
 def evaluate(
-    task: Task, source: str, *, device: str = "cpu", seed: int = 0, pool: RunnerPool | None = None
+    task: Task,
+    source: str,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    pool: RunnerPool | None = None,
+    limits: Limits | None = None,
+    timeout_s: float = 120.0,
+    profile_options: dict[str, Any] | None = None,
+    profile: bool = True,
 ) -> EvalResult:
-    """Compile, verify, and (when correct) profile; what ``kf eval`` runs."""
-    compiled = compile_candidate(task, source, device=device, pool=pool)
+    """Compile, verify (with the generalisation gate), and when correct profile; ``kf eval``.
+
+    A speed-up above :data:`REVERIFY_ABOVE` is re-verified before it is reported.
+    ``profile_options`` go to :func:`profile_candidate` (``min_time_s``, ``warmup``…).
+    """
+    compiled = compile_candidate(
+        task, source, device=device, pool=pool, limits=limits, timeout_s=timeout_s
+    )
     if not compiled.ok:
         return EvalResult(task=task.name, compile=compiled, device=device, seed=seed)
-    verified = verify_candidate(task, source, device=device, seed=seed, pool=pool)
-    if not verified.correct:
+    verified = verify_candidate(
+        task, source, device=device, seed=seed, pool=pool, limits=limits, timeout_s=timeout_s
+    )
+    if not verified.correct or not profile:
         return EvalResult(
             task=task.name, compile=compiled, verify=verified, device=device, seed=seed
         )
-    profiled = profile_candidate(task, source, device=device, seed=seed, pool=pool)
+    profiled = profile_candidate(
+        task,
+        source,
+        device=device,
+        seed=seed,
+        pool=pool,
+        limits=limits,
+        timeout_s=timeout_s,
+        **(profile_options or {}),
+    )
+    profiled = reverify_fast(
+        task, source, profiled, device=device, seed=seed, pool=pool, timeout_s=timeout_s
+    )
     return EvalResult(
         task=task.name,
         compile=compiled,

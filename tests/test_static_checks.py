@@ -1,0 +1,83 @@
+"""Static checks: source patterns that usually mean a kernel cheats, found without running it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kf.static_checks import CODES, check_source
+
+ADVERSARIAL = Path(__file__).parent / "fixtures" / "adversarial"
+SEEDS = Path(__file__).parent.parent / "examples" / "tasks" / "seeds"
+
+
+def codes(source: str) -> set[str]:
+    return {w.split(":", 1)[0] for w in check_source(source)}
+
+
+@pytest.mark.parametrize("path", sorted(SEEDS.glob("*.py")), ids=lambda p: p.stem)
+def test_static_checks_example_seeds_are_clean(path: Path) -> None:
+    """Every shipped seed kernel (C++ called from forward) draws no warning."""
+    assert check_source(path.read_text()) == ()
+
+
+@pytest.mark.parametrize(
+    ("name", "code"),
+    [
+        ("torch_reference", "torch_compute"),
+        ("torch_reference", "no_custom_kernel"),
+        ("never_calls_kernel", "kernel_never_called"),
+        ("try_fallback", "try_fallback"),
+        ("timer_patch", "timer_patching"),
+        ("grader_gc", "introspection"),
+        ("grader_stack", "introspection"),
+    ],
+)
+def test_static_checks_flag_cheating_fixture(name: str, code: str) -> None:
+    """Each cheating fixture draws the warning for its pattern."""
+    assert code in codes((ADVERSARIAL / f"{name}.py").read_text())
+
+
+def test_static_checks_honest_fixture_is_clean() -> None:
+    """The honest fixture draws no warning."""
+    assert check_source((ADVERSARIAL / "honest_cpp.py").read_text()) == ()
+
+
+def test_static_checks_streams_threads_and_layers() -> None:
+    """Side streams, threads, nn layers used in forward and the @ operator are all reported."""
+    source = """
+import threading
+import torch
+from torch import nn
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.s = torch.cuda.Stream()
+
+    def forward(self, x, w):
+        return self.proj(x) @ w
+"""
+    found = check_source(source)
+    assert {"thread", "stream", "torch_compute", "no_custom_kernel"} <= codes(source)
+    assert any("self.proj" in w and "@" in w for w in found)
+
+
+def test_static_checks_warning_names_line() -> None:
+    """A warning names the line it was found on."""
+    source = "import time\ntime.perf_counter = lambda: 0.0\n"
+    assert check_source(source) == ("timer_patching: assigns time.perf_counter (line 2)",)
+
+
+def test_static_checks_unparsable_source_yields_nothing() -> None:
+    """Source that does not parse yields no warnings (compilation reports it)."""
+    assert check_source("def (") == ()
+
+
+def test_static_checks_codes_are_documented() -> None:
+    """Every code the checks emit is listed in CODES and explained by kf eval."""
+    from kf.evaluation.reports import FLAG_REASONS
+
+    assert set(CODES) <= set(FLAG_REASONS)
