@@ -25,6 +25,7 @@ import msgspec
 
 from kf.agent import Agent
 from kf.behaviour import describe
+from kf.evaluation.reports import SUSPECT_FLAGS
 from kf.events import Event, Record
 from kf.facts import (
     DeviceAnnounced,
@@ -44,6 +45,7 @@ from kf.search_facts import (
     CandidateRejected,
     CandidateVerified,
     EliteAdmitted,
+    GeneralisationFailed,
     MutationFailed,
     ParentSelected,
     TaskSkipped,
@@ -93,6 +95,9 @@ class Cand(msgspec.Struct, kw_only=True):
     ref_ms: float | None = None
     cell: tuple[int, int, int] | None = None
     source: str = ""
+    flags: list[str] = []  # the profile's flags ("code: detail")
+    suspect: bool = False  # a flag makes its timing untrustworthy: never an elite or best
+    generalisation: str | None = None  # why it failed on unseen shapes, if it did
     backend: str = "cpp-openmp"
     target: str = "cpu"
     device_id: str | None = None  # current assignment
@@ -179,6 +184,7 @@ class ArchiveAgent(Agent[ArchiveState]):
         CandidateVerified,
         CandidateRejected,
         CandidateProfiled,
+        GeneralisationFailed,
         ReactionFailed,
         DeviceAnnounced,
         DeviceLeft,
@@ -246,6 +252,8 @@ class ArchiveAgent(Agent[ArchiveState]):
                     self._fail(
                         state, c, ev.report.failure_kind or "profile_failed", ev.report.error
                     )
+        elif isinstance(ev, GeneralisationFailed):
+            self._generalisation_failed(state, ev)
         elif isinstance(ev, ReactionFailed):
             cid = state.event_candidate.get(rec.envelope.caused_by or "")
             c = state.candidates.get(cid or "")
@@ -381,9 +389,23 @@ class ArchiveAgent(Agent[ArchiveState]):
         c.runtime_std_ms = r.runtime_std_ms
         c.ref_ms = r.ref_runtime_ms
         c.cell = describe(c.source).cell()
+        c.flags = list(r.flags)
+        c.suspect = any(f.split(":", 1)[0] in SUSPECT_FLAGS for f in r.flags)
         t = state.tasks[c.task]
         t.profiled += 1
-        self._admit(state, t, c, c.island, plan, migrated_from=None)
+        if not c.suspect:
+            self._admit(state, t, c, c.island, plan, migrated_from=None)
+
+    def _generalisation_failed(self, state: ArchiveState, ev: GeneralisationFailed) -> None:
+        """Record why; an elite that fails leaves every cell it holds (and the best list)."""
+        c = state.candidates.get(ev.candidate_id)
+        if c is None:
+            return
+        c.generalisation = ev.reason[:2000]
+        t = state.tasks.get(c.task)
+        if t is not None:
+            for key in [k for k, cid in t.elites.items() if cid == c.id]:
+                del t.elites[key]
 
     def _admit(
         self,
@@ -547,6 +569,8 @@ def best_candidate(state: ArchiveState, task: str) -> Cand | None:
             c.task == task
             and c.status == "profiled"
             and c.speedup is not None
+            and not c.suspect
+            and c.generalisation is None
             and (best is None or c.speedup > (best.speedup or 0.0))
         ):
             best = c

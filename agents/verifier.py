@@ -14,6 +14,7 @@ from kf.search_facts import (
     CandidateProposed,
     CandidateRejected,
     CandidateVerified,
+    GeneralisationFailed,
 )
 
 __all__ = ["Verifier"]
@@ -43,12 +44,23 @@ class Verifier(EvaluatorAgent):
                 timeout_s=self.timeout_s,
             )
         cls = CandidateVerified if report.correct else CandidateRejected
+        gate: list[Event] = []
+        if report.failure_kind == "generalisation_failed":
+            gate.append(
+                GeneralisationFailed(
+                    candidate_id=ev.candidate_id,
+                    task=ev.task,
+                    device_id=self.device_id,
+                    reason=report.error or "failed on unseen input shapes",
+                )
+            )
         return [
+            *gate,
             cls(
                 candidate_id=ev.candidate_id,
                 task=ev.task,
                 device_id=self.device_id,
                 report=report,
                 attempt=ev.attempt,
-            )
+            ),
         ]

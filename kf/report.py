@@ -85,6 +85,18 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
             "best_std_ms": best.runtime_std_ms if best else None,
             "archive_cells_filled": len(t.elites),
             "skipped": t.skipped,
+            "best_flags": list(best.flags) if best else [],
+            # candidates kept out of the best list, with the reason
+            "suspect": [
+                {"candidate_id": c.id, "flags": list(c.flags)}
+                for c in state.candidates.values()
+                if c.task == name and c.suspect
+            ],
+            "generalisation_failed": [
+                {"candidate_id": c.id, "reason": c.generalisation}
+                for c in state.candidates.values()
+                if c.task == name and c.generalisation is not None
+            ],
         }
         tasks.append(entry)
         if best is not None and best.speedup is not None:
@@ -131,6 +143,18 @@ def format_table(report: dict[str, Any]) -> str:
                 (t["best_candidate_id"] or t["skipped"] or "—")[:40],
             )
         )
+    notes: list[str] = []
+    for t in report["tasks"]:
+        notes += [f"{t['task']}: best flagged: {f}" for f in t.get("best_flags", [])]
+        notes += [
+            f"{t['task']}: {s['candidate_id'][:12]} kept out of best (suspect timing): "
+            + "; ".join(s["flags"])
+            for s in t.get("suspect", [])
+        ]
+        notes += [
+            f"{t['task']}: {g['candidate_id'][:12]} failed the generalisation gate: {g['reason']}"
+            for g in t.get("generalisation_failed", [])
+        ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -149,4 +173,5 @@ def format_table(report: dict[str, Any]) -> str:
         f"archive: {a['filled_cells']} of {a['total_cells']} cells filled; "
         f"mutator: {report['mutator']}"
     )
+    lines += notes
     return "\n".join(lines)

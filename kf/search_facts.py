@@ -17,6 +17,7 @@ __all__ = [
     "CandidateRejected",
     "CandidateVerified",
     "EliteAdmitted",
+    "GeneralisationFailed",
     "MutationFailed",
     "ParentSelected",
     "TaskSkipped",
@@ -105,6 +106,18 @@ class CandidateAssigned(Decision, frozen=True, kw_only=True):
     task: str
     device_id: str
     attempt: int
+
+
+@event("kernel.generalisation_failed")
+class GeneralisationFailed(Observation, frozen=True, kw_only=True):
+    """A candidate failed on input shapes (or seeds) it was never evaluated on, so it
+    cannot be reported as best; the reason names the shapes and what went wrong."""
+
+    candidate_id: str
+    task: str
+    device_id: str
+    reason: str
+    stage: str = "verify"  # verify (the gate) | reverify (a speed-up above 10x)
 
 
 @event("search.parent_selected")

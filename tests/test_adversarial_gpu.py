@@ -1,0 +1,36 @@
+"""GPU variants of the adversarial suite; they need an NVIDIA GPU and a CUDA build of PyTorch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kf.evaluation import evaluate
+from kf.static_checks import check_source
+from kf.tasks import load_task
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU: side-stream timing cheats only exist on a GPU",
+    ),
+]
+
+FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"
+
+
+def test_adversarial_gpu_side_stream_is_flagged_and_timed() -> None:
+    """Work on a side stream is caught by device-wide sync (correct output) and flagged."""
+    source = (FIXTURES / "side_stream.py").read_text()
+    assert any(w.startswith("stream:") for w in check_source(source))
+    result = evaluate(
+        load_task(FIXTURES / "task_gelu.py"),
+        source,
+        device="cuda:0",
+        profile_options={"min_time_s": 0.05, "warmup": 2, "min_trials": 10},
+    )
+    assert any(f.startswith("stream:") for f in result.flags)
+    assert result.profile is None or result.profile.speedup < 10 or not result.profile.ok

@@ -1,0 +1,77 @@
+"""How the search treats untrustworthy results: suspect timings, failed generalisation, noise."""
+
+from __future__ import annotations
+
+from agents.archive import best_candidate
+from agents.profiler import relative_noise, within_noise
+from kf.evaluation.reports import CompileReport, ProfileReport, VerifyReport
+from kf.search_facts import (
+    CandidateCompiled,
+    CandidateProfiled,
+    CandidateVerified,
+    EliteAdmitted,
+    GeneralisationFailed,
+)
+from tests.test_archive import Driver, propose, started
+
+
+def profile(d: Driver, cid: str, speedup: float, flags: tuple[str, ...] = ()) -> list[object]:
+    c = d.state.candidates[cid]
+    where = {"device_id": c.device_id or "?", "attempt": c.attempt}
+    d.feed(CandidateCompiled(candidate_id=cid, task="t", report=CompileReport(ok=True), **where))
+    d.feed(
+        CandidateVerified(
+            candidate_id=cid, task="t", report=VerifyReport(correct=True, trials=5), **where
+        )
+    )
+    report = ProfileReport(
+        ok=True, speedup=speedup, runtime_ms=1.0, ref_runtime_ms=speedup, flags=flags
+    )
+    return list(d.feed(CandidateProfiled(candidate_id=cid, task="t", report=report, **where)))
+
+
+def test_archive_suspect_timing_never_becomes_elite_or_best() -> None:
+    """A profile flagged cache_suspected is recorded but neither admitted nor reported best."""
+    d = Driver()
+    d.feed(started())
+    d.feed(propose("honest"))
+    profile(d, "honest", 1.2)
+    d.feed(propose("cheat", selection=0))
+    out = profile(d, "cheat", 50.0, flags=("cache_suspected: 0.01 ms vs 0.7 ms",))
+    assert not [e for e in out if isinstance(e, EliteAdmitted)]
+    assert d.state.candidates["cheat"].suspect
+    best = best_candidate(d.state, "t")
+    assert best is not None and best.id == "honest"
+
+
+def test_archive_generalisation_failure_removes_elite_and_best() -> None:
+    """A kernel.generalisation_failed event takes an elite out of its cells and the best list."""
+    d = Driver()
+    d.feed(started())
+    d.feed(propose("seed1"))
+    profile(d, "seed1", 3.0)
+    assert "seed1" in d.state.tasks["t"].elites.values()
+    d.feed(
+        GeneralisationFailed(
+            candidate_id="seed1", task="t", device_id="d", reason="[97, 1024]: mismatch"
+        )
+    )
+    assert "seed1" not in d.state.tasks["t"].elites.values()
+    assert best_candidate(d.state, "t") is None
+    assert d.state.candidates["seed1"].generalisation == "[97, 1024]: mismatch"
+
+
+def test_profiler_within_noise_only_for_small_wins() -> None:
+    """A win smaller than the combined noise is within noise; a larger one or a loss is not."""
+    assert within_noise(1.05, 0.05, 1.0, 0.05)
+    assert not within_noise(1.5, 0.05, 1.0, 0.05)
+    assert not within_noise(0.9, 0.05, 1.0, 0.05)
+    assert not within_noise(1.05, 0.0, 0.0, 0.0)
+
+
+def test_profiler_relative_noise_combines_both_timings() -> None:
+    """The noise of a speed-up combines the candidate's and eager's relative CIs."""
+    report = ProfileReport(
+        ok=True, runtime_ms=2.0, runtime_ci95_ms=0.06, ref_runtime_ms=4.0, ref_runtime_ci95_ms=0.16
+    )
+    assert abs(relative_noise(report) - 0.05) < 1e-9
