@@ -168,7 +168,7 @@ def test_adversarial_big_speedup_is_reverified(pool: RunnerPool) -> None:
     [
         ("memory_hog", Limits(), "exception", "ModelNew(*get_init_inputs()) raised"),
         ("file_hog", Limits(file_bytes=8 << 20), "exception", "File too large"),
-        ("cpu_hog", Limits(cpu_s=2), "crash", "SIGXCPU"),
+        ("cpu_hog", Limits(cpu_s=1), "crash", "SIGXCPU"),
     ],
 )
 def test_adversarial_resource_limit_stops_candidate(
