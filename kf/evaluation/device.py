@@ -1,9 +1,10 @@
 """Device backends: what differs between timing on a CPU and on a GPU.
 
 The grader side only parses and validates the device string (:func:`parse_device`);
-the runner side builds a :class:`Backend` after torch is imported. A CUDA backend
-(later) will synchronise the device, flush L2 between trials and time with CUDA
-events; the CPU backend times with the runner's bound ``perf_counter_ns``.
+the runner side builds a :class:`Backend` after torch is imported. The CUDA backend
+synchronises the whole device, flushes L2 between trials by overwriting a buffer twice
+its size, and times with CUDA events bound before any candidate is loaded; the CPU
+backend times with the runner's bound ``perf_counter_ns``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Backend", "CPUBackend", "DeviceError", "make_backend", "parse_device"]
+__all__ = [
+    "Backend",
+    "CPUBackend",
+    "CUDABackend",
+    "DeviceError",
+    "make_backend",
+    "parse_device",
+]
 
 
 class DeviceError(ValueError):
@@ -28,18 +36,34 @@ def parse_device(device: str) -> str:
     if name == "cpu":
         return "cpu"
     if _CUDA.match(name):
-        raise DeviceError(
-            f"device {device!r} is not supported by kf.evaluation yet: only 'cpu' is "
-            "implemented (CUDA timing needs device synchronisation, L2 flush and CUDA "
-            "events); use --device cpu"
-        )
+        index = int(name.partition(":")[2] or 0)
+        available = _cuda_device_count()
+        if index >= available:
+            have = f"{available} CUDA device(s)" if available else "no CUDA device"
+            raise DeviceError(
+                f"device {device!r} is not available: this machine has {have} that PyTorch "
+                "can use, so only 'cpu' is implemented here; use --device cpu, or run on a "
+                "machine with an NVIDIA GPU and a CUDA build of PyTorch"
+            )
+        return f"cuda:{index}"
     raise DeviceError(f"unknown device {device!r}: expected 'cpu' or 'cuda:N'")
+
+
+def _cuda_device_count() -> int:
+    """CUDA devices PyTorch can use here (0 without a CUDA build or a driver)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return 0
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
 class Backend:
     """Device-specific operations used by the runner; the default suits a CPU."""
 
     name = "cpu"
+    #: Whether an address-space limit (RLIMIT_AS) can apply: a CUDA context maps far more.
+    address_space_limit = True
 
     def __init__(self, clock_ns: Callable[[], int]) -> None:
         self.clock_ns = clock_ns
@@ -73,8 +97,84 @@ class CPUBackend(Backend):
     name = "cpu"
 
 
+class CUDABackend(Backend):
+    """One NVIDIA GPU: device-wide synchronisation, CUDA events, L2 flush between trials.
+
+    Made in the runner at set-up, before any candidate code is imported: the event
+    methods and the flush buffer are bound here. ``load_inline`` is replaced by kf's
+    content-addressed one (:mod:`kf.cuda.inline`), and kf.cuda reports each build's
+    resources on the runner's log.
+    """
+
+    name = "cuda"
+    address_space_limit = False
+
+    def __init__(self, device: str, clock_ns: Callable[[], int]) -> None:
+        super().__init__(clock_ns)
+        import os
+
+        import torch
+
+        from kf.cuda import inline
+
+        os.environ["KF_CUDA_REPORT"] = "1"
+        inline.install()
+        self.device = torch.device(device)
+        torch.cuda.set_device(self.device)
+        self._sync = torch.cuda.synchronize
+        event = torch.cuda.Event
+        self._start = event(enable_timing=True)  # type: ignore[no-untyped-call]
+        self._end = event(enable_timing=True)  # type: ignore[no-untyped-call]
+        self._record = event.record
+        self._event_sync = event.synchronize
+        self._elapsed_ms = event.elapsed_time
+        l2 = int(getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0))
+        # twice L2 and at least 256 MiB: the write also keeps the GPU busy while the
+        # host launches the timed call, so launch latency stays out of the measurement
+        self._flush = torch.empty(max(2 * l2, 256 << 20) // 4, dtype=torch.int32, device=device)
+        self._zero = self._flush.zero_
+        self._module = torch.nn.Module
+        self._tensor = torch.Tensor
+
+    def synchronize(self) -> None:
+        """Wait for all work on the device, every stream (``torch.cuda.synchronize``)."""
+        self._sync(self.device)
+
+    def flush_cache(self) -> None:
+        """Overwrite a buffer twice L2's size, evicting what the last trial left cached."""
+        self._zero()
+
+    def to_device(self, value: Any) -> Any:
+        if isinstance(value, self._tensor | self._module):
+            return value.to(self.device)
+        return value
+
+    def describe_timer(self) -> str:
+        return (
+            "CUDA events bound at runner set-up before candidate import, around one "
+            "forward call per sample; L2 flushed before each sample; device synchronised "
+            "after each"
+        )
+
+    def time_call_ns(self, fn: Callable[[], Any]) -> int:
+        """GPU time of one call between two events; the device is idle again on return.
+
+        No synchronisation before the start event: the flush queued just before keeps
+        the GPU busy while the host launches ``fn``, as Triton's ``do_bench`` does.
+        """
+        self._record(self._start)
+        fn()
+        self._record(self._end)
+        self._event_sync(self._end)
+        self._sync(self.device)
+        return int(self._elapsed_ms(self._start, self._end) * 1e6)
+
+
 def make_backend(device: str, clock_ns: Callable[[], int]) -> Backend:
     """The backend for a canonical device name (see :func:`parse_device`)."""
-    if parse_device(device) == "cpu":
+    canonical = parse_device(device)
+    if canonical == "cpu":
         return CPUBackend(clock_ns)
+    if canonical.startswith("cuda"):
+        return CUDABackend(canonical, clock_ns)
     raise DeviceError(f"no backend for device {device!r}")  # pragma: no cover

@@ -91,7 +91,8 @@ def _setup_fields(
     return {
         "device": device,
         "threads": handle.threads,
-        "memory_bytes": limits.memory_bytes,
+        # a CUDA context maps far more address space than any sane RLIMIT_AS
+        "memory_bytes": 0 if device.startswith("cuda") else limits.memory_bytes,
         "cpu_s": limits.cpu_s or int(deadline.timeout_s * handle.threads) + 30,
         "file_bytes": limits.file_bytes,
     }
@@ -204,6 +205,10 @@ def compile_candidate(
                 init=None,
                 what="import and construction of ModelNew",
             )
+            # kf.cuda's build reports (resources, cache hits) from the runner's log
+            build_log = "\n".join(
+                line for line in cand.log_tail().splitlines() if line.startswith("kf.cuda")
+            )
         except _CandidateFailed as exc:
             log.info("candidate_compile_failed", task=task.name, kind=exc.kind)
             return CompileReport(
@@ -216,7 +221,9 @@ def compile_candidate(
             )
         warnings = static + tuple(cand.findings)
     log.info("candidate_compiled", task=task.name, warnings=warnings)
-    return CompileReport(ok=True, duration_s=time.monotonic() - start, warnings=warnings)
+    return CompileReport(
+        ok=True, log=build_log, duration_s=time.monotonic() - start, warnings=warnings
+    )
 
 
 def verify_candidate(

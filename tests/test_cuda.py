@@ -1,0 +1,167 @@
+"""kf.cuda, the CUDA hardware probe and the CUDA backend: pure parts run anywhere,
+NVRTC parts where cuda-python is installed, GPU parts only on a machine with a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from hardware_agents.cuda import copy_bandwidth_gbs, parse_nvcc_version, parse_nvidia_smi_clocks
+from kf.cuda import parse_ptxas_log
+from kf.cuda.backends import backend_of
+from kf.cuda.inline import cache_key
+
+ROOT = Path(__file__).resolve().parent.parent
+TASK = ROOT / "examples" / "cuda_tasks" / "gelu_residual.py"
+SEEDS = ROOT / "examples" / "cuda_tasks" / "seeds"
+INLINE = ROOT / "examples" / "cuda_candidates" / "gelu_residual_load_inline.py"
+
+HAS_NVRTC = importlib.util.find_spec("cuda") is not None and (
+    importlib.util.find_spec("cuda.bindings") is not None
+)
+needs_nvrtc = pytest.mark.skipif(
+    not HAS_NVRTC, reason="cuda-python (cuda.bindings) with NVRTC is not installed here"
+)
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs an NVIDIA GPU and a CUDA build of PyTorch (CI has neither)",
+)
+
+PTXAS = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'first' for 'sm_90'
+ptxas info    : Function properties for first
+ptxas         .     144 bytes stack frame, 144 bytes spill stores, 140 bytes spill loads
+ptxas info    : Used 64 registers, used 1 barriers, 4096 bytes smem, 400 bytes cmem[0]
+ptxas info    : Compiling entry function 'second' for 'sm_90'
+ptxas info    : Function properties for second
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 22 registers, used 0 barriers
+"""
+
+
+def test_ptxas_log_reads_registers_shared_memory_and_spills() -> None:
+    """Each entry function's registers, shared memory, stack and spills come from the log."""
+    first, second = parse_ptxas_log(PTXAS)
+    assert (first.name, first.registers, first.shared_bytes) == ("first", 64, 4096)
+    assert (first.stack_bytes, first.spill_stores_bytes, first.spill_loads_bytes) == (
+        144,
+        144,
+        140,
+    )
+    assert first.constant_bytes == 400
+    assert (second.name, second.registers, second.spill_stores_bytes) == ("second", 22, 0)
+
+
+def test_backend_of_routes_cpu_and_each_cuda_backend() -> None:
+    """CPU targets stay cpp-openmp; CUDA sources are Triton, load_inline or NVRTC."""
+    assert backend_of("load_inline(...)", "cpu") == "cpp-openmp"
+    assert backend_of("import triton\n", "cuda:0") == "triton"
+    assert backend_of("m = load_inline(name='x')", "cuda:0") == "cuda-load-inline"
+    assert backend_of("kf.cuda.compile(SOURCE)", "cuda:1") == "cuda-nvrtc"
+
+
+def test_inline_cache_key_covers_sources_not_verbosity() -> None:
+    """The build key changes with the sources and toolchain, not with verbose or the folder."""
+    env = {"torch": "2.11", "cuda": "13.0", "arch": "9.0"}
+    args = {"name": "k", "cpp_sources": "int f();", "cuda_sources": "x", "verbose": False}
+    key = cache_key(args, env)
+    assert cache_key({**args, "verbose": True, "build_directory": "/tmp/x"}, env) == key
+    assert cache_key({**args, "cuda_sources": "y"}, env) != key
+    assert cache_key(args, {**env, "arch": "8.0"}) != key
+
+
+def test_probe_parsers_read_nvcc_and_nvidia_smi() -> None:
+    """nvcc's release, the driver and clocks are read from fixed tool output."""
+    assert parse_nvcc_version("Cuda compilation tools, release 13.0, V13.0.88") == "13.0"
+    assert parse_nvcc_version("garbage") is None
+    assert parse_nvidia_smi_clocks("580.159.03, 345, 3201, 1980\n") == {
+        "driver_version": "580.159.03",
+        "sm_clock_mhz": 345,
+        "memory_clock_mhz": 3201,
+        "max_sm_clock_mhz": 1980,
+    }
+    assert parse_nvidia_smi_clocks("") == {}
+    assert copy_bandwidth_gbs(10**9, 1.0) == pytest.approx(2000.0)
+
+
+@needs_nvrtc
+def test_nvrtc_compile_reports_resources_and_reuses_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVRTC builds the seed kernel for sm_90 with its resources; a second build is a hit."""
+    from kf.cuda import compile_cubin
+
+    monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path))
+    source = (SEEDS / "gelu_residual.py").read_text().split('SOURCE = r"""')[1].split('"""')[0]
+    defines = {"BLOCK": 256, "ITEMS": 4, "MATH_EXP": 1}
+    first = compile_cubin(source, arch="sm_90", defines=defines)
+    again = compile_cubin(source, arch="sm_90", defines=defines)
+    assert not first.cached and again.cached and again.cubin == first.cubin
+    (kernel,) = first.resources
+    assert kernel.name == "gelu_residual" and kernel.registers > 0
+    assert kernel.spill_stores_bytes == 0
+
+
+@needs_nvrtc
+def test_nvrtc_compile_error_carries_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A source NVRTC rejects raises CudaCompileError whose log names the problem."""
+    from kf.cuda import CudaCompileError, compile_cubin
+
+    monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path))
+    with pytest.raises(CudaCompileError) as info:
+        compile_cubin('extern "C" __global__ void k() { undefined_thing(); }', arch="sm_90")
+    assert "undefined_thing" in info.value.log
+
+
+@needs_gpu
+def test_cuda_probe_reports_device_and_measurements() -> None:
+    """The probe names the GPU and measures a positive copy bandwidth and bf16 rate."""
+    from hardware_agents.cuda import probe_in_subprocess
+
+    caps = probe_in_subprocess("cuda:0")
+    assert caps.sm_count > 0 and caps.l2_bytes > 0 and caps.memory_bytes > 0
+    assert (caps.measured_copy_bandwidth_gbs or 0) > 0
+    assert (caps.measured_bf16_tflops or 0) > 0
+    assert "cuda-nvrtc" in caps.backends
+
+
+@needs_gpu
+@pytest.mark.parametrize("seed", ["gelu_residual.py", "gelu_residual.triton.py"])
+def test_cuda_evaluate_seed_is_correct_and_faster(seed: str) -> None:
+    """The NVRTC and Triton seeds pass verification on the GPU and beat eager PyTorch."""
+    from kf.evaluation import evaluate
+    from kf.tasks import load_task
+
+    result = evaluate(load_task(TASK), (SEEDS / seed).read_text(), device="cuda:0")
+    assert result.correct, result.error
+    assert result.profile is not None and result.profile.speedup > 1.0
+
+
+@needs_gpu
+def test_cuda_load_inline_candidate_is_correct() -> None:
+    """A KernelBench-style load_inline candidate compiles through kf's cache and verifies."""
+    from kf.evaluation import evaluate
+    from kf.tasks import load_task
+
+    result = evaluate(load_task(TASK), INLINE.read_text(), device="cuda:0")
+    assert result.correct, result.error
+
+
+@needs_gpu
+def test_cuda_illegal_memory_access_fails_only_that_candidate() -> None:
+    """A kernel writing far out of bounds is rejected; the next candidate still verifies."""
+    from kf.evaluation import verify_candidate
+    from kf.tasks import load_task
+
+    task = load_task(TASK)
+    good = (SEEDS / "gelu_residual.py").read_text()
+    bad = good.replace("out[i] = o;", "out[i + (1LL << 40)] = o;")
+    rejected = verify_candidate(task, bad, device="cuda:0")
+    assert not rejected.correct
+    assert rejected.failure_kind in ("crash", "exception")
+    assert verify_candidate(task, good, device="cuda:0").correct
