@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BATCH = 1024
+BATCH = 256
 HIDDEN = 4096
 
 

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-BATCH = 4096
+BATCH = 1024
 DIM = 1024
 
 

@@ -9,7 +9,7 @@ tile is still in registers.
 import torch
 from torch import nn
 
-BATCH = 8192
+BATCH = 2048
 IN_FEATURES = 16
 OUT_FEATURES = 512
 

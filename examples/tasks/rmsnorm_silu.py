@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BATCH = 4096
+BATCH = 1024
 DIM = 1024
 
 

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-BATCH = 1024
+BATCH = 256
 N = 4096
 
 

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-BATCH = 2048
+BATCH = 512
 N = 8192
 
 

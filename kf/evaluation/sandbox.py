@@ -306,6 +306,8 @@ class RunnerPool:
         self.python = python or sys.executable
         self._idle: list[RunnerHandle] = []
         self._leased: set[RunnerHandle] = set()
+        self._refs: dict[str, list[RunnerHandle]] = {}  # warm reference runners per task
+        self.max_references = 4
         self._lock = threading.Lock()
         self._closed = False
 
@@ -372,6 +374,50 @@ class RunnerPool:
         finally:
             self.release(handle)
 
+    @contextlib.contextmanager
+    def reference_lease(self, key: str) -> Iterator[RunnerHandle]:
+        """A candidate-free runner for the reference side of one job, reused per ``key``.
+
+        No candidate code ever runs in a reference runner (it only imports the task,
+        makes inputs, runs the reference and compares), so it can serve many candidates
+        of the same task: that saves a Python + torch start-up per stage. Any error
+        discards it; at most ``max_references`` are kept, the oldest killed first.
+        """
+        handle: RunnerHandle | None = None
+        with self._lock:
+            idle = self._refs.get(key, [])
+            while idle and handle is None:
+                h = idle.pop()
+                if h.proc.poll() is None:
+                    handle = h
+                    self._leased.add(h)
+                else:
+                    h.kill()
+        if handle is None:
+            handle = self.acquire_ready()
+        ok = False
+        try:
+            yield handle
+            ok = True
+        finally:
+            if not ok or handle.proc.poll() is not None:
+                self.release(handle)
+            else:
+                evicted: list[RunnerHandle] = []
+                with self._lock:
+                    self._leased.discard(handle)
+                    if self._closed:
+                        evicted.append(handle)
+                    else:
+                        self._refs.setdefault(key, []).append(handle)
+                        kept = [(k, h) for k, hs in self._refs.items() for h in hs]
+                        while len(kept) > self.max_references:
+                            k, h = kept.pop(0)
+                            self._refs[k].remove(h)
+                            evicted.append(h)
+                for h in evicted:
+                    h.kill()
+
     def wait_warm(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Wait until every idle runner has finished starting (quiet machine for timing)."""
         deadline = time.monotonic() + timeout_s
@@ -389,9 +435,10 @@ class RunnerPool:
         """Kill every runner, idle or leased; later acquires fail."""
         with self._lock:
             self._closed = True
-            handles = [*self._idle, *self._leased]
+            handles = [*self._idle, *self._leased, *(h for hs in self._refs.values() for h in hs)]
             self._idle.clear()
             self._leased.clear()
+            self._refs.clear()
         for handle in handles:
             handle.kill()
 

@@ -85,15 +85,27 @@ class _CandidateFailed(Exception):
         self.kind, self.error, self.log = kind, error, log
 
 
+def _ref_key(task: Task, device: str) -> str:
+    """Reference runners are reused per task text and device."""
+    return f"{task.sha256}:{device}"
+
+
 def _setup_fields(
-    handle: RunnerHandle, device: str, limits: Limits, deadline: _Deadline
+    handle: RunnerHandle,
+    device: str,
+    limits: Limits,
+    deadline: _Deadline,
+    *,
+    reference: bool = False,
 ) -> dict[str, Any]:
     return {
         "device": device,
         "threads": handle.threads,
         # a CUDA context maps far more address space than any sane RLIMIT_AS
         "memory_bytes": 0 if device.startswith("cuda") else limits.memory_bytes,
-        "cpu_s": limits.cpu_s or int(deadline.timeout_s * handle.threads) + 30,
+        # a reused reference runner (no candidate code) gets no cumulative CPU limit: a
+        # hard limit cannot be raised again, and the grader's deadlines still apply
+        "cpu_s": 0 if reference else limits.cpu_s or int(deadline.timeout_s * handle.threads) + 30,
         "file_bytes": limits.file_bytes,
     }
 
@@ -156,7 +168,13 @@ def run_task_check(
     pool = pool or default_pool()
     deadline = _Deadline(timeout_s)
     with pool.lease() as ref:
-        _reference(task, ref, "setup", deadline, **_setup_fields(ref, device, limits, deadline))
+        _reference(
+            task,
+            ref,
+            "setup",
+            deadline,
+            **_setup_fields(ref, device, limits, deadline, reference=True),
+        )
         _reference(task, ref, "load_task", deadline, source=task.source, name=task.name, seed=0)
         info = _reference(task, ref, "make_inputs", deadline, seed=0)
     return TaskInfo(
@@ -253,7 +271,7 @@ def verify_candidate(
     variants: list[TrialEvidence] = []
     flags: list[str] = []
     atol = 0.0
-    with pool.lease() as ref, pool.lease() as cand:
+    with pool.reference_lease(_ref_key(task, device)) as ref, pool.lease() as cand:
         start = time.monotonic()
         deadline = _Deadline(timeout_s)
 
@@ -272,7 +290,13 @@ def verify_candidate(
             )
 
         try:
-            _reference(task, ref, "setup", deadline, **_setup_fields(ref, device, limits, deadline))
+            _reference(
+                task,
+                ref,
+                "setup",
+                deadline,
+                **_setup_fields(ref, device, limits, deadline, reference=True),
+            )
             _setup(cand, device, limits, deadline)
             init = _reference(
                 task, ref, "load_task", deadline, source=task.source, name=task.name, seed=seed
@@ -457,12 +481,22 @@ def profile_candidate(
     device = parse_device(device)
     pool = pool or default_pool()
     limits = limits or Limits()
-    with _device_lock(device), pool.lease() as ref, pool.lease() as cand:
+    with (
+        _device_lock(device),
+        pool.reference_lease(_ref_key(task, device)) as ref,
+        pool.lease() as cand,
+    ):
         pool.wait_warm()  # replacement runners import torch now, not during the timing
         start = time.monotonic()
         deadline = _Deadline(timeout_s)
         try:
-            _reference(task, ref, "setup", deadline, **_setup_fields(ref, device, limits, deadline))
+            _reference(
+                task,
+                ref,
+                "setup",
+                deadline,
+                **_setup_fields(ref, device, limits, deadline, reference=True),
+            )
             _setup(cand, device, limits, deadline)
             init = _reference(
                 task, ref, "load_task", deadline, source=task.source, name=task.name, seed=seed
