@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         f"fp32, CPU.\nEach candidate is first checked against eager on {len(CHECK_SEEDS)} seeded "
         f"inputs (allclose atol=rtol={ATOL:g}); then {args.warmup} warm-up calls and "
         f"{args.trials} timed calls, each wrapped in time.perf_counter (no cache flush: "
-        "inputs are >= 16 MiB, far above L2). Sweep: "
+        "inputs are a few MiB per tensor, so they may partly sit in the last-level cache). Sweep: "
         + (
             "the whole space"
             if args.sweep == 0
