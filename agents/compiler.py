@@ -6,10 +6,11 @@ import asyncio
 from collections.abc import Sequence
 
 from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
-from kf.evaluation import compile_candidate
+from kf.evaluation import CompileReport, compile_candidate
 from kf.events import Event, Record
 from kf.facts import RunStarted
 from kf.search_facts import CandidateAssigned, CandidateCompiled, CandidateProposed
+from kf.tasks import Task
 
 __all__ = ["Compiler"]
 
@@ -29,10 +30,7 @@ class Compiler(EvaluatorAgent):
         if found is None:
             return ()
         task, source = found
-        async with await gate_for(self.device).shared():
-            report = await asyncio.to_thread(
-                compile_candidate, task, source, device=self.device, timeout_s=self.timeout_s
-            )
+        report = await self.build(task, source)
         return [
             CandidateCompiled(
                 candidate_id=ev.candidate_id,
@@ -42,3 +40,10 @@ class Compiler(EvaluatorAgent):
                 attempt=ev.attempt,
             )
         ]
+
+    async def build(self, task: Task, source: str) -> CompileReport:
+        """Compile in a sandbox, sharing the device with verification (timing waits)."""
+        async with await gate_for(self.device).shared():
+            return await asyncio.to_thread(
+                compile_candidate, task, source, device=self.device, timeout_s=self.timeout_s
+            )
