@@ -100,7 +100,6 @@ async def run_worker(
 ) -> None:
     """Serve a run from this machine's device until ``stop`` (or SIGINT/SIGTERM)."""
     from hardware_agents.cpu import host_id
-
     from kf.evaluation import parse_device
 
     device = parse_device(device)  # a DeviceError (a ValueError) says what is available

@@ -29,5 +29,5 @@ def test_bus_redacts_credentials_in_urls() -> None:
 def test_bus_run_ids_are_safe_subject_tokens() -> None:
     """A run id with dots or spaces is refused (it becomes part of NATS subjects)."""
     assert valid_run_id("demo-1_a") == "demo-1_a"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must be 1-64 characters"):
         valid_run_id("a.b")

@@ -134,7 +134,7 @@ def test_faults_worker_killed_mid_evaluation_is_redispatched(
         a.send_signal(signal.SIGKILL)
         a.wait()
         b = kf_proc(*worker_args(server.url, run, "wB"))
-        code, out, err = finish(main)
+        code, _, err = finish(main)
         assert code == 0, err[-3000:]
     finally:
         stop(main, a, *([b] if b else []))
