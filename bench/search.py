@@ -55,17 +55,22 @@ def main() -> int:
           f"{report['events']} events; mutator: {report['mutator']}")
     print("speedup = eager mean / best kernel mean, same session, separate sandboxed processes;"
           " correct = verified on 5 seeded trials and unseen shapes\n")
-    print("| task | eager ms | best ms | speedup | correct/total | fusion ≥ 1.5× |")
-    print("|---|---|---|---|---|---|")
+    print("| task | eager ms | best ms | eager/best | recorded speedup | correct/total "
+          "| fusion ≥ 1.5× |")
+    print("|---|---|---|---|---|---|---|")
     ok = True
     for t in report["tasks"]:
         fusion = t["task"] in FUSION
-        sp = t["best_speedup"]
-        reached = sp is not None and sp >= 1.5
+        ref, best = t["ref_ms"] or 0.0, t["best_ms"] or 0.0
+        direct = ref / best if best else 0.0  # means from the best kernel's own session
+        reached = direct >= 1.5
         ok &= reached or not fusion
         mark = ("yes" if reached else "NO") if fusion else "—"
-        print(f"| {t['task']} | {t['ref_ms'] or 0:.3f} | {t['best_ms'] or 0:.3f} | "
-              f"{sp or 0:.2f}× | {t['correct']}/{t['candidates']} | {mark} |")
+        print(f"| {t['task']} | {ref:.3f} | {best:.3f} | {direct:.2f}× | "
+              f"{t['best_speedup'] or 0:.2f}× | {t['correct']}/{t['candidates']} | {mark} |")
+    print("\neager/best: the two means from the best kernel's own profiling session (the figure"
+          " the fusion check uses);\nrecorded speedup: what the log holds for it (a paired"
+          " re-time against the previous best may have changed it).")
     fp = ", ".join(f"{k} = {v:.2f}" for k, v in report["fast_p"].items())
     gm = report["geomean_speedup"]
     print(f"\n{fp}; geomean speedup {gm:.2f}×; archive cells filled "
