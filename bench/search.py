@@ -35,7 +35,14 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--db", type=Path, default=ROOT / "runs" / "bench-search.db")
     ap.add_argument("--tasks", type=Path, default=ROOT / "examples" / "tasks")
+    ap.add_argument("--report-only", action="store_true",
+                    help="print the table for an existing --db instead of running")
     args = ap.parse_args()
+    if args.report_only:
+        sys.path.insert(0, str(ROOT))
+        from kf.report import build_report
+
+        return table(build_report(args.db), args, wall=None)
     if args.db.exists():
         raise SystemExit(f"{args.db} exists; remove it or pass --db (an existing log is resumed)")
     t0 = time.monotonic()
@@ -49,9 +56,13 @@ def main() -> int:
     if proc.returncode != 0:
         print(proc.stderr[-4000:], file=sys.stderr)
         return proc.returncode
-    report = json.loads(proc.stdout)
+    return table(json.loads(proc.stdout), args, wall)
+
+
+def table(report: dict, args: argparse.Namespace, wall: float | None) -> int:
+    took = f"wall {wall / 60:.1f} min" if wall is not None else f"(from {args.db})"
     print(f"kf search benchmark: kf run {args.tasks.relative_to(ROOT)} --budget {args.budget} "
-          f"--seed {args.seed}; {os.cpu_count()} CPUs; wall {wall / 60:.1f} min; "
+          f"--seed {args.seed}; {os.cpu_count()} CPUs; {took}; "
           f"{report['events']} events; mutator: {report['mutator']}")
     print("speedup = eager mean / best kernel mean, same session, separate sandboxed processes;"
           " correct = verified on 5 seeded trials and unseen shapes\n")
