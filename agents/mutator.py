@@ -28,6 +28,7 @@ __all__ = ["OFFLINE_MUTATOR", "MutatorState", "OfflineMutator"]
 
 OFFLINE_MUTATOR = "offline (no LLM): template-parameter mutation and recombination"
 _ATTEMPTS = 48
+_GRID_LIMIT = 20_000  # spaces up to this size are enumerated when jumping
 
 
 class MutatorState(msgspec.Struct, kw_only=True):
@@ -151,7 +152,38 @@ class OfflineMutator(Agent[MutatorState]):
                     config=dict(child),
                     note=note or f"changed {', '.join(changed)}",
                 )
+        # the neighbourhood is explored: jump to an unexplored point anywhere in the space
+        size = params.size(space)
+        pool = (
+            list(params.grid(space))
+            if size <= _GRID_LIMIT
+            else [
+                params.mutate(space, config, rng, n_changes=len(space.names))
+                for _ in range(_ATTEMPTS)
+            ]
+        )
+        rng.shuffle(pool)
+        for child in pool:
+            source = params.apply(parent, child)
+            if _digest(source) not in seen:
+                return CandidateProposed(
+                    candidate_id=derived_id("candidate", event_id),
+                    task=ev.task,
+                    source=source,
+                    operator="jump",
+                    mutator=OFFLINE_MUTATOR,
+                    island=ev.island,
+                    selection=ev.selection,
+                    parent_id=ev.parent_id,
+                    device=state.device,
+                    backend=backend_of(source, state.device),
+                    family=params.family(source),
+                    config=dict(child),
+                    note=f"no unexplored neighbour after {_ATTEMPTS} tries: a random unexplored "
+                    "point of the space",
+                )
         return failed(
-            f"no unexplored configuration found near the parent after {_ATTEMPTS} attempts "
-            f"(space of {params.size(space)} points)"
+            f"every configuration of the parent's space ({size} points) was already proposed"
+            if size <= _GRID_LIMIT
+            else f"no unexplored configuration found in {2 * _ATTEMPTS} tries ({size} points)"
         )

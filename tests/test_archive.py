@@ -289,3 +289,30 @@ def test_archive_redispatches_work_of_a_lost_device_and_counts_it_once() -> None
                              report=CompileReport(ok=True)))
     assert d.state.candidates["s1"].status == "compiled"
     assert d.state.tasks["t"].compiled == 1
+
+
+def test_mutator_jumps_when_the_neighbourhood_is_explored() -> None:
+    """With every neighbour already proposed, the child is an unexplored point elsewhere."""
+    from kf.params import apply, grid
+
+    m = OfflineMutator(AgentContext(run_id="r", agent_id="mutator@t"))
+    st = m.initial_state()
+    st = m.evolve(st, rec(started()))
+    space, config = parse(SEED_SRC)  # type: ignore[misc]
+    everything = list(grid(space))
+    far = everything[-1]
+    for i, cfg in enumerate(everything):
+        if cfg != far:
+            st = m.evolve(st, rec(propose(f"c{i}", source=apply(SEED_SRC, cfg))))
+    sel = rec(ParentSelected(task="t", selection=0, island=0, operator="mutate",
+                             parent_id="c0", rng_seed=5))
+    st = m.evolve(st, sel)
+    (child,) = m.react(st, sel)
+    assert isinstance(child, CandidateProposed)
+    assert child.operator == "jump" and child.config == far
+    st = m.evolve(st, rec(child))
+    sel2 = rec(ParentSelected(task="t", selection=1, island=0, operator="mutate",
+                              parent_id="c0", rng_seed=6))
+    st = m.evolve(st, sel2)
+    (out,) = m.react(st, sel2)
+    assert isinstance(out, MutationFailed) and "already proposed" in out.reason
