@@ -298,7 +298,7 @@ def test_mutator_jumps_when_the_neighbourhood_is_explored() -> None:
     m = OfflineMutator(AgentContext(run_id="r", agent_id="mutator@t"))
     st = m.initial_state()
     st = m.evolve(st, rec(started()))
-    space, config = parse(SEED_SRC)  # type: ignore[misc]
+    space, _ = parse(SEED_SRC)  # type: ignore[misc]
     everything = list(grid(space))
     far = everything[-1]
     for i, cfg in enumerate(everything):
