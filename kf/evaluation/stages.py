@@ -149,6 +149,40 @@ def _truncate(text: str) -> str:
     return text if len(text) <= _MAX_LOG else "… (truncated)\n" + text[-_MAX_LOG:]
 
 
+def _load_pair(
+    task: Task,
+    source: str,
+    ref: RunnerHandle,
+    cand: RunnerHandle,
+    device: str,
+    limits: Limits,
+    deadline: _Deadline,
+    seed: int,
+) -> None:
+    """Set both runners up, load the task in the reference and ``ModelNew`` in the candidate.
+
+    The reference's ``init`` (the constructor arguments, made after seeding) goes to the
+    candidate so both modules are built from the same inputs and parameters.
+    """
+    _reference(
+        task, ref, "setup", deadline, **_setup_fields(ref, device, limits, deadline, reference=True)
+    )
+    _setup(cand, device, limits, deadline)
+    init = _reference(
+        task, ref, "load_task", deadline, source=task.source, name=task.name, seed=seed
+    )["init"]
+    _candidate(
+        task,
+        cand,
+        "load_candidate",
+        deadline,
+        source=source,
+        seed=seed,
+        init=init,
+        what="construction of ModelNew",
+    )
+
+
 def _seed_trials(seed: int, trials: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(2**31) for _ in range(trials)]
@@ -290,27 +324,7 @@ def verify_candidate(
             )
 
         try:
-            _reference(
-                task,
-                ref,
-                "setup",
-                deadline,
-                **_setup_fields(ref, device, limits, deadline, reference=True),
-            )
-            _setup(cand, device, limits, deadline)
-            init = _reference(
-                task, ref, "load_task", deadline, source=task.source, name=task.name, seed=seed
-            )["init"]
-            _candidate(
-                task,
-                cand,
-                "load_candidate",
-                deadline,
-                source=source,
-                seed=seed,
-                init=init,
-                what="construction of ModelNew",
-            )
+            _load_pair(task, source, ref, cand, device, limits, deadline, seed)
             for i, trial_seed in enumerate(_seed_trials(seed, trials)):
                 made = _reference(task, ref, "make_inputs", deadline, seed=trial_seed)
                 atol = max([_tol(d) for d in made["output_dtypes"]], default=1e-4)
@@ -490,27 +504,7 @@ def profile_candidate(
         start = time.monotonic()
         deadline = _Deadline(timeout_s)
         try:
-            _reference(
-                task,
-                ref,
-                "setup",
-                deadline,
-                **_setup_fields(ref, device, limits, deadline, reference=True),
-            )
-            _setup(cand, device, limits, deadline)
-            init = _reference(
-                task, ref, "load_task", deadline, source=task.source, name=task.name, seed=seed
-            )["init"]
-            _candidate(
-                task,
-                cand,
-                "load_candidate",
-                deadline,
-                source=source,
-                seed=seed,
-                init=init,
-                what="construction of ModelNew",
-            )
+            _load_pair(task, source, ref, cand, device, limits, deadline, seed)
             made = _reference(task, ref, "make_inputs", deadline, seed=seed)
             problem = _run_and_check(
                 task, ref, cand, inputs=made["inputs"], seed=seed, deadline=deadline
