@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -504,7 +505,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kf`` console script."""
     args = build_parser().parse_args(argv)
-    configure(args.log_level)
+    level = args.log_level
+    if level is None and args.verb in ("run", "eval", "report", "replay", "export") and not (
+        os.environ.get("KF_LOG_LEVEL")
+    ):
+        level = "WARNING"  # interactive verbs show their own progress; agents' logs are noise
+    configure(level)
     return int(args.func(args))
 
 
