@@ -183,6 +183,34 @@ def _load_pair(
     )
 
 
+def _judge(
+    task: Task, ref: RunnerHandle, ran: dict[str, Any], seed: int, deadline: _Deadline
+) -> dict[str, Any]:
+    """The reference runner's verdict on what the candidate returned for ``seed``'s inputs."""
+    verdict: dict[str, Any] = _reference(
+        task,
+        ref,
+        "check",
+        deadline,
+        seed=seed,
+        outputs=ran["outputs"],
+        inputs_after=ran["inputs_after"],
+    )["verdict"]
+    return verdict
+
+
+def _evidence(seed: int, verdict: dict[str, Any], label: str = "") -> TrialEvidence:
+    """One trial's evidence from a verdict."""
+    return TrialEvidence(
+        seed=seed,
+        ok=bool(verdict["ok"]),
+        max_abs_err=float(verdict.get("max_abs_err") or 0.0),
+        max_rel_err=float(verdict.get("max_rel_err") or 0.0),
+        reason=verdict.get("reason"),
+        label=label,
+    )
+
+
 def _seed_trials(seed: int, trials: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(2**31) for _ in range(trials)]
@@ -340,24 +368,8 @@ def verify_candidate(
                 if ran.get("torch_ops"):
                     ops = ", ".join(f"aten.{op}" for op in ran["torch_ops"][:8])
                     flags.append(f"torch_compute: forward dispatched PyTorch ops {ops}")
-                verdict = _reference(
-                    task,
-                    ref,
-                    "check",
-                    deadline,
-                    seed=trial_seed,
-                    outputs=ran["outputs"],
-                    inputs_after=ran["inputs_after"],
-                )["verdict"]
-                evidence.append(
-                    TrialEvidence(
-                        seed=trial_seed,
-                        ok=bool(verdict["ok"]),
-                        max_abs_err=float(verdict.get("max_abs_err") or 0.0),
-                        max_rel_err=float(verdict.get("max_rel_err") or 0.0),
-                        reason=verdict.get("reason"),
-                    )
-                )
+                verdict = _judge(task, ref, ran, trial_seed, deadline)
+                evidence.append(_evidence(trial_seed, verdict))
                 if not verdict["ok"]:
                     log.info("candidate_rejected", task=task.name, kind=verdict["kind"])
                     return report(
@@ -401,25 +413,8 @@ def _generalisation_gate(
         except _CandidateFailed as exc:
             evidence.append(TrialEvidence(seed=trial_seed, ok=False, reason=exc.error, label=label))
             return f"generalisation gate, {label} (never seen before): {exc.kind}: {exc.error}"
-        verdict = _reference(
-            task,
-            ref,
-            "check",
-            deadline,
-            seed=trial_seed,
-            outputs=ran["outputs"],
-            inputs_after=ran["inputs_after"],
-        )["verdict"]
-        evidence.append(
-            TrialEvidence(
-                seed=trial_seed,
-                ok=bool(verdict["ok"]),
-                max_abs_err=float(verdict.get("max_abs_err") or 0.0),
-                max_rel_err=float(verdict.get("max_rel_err") or 0.0),
-                reason=verdict.get("reason"),
-                label=label,
-            )
-        )
+        verdict = _judge(task, ref, ran, trial_seed, deadline)
+        evidence.append(_evidence(trial_seed, verdict, label))
         if not verdict["ok"]:
             return (
                 f"generalisation gate, {label} (never seen before): "
@@ -712,15 +707,7 @@ def _run_and_check(
 ) -> tuple[str, str] | None:
     """Run the candidate once and have the reference judge it: None, or (kind, reason)."""
     ran = _candidate(task, cand, "run", deadline, inputs=inputs, what="forward")
-    verdict = _reference(
-        task,
-        ref,
-        "check",
-        deadline,
-        seed=seed,
-        outputs=ran["outputs"],
-        inputs_after=ran["inputs_after"],
-    )["verdict"]
+    verdict = _judge(task, ref, ran, seed, deadline)
     return None if verdict["ok"] else (str(verdict["kind"]), str(verdict["reason"]))
 
 
