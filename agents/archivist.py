@@ -28,19 +28,17 @@ from nats.aio.msg import Msg
 from kf import bus
 from kf.agent import Agent, AgentContext
 from kf.events import (
-    Decision,
     Envelope,
     EventError,
     Record,
     decode_envelope,
     decode_event,
-    derived_id,
     encode_envelope,
     make_envelope,
 )
 from kf.facts import DeviceLost
 from kf.log import EventLog
-from kf.runtime import AgentCrashed
+from kf.runtime import AgentCrashed, reaction_envelopes
 
 __all__ = ["Archivist", "ArchivistStats"]
 
@@ -147,17 +145,8 @@ class Archivist:
                     f"hosted {agent.kind} failed on seq {env.seq} ({env.type}): {exc!r}"
                 ) from exc
             assert isinstance(events, Sequence), f"{agent.kind}.react must be synchronous"
-            for j, ev in enumerate(events):
-                out.append(
-                    make_envelope(
-                        ev,
-                        run_id=self.ctx.run_id,
-                        source=f"{agent.kind}@{self.ctx.agent_id.partition('@')[2]}",
-                        event_id=derived_id(agent.kind, env.event_id, j),
-                        caused_by=env.event_id,
-                        based_on=env.seq if isinstance(ev, Decision) else None,
-                    )
-                )
+            source = f"{agent.kind}@{self.ctx.agent_id.partition('@')[2]}"
+            out.extend(reaction_envelopes(agent.kind, source, env, events))
         return out
 
     def _commit_decisions(

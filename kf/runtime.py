@@ -52,13 +52,42 @@ from kf.events import (
 )
 from kf.facts import AgentStarted, AgentStopped, ReactionFailed
 
-__all__ = ["AgentCrashed", "AgentRunner", "CommittedFeed", "Outbox", "fetch_range", "supervise"]
+__all__ = [
+    "AgentCrashed",
+    "AgentRunner",
+    "CommittedFeed",
+    "Outbox",
+    "fetch_range",
+    "reaction_envelopes",
+    "supervise",
+]
 
 log = structlog.get_logger("kf.runtime")
 
 _BATCH_ENCODER = msgspec.msgpack.Encoder()
 _REPLY_DECODER = msgspec.msgpack.Decoder(dict[str, Any])
 _FETCH_DECODER = msgspec.msgpack.Decoder(dict[str, Any])
+
+
+def reaction_envelopes(
+    kind: str, source: str, cause: Envelope, events: Sequence[Event]
+) -> list[Envelope]:
+    """Stamp what an agent of ``kind`` returned in reaction to ``cause``.
+
+    Ids are derived from (kind, cause, index), so a retried or repeated reaction reuses
+    them and commits once; decisions carry ``based_on`` = the cause's ``seq``.
+    """
+    return [
+        make_envelope(
+            ev,
+            run_id=cause.run_id,
+            source=source,
+            event_id=derived_id(kind, cause.event_id, i),
+            caused_by=cause.event_id,
+            based_on=cause.seq if isinstance(ev, Decision) else None,
+        )
+        for i, ev in enumerate(events)
+    ]
 
 
 class AgentCrashed(RuntimeError):
@@ -292,19 +321,8 @@ class AgentRunner:
         )
 
     def envelopes_for(self, rec: Record, events: Sequence[Event]) -> list[Envelope]:
-        """Stamp the events a reaction returned: deterministic ids, cause, ``based_on``."""
-        kind = self.agent.kind
-        return [
-            make_envelope(
-                ev,
-                run_id=self.ctx.run_id,
-                source=self.ctx.agent_id,
-                event_id=derived_id(kind, rec.event_id, i),
-                caused_by=rec.event_id,
-                based_on=rec.seq if isinstance(ev, Decision) else None,
-            )
-            for i, ev in enumerate(events)
-        ]
+        """Stamp the events a reaction returned (see :func:`reaction_envelopes`)."""
+        return reaction_envelopes(self.agent.kind, self.ctx.agent_id, rec.envelope, events)
 
     # -- folding and reacting ----------------------------------------------------------
 
