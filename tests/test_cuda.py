@@ -165,3 +165,32 @@ def test_cuda_illegal_memory_access_fails_only_that_candidate() -> None:
     assert not rejected.correct
     assert rejected.failure_kind in ("crash", "exception")
     assert verify_candidate(task, good, device="cuda:0").correct
+
+
+@needs_gpu
+def test_cuda_verification_over_ipc_matches_bytes_and_still_rejects(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tensors passed by CUDA IPC give the verdict the torch.save path gives, and a
+    kernel that is wrong by a little is still rejected with the mismatch found."""
+    from kf.evaluation import RunnerPool, verify_candidate
+    from kf.tasks import load_task
+
+    task = load_task(TASK)
+    good = (SEEDS / "gelu_residual.py").read_text()
+    wrong = good.replace("+ rv[k].w;", "+ 1.01f * rv[k].w;")
+    assert wrong != good
+    verdicts = {}
+    for transport in ("ipc", "bytes"):
+        monkeypatch.setenv("KF_TENSOR_TRANSPORT", transport)
+        pool = RunnerPool(size=2)
+        try:
+            ok = verify_candidate(task, good, device="cuda:0", pool=pool)
+            again = verify_candidate(task, good, device="cuda:0", pool=pool)  # reused reference
+            bad = verify_candidate(task, wrong, device="cuda:0", pool=pool)
+        finally:
+            pool.close()
+        assert ok.correct and again.correct, (ok.error, again.error)
+        assert not bad.correct and bad.failure_kind == "mismatch", bad.error
+        verdicts[transport] = ok.max_abs_err
+    assert verdicts["ipc"] == pytest.approx(verdicts["bytes"], rel=1e-6, abs=1e-9)

@@ -193,3 +193,70 @@ def test_compare_inputs_detects_change() -> None:
     x = torch.arange(4.0)
     assert compare_inputs(torch, [x], [x.clone()]) is None
     assert compare_inputs(torch, [x], [x + 1]) == "input 0 was modified by the candidate's forward"
+
+
+def test_reused_reference_keeps_the_inputs_it_made(pool: RunnerPool) -> None:
+    """A reference runner serving a second candidate answers a repeated seed from what it
+    made, with the same inputs; a model built from another seed makes its own."""
+    from kf.evaluation.stages import _Deadline, _setup_fields
+
+    deadline = _Deadline(60)
+    with pool.reference_lease("test-reuse") as ref:
+        fields = _setup_fields(
+            ref, "cpu", __import__("kf.evaluation").evaluation.Limits(), deadline, reference=True
+        )
+        ref.request("setup", 30, **fields)
+        ref.request("load_task", 30, source=TASK.source, name=TASK.name, seed=0)
+        first = ref.request("make_inputs", 30, seed=7)
+        again = ref.request("make_inputs", 30, seed=7)
+        other = ref.request("make_inputs", 30, seed=8)
+        assert (first["reused"], again["reused"], other["reused"]) == (False, True, False)
+        assert torch.equal(_load(first["inputs"])[0], _load(again["inputs"])[0])
+        assert not torch.equal(_load(first["inputs"])[0], _load(other["inputs"])[0])
+        ref.request("load_task", 30, source=TASK.source, name=TASK.name, seed=1)
+        assert ref.request("make_inputs", 30, seed=7)["reused"] is False
+
+
+def test_reference_cache_can_be_switched_off(pool: RunnerPool) -> None:
+    """``reference_cache_bytes=0`` (what candidate runners get) keeps nothing."""
+    with pool.lease() as runner:
+        runner.request("setup", 30, device="cpu", threads=1, reference_cache_bytes=0)
+        runner.request("load_task", 30, source=TASK.source, name=TASK.name, seed=0)
+        runner.request("make_inputs", 30, seed=7)
+        assert runner.request("make_inputs", 30, seed=7)["reused"] is False
+
+
+def _load(data: bytes) -> list[torch.Tensor]:
+    import io
+
+    value: list[torch.Tensor] = torch.load(io.BytesIO(data), weights_only=True)
+    return value
+
+
+def test_transport_round_trips_host_values_and_refuses_forged_descriptions() -> None:
+    """A payload of host values comes back equal; a description naming a storage class
+    PyTorch never produces, or an unknown dtype, is refused rather than rebuilt."""
+    import msgspec
+
+    from kf.evaluation.transport import MAGIC, Exports, is_ipc, pack, unpack
+
+    values = [torch.arange(6.0).reshape(2, 3), 3, "x"]
+    data = pack(torch, values, Exports())
+    assert is_ipc(data)
+    back = unpack(torch, data)
+    assert torch.equal(back[0], values[0]) and back[1:] == [3, "x"]
+    forged = {
+        "size": [1], "stride": [1], "offset": 0, "storage": "Evil", "dtype": "float32",
+        "device": 0, "handle": b"", "nbytes": 4, "byte_offset": 0, "ref_handle": b"",
+        "ref_offset": 0, "event_handle": None, "event_sync": False,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="storage class"):
+        unpack(torch, MAGIC + msgspec.msgpack.encode([{"ipc": forged}]))
+    with pytest.raises(ValueError, match="dtype"):
+        unpack(
+            torch,
+            MAGIC
+            + msgspec.msgpack.encode(
+                [{"ipc": {**forged, "storage": "UntypedStorage", "dtype": "os"}}]
+            ),
+        )

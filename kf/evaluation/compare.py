@@ -1,5 +1,7 @@
 """Output and input comparison, run inside the candidate-free reference runner.
 
+Tensors are compared on the reference's device (the GPU for a GPU task).
+
 ``torch`` is passed in so that this module can be imported without it.
 """
 
@@ -37,22 +39,24 @@ def compare_outputs(torch: Any, expected: list[Any], got: Any) -> dict[str, Any]
     if not isinstance(got, list | tuple) or len(got) != len(expected):
         count = len(got) if isinstance(got, list | tuple) else "?"
         return fail("shape_mismatch", f"returned {count} outputs, expected {len(expected)}")
-    for i, (want, have) in enumerate(zip(expected, got, strict=True)):
+    for i, (want, given) in enumerate(zip(expected, got, strict=True)):
         label = f"output {i}" if len(expected) > 1 else "output"
-        if not isinstance(have, torch.Tensor):
-            return fail("exception", f"{label} is a {type(have).__name__}, not a tensor")
-        if tuple(have.shape) != tuple(want.shape):
+        if not isinstance(given, torch.Tensor):
+            return fail("exception", f"{label} is a {type(given).__name__}, not a tensor")
+        if tuple(given.shape) != tuple(want.shape):
             return fail(
                 "shape_mismatch",
-                f"{label} has shape {list(have.shape)}, expected {list(want.shape)}",
+                f"{label} has shape {list(given.shape)}, expected {list(want.shape)}",
             )
-        if have.dtype != want.dtype:
+        if given.dtype != want.dtype:
             return fail(
                 "dtype_mismatch",
-                f"{label} has dtype {_name(torch, have.dtype)}, "
+                f"{label} has dtype {_name(torch, given.dtype)}, "
                 f"expected {_name(torch, want.dtype)}",
             )
-        want_c = want.detach().cpu()
+        # compared where the reference lives (on a GPU for a GPU task), in float64
+        want_c = want.detach()
+        have = given.detach().to(want_c.device)
         if not (want_c.is_floating_point() or want_c.is_complex()):
             if not torch.equal(have, want_c):
                 bad = int((have != want_c).sum())
@@ -97,7 +101,7 @@ def compare_inputs(torch: Any, pristine: list[Any], after: Any) -> str | None:
                 isinstance(now, torch.Tensor)
                 and now.shape == before.shape
                 and now.dtype == before.dtype
-                and torch.equal(now, before.detach().cpu())
+                and torch.equal(now.detach().to(before.device), before.detach())
             )
             if not same:
                 return f"input {i} was modified by the candidate's forward"

@@ -16,8 +16,11 @@ import sys
 import threading
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
+
+from kf.evaluation.transport import Exports, is_ipc, pack, unpack
 
 __all__ = ["main"]
 
@@ -186,10 +189,10 @@ class _Integrity:
 
     @staticmethod
     def _take(runner: Runner) -> dict[str, tuple[Any, Any]]:
-        from kf.evaluation import compare, device, protocol
+        from kf.evaluation import compare, device, protocol, transport
 
         snap: dict[str, tuple[Any, Any]] = {}
-        owners: list[Any] = [sys.modules[__name__], compare, device, protocol]
+        owners: list[Any] = [sys.modules[__name__], compare, device, protocol, transport]
         owners += [c for c in type(runner).__mro__ if c is not object]
         owners += [c for c in type(runner.backend).__mro__ if c is not object]
         for owner in owners:
@@ -250,6 +253,15 @@ class _Failure(Exception):
         self.log = log
 
 
+class _Made(NamedTuple):
+    """One input set a reference runner made: the reply, pristine inputs, expected outputs."""
+
+    reply: dict[str, Any]
+    pristine: list[Any] | None = None
+    expected: list[Any] = []
+    nbytes: int = 0
+
+
 class Runner:
     """Request handlers; ``self.model`` is either the task's Model or the candidate's ModelNew."""
 
@@ -266,15 +278,32 @@ class Runner:
         self.inputs: list[Any] = []
         self.trials: dict[int, tuple[list[Any], list[Any]]] = {}
         self.watch = watch or _Watch()
+        # CUDA runners hand tensors over as IPC handles (kf.evaluation.transport)
+        self.ipc = False
+        self.exports = Exports()
+        # a reused reference runner keeps the inputs and outputs it made, per seed
+        self.made: OrderedDict[tuple[int, int, int | None], _Made] = OrderedDict()
+        self.made_budget = 0
+        self.model_seed = 0
 
     # -- serialisation -------------------------------------------------------------
     def dump(self, value: Any) -> bytes:
+        if self.ipc and isinstance(value, list):
+            return pack(self.torch, value, self.exports)
         buf = io.BytesIO()
         self.torch.save(value, buf)
         return buf.getvalue()
 
     def load(self, data: bytes) -> Any:
+        if is_ipc(data):
+            return unpack(self.torch, data)
         return self.torch.load(io.BytesIO(data), weights_only=True)
+
+    def host(self, values: list[Any]) -> list[Any]:
+        """What a reply carries of ``values``: as they are over IPC, else host copies."""
+        if self.ipc:
+            return [v.detach() if isinstance(v, self.torch.Tensor) else v for v in values]
+        return [v.detach().cpu().clone() if isinstance(v, self.torch.Tensor) else v for v in values]
 
     def clone(self, values: list[Any]) -> list[Any]:
         return [v.detach().clone() if isinstance(v, self.torch.Tensor) else v for v in values]
@@ -289,6 +318,8 @@ class Runner:
         from kf.evaluation.device import make_backend
 
         self.backend = make_backend(msg["device"], self.clock_ns)
+        self.ipc = bool(msg.get("ipc")) and self.backend.name == "cuda"
+        self.made_budget = self._cache_budget(msg)
         self.torch.set_num_threads(int(msg["threads"]))
         if msg.get("memory_bytes"):
             mem = int(msg["memory_bytes"])
@@ -302,6 +333,21 @@ class Runner:
             size = int(msg["file_bytes"])
             resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
         return {"threads": self.torch.get_num_threads()}
+
+    def _cache_budget(self, msg: dict[str, Any]) -> int:
+        """Bytes of made inputs and outputs a reference runner keeps (0: none).
+
+        ``reference_cache_bytes`` < 0 asks for the default: a tenth of the GPU's memory
+        up to 8 GiB on a GPU, an eighth of the memory limit up to 1 GiB on a CPU.
+        """
+        asked = int(msg.get("reference_cache_bytes") or 0)
+        if asked >= 0:
+            return asked
+        if self.backend.name == "cuda":
+            props = self.torch.cuda.get_device_properties(self.torch.cuda.current_device())
+            return int(min(8 << 30, props.total_memory // 10))
+        limit = int(msg.get("memory_bytes") or 0)
+        return min(1 << 30, limit // 8) if limit else 1 << 30
 
     def _import_task(self, source: str, name: str) -> Any:
         from kf.tasks import REQUIRED_NAMES, import_source
@@ -336,6 +382,7 @@ class Runner:
     def op_load_task(self, msg: dict[str, Any]) -> dict[str, Any]:
         module = self._import_task(msg["source"], msg["name"])
         seed = int(msg["seed"])
+        self.model_seed = seed  # the model's parameters: part of what made inputs are keyed by
         init = self._init_inputs(module, seed)
         self.torch.manual_seed(seed)
         try:
@@ -399,9 +446,32 @@ class Runner:
         return options if size != lead else []
 
     def op_make_inputs(self, msg: dict[str, Any]) -> dict[str, Any]:
-        torch = self.torch
         seed = int(msg["seed"])
         variant = msg.get("variant")
+        key = (self.model_seed, seed, None if variant is None else int(variant))
+        made = self.made.get(key)
+        reused = made is not None
+        if made is None:
+            made = self._make_inputs(seed, variant)
+            self._remember(key, made)
+        else:
+            self.made.move_to_end(key)
+        if made.pristine is None:
+            return {**made.reply, "reused": reused}
+        self.inputs = self.clone(made.pristine)
+        self.trials[seed] = (made.pristine, made.expected)
+        return {**made.reply, "reused": reused, "inputs": self.dump(self.clone(made.pristine))}
+
+    def _remember(self, key: tuple[int, int, int | None], made: _Made) -> None:
+        """Keep what was made for later candidates, within ``made_budget`` bytes."""
+        if made.nbytes > self.made_budget:
+            return
+        self.made[key] = made
+        while sum(m.nbytes for m in self.made.values()) > self.made_budget:
+            self.made.popitem(last=False)
+
+    def _make_inputs(self, seed: int, variant: Any) -> _Made:
+        torch = self.torch
         if variant is None:
             options = [("", self._get_inputs(seed))]
         else:
@@ -422,10 +492,11 @@ class Runner:
                     ) from exc
                 out = None
         if variant is not None and out is None:
-            return {"inputs": None, "variant": "the task has no other input shapes kf could derive"}
+            return _Made(
+                {"inputs": None, "variant": "the task has no other input shapes kf could derive"}
+            )
         inputs = [self.backend.to_device(v) for v in raw]
         pristine = self.clone(inputs)
-        self.inputs = self.clone(inputs)
         start = self.clock_ns()
         try:
             with torch.no_grad():
@@ -435,9 +506,8 @@ class Runner:
         self.backend.synchronize()
         eager_ms = (self.clock_ns() - start) / 1e6
         outs = _flatten(torch, out, "Model.forward", "task_error")
-        self.trials[seed] = (pristine, [o.detach().clone() for o in outs])
-        return {
-            "inputs": self.dump(inputs),
+        expected = [o.detach().clone() for o in outs]
+        reply = {
             "input_shapes": [list(v.shape) if isinstance(v, torch.Tensor) else [] for v in inputs],
             "input_dtypes": [
                 str(v.dtype).removeprefix("torch.")
@@ -455,6 +525,12 @@ class Runner:
                 else ""
             ),
         }
+        nbytes = sum(
+            v.numel() * v.element_size()
+            for v in (*pristine, *expected)
+            if isinstance(v, torch.Tensor)
+        )
+        return _Made(reply, pristine, expected, nbytes)
 
     def op_load_candidate(self, msg: dict[str, Any]) -> dict[str, Any]:
         from kf.native import NativeCompileError
@@ -509,13 +585,8 @@ class Runner:
         ops = [] if recorder is None else [op for op in recorder.ops if op not in _DATA_OPS]
         return {
             "torch_ops": ops,
-            "outputs": self.dump([o.detach().cpu().clone() for o in outs]),
-            "inputs_after": self.dump(
-                [
-                    v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
-                    for v in self.inputs
-                ]
-            ),
+            "outputs": self.dump(self.host(outs)),
+            "inputs_after": self.dump(self.host(self.inputs)),
         }
 
     def op_check(self, msg: dict[str, Any]) -> dict[str, Any]:

@@ -183,6 +183,8 @@ class RunnerHandle:
         self.conn = Connection(parent_sock.detach())
         self.ready = False
         self.closed = False
+        # set by the grader: do not keep this (reference) runner for reuse
+        self.discard = False
         self._ready_lock = threading.Lock()
         self.spawned_at = time.monotonic()
 
@@ -400,7 +402,7 @@ class RunnerPool:
             yield handle
             ok = True
         finally:
-            if not ok or handle.proc.poll() is not None:
+            if not ok or handle.discard or handle.proc.poll() is not None:
                 self.release(handle)
             else:
                 evicted: list[RunnerHandle] = []

@@ -8,6 +8,7 @@ a candidate-free reference runner, which holds the expected outputs and judges t
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
 import threading
@@ -107,7 +108,17 @@ def _setup_fields(
         # hard limit cannot be raised again, and the grader's deadlines still apply
         "cpu_s": 0 if reference else limits.cpu_s or int(deadline.timeout_s * handle.threads) + 30,
         "file_bytes": limits.file_bytes,
+        # GPU runners pass tensors as CUDA IPC handles (kf.evaluation.transport)
+        "ipc": device.startswith("cuda") and os.environ.get("KF_TENSOR_TRANSPORT") != "bytes",
+        # a reused reference keeps the input sets it made (the trial seeds repeat)
+        "reference_cache_bytes": _reference_cache_bytes() if reference else 0,
     }
+
+
+def _reference_cache_bytes() -> int:
+    """``$KF_REFERENCE_CACHE_MB`` in bytes, or -1: the runner's default for its device."""
+    env = os.environ.get("KF_REFERENCE_CACHE_MB")
+    return int(float(env) * (1 << 20)) if env else -1
 
 
 def _setup(handle: RunnerHandle, device: str, limits: Limits, deadline: _Deadline) -> None:
@@ -143,6 +154,13 @@ def _candidate(task: Task, handle: RunnerHandle, op: str, deadline: _Deadline, *
         ) from exc
     except RunnerCrashed as exc:
         raise _CandidateFailed("crash", f"candidate crashed: {exc}", exc.log_tail) from exc
+
+
+def _after_candidate_failure(ref: RunnerHandle, exc: _CandidateFailed, device: str) -> None:
+    """A GPU candidate runner that crashed or hung may hold IPC mappings of the
+    reference's tensors, which then stay pinned: that reference is not reused."""
+    if device.startswith("cuda") and exc.kind in ("crash", "timeout"):
+        ref.discard = True
 
 
 def _truncate(text: str) -> str:
@@ -378,11 +396,12 @@ def verify_candidate(
                         error=f"trial {i + 1}/{trials} (seed {trial_seed}): {verdict['reason']}",
                     )
             if generalise:
-                failed = _generalisation_gate(task, ref, cand, seed, deadline, variants)
+                failed = _generalisation_gate(task, ref, cand, seed, deadline, variants, device)
                 if failed is not None:
                     log.info("candidate_rejected", task=task.name, kind="generalisation_failed")
                     return report(correct=False, failure_kind="generalisation_failed", error=failed)
         except _CandidateFailed as exc:
+            _after_candidate_failure(ref, exc, device)
             log.info("candidate_rejected", task=task.name, kind=exc.kind)
             detail = (
                 f"\n{exc.log[-1500:]}" if exc.kind in ("crash", "exception") and exc.log else ""
@@ -399,6 +418,7 @@ def _generalisation_gate(
     seed: int,
     deadline: _Deadline,
     evidence: list[TrialEvidence],
+    device: str,
 ) -> str | None:
     """Run the candidate on input shapes it never saw; None, or why it failed."""
     for variant, trial_seed in enumerate(_seed_trials(seed ^ 0x6E4E, 4)):
@@ -411,6 +431,7 @@ def _generalisation_gate(
                 task, cand, "run", deadline, inputs=made["inputs"], what=f"forward on {label}"
             )
         except _CandidateFailed as exc:
+            _after_candidate_failure(ref, exc, device)
             evidence.append(TrialEvidence(seed=trial_seed, ok=False, reason=exc.error, label=label))
             return f"generalisation gate, {label} (never seen before): {exc.kind}: {exc.error}"
         verdict = _judge(task, ref, ran, trial_seed, deadline)
@@ -605,6 +626,7 @@ def profile_candidate(
                 )
             flags += [f for f in cand.findings if f not in flags]
         except _CandidateFailed as exc:
+            _after_candidate_failure(ref, exc, device)
             log.info("candidate_profile_failed", task=task.name, kind=exc.kind)
             return ProfileReport(
                 ok=False,
