@@ -136,8 +136,62 @@ def pipeline_arm(sources: list[str], work: Path, task: Path, timeout_s: float) -
         "candidates_per_min": len(sources) / wall * 60,
         "gpu_busy": gpu.busy,
         "returncode": proc.returncode,
+        "stages": stage_summary(work / "pipeline.db"),
         "report": report,
     }
+
+
+def stage_summary(db: Path) -> dict[str, Any]:
+    """What the run's log says each stage did: counts, seconds, failures, flags, builds."""
+    from kf.log import EventLog
+    from kf.search_facts import (
+        CandidateCompiled,
+        CandidateProfiled,
+        CandidateRejected,
+        CandidateVerified,
+    )
+
+    if not db.exists():
+        return {}
+    out: dict[str, Any] = {
+        "compiled_ok": 0, "compile_failed": 0, "verified": 0, "rejected": {},
+        "profiled_ok": 0, "profile_failed": {}, "flagged": 0, "objcache_hits": 0,
+        "compile_s": [], "verify_s": [], "profile_s": [], "speedups": [],
+    }  # fmt: skip
+    log = EventLog(db)
+    try:
+        for rec in log.records():
+            ev = rec.event
+            if isinstance(ev, CandidateCompiled):
+                out["compiled_ok" if ev.report.ok else "compile_failed"] += 1
+                out["compile_s"].append(ev.report.duration_s)
+                out["objcache_hits"] += ev.report.log.count("kf.cuda.objcache: hit")
+            elif isinstance(ev, CandidateVerified):
+                out["verified"] += 1
+                out["verify_s"].append(ev.report.duration_s)
+            elif isinstance(ev, CandidateRejected):
+                kind = str(ev.report.failure_kind)
+                out["rejected"][kind] = out["rejected"].get(kind, 0) + 1
+                out["verify_s"].append(ev.report.duration_s)
+            elif isinstance(ev, CandidateProfiled):
+                out["profile_s"].append(ev.report.duration_s)
+                if ev.report.ok:
+                    out["profiled_ok"] += 1
+                    out["speedups"].append(round(ev.report.speedup, 3))
+                    out["flagged"] += bool(ev.report.flags)
+                else:
+                    kind = str(ev.report.failure_kind)
+                    out["profile_failed"][kind] = out["profile_failed"].get(kind, 0) + 1
+    finally:
+        log.close()
+    for key in ("compile_s", "verify_s", "profile_s"):
+        values = out.pop(key)
+        out[key.replace("_s", "_seconds")] = {
+            "count": len(values),
+            "mean": sum(values) / len(values) if values else None,
+            "total": sum(values),
+        }
+    return out
 
 
 def sequential_one(task_path: str, cand_path: str) -> dict[str, Any]:
@@ -302,6 +356,9 @@ def main() -> int:
             result["pipeline"]["candidates_per_min"] / result["sequential"]["candidates_per_min"]
         )
     (args.out / "gpu_pipeline.json").write_text(json.dumps(result, indent=2))
+    if "pipeline" in result:
+        st = result["pipeline"].get("stages", {})
+        print(f"pipeline stages: {json.dumps({k: v for k, v in st.items() if k != 'speedups'})}")
     for arm in ("pipeline", "sequential"):
         if arm in result:
             r = result[arm]

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What the GPU figures in README.md came from: run on a machine with an NVIDIA GPU, from
 # the repository root, with kf importable (pip install -e . or PYTHONPATH=.).
-#   bench/gpu_session.sh check OUT   # tests, kf eval (load_inline)
-#   bench/gpu_session.sh final OUT   # bandwidth, kf run, reduced pipeline benchmark
+#   bench/gpu_session.sh check OUT   # GPU tests, kf eval of a load_inline candidate, bandwidth
+#   bench/gpu_session.sh final OUT   # 40-candidate pipeline vs sequential load_inline loop
 set -uo pipefail
 mode=${1:-check}
 out=${2:-bench-results}
@@ -12,19 +12,18 @@ PY=${PYTHON:-python3}
 if [ "$mode" = check ]; then
   nvidia-smi -L
   $PY -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)"
-  [ "${RUN_TESTS:-1}" = 1 ] && timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "not load_inline" 2>&1 | tail -15
-  echo "== kf eval (KernelBench-style load_inline candidate)"
-  timeout 150 $PY -m kf.cli eval examples/cuda_tasks/gelu_residual.py \
+  timeout 330 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_adversarial_gpu.py \
+    tests/test_cuda_objcache.py 2>&1 | tail -15
+  echo "== kf eval (KernelBench-style load_inline candidate, warm build cache)"
+  timeout 120 $PY -m kf.cli eval examples/cuda_tasks/gelu_residual.py \
     examples/cuda_candidates/gelu_residual_load_inline.py --device cuda:0 --json > "$out/eval_load_inline.json"
   echo "exit $?"
-else
+  $PY -c "import json,sys; r=json.load(open(sys.argv[1])); p=r.get('profile') or {}; print('correct', r.get('correct'), 'speedup', p.get('speedup'), 'flags', p.get('flags'))" "$out/eval_load_inline.json"
   echo "== bandwidth"
-  timeout 80 $PY bench/gpu_pipeline.py --out "$out" --skip pipeline --skip sequential --configs 1 2>&1 | tail -3
+  timeout 120 $PY bench/gpu_pipeline.py --out "$out" --skip pipeline --skip sequential 2>&1 | tail -4
   cp "$out/gpu_pipeline.json" "$out/bandwidth.json"
-  echo "== kf run"
-  timeout 150 $PY -m kf.cli run examples/cuda_tasks/gelu_residual.py --device cuda:0 \
-    --budget "${BUDGET:-3}" --db "$out/run.db" 2>&1 | tail -15
+else
   echo "== pipeline benchmark"
-  timeout 330 $PY bench/gpu_pipeline.py --out "$out" --candidates "${CANDIDATES:-16}" \
-    --sequential "${SEQ:-2}" --batch 512 --pipeline-timeout 200 --skip bandwidth 2>&1 | tail -8
+  timeout 560 $PY bench/gpu_pipeline.py --out "$out" --candidates "${CANDIDATES:-40}" \
+    --sequential "${SEQ:-3}" --pipeline-timeout 330 --skip bandwidth 2>&1 | tail -8
 fi

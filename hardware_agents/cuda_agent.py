@@ -25,11 +25,17 @@ __all__ = ["CudaCompiler", "CudaHardwareAgent", "compile_concurrency"]
 
 
 def compile_concurrency() -> int:
-    """Compiles at once on a CUDA worker: ``$KF_CUDA_COMPILE_JOBS`` or half the cores."""
+    """Compiles at once on a CUDA worker: ``$KF_CUDA_COMPILE_JOBS``, else all cores but one.
+
+    A ``load_inline`` build is one nvcc process for the candidate's ``.cu`` (the shared
+    ``main.cpp`` comes from kf's object cache after the first build) and NVRTC builds
+    are single-threaded, so one build per core keeps the host's cores busy; one core is
+    left for the grader, the agents and the runner on the GPU.
+    """
     env = os.environ.get("KF_CUDA_COMPILE_JOBS")
     if env:
         return max(1, int(env))
-    return max(2, len(os.sched_getaffinity(0)) // 2)
+    return max(2, len(os.sched_getaffinity(0)) - 1)
 
 
 class CudaHardwareAgent(HardwareAgent):

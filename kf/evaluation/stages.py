@@ -583,7 +583,8 @@ def profile_candidate(
             elif flags:
                 flags = [
                     f"{TIMER_DISAGREEMENT}: in-process {inside_ms:.4f} ms a call, the grader's "
-                    f"wall clock {outside_ms:.4f} ms over {k} calls"
+                    f"wall clock {outside_ms:.4f} ms over {k} calls (request round trip "
+                    f"{rtt_ns / 1e6:.3f} ms subtracted)"
                 ]
 
             if (
