@@ -72,10 +72,11 @@ def worker_agents(device: str = "cpu") -> list[type[Agent[Any]]]:
     from agents.verifier import Verifier
 
     if device.startswith("cuda"):
+        from agents.counters import CounterCollector
         from hardware_agents.cuda_agent import CudaCompiler, CudaHardwareAgent, compile_concurrency
 
         os.environ.setdefault("KF_EVAL_POOL", str(compile_concurrency() + 2))
-        return [CudaHardwareAgent, CudaCompiler, Verifier, Profiler]
+        return [CudaHardwareAgent, CudaCompiler, Verifier, Profiler, CounterCollector]
     from hardware_agents.cpu_agent import CpuHardwareAgent
 
     return [CpuHardwareAgent, Compiler, Verifier, Profiler]

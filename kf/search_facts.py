@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kf.evaluation.reports import CompileReport, ProfileReport, VerifyReport
+from kf.evaluation.reports import CompileReport, CountersReport, ProfileReport, VerifyReport
 from kf.events import Decision, Observation, event
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "CandidateProposed",
     "CandidateRejected",
     "CandidateVerified",
+    "CountersMeasured",
     "EliteAdmitted",
     "GeneralisationFailed",
     "MutationFailed",
@@ -96,6 +97,16 @@ class CandidateProfiled(Observation, frozen=True, kw_only=True):
     device_id: str
     report: ProfileReport
     attempt: int = 1  # which assignment of the candidate this answers
+
+
+@event("kernel.counters_measured")
+class CountersMeasured(Observation, frozen=True, kw_only=True):
+    """Hardware counters (Nsight Compute) of a profiled candidate's kernels, or why none."""
+
+    candidate_id: str
+    task: str
+    device_id: str
+    report: CountersReport
 
 
 @event("search.candidate_assigned")

@@ -40,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="device to evaluate on (default: cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed for inputs and parameters")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--counters",
+        action="store_true",
+        help="on a GPU, also read hardware counters with Nsight Compute (ncu)",
+    )
     return p
 
 
@@ -68,6 +73,18 @@ def _human(result: EvalResult) -> str:
             )
         else:
             lines.append(f"profile: FAILED ({p.failure_kind}): {p.error}")
+    k = result.counters
+    if k is not None and k.ok:
+        s = k.summary
+        lines.append(
+            f"counters ({k.tool}): {int(s.get('kernels', 0))} kernel(s), "
+            f"{s.get('duration_ns', 0) / 1e3:.1f} us, DRAM {s.get('dram_gbs', 0):.0f} GB/s "
+            f"({s.get('dram_throughput_pct', 0):.0f}% of peak), SM "
+            f"{s.get('sm_throughput_pct', 0):.0f}%, occupancy "
+            f"{s.get('achieved_occupancy_pct', 0):.0f}%"
+        )
+    elif k is not None:
+        lines.append(f"counters: none ({k.error})")
     if result.flags:
         verdict = "SUSPECT" if result.suspect else "flagged"
         lines.append(f"{verdict}: {len(result.flags)} finding(s)")
@@ -98,7 +115,7 @@ def main(argv: list[str]) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             print(f"kf eval: {candidate}: cannot read candidate: {exc}", file=sys.stderr)
             return 2
-        result = evaluate(task, source, device=device, seed=args.seed)
+        result = evaluate(task, source, device=device, seed=args.seed, counters=args.counters)
     except (TaskError, DeviceError, RunnerStartError) as exc:
         print(f"kf eval: {exc}", file=sys.stderr)
         return 2

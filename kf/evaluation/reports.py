@@ -15,6 +15,7 @@ __all__ = [
     "FLAG_REASONS",
     "SUSPECT_FLAGS",
     "CompileReport",
+    "CountersReport",
     "EvalResult",
     "FailureKind",
     "ProfileReport",
@@ -132,6 +133,19 @@ class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
     reverify: VerifyReport | None = None  # re-verification of a speed-up above 10x
 
 
+class CountersReport(msgspec.Struct, frozen=True, kw_only=True):
+    """Hardware counters (Nsight Compute) of one forward call of a verified candidate."""
+
+    ok: bool
+    error: str | None = None
+    tool: str = ""  # e.g. "Version 2025.3.1.0 (build …)"
+    device: str = "cpu"
+    kernels: tuple[dict[str, Any], ...] = ()  # one per kernel: name and kf.cuda.ncu.METRICS
+    summary: dict[str, float] = {}  # kf.cuda.ncu.summarise
+    network_isolated: bool = True  # False when ncu could only run outside the namespace
+    duration_s: float = 0.0
+
+
 class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
     """``kf eval``: compile, then verify, then (only when correct) profile."""
 
@@ -141,6 +155,7 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
     profile: ProfileReport | None = None
     device: str = "cpu"
     seed: int = 0
+    counters: CountersReport | None = None
 
     @property
     def correct(self) -> bool:
@@ -212,4 +227,5 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
             "compile": msgspec.to_builtins(self.compile),
             "verify": msgspec.to_builtins(v) if v is not None else None,
             "profile": msgspec.to_builtins(p) if p is not None else None,
+            "counters": msgspec.to_builtins(self.counters) if self.counters is not None else None,
         }

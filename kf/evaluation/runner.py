@@ -648,6 +648,26 @@ class Runner:
             ) from exc
         return {"samples_ns": samples}
 
+    def op_counters(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """One warm-up call, then one call between cudaProfilerStart and Stop (for ncu)."""
+        torch = self.torch
+        model, inputs, backend = self.model, self.inputs, self.backend
+        try:
+            with torch.no_grad():
+                model(*inputs)
+                backend.synchronize()
+                torch.cuda.profiler.start()
+                try:
+                    model(*inputs)
+                    backend.synchronize()
+                finally:
+                    torch.cuda.profiler.stop()
+        except BaseException as exc:
+            raise _Failure(
+                "exception", f"forward raised {_describe(exc)} under the profiler", _tb()
+            ) from exc
+        return {}
+
     def op_batch(self, msg: dict[str, Any]) -> dict[str, Any]:
         torch = self.torch
         model, inputs, backend = self.model, self.inputs, self.backend

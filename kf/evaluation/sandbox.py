@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -134,7 +134,16 @@ class RunnerFailed(RunnerError):
 class RunnerHandle:
     """The grader's side of one runner process."""
 
-    def __init__(self, python: str, threads: int) -> None:
+    def __init__(
+        self,
+        python: str,
+        threads: int,
+        *,
+        wrapper: Sequence[str] = (),
+        isolate: bool = True,
+    ) -> None:
+        """Start a runner; ``wrapper`` (e.g. ncu's argv) runs it, inside the network
+        namespace unless ``isolate`` is False."""
         self.scratch = Path(tempfile.mkdtemp(prefix="kf-runner-"))
         self.log_path = self.scratch / "runner.log"
         self.threads = threads
@@ -157,8 +166,9 @@ class RunnerHandle:
             ("MALLOC_TRIM_THRESHOLD_", str(1 << 31)),
         ):
             env.setdefault(key, value)
-        self.isolated_network = network_namespace_available()
+        self.isolated_network = isolate and network_namespace_available()
         prefix = [str(shutil.which("unshare")), "-rn"] if self.isolated_network else []
+        prefix = [*wrapper, *prefix]
         self.findings: list[str] = []
         with open(self.log_path, "wb") as logf:
             self.proc = subprocess.Popen(
@@ -284,6 +294,15 @@ class RunnerHandle:
                 str(reply.get("log", "")),
             )
         return reply
+
+    def finish(self, timeout_s: float) -> int | None:
+        """Ask the runner to exit and wait for it (and any wrapper, e.g. ncu) to end."""
+        with contextlib.suppress(OSError):
+            self.conn.send_bytes(encode({"op": "exit"}))
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
 
     def kill(self) -> None:
         """Kill the runner's whole process group and remove its scratch directory."""

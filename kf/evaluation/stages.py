@@ -22,6 +22,7 @@ from kf.evaluation.device import parse_device
 from kf.evaluation.reports import (
     FAILURE_KINDS,
     CompileReport,
+    CountersReport,
     EvalResult,
     ProfileReport,
     TrialEvidence,
@@ -43,6 +44,7 @@ __all__ = [
     "CACHE_SUSPECTED",
     "REVERIFY_ABOVE",
     "TIMER_DISAGREEMENT",
+    "collect_counters",
     "compile_candidate",
     "cross_check_flags",
     "evaluate",
@@ -677,6 +679,89 @@ def profile_candidate(
     return report
 
 
+def collect_counters(
+    task: Task,
+    source: str,
+    *,
+    device: str,
+    seed: int = 0,
+    timeout_s: float = 300.0,
+    limits: Limits | None = None,
+    pool: RunnerPool | None = None,
+) -> CountersReport:
+    """Nsight Compute's counters for one forward call of a (verified) candidate.
+
+    The candidate runs in a runner started under ``ncu`` (:mod:`kf.cuda.ncu`), after a
+    forward call checked against the reference as in every stage. Where ncu may not
+    read the counters from inside the runner's network namespace, it is tried once
+    outside it and the report says so. Call it with the device to itself: ncu replays
+    each kernel.
+    """
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from kf.cuda import ncu
+
+    device = parse_device(device)
+    pool = pool or default_pool()
+    limits = limits or Limits()
+    start = time.monotonic()
+    tool = ncu.find_ncu()
+    if not device.startswith("cuda") or tool is None:
+        why = "not a CUDA device" if tool else "ncu (Nsight Compute) was not found"
+        return CountersReport(ok=False, error=why, device=device)
+    version = ncu.version(tool)
+    folder = Path(tempfile.mkdtemp(prefix="kf-ncu-"))
+    try:
+        for isolate in (True, False):
+            log_file = folder / f"ncu-{int(isolate)}.csv"
+            deadline = _Deadline(timeout_s)
+            cand = RunnerHandle(
+                pool.python, pool.threads, wrapper=ncu.command(tool, str(log_file)), isolate=isolate
+            )
+            isolated = cand.isolated_network
+            try:
+                with pool.reference_lease(_ref_key(task, device)) as ref:
+                    _load_pair(task, source, ref, cand, device, limits, deadline, seed)
+                    made = _reference(task, ref, "make_inputs", deadline, seed=seed)
+                    problem = _run_and_check(
+                        task, ref, cand, inputs=made["inputs"], seed=seed, deadline=deadline
+                    )
+                    if problem is not None:
+                        return CountersReport(
+                            ok=False, error=f"wrong output under ncu: {problem[1]}", tool=version,
+                            device=device, duration_s=time.monotonic() - start,
+                        )  # fmt: skip
+                    _candidate(task, cand, "counters", deadline, what="the profiled call")
+                cand.finish(deadline.left())
+            except _CandidateFailed as exc:
+                return CountersReport(
+                    ok=False, error=f"{exc.kind}: {exc.error}", tool=version, device=device,
+                    duration_s=time.monotonic() - start,
+                )  # fmt: skip
+            finally:
+                tail = cand.log_tail()
+                cand.kill()
+            text = log_file.read_text(errors="replace") if log_file.exists() else ""
+            kernels = ncu.parse(text)
+            if kernels:
+                return CountersReport(
+                    ok=True, tool=version, device=device, kernels=tuple(kernels),
+                    summary=ncu.summarise(kernels), network_isolated=isolated,
+                    duration_s=time.monotonic() - start,
+                )  # fmt: skip
+            if not (isolated and ncu.permission_refused(text + tail)):
+                break
+        detail = (text.strip() or tail.strip())[-1500:]
+        return CountersReport(
+            ok=False, error=f"ncu measured no kernel: {detail}", tool=version, device=device,
+            duration_s=time.monotonic() - start,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def reverify_fast(
     task: Task,
     source: str,
@@ -748,10 +833,12 @@ def evaluate(
     timeout_s: float = 120.0,
     profile_options: dict[str, Any] | None = None,
     profile: bool = True,
+    counters: bool = False,
 ) -> EvalResult:
     """Compile, verify (with the generalisation gate), and when correct profile; ``kf eval``.
 
-    A speed-up above :data:`REVERIFY_ABOVE` is re-verified before it is reported.
+    A speed-up above :data:`REVERIFY_ABOVE` is re-verified before it is reported; with
+    ``counters``, a profiled candidate is run once more under ncu (:func:`collect_counters`).
     ``profile_options`` go to :func:`profile_candidate` (``min_time_s``, ``warmup``…).
     """
     compiled = compile_candidate(
@@ -779,6 +866,11 @@ def evaluate(
     profiled = reverify_fast(
         task, source, profiled, device=device, seed=seed, pool=pool, timeout_s=timeout_s
     )
+    measured = (
+        collect_counters(task, source, device=device, seed=seed, pool=pool, limits=limits)
+        if counters and profiled.ok
+        else None
+    )
     return EvalResult(
         task=task.name,
         compile=compiled,
@@ -786,4 +878,5 @@ def evaluate(
         profile=profiled,
         device=device,
         seed=seed,
+        counters=measured,
     )

@@ -1,0 +1,80 @@
+"""The counter collector: Nsight Compute's hardware counters for a task's new bests.
+
+A plug-in agent of a GPU worker (the archive and the other agents know nothing of it):
+when a candidate profiled on this worker's device beats every earlier candidate of its
+task there (and carries no flag that makes its timing suspect), it runs that candidate
+once more under ``ncu`` with the device to itself and records a ``CountersMeasured``
+observation: DRAM and SM throughput shares, occupancy, registers and bytes moved per
+kernel. Only new bests are measured, so the counters describe the kernels that matter
+without slowing the search by a profiler run per candidate. Without ``ncu`` (or with
+``KF_NCU=0``) it records nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
+from kf.cuda.ncu import find_ncu
+from kf.evaluation.reports import SUSPECT_FLAGS
+from kf.evaluation.stages import collect_counters
+from kf.events import Event, Record
+from kf.facts import RunStarted
+from kf.search_facts import CandidateProfiled, CandidateProposed, CountersMeasured
+
+__all__ = ["CounterCollector", "CounterState"]
+
+
+class CounterState(EvaluatorState, kw_only=True):
+    """Each task's best speed-up on this device so far, and the candidates that set one."""
+
+    best: dict[str, float] = {}
+    new_bests: set[str] = set()
+
+
+class CounterCollector(EvaluatorAgent):
+    """Runs a task's new best once under ncu and records its counters."""
+
+    kind = "counters"
+    listens = (RunStarted, CandidateProposed, CandidateProfiled)
+
+    def initial_state(self) -> CounterState:
+        return CounterState()
+
+    def evolve(self, state: EvaluatorState, rec: Record) -> EvaluatorState:
+        state = super().evolve(state, rec)
+        assert isinstance(state, CounterState)
+        ev = rec.event
+        if isinstance(ev, CandidateProfiled) and self.mine(ev.device_id) and ev.report.ok:
+            suspect = any(f.split(":", 1)[0] in SUSPECT_FLAGS for f in ev.report.flags)
+            if not suspect and ev.report.speedup > state.best.get(ev.task, 0.0):
+                state.best[ev.task] = ev.report.speedup
+                state.new_bests.add(ev.candidate_id)
+        return state
+
+    async def react(self, state: EvaluatorState, rec: Record) -> Sequence[Event]:  # type: ignore[override]
+        ev = rec.event
+        assert isinstance(state, CounterState)
+        if not isinstance(ev, CandidateProfiled) or ev.candidate_id not in state.new_bests:
+            return ()
+        if not self.device.startswith("cuda") or find_ncu() is None:
+            return ()
+        found = self.lookup(state, ev.task, ev.candidate_id)
+        if found is None:
+            return ()
+        task, source = found
+        async with await gate_for(self.device).exclusive():
+            report = await asyncio.to_thread(
+                collect_counters,
+                task,
+                source,
+                device=self.device,
+                seed=state.seed,
+                timeout_s=self.timeout_s,
+            )
+        return [
+            CountersMeasured(
+                candidate_id=ev.candidate_id, task=ev.task, device_id=self.device_id, report=report
+            )
+        ]

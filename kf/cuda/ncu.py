@@ -1,0 +1,166 @@
+"""Hardware counters from Nsight Compute (``ncu``) for one forward call of a candidate.
+
+kf starts a runner under ``ncu`` with profiling off from the start; the runner switches
+it on (``cudaProfilerStart``) around a single forward call, after a warm-up call, so
+only the candidate's own kernels of that call are measured. ``ncu`` writes one CSV row
+per kernel (``--page raw``) to a log file when the runner exits, which :func:`parse`
+reads. Clocks are left as they are (``--clock-control none``): the card's settings are
+not kf's to change, and the timings kf reports come from CUDA events anyway.
+
+Counters are observations about a kernel that already passed verification and timing:
+which share of DRAM bandwidth and of the SMs' throughput it reached, its occupancy,
+registers and bytes moved. They need profiling permission on the GPU; where ``ncu``
+is missing or refused, the reason is recorded instead.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import io
+import os
+import shutil
+import subprocess
+from typing import Any
+
+__all__ = ["METRICS", "command", "find_ncu", "parse", "permission_refused", "summarise", "version"]
+
+#: ncu metric → the name kf records it under.
+METRICS: dict[str, str] = {
+    "gpu__time_duration.sum": "duration_ns",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_throughput_pct",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_throughput_pct",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "achieved_occupancy_pct",
+    "dram__bytes_read.sum": "dram_bytes_read",
+    "dram__bytes_write.sum": "dram_bytes_written",
+    "launch__registers_per_thread": "registers_per_thread",
+    "launch__block_size": "block_size",
+    "launch__grid_size": "grid_size",
+}
+_PERMISSION = ("ERR_NVGPUCTRPERM", "permission")
+
+
+def find_ncu() -> str | None:
+    """``$KF_NCU`` (``0`` switches counters off), ``ncu`` on PATH, or a standard install."""
+    env = os.environ.get("KF_NCU")
+    if env == "0":
+        return None
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    found = shutil.which("ncu")
+    if found:
+        return found
+    for pattern in ("/usr/local/cuda/bin/ncu", "/opt/nvidia/nsight-compute/*/ncu"):
+        hits = sorted(glob.glob(pattern))
+        if hits and os.access(hits[-1], os.X_OK):
+            return hits[-1]
+    return None
+
+
+def version(ncu: str) -> str:
+    """The last line of ``ncu --version`` (its release), or ``ncu``."""
+    try:
+        out = subprocess.run(
+            [ncu, "--version"], check=False, capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "ncu"
+    lines = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    return lines[-1] if lines else "ncu"
+
+
+def command(ncu: str, log_file: str) -> list[str]:
+    """The argv prefix that runs a program under ncu, profiling only between start/stop."""
+    return [
+        ncu,
+        "--clock-control", "none",
+        "--profile-from-start", "off",
+        "--target-processes", "all",
+        "--csv",
+        "--page", "raw",
+        "--print-units", "base",
+        "--metrics", ",".join(METRICS),
+        "--log-file", log_file,
+    ]  # fmt: skip
+
+
+def _number(text: str) -> float | None:
+    cleaned = text.strip().replace(",", "")
+    if not cleaned or cleaned in ("n/a", "N/A"):
+        return None
+    try:
+        return float(cleaned)
+    except ValueError:
+        return None
+
+
+def parse(text: str) -> list[dict[str, Any]]:
+    """One dict per profiled kernel: ``kernel`` (its name) and each metric of :data:`METRICS`.
+
+    ncu's raw CSV has a header row, a units row, then a row per kernel; anything else in
+    the log (``==PROF==`` lines, warnings) is skipped.
+    """
+    rows = list(
+        csv.reader(
+            io.StringIO("\n".join(line for line in text.splitlines() if line.startswith('"')))
+        )
+    )
+    header_at = next((i for i, row in enumerate(rows) if "Kernel Name" in row), None)
+    if header_at is None:
+        return []
+    header = rows[header_at]
+    units: dict[str, str] = {}
+    kernels: list[dict[str, Any]] = []
+    for row in rows[header_at + 1 :]:
+        if len(row) != len(header):
+            continue
+        cells = dict(zip(header, row, strict=True))
+        if not cells.get("ID", "").strip().isdigit():
+            units = cells  # the units row
+            continue
+        kernel: dict[str, Any] = {"kernel": cells.get("Kernel Name", "")}
+        for metric, name in METRICS.items():
+            if metric in cells:
+                value = _number(cells[metric])
+                scale = _SCALE.get(units.get(metric, "").strip(), 1.0)
+                kernel[name] = None if value is None else value * scale
+        kernels.append(kernel)
+    return kernels
+
+
+# ncu scales units unless told otherwise (--print-units base); to bytes and nanoseconds
+_SCALE = {
+    "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12,
+    "KB": 1e3, "MB": 1e6, "GB": 1e9,
+    "usecond": 1e3, "msecond": 1e6, "second": 1e9,
+}  # fmt: skip
+
+
+def permission_refused(text: str) -> bool:
+    """Whether ncu said it may not read the counters (no profiling permission)."""
+    return any(marker in text for marker in _PERMISSION)
+
+
+def summarise(kernels: list[dict[str, Any]]) -> dict[str, float]:
+    """Totals over the call's kernels: time, bytes, and time-weighted throughput shares."""
+    total_ns = sum(float(k.get("duration_ns") or 0.0) for k in kernels)
+    out: dict[str, float] = {
+        "kernels": float(len(kernels)),
+        "duration_ns": total_ns,
+        "dram_bytes": sum(
+            float(k.get("dram_bytes_read") or 0.0) + float(k.get("dram_bytes_written") or 0.0)
+            for k in kernels
+        ),
+    }
+    for name in ("dram_throughput_pct", "sm_throughput_pct", "achieved_occupancy_pct"):
+        weighted = [
+            (float(k[name]), float(k.get("duration_ns") or 0.0))
+            for k in kernels
+            if k.get(name) is not None
+        ]
+        weight = sum(w for _, w in weighted)
+        if weighted and weight > 0:
+            out[name] = sum(v * w for v, w in weighted) / weight
+    if total_ns > 0:
+        out["dram_gbs"] = out["dram_bytes"] / total_ns  # bytes per ns = GB/s
+    return out
