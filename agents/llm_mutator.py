@@ -57,6 +57,7 @@ from kf.search_facts import (
     CandidateProfiled,
     CandidateProposed,
     CandidateRejected,
+    CountersMeasured,
     EliteAdmitted,
     MutationFailed,
 )
@@ -82,6 +83,8 @@ class CandInfo(msgspec.Struct, kw_only=True):
     ref_ms: float | None = None
     failure: str | None = None
     cell: tuple[int, int, int] | None = None
+    build: str | None = None  # the compiler's resource report (kf.cuda lines)
+    counters: dict[str, float] | None = None  # ncu summary, for a task's best
 
 
 class LlmMutatorState(msgspec.Struct, kw_only=True):
@@ -107,6 +110,12 @@ class LlmMutatorState(msgspec.Struct, kw_only=True):
     budget_announced: bool = False
 
 
+def build_notes(log: str, limit: int = 12) -> str | None:
+    """The resource lines of a compile log (registers, shared memory, spills, cache hits)."""
+    lines = [line for line in log.splitlines() if line.startswith("kf.cuda")]
+    return "\n".join(lines[-limit:]) or None
+
+
 def _digest(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()
 
@@ -123,6 +132,7 @@ class LlmMutator(Agent[LlmMutatorState]):
         CandidateCompiled,
         CandidateRejected,
         CandidateProfiled,
+        CountersMeasured,
         EliteAdmitted,
         LlmCalled,
         LlmBudgetExhausted,
@@ -199,8 +209,14 @@ class LlmMutator(Agent[LlmMutatorState]):
             state.cands[ev.candidate_id] = CandInfo(
                 task=ev.task, island=ev.island, parent_id=ev.parent_id
             )
+        elif isinstance(ev, CountersMeasured):
+            c = state.cands.get(ev.candidate_id)
+            if c is not None and ev.report.ok:
+                c.counters = dict(ev.report.summary)
         elif isinstance(ev, (CandidateCompiled, CandidateRejected)):
             c = state.cands.get(ev.candidate_id)
+            if c is not None and isinstance(ev, CandidateCompiled) and ev.report.ok:
+                c.build = build_notes(ev.report.log)
             ok = ev.report.ok if isinstance(ev, CandidateCompiled) else False
             if c is not None and not ok:
                 kind = ev.report.failure_kind or "failed"
@@ -376,6 +392,8 @@ class LlmMutator(Agent[LlmMutatorState]):
             parent_runtime_ms=info.runtime_ms,
             parent_ref_ms=info.ref_ms,
             parent_failure=info.failure,
+            parent_build=info.build,
+            parent_counters=info.counters,
             second_parent_source=state.sources.get(ev.second_parent_id or ""),
             inspirations=self._inspirations(state, ev),
             failures=tuple(state.child_failures.get(ev.parent_id, ())),

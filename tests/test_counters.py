@@ -144,3 +144,32 @@ def test_counters_of_the_fused_kernel_on_a_gpu() -> None:
     assert 0.9 * 3 * 128 * 2**20 < moved < 1.3 * 3 * 128 * 2**20
     assert report.summary["dram_throughput_pct"] > 50
     print(os.environ.get("KF_NCU"), report.tool, report.summary, report.network_isolated)
+
+
+def test_mutation_prompt_carries_the_parents_build_report_and_counters() -> None:
+    """What the compiler said (registers, spills) and ncu measured reaches the model."""
+    from agents.llm_mutator import build_notes
+    from kf.llm.prompts import MutationContext, mutation_messages
+
+    log = (
+        "building…\n"
+        "kf.cuda: gelu_residual sm_90: 40 registers, 0 bytes smem, 8 bytes spill stores\n"
+        "other line\n"
+    )
+    notes = build_notes(log)
+    assert notes == "kf.cuda: gelu_residual sm_90: 40 registers, 0 bytes smem, 8 bytes spill stores"
+    assert build_notes("nothing here") is None
+    ctx = MutationContext(
+        task="t", reference="ref", parent_id="p" * 12, parent_source="src", operator="rewrite",
+        regions={}, parent_build=notes,
+        parent_counters={"dram_throughput_pct": 91.5, "achieved_occupancy_pct": 88.1},
+    )  # fmt: skip
+    user = mutation_messages(ctx)[1]["content"]
+    assert "8 bytes spill stores" in user
+    assert "DRAM throughput % of peak 91.5" in user and "achieved occupancy % 88.1" in user
+    bare = mutation_messages(
+        MutationContext(
+            task="t", reference="r", parent_id="p", parent_source="s", operator="o", regions={}
+        )
+    )
+    assert "hardware counters say" not in bare[1]["content"]

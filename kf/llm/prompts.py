@@ -89,6 +89,8 @@ class MutationContext:
     parent_runtime_ms: float | None = None
     parent_ref_ms: float | None = None
     parent_failure: str | None = None
+    parent_build: str | None = None  # registers / shared memory / spills from its compile
+    parent_counters: Mapping[str, float] | None = None  # ncu summary of its kernels
     second_parent_source: str | None = None
     inspirations: Sequence[Inspiration] = ()
     failures: Sequence[str] = ()
@@ -143,6 +145,24 @@ def mutation_messages(ctx: MutationContext) -> list[dict[str, str]]:
         f"# Parent kernel {ctx.parent_id[:12]} ({'; '.join(perf) or 'not yet timed'})\n"
         f"```python\n{_clip(ctx.parent_source, 12000)}\n```"
     )
+    measured = []
+    if ctx.parent_build:
+        measured.append(f"Compiler report:\n{_clip(ctx.parent_build, 1500)}")
+    if ctx.parent_counters:
+        c = ctx.parent_counters
+        names = {
+            "dram_throughput_pct": "DRAM throughput % of peak",
+            "sm_throughput_pct": "SM throughput % of peak",
+            "achieved_occupancy_pct": "achieved occupancy %",
+            "dram_gbs": "DRAM GB/s",
+            "kernels": "kernels per call",
+        }
+        measured.append(
+            "Hardware counters (Nsight Compute), one call: "
+            + ", ".join(f"{label} {c[k]:.1f}" for k, label in names.items() if k in c)
+        )
+    if measured:
+        parts.append("# What the parent's build and hardware counters say\n" + "\n".join(measured))
     if ctx.second_parent_source:
         parts.append(
             "# Second parent (combine the best ideas of both)\n"
