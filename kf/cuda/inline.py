@@ -9,10 +9,19 @@ architecture), builds once into a private folder under a file lock, publishes it
 atomically, and imports the finished library directly on every later call, in any
 process. :func:`install` puts it in place of PyTorch's, which is what the CUDA runner
 does before it imports a candidate, so candidates need no change.
+
+The extension's module name (``TORCH_EXTENSION_NAME``) comes from a narrower *binding
+key*: only what shapes ``main.cpp`` and its compile command (``name``, ``cpp_sources``,
+``functions``, ``extra_cflags``, ...), not ``cuda_sources``. Candidates that differ only
+in their kernel therefore compile a byte-identical ``main.cpp`` with identical flags, and
+the object cache (:mod:`kf.cuda.objcache`), which builds run through, compiles it once
+for all of them. Libraries that share a module name import side by side, each under its
+own ``sys.modules`` name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -20,18 +29,36 @@ import inspect
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BuildRecord", "builds", "cache_key", "install", "load_inline", "uninstall"]
+__all__ = [
+    "BuildRecord",
+    "binding_key",
+    "builds",
+    "cache_dir",
+    "cache_key",
+    "cache_root",
+    "install",
+    "load_inline",
+    "uninstall",
+]
 
 #: Arguments that do not change what is built.
 _IGNORED = frozenset({"verbose", "build_directory", "keep_intermediates"})
+
+#: Arguments that reach neither ``main.cpp`` nor its compile command: only the other
+#: sources' compiles and the link. Every other argument, including any a later PyTorch
+#: adds, is in the binding key.
+_NOT_IN_MAIN_CPP = frozenset(
+    {"cuda_sources", "sycl_sources", "extra_cuda_cflags", "extra_sycl_cflags", "extra_ldflags"}
+)
 
 _original: Callable[..., Any] | None = None
 
@@ -48,10 +75,14 @@ def builds() -> tuple[BuildRecord, ...]:
     return tuple(_BUILDS)
 
 
+def cache_root() -> Path:
+    """``$KF_CACHE_DIR`` or ``~/.cache/kf``: where the build caches live."""
+    return Path(os.environ.get("KF_CACHE_DIR") or str(Path.home() / ".cache" / "kf"))
+
+
 def cache_dir() -> Path:
     """``$KF_CACHE_DIR/cuda_ext`` or ``~/.cache/kf/cuda_ext``."""
-    root = os.environ.get("KF_CACHE_DIR") or str(Path.home() / ".cache" / "kf")
-    path = Path(root) / "cuda_ext"
+    path = cache_root() / "cuda_ext"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -88,19 +119,100 @@ def cache_key(arguments: dict[str, Any], environment: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def _module_name(name: str, key: str) -> str:
+def _given(value: Any) -> bool:
+    """Whether a ``*_sources`` argument names any source, as PyTorch decides it."""
+    return bool([value] if isinstance(value, str) and value else value)
+
+
+def binding_key(arguments: dict[str, Any], environment: dict[str, Any]) -> str:
+    """What ``main.cpp`` and its compile command depend on: the module name comes from it.
+
+    ``with_cuda`` and ``with_sycl`` go in as PyTorch resolves them (from whether there
+    are CUDA or SYCL sources), since they pick ``main.cpp``'s include paths.
+    """
+    material = {
+        k: v for k, v in arguments.items() if k not in _IGNORED and k not in _NOT_IN_MAIN_CPP
+    }
+    if material.get("with_cuda") is None:
+        material["with_cuda"] = _given(arguments.get("cuda_sources"))
+    if material.get("with_sycl") is None:
+        material["with_sycl"] = _given(arguments.get("sycl_sources"))
+    blob = json.dumps({"args": _jsonable(material), "env": _jsonable(environment)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _module_name(name: str, binding: str) -> str:
     safe = re.sub(r"\W", "_", name) or "ext"
-    return f"{safe}_{key[:16]}"
+    return f"{safe}_{binding[:16]}"
 
 
-def _import(module_name: str, library: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(module_name, library)
+def _import(module_name: str, library: Path, key: str) -> types.ModuleType:
+    """Import ``library`` under a name of its own, ``kf_ext_<key>.<module_name>``.
+
+    Libraries that share a module name share the ``PyInit_<module_name>`` symbol, which
+    is what the loader looks up (by the name's last component); each library is opened
+    on its own and answers from its own symbol, so both can be loaded in one process as
+    long as their ``sys.modules`` names differ.
+    """
+    qualified = f"kf_ext_{key}.{module_name}"
+    loaded = sys.modules.get(qualified)
+    if isinstance(loaded, types.ModuleType) and getattr(loaded, "__file__", None) == str(library):
+        return loaded
+    spec = importlib.util.spec_from_file_location(qualified, library)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import the extension library {library}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    sys.modules[module_name] = module
+    sys.modules[qualified] = module
     return module
+
+
+@contextlib.contextmanager
+def _object_cache() -> Iterator[None]:
+    """Point ``CXX`` and ``PYTORCH_NVCC`` at :mod:`kf.cuda.objcache` launchers meanwhile.
+
+    The real compilers are the ones PyTorch would use: ``$CXX`` (else ``c++``) and
+    ``$CUDA_HOME/bin/nvcc``; a ``PYTORCH_NVCC`` the user set is left alone. Nothing
+    changes when ``KF_OBJCACHE=0``.
+    """
+    from kf.cuda import objcache
+
+    saved = {name: os.environ.get(name) for name in ("CXX", "PYTORCH_NVCC")}
+    try:
+        if objcache.enabled():
+            import torch.utils.cpp_extension as ext
+
+            cxx = shutil.which(os.environ.get("CXX", "c++"))
+            cuda_home = getattr(ext, "CUDA_HOME", None)
+            nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else None
+            with contextlib.suppress(OSError):  # no cache folder: compile as PyTorch would
+                if cxx is not None:
+                    os.environ["CXX"] = str(objcache.launcher(cxx))  # PyTorch quotes it
+                if nvcc and saved["PYTORCH_NVCC"] is None and os.access(nvcc, os.X_OK):
+                    # used verbatim in the ninja file, so quoted here
+                    os.environ["PYTORCH_NVCC"] = shlex.quote(str(objcache.launcher(nvcc)))
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _forget_version(module_name: str) -> None:
+    """Make PyTorch build ``module_name`` as itself, not as ``<module_name>_v1``.
+
+    PyTorch counts, per process, the different builds of one extension name and appends
+    ``_v<n>`` from the second; our module names are shared by builds that differ (in
+    their CUDA sources), and each build has its own folder, so the count must not run.
+    """
+    import torch.utils.cpp_extension as ext
+
+    versioner = getattr(ext, "JIT_EXTENSION_VERSIONER", None)
+    entries = getattr(versioner, "entries", None)
+    if isinstance(entries, dict):
+        entries.pop(module_name, None)
 
 
 def load_inline(*args: Any, **kwargs: Any) -> Any:
@@ -114,8 +226,9 @@ def load_inline(*args: Any, **kwargs: Any) -> Any:
     if not arguments.get("is_python_module", True):
         return original(*args, **kwargs)  # a torch.ops library: leave it to PyTorch
     start = time.perf_counter()
-    key = cache_key(arguments, _environment())
-    module_name = _module_name(str(arguments["name"]), key)
+    environment = _environment()
+    key = cache_key(arguments, environment)
+    module_name = _module_name(str(arguments["name"]), binding_key(arguments, environment))
     root = cache_dir()
     final = root / key
     library = final / f"{module_name}.so"
@@ -129,11 +242,13 @@ def load_inline(*args: Any, **kwargs: Any) -> Any:
                 shutil.rmtree(work, ignore_errors=True)
                 work.mkdir()
                 arguments.update(name=module_name, build_directory=str(work))
-                original(**arguments)  # builds and imports from the work folder
+                _forget_version(module_name)
+                with _object_cache():
+                    original(**arguments)  # builds and imports from the work folder
                 sys.modules.pop(module_name, None)
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(work, final)
-    module = _import(module_name, library)
+    module = _import(module_name, library, key)
     record = BuildRecord(
         name=str(bound.arguments["name"]),
         key=key,
