@@ -138,6 +138,7 @@ def test_counters_of_the_fused_kernel_on_a_gpu() -> None:
     """ncu measures the NVRTC seed's one kernel: it moves about the bytes the task needs
     (two 128 MiB inputs read, one written) at a large share of DRAM bandwidth."""
     report = collect_counters(load_task(TASK), SEED.read_text(), device="cuda:0")
+    print(report.error, report.summary, report.network_isolated)
     assert report.ok, report.error
     assert len(report.kernels) == 1
     moved = report.summary["dram_bytes"]

@@ -29,10 +29,23 @@ _MAX_LOG = 20_000
 
 
 def _watch_parent(parent_pid: int) -> None:
-    """Exit when the grader goes away, so a runner is never left behind."""
+    """Exit when the grader goes away, so a runner is never left behind.
+
+    The runner's parent is the grader, or a wrapper the grader started (ncu): either
+    way, being re-parented means that parent died, and the grader's pid vanishing
+    means the grader did.
+    """
+    first = os.getppid()
     while True:
-        if os.getppid() != parent_pid:
+        if os.getppid() != first:
             os._exit(70)
+        if first != parent_pid:
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                os._exit(70)
+            except OSError:
+                pass  # exists, just not ours to signal
         time.sleep(0.5)
 
 

@@ -31,6 +31,7 @@ from kf.evaluation.reports import (
 from kf.evaluation.sandbox import (
     Limits,
     RunnerCrashed,
+    RunnerError,
     RunnerFailed,
     RunnerHandle,
     RunnerPool,
@@ -738,6 +739,14 @@ def collect_counters(
             except _CandidateFailed as exc:
                 return CountersReport(
                     ok=False, error=f"{exc.kind}: {exc.error}", tool=version, device=device,
+                    duration_s=time.monotonic() - start,
+                )  # fmt: skip
+            except RunnerError as exc:  # the runner under ncu did not start or answer
+                if isolated:
+                    continue  # ncu may not work inside the namespace: once more outside
+                return CountersReport(
+                    ok=False, error=f"the runner under ncu failed: {exc}; log: "
+                    f"{exc.log_tail[-1500:]}", tool=version, device=device,
                     duration_s=time.monotonic() - start,
                 )  # fmt: skip
             finally:
