@@ -351,7 +351,12 @@ def main() -> int:
             task = task_file(work, args.batch)
             result["sequential"] = sequential_arm(sources, args.sequential, work, task)
             result["sequential"]["batch"] = args.batch
-    if "pipeline" in result and "sequential" in result:
+    finished = "pipeline" in result and result["pipeline"]["returncode"] == 0
+    if finished and result["pipeline"].get("stages", {}).get("profiled_ok", 0) == 0:
+        finished = False
+    if "pipeline" in result and not finished:
+        print("pipeline arm FAILED (see pipeline.stderr): no ratio", file=sys.stderr)
+    if finished and "sequential" in result:
         result["ratio"] = (
             result["pipeline"]["candidates_per_min"] / result["sequential"]["candidates_per_min"]
         )

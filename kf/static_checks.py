@@ -226,13 +226,24 @@ def _native_attrs(tree: ast.Module) -> tuple[bool, set[str]]:
             builders.add(top.name)
     built = False
     names: set[str] = set()
+    for top in tree.body:  # Triton kernels: @triton.jit functions
+        if isinstance(top, ast.FunctionDef) and any(
+            _dotted(d.func if isinstance(d, ast.Call) else d).endswith("jit")
+            for d in top.decorator_list
+        ):
+            built = True
+            names.add(top.name)
     for node in ast.walk(tree):
         if not isinstance(node, ast.Assign | ast.AnnAssign) or node.value is None:
             continue
         value = node.value
         native = False
         if isinstance(value, ast.Call):
-            native = _dotted(value.func).rsplit(".", 1)[-1] in builders
+            # the builder may sit inside a chain: kf.cuda.compile(SRC).function("k")
+            native = any(
+                isinstance(n, ast.Call) and _is_builder(_dotted(n.func), builders)
+                for n in ast.walk(value)
+            )
             built = built or native
         elif isinstance(value, ast.Attribute):
             head = _dotted(value).removeprefix("self.").split(".")[0]
@@ -244,6 +255,11 @@ def _native_attrs(tree: ast.Module) -> tuple[bool, set[str]]:
                 if dotted:
                     names.add(dotted.removeprefix("self.").split(".")[0])
     return built, names
+
+
+def _is_builder(dotted: str, builders: set[str]) -> bool:
+    """A call that builds or loads native code (``kf.cuda.compile`` too, not ``torch.compile``)."""
+    return dotted.rsplit(".", 1)[-1] in builders or dotted.endswith("cuda.compile")
 
 
 def _warn(code: str, detail: str, node: ast.AST | None) -> str:
@@ -277,7 +293,8 @@ def _forward_checks(tree: ast.Module, aliases: _Aliases) -> Iterator[str]:
                 compute.append(("@", node))
             if not isinstance(node, ast.Call):
                 continue
-            callee = _dotted(node.func)
+            func = node.func.value if isinstance(node.func, ast.Subscript) else node.func
+            callee = _dotted(func)  # kernel[grid](...) launches a Triton kernel
             parts = callee.split(".")
             if aliases.is_compute(callee):
                 compute.append((callee, node))

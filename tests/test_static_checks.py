@@ -81,3 +81,17 @@ def test_static_checks_codes_are_documented() -> None:
     from kf.evaluation.reports import FLAG_REASONS
 
     assert set(CODES) <= set(FLAG_REASONS)
+
+
+def test_gpu_backends_count_as_native_kernels() -> None:
+    """kf.cuda.compile(...).function(...) (NVRTC), @triton.jit launched as kernel[grid](...)
+    and load_inline are native kernels that forward calls: no warning for any of them."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "examples"
+    for path in (
+        root / "cuda_tasks" / "seeds" / "gelu_residual.py",
+        root / "cuda_tasks" / "seeds" / "gelu_residual.triton.py",
+        root / "cuda_candidates" / "gelu_residual_load_inline.py",
+    ):
+        assert check_source(path.read_text()) == (), path.name
