@@ -204,6 +204,27 @@ def _load_pair(
     )
 
 
+def _loaded_and_checked(
+    task: Task,
+    source: str,
+    ref: RunnerHandle,
+    cand: RunnerHandle,
+    device: str,
+    limits: Limits,
+    deadline: _Deadline,
+    seed: int,
+) -> tuple[dict[str, Any], tuple[str, str] | None]:
+    """:func:`_load_pair`, then one checked call on ``seed``'s inputs: (inputs, problem).
+
+    What profiling and the counters do before measuring: the inputs stay in the
+    candidate runner, and the problem is None when the output was right.
+    """
+    _load_pair(task, source, ref, cand, device, limits, deadline, seed)
+    made: dict[str, Any] = _reference(task, ref, "make_inputs", deadline, seed=seed)
+    problem = _run_and_check(task, ref, cand, inputs=made["inputs"], seed=seed, deadline=deadline)
+    return made, problem
+
+
 def _judge(
     task: Task, ref: RunnerHandle, ran: dict[str, Any], seed: int, deadline: _Deadline
 ) -> dict[str, Any]:
@@ -526,10 +547,8 @@ def profile_candidate(
         start = time.monotonic()
         deadline = _Deadline(timeout_s)
         try:
-            _load_pair(task, source, ref, cand, device, limits, deadline, seed)
-            made = _reference(task, ref, "make_inputs", deadline, seed=seed)
-            problem = _run_and_check(
-                task, ref, cand, inputs=made["inputs"], seed=seed, deadline=deadline
+            made, problem = _loaded_and_checked(
+                task, source, ref, cand, device, limits, deadline, seed
             )
             if problem is not None:
                 return ProfileReport(
@@ -724,10 +743,8 @@ def collect_counters(
             isolated = cand.isolated_network
             try:
                 with pool.reference_lease(_ref_key(task, device)) as ref:
-                    _load_pair(task, source, ref, cand, device, limits, deadline, seed)
-                    made = _reference(task, ref, "make_inputs", deadline, seed=seed)
-                    problem = _run_and_check(
-                        task, ref, cand, inputs=made["inputs"], seed=seed, deadline=deadline
+                    _, problem = _loaded_and_checked(
+                        task, source, ref, cand, device, limits, deadline, seed
                     )
                     if problem is not None:
                         return CountersReport(
