@@ -25,7 +25,7 @@ import msgspec
 
 from kf.agent import Agent
 from kf.behaviour import describe
-from kf.evaluation.reports import SUSPECT_FLAGS
+from kf.evaluation.reports import is_suspect
 from kf.events import Event, Record
 from kf.facts import (
     DeviceAnnounced,
@@ -390,7 +390,7 @@ class ArchiveAgent(Agent[ArchiveState]):
         c.ref_ms = r.ref_runtime_ms
         c.cell = describe(c.source).cell()
         c.flags = list(r.flags)
-        c.suspect = any(f.split(":", 1)[0] in SUSPECT_FLAGS for f in r.flags)
+        c.suspect = is_suspect(r.flags)
         t = state.tasks[c.task]
         t.profiled += 1
         if not c.suspect:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
 from kf.cuda.ncu import find_ncu
-from kf.evaluation.reports import SUSPECT_FLAGS
+from kf.evaluation.reports import is_suspect
 from kf.evaluation.stages import collect_counters
 from kf.events import Event, Record
 from kf.facts import RunStarted
@@ -46,11 +46,15 @@ class CounterCollector(EvaluatorAgent):
         state = super().evolve(state, rec)
         assert isinstance(state, CounterState)
         ev = rec.event
-        if isinstance(ev, CandidateProfiled) and self.mine(ev.device_id) and ev.report.ok:
-            suspect = any(f.split(":", 1)[0] in SUSPECT_FLAGS for f in ev.report.flags)
-            if not suspect and ev.report.speedup > state.best.get(ev.task, 0.0):
-                state.best[ev.task] = ev.report.speedup
-                state.new_bests.add(ev.candidate_id)
+        if (
+            isinstance(ev, CandidateProfiled)
+            and self.mine(ev.device_id)
+            and ev.report.ok
+            and not is_suspect(ev.report.flags)
+            and ev.report.speedup > state.best.get(ev.task, 0.0)
+        ):
+            state.best[ev.task] = ev.report.speedup
+            state.new_bests.add(ev.candidate_id)
         return state
 
     async def react(self, state: EvaluatorState, rec: Record) -> Sequence[Event]:  # type: ignore[override]

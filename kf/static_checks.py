@@ -220,7 +220,7 @@ def _native_attrs(tree: ast.Module) -> tuple[bool, set[str]]:
     builders = set(_NATIVE_BUILDERS)
     for top in tree.body:
         if isinstance(top, ast.FunctionDef) and any(
-            isinstance(n, ast.Call) and _dotted(n.func).rsplit(".", 1)[-1] in _NATIVE_BUILDERS
+            isinstance(n, ast.Call) and _is_builder(_dotted(n.func), _NATIVE_BUILDERS)
             for n in ast.walk(top)
         ):
             builders.add(top.name)
@@ -257,7 +257,7 @@ def _native_attrs(tree: ast.Module) -> tuple[bool, set[str]]:
     return built, names
 
 
-def _is_builder(dotted: str, builders: set[str]) -> bool:
+def _is_builder(dotted: str, builders: set[str] | frozenset[str]) -> bool:
     """A call that builds or loads native code (``kf.cuda.compile`` too, not ``torch.compile``)."""
     return dotted.rsplit(".", 1)[-1] in builders or dotted.endswith("cuda.compile")
 

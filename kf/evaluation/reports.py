@@ -21,6 +21,7 @@ __all__ = [
     "ProfileReport",
     "TrialEvidence",
     "VerifyReport",
+    "is_suspect",
 ]
 
 FailureKind = Literal[
@@ -63,6 +64,11 @@ FLAG_REASONS: dict[str, str] = {
 SUSPECT_FLAGS = frozenset(
     {"timer_disagreement", "output_changed_after_timing", "cache_suspected", "tampering"}
 )
+
+
+def is_suspect(flags: tuple[str, ...] | list[str]) -> bool:
+    """Whether any flag makes a timing untrustworthy (its code is in :data:`SUSPECT_FLAGS`)."""
+    return any(f.split(":", 1)[0] in SUSPECT_FLAGS for f in flags)
 
 
 class CompileReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -186,7 +192,7 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def suspect(self) -> bool:
         """Whether a flag makes the timing untrustworthy (see :data:`SUSPECT_FLAGS`)."""
-        return any(f.split(":", 1)[0] in SUSPECT_FLAGS for f in self.flags)
+        return is_suspect(self.flags)
 
     @property
     def passed(self) -> bool:

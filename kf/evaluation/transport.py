@@ -45,9 +45,6 @@ class Exports:
     def hold(self, tensors: list[Any]) -> None:
         self._held.append(tensors)
 
-    def clear(self) -> None:
-        self._held.clear()
-
 
 def is_ipc(data: bytes) -> bool:
     return data[: len(MAGIC)] == MAGIC
