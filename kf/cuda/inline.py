@@ -115,6 +115,10 @@ def _jsonable(value: Any) -> Any:
 def cache_key(arguments: dict[str, Any], environment: dict[str, Any]) -> str:
     """The build's content address: every argument that shapes the build, and the toolchain."""
     material = {k: v for k, v in arguments.items() if k not in _IGNORED}
+    return _digest(material, environment)
+
+
+def _digest(material: dict[str, Any], environment: dict[str, Any]) -> str:
     blob = json.dumps({"args": _jsonable(material), "env": _jsonable(environment)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
@@ -137,8 +141,7 @@ def binding_key(arguments: dict[str, Any], environment: dict[str, Any]) -> str:
         material["with_cuda"] = _given(arguments.get("cuda_sources"))
     if material.get("with_sycl") is None:
         material["with_sycl"] = _given(arguments.get("sycl_sources"))
-    blob = json.dumps({"args": _jsonable(material), "env": _jsonable(environment)}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+    return _digest(material, environment)
 
 
 def _module_name(name: str, binding: str) -> str:

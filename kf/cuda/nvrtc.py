@@ -15,7 +15,6 @@ import fcntl
 import hashlib
 import os
 import re
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -233,10 +232,13 @@ def compile_cubin(
         with open(root / f"{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not cubin_path.exists():
+                # imported here: the package's import must not load the launcher module
+                from kf.cuda.objcache import write_atomically
+
                 cubin, log = _compile_now(source, name, opts)
                 elapsed = time.perf_counter() - start
-                _atomic_write(log_path, log.encode())
-                _atomic_write(cubin_path, cubin)
+                write_atomically(log_path, log.encode())
+                write_atomically(cubin_path, cubin)
                 return _report(
                     CompiledProgram(
                         key=key,
@@ -269,13 +271,6 @@ def _report(program: CompiledProgram) -> CompiledProgram:
         for line in program.describe().splitlines():
             print(f"kf.cuda: {line.strip()}", flush=True)
     return program
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 # -- loading and launching ------------------------------------------------------------------

@@ -632,7 +632,8 @@ def _unchanged(paths: _Paths, manifest: list[Any]) -> bool:
     return True
 
 
-def _write_atomically(path: str | Path, data: bytes, mode: int | None = None) -> None:
+def write_atomically(path: str | Path, data: bytes, mode: int | None = None) -> None:
+    """Write ``data`` to ``path`` through a temporary file in its folder and a rename."""
     folder = os.path.dirname(os.path.abspath(path))
     fd, temp = tempfile.mkstemp(dir=folder, prefix=".kf-objcache-")
     try:
@@ -673,12 +674,12 @@ def _lookup(root: Path, key: str, paths: _Paths) -> dict[str, Any] | None:
 def _serve(root: Path, key: str, paths: _Paths, entry: dict[str, Any]) -> None:
     compile = paths.compile
     with open(root / f"{key}.o", "rb") as f:
-        _write_atomically(compile.output, f.read(), _file_mode())
+        write_atomically(compile.output, f.read(), _file_mode())
     rules = [
         ([paths.decode(t) for t in targets], [paths.decode(d) for d in deps])
         for targets, deps in entry["depfile"]
     ]
-    _write_atomically(compile.depfile, format_depfile(rules).encode(), _file_mode())
+    write_atomically(compile.depfile, format_depfile(rules).encode(), _file_mode())
     for stream, name in ((sys.stdout, "stdout"), (sys.stderr, "stderr")):
         data = base64.b64decode(entry[name])
         if data:
@@ -739,8 +740,8 @@ def _store(
         "stderr": base64.b64encode(stderr).decode(),
     }
     try:
-        _write_atomically(root / f"{key}.o", obj)
-        _write_atomically(root / f"{key}.json", json.dumps(entry).encode())
+        write_atomically(root / f"{key}.o", obj)
+        write_atomically(root / f"{key}.json", json.dumps(entry).encode())
     except OSError as exc:
         return f"cannot write the cache: {exc}"
     return None
