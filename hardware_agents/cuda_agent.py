@@ -16,12 +16,13 @@ from typing import Any
 import msgspec
 
 from agents.compiler import Compiler
+from agents.verifier import Verifier
 from hardware_agents.base import HardwareAgent
 from hardware_agents.cuda import probe_in_subprocess
 from kf.evaluation import CompileReport, compile_candidate
 from kf.tasks import Task
 
-__all__ = ["CudaCompiler", "CudaHardwareAgent", "compile_concurrency"]
+__all__ = ["CudaCompiler", "CudaHardwareAgent", "CudaVerifier", "compile_concurrency"]
 
 
 def compile_concurrency() -> int:
@@ -61,3 +62,11 @@ class CudaCompiler(Compiler):
         return await asyncio.to_thread(
             compile_candidate, task, source, device=self.device, timeout_s=self.timeout_s
         )
+
+
+class CudaVerifier(Verifier):
+    """Two verifications at once on a GPU: each is mostly host work (runners, set-up,
+    comparisons launched from Python), verification only shares the device, and the
+    GPU otherwise waits on one candidate's host side at a time."""
+
+    concurrency = 2

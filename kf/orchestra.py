@@ -64,8 +64,8 @@ def worker_agents(device: str = "cpu") -> list[type[Agent[Any]]]:
     """The agents a worker process hosts next to its device (``cpu`` or ``cuda:N``).
 
     For a GPU: the CUDA hardware agent, and a compiler that builds many candidates at
-    once on the host's cores while the GPU verifies and times others; the runner pool
-    keeps as many warm runners as compiles may run (``$KF_EVAL_POOL`` overrides).
+    once on the host's cores while the GPU verifies (two at once) and times others; the
+    runner pool keeps warm runners for all of those (``$KF_EVAL_POOL`` overrides).
     """
     from agents.compiler import Compiler
     from agents.profiler import Profiler
@@ -73,10 +73,15 @@ def worker_agents(device: str = "cpu") -> list[type[Agent[Any]]]:
 
     if device.startswith("cuda"):
         from agents.counters import CounterCollector
-        from hardware_agents.cuda_agent import CudaCompiler, CudaHardwareAgent, compile_concurrency
+        from hardware_agents.cuda_agent import (
+            CudaCompiler,
+            CudaHardwareAgent,
+            CudaVerifier,
+            compile_concurrency,
+        )
 
-        os.environ.setdefault("KF_EVAL_POOL", str(compile_concurrency() + 2))
-        return [CudaHardwareAgent, CudaCompiler, Verifier, Profiler, CounterCollector]
+        os.environ.setdefault("KF_EVAL_POOL", str(compile_concurrency() + 4))
+        return [CudaHardwareAgent, CudaCompiler, CudaVerifier, Profiler, CounterCollector]
     from hardware_agents.cpu_agent import CpuHardwareAgent
 
     return [CpuHardwareAgent, Compiler, Verifier, Profiler]

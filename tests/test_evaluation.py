@@ -260,3 +260,23 @@ def test_transport_round_trips_host_values_and_refuses_forged_descriptions() -> 
                 [{"ipc": {**forged, "storage": "UntypedStorage", "dtype": "os"}}]
             ),
         )
+
+
+def test_builds_run_at_lower_priority_than_grading(
+    pool: RunnerPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compile stage's runner (and so its compilers) runs at ``$KF_BUILD_NICE``; the
+    candidate here reports its own niceness by failing on purpose."""
+    import os
+
+    source = (
+        "import os\nfrom torch import nn\n\n"
+        "class ModelNew(nn.Module):\n"
+        "    def __init__(self, *args):\n"
+        "        raise RuntimeError(f'niceness {os.nice(0)}')\n"
+    )
+    base = os.nice(0)
+    monkeypatch.setenv("KF_BUILD_NICE", "7")
+    report = compile_candidate(TASK, source, pool=pool)
+    assert not report.ok
+    assert f"niceness {min(19, base + 7)}" in (report.error or "")

@@ -124,8 +124,20 @@ def _reference_cache_bytes() -> int:
     return int(float(env) * (1 << 20)) if env else -1
 
 
-def _setup(handle: RunnerHandle, device: str, limits: Limits, deadline: _Deadline) -> None:
-    handle.request("setup", deadline.left(), **_setup_fields(handle, device, limits, deadline))
+def _setup(
+    handle: RunnerHandle, device: str, limits: Limits, deadline: _Deadline, nice: int = 0
+) -> None:
+    fields = _setup_fields(handle, device, limits, deadline)
+    handle.request("setup", deadline.left(), nice=nice, **fields)
+
+
+def _build_niceness() -> int:
+    """How much lower than grading a build runs (``$KF_BUILD_NICE``, default 10).
+
+    Builds keep every core busy on a GPU worker while verification and timing of
+    earlier candidates, which the GPU waits on, need the host too: those come first.
+    """
+    return max(0, int(os.environ.get("KF_BUILD_NICE", "10")))
 
 
 def _reference(task: Task, handle: RunnerHandle, op: str, deadline: _Deadline, **kw: Any) -> Any:
@@ -314,7 +326,7 @@ def compile_candidate(
         start = time.monotonic()
         deadline = _Deadline(timeout_s)
         try:
-            _setup(cand, device, limits, deadline)
+            _setup(cand, device, limits, deadline, nice=_build_niceness())
             _candidate(
                 task,
                 cand,
