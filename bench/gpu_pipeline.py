@@ -141,6 +141,22 @@ def pipeline_arm(sources: list[str], work: Path, task: Path, timeout_s: float) -
     }
 
 
+def concurrency(intervals: list[tuple[float, float]]) -> dict[str, float]:
+    """How many of ``intervals`` overlapped: at most, and on average while any ran."""
+    points = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
+    now = peak = 0
+    busy = weighted = 0.0
+    last = points[0][0] if points else 0.0
+    for t, step in points:
+        if now:
+            busy += t - last
+            weighted += now * (t - last)
+        now += step
+        peak = max(peak, now)
+        last = t
+    return {"max": float(peak), "mean_while_busy": weighted / busy if busy else 0.0, "busy_s": busy}
+
+
 def stage_summary(db: Path) -> dict[str, Any]:
     """What the run's log says each stage did: counts, seconds, failures, flags, builds."""
     from kf.log import EventLog
@@ -158,10 +174,17 @@ def stage_summary(db: Path) -> dict[str, Any]:
         "profiled_ok": 0, "profile_failed": {}, "flagged": 0, "objcache_hits": 0,
         "compile_s": [], "verify_s": [], "profile_s": [], "speedups": [],
     }  # fmt: skip
+    spans: dict[str, list[tuple[float, float]]] = {"build": [], "gpu": []}
     log = EventLog(db)
     try:
         for rec in log.records():
             ev = rec.event
+            report = getattr(ev, "report", None)
+            stages = CandidateCompiled | CandidateVerified | CandidateRejected | CandidateProfiled
+            if isinstance(ev, stages):
+                end = rec.envelope.time
+                which = "build" if isinstance(ev, CandidateCompiled) else "gpu"
+                spans[which].append((end - float(getattr(report, "duration_s", 0.0)), end))
             if isinstance(ev, CandidateCompiled):
                 out["compiled_ok" if ev.report.ok else "compile_failed"] += 1
                 out["compile_s"].append(ev.report.duration_s)
@@ -184,6 +207,8 @@ def stage_summary(db: Path) -> dict[str, Any]:
                     out["profile_failed"][kind] = out["profile_failed"].get(kind, 0) + 1
     finally:
         log.close()
+    for which, intervals in spans.items():
+        out[f"{which}_concurrency"] = concurrency(intervals)
     for key in ("compile_s", "verify_s", "profile_s"):
         values = out.pop(key)
         out[key.replace("_s", "_seconds")] = {
