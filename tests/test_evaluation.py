@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +19,7 @@ from kf.evaluation import (
     verify_candidate,
 )
 from kf.evaluation.compare import compare_inputs, compare_outputs
+from kf.evaluation.sandbox import REQUESTS
 from kf.evaluation.stages import TIMER_DISAGREEMENT, cross_check_flags, timing_stats
 from kf.tasks import TaskError, load_task
 
@@ -45,9 +47,15 @@ def test_honest_candidate_passes_every_stage(pool: RunnerPool) -> None:
     source = candidate("honest")
     compiled = compile_candidate(TASK, source, pool=pool)
     assert compiled.ok, compiled.error
+    since = time.monotonic()
     verified = verify_candidate(TASK, source, pool=pool)
     assert verified.correct, verified.error
     assert verified.trials == 5
+    # the request log saw every runner request of the stage, timed on both sides
+    done = [r for r in REQUESTS if r.ended >= since]
+    assert [r.op for r in done].count("run") > 5  # trials, then the generalisation gate
+    assert {"setup", "load_task", "load_candidate", "make_inputs", "check"} <= {r.op for r in done}
+    assert all(0 < r.runner_s <= r.wall_s for r in done if r.op != "lease_wait")
     assert len(verified.evidence) == 5
     assert all(e.ok for e in verified.evidence)
     assert len({e.seed for e in verified.evidence}) == 5

@@ -26,18 +26,21 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 
 from kf.evaluation.protocol import decode, encode
 
 __all__ = [
+    "REQUESTS",
     "Limits",
+    "RequestTiming",
     "RunnerCrashed",
     "RunnerError",
     "RunnerFailed",
@@ -53,6 +56,23 @@ log = structlog.get_logger("kf.evaluation.sandbox")
 
 _LOG_TAIL = 4000
 STARTUP_TIMEOUT_S = 180.0
+
+#: The last requests to any runner of this process, oldest first: where a stage's time
+#: goes (``bench/gpu_stage_phases.py`` reads it). Appending to a deque is thread-safe.
+REQUESTS: deque[RequestTiming] = deque(maxlen=20_000)
+
+
+class RequestTiming(NamedTuple):
+    """One request to a runner: its op, the grader's wall time around it, the handler's
+    own time inside the runner (the rest is transport, queueing and scheduling), when it
+    ended (``time.monotonic``), and the runner's pid. ``op`` ``"lease_wait"`` is time
+    spent waiting for a leased runner to finish starting."""
+
+    op: str
+    wall_s: float
+    runner_s: float
+    ended: float
+    pid: int
 
 
 _netns: bool | None = None
@@ -264,6 +284,7 @@ class RunnerHandle:
         self.wait_ready()
         what = op if "what" not in fields else str(fields.pop("what"))
         request_id = secrets.randbits(62)
+        began = time.monotonic()
         try:
             self.conn.send_bytes(encode({"op": op, "id": request_id, **fields}))
         except OSError as exc:
@@ -272,6 +293,10 @@ class RunnerHandle:
             self.kill()
             raise RunnerCrashed(f"process gone before {what}", tail, returncode) from exc
         reply = self._receive(timeout_s, what)
+        ended = time.monotonic()
+        took = reply.get("took_ns")
+        runner_s = took / 1e9 if isinstance(took, int) else 0.0
+        REQUESTS.append(RequestTiming(op, ended - began, runner_s, ended, self.pid))
         forged = reply.get("id") != request_id
         with contextlib.suppress(OSError):
             forged = forged or self.conn.poll(0)  # a second message nobody asked for
@@ -367,8 +392,11 @@ class RunnerPool:
         """A leased runner that has started; a runner that fails to start is replaced."""
         for attempt in range(1, attempts + 1):
             handle = self.acquire()
+            began = time.monotonic()
             try:
                 handle.wait_ready()
+                ended = time.monotonic()
+                REQUESTS.append(RequestTiming("lease_wait", ended - began, 0.0, ended, handle.pid))
             except RunnerError as exc:
                 self.release(handle)
                 log.warning(
