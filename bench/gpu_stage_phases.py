@@ -46,19 +46,26 @@ def phases(since: float, until: float) -> dict[str, dict[str, float]]:
 
 def staged(name: str, fn: Any, *args: Any, **kw: Any) -> dict[str, Any]:
     """Run one stage; its duration, verdict and request phases."""
+    from kf.evaluation.sandbox import REQUESTS
+
     t0 = time.monotonic()
     report = fn(*args, **kw)
     t1 = time.monotonic()
     ok = getattr(report, "correct", getattr(report, "ok", None))
-    row = {
+    spent = phases(t0, t1)
+    row: dict[str, Any] = {
         "stage": name,
         "seconds": round(t1 - t0, 3),
         "ok": ok,
         "failure": getattr(report, "failure_kind", None),
-        "phases": phases(t0, t1),
+        "phases": spent,
     }
     print(f"  {name}: {row['seconds']:.2f} s ok={ok} {row['failure'] or ''}", flush=True)
-    for op, p in row["phases"].items():
+    runs = [r.detail for r in REQUESTS if r.op == "run" and t0 <= r.ended <= t1 and r.detail]
+    if runs:
+        row["runs"] = [{k: round(v, 4) for k, v in d.items()} for d in runs]
+        print(f"      run phases: {row['runs']}", flush=True)
+    for op, p in spent.items():
         print(
             f"      {op:>14}: n={p['n']:<3g} wall {p['wall_s']:7.3f} s  in runner "
             f"{p['runner_s']:7.3f} s",
@@ -74,10 +81,15 @@ def main() -> int:
     p.add_argument("--load", type=int, default=12, help="builds running beside the loaded pass")
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--device", default="cuda:0")
+    p.add_argument("--cache", type=Path, help="build cache to use (default: a fresh, cold one)")
+    p.add_argument(
+        "--no-warm", action="store_true", help="runners skip start-up warm-up (KF_RUNNER_WARM)"
+    )
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kf-phases-"))
-    os.environ["KF_CACHE_DIR"] = str(work / "kf-cache")  # runners inherit it: a cold cache
+    # runners inherit it: a cold cache unless --cache names a used one
+    os.environ["KF_CACHE_DIR"] = str(args.cache or work / "kf-cache")
     os.environ.setdefault("KF_NCU", "0")
 
     from gpu_pipeline import task_file, variants
@@ -89,9 +101,14 @@ def main() -> int:
     n, load = args.candidates, args.load
     sources = variants(n + load)
     task = load_task(task_file(work, args.batch))
-    pool = RunnerPool(size=min(n + load, 24) + 4)
+    pool = RunnerPool(size=min(n + load, 24) + 4, warm=None if args.no_warm else args.device)
     pool.start()
-    result: dict[str, Any] = {"candidates": n, "load": load, "batch": args.batch}
+    result: dict[str, Any] = {
+        "candidates": n,
+        "load": load,
+        "batch": args.batch,
+        "warm": pool.warm,
+    }
 
     print(f"== building {n} candidates at once (cold cache)", flush=True)
     t0 = time.monotonic()

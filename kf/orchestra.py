@@ -81,6 +81,8 @@ def worker_agents(device: str = "cpu") -> list[type[Agent[Any]]]:
         )
 
         os.environ.setdefault("KF_EVAL_POOL", str(compile_concurrency() + 4))
+        # idle runners make their CUDA context and load the op tracer before a stage needs them
+        os.environ.setdefault("KF_RUNNER_WARM", device)
         return [CudaHardwareAgent, CudaCompiler, CudaVerifier, Profiler, CounterCollector]
     from hardware_agents.cpu_agent import CpuHardwareAgent
 

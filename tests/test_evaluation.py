@@ -288,3 +288,18 @@ def test_builds_run_at_lower_priority_than_grading(
     report = compile_candidate(TASK, source, pool=pool)
     assert not report.ok
     assert f"niceness {min(19, base + 7)}" in (report.error or "")
+
+
+def test_warmed_runners_trace_and_verify() -> None:
+    """A runner warmed at start-up (op tracer loaded before it is ready) still grades:
+    the honest candidate verifies, and a candidate computing with PyTorch is flagged."""
+    warmed = RunnerPool(size=1, threads=1, warm="cpu")
+    try:
+        verified = verify_candidate(TASK, candidate("honest"), pool=warmed)
+        assert verified.correct, verified.error
+        assert not [f for f in verified.flags if f.startswith("torch_compute")]
+        cheat = (FIXTURES.parent / "adversarial" / "torch_reference.py").read_text()
+        flagged = verify_candidate(TASK, cheat, pool=warmed)
+        assert [f for f in flagged.flags if f.startswith("torch_compute")], flagged.flags
+    finally:
+        warmed.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -108,6 +109,8 @@ def main(argv: list[str]) -> int:
         return int(exc.code or 0)
     try:
         device = parse_device(args.device)
+        if device.startswith("cuda"):  # idle runners make their CUDA context ahead of use
+            os.environ.setdefault("KF_RUNNER_WARM", device)
         task = load_task(args.task)
         candidate = Path(args.candidate)
         try:

@@ -584,7 +584,9 @@ class Runner:
 
     def op_run(self, msg: dict[str, Any]) -> dict[str, Any]:
         torch = self.torch
+        t0 = self.clock_ns()
         self.inputs = [self.backend.to_device(v) for v in self.load(msg["inputs"])]
+        t1 = self.clock_ns()
         recorder = _OpRecorder(torch) if msg.get("trace") else None
         try:
             with torch.no_grad():
@@ -596,12 +598,16 @@ class Runner:
             self.backend.synchronize()
         except BaseException as exc:
             raise _Failure("exception", f"ModelNew.forward raised {_describe(exc)}", _tb()) from exc
+        t2 = self.clock_ns()
         outs = _flatten(torch, out, "ModelNew.forward", "exception")
         ops = [] if recorder is None else [op for op in recorder.ops if op not in _DATA_OPS]
+        outputs, inputs_after = self.dump(self.host(outs)), self.dump(self.host(self.inputs))
         return {
             "torch_ops": ops,
-            "outputs": self.dump(self.host(outs)),
-            "inputs_after": self.dump(self.host(self.inputs)),
+            "outputs": outputs,
+            "inputs_after": inputs_after,
+            # where the request's time went, for the grader's request log
+            "phases_ns": {"inputs": t1 - t0, "forward": t2 - t1, "outputs": self.clock_ns() - t2},
         }
 
     def op_check(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -694,6 +700,25 @@ class Runner:
         return {"total_ns": self.clock_ns() - start}
 
 
+def _warm(torch: Any, device: str) -> None:
+    """Start-up work that a GPU stage would otherwise wait for (``$KF_RUNNER_WARM``).
+
+    A pooled runner starts while earlier candidates are graded, so what it does before
+    it says it is ready costs no stage any time: the CUDA context on ``device`` (about
+    0.6 s on an H200), and the op tracer's first entry into a dispatch mode, which
+    imports ``torch._dynamo`` (1.5 to 2 s). Nothing of a candidate exists yet. A failure
+    is only logged: set-up reports it properly.
+    """
+    try:
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+            torch.empty(1, device=device)
+        with _OpRecorder(torch):
+            torch.zeros(1).add_(1)
+    except Exception as exc:  # set-up raises the real error with its context
+        print(f"kf runner: warm-up for {device} failed: {_describe(exc)}", flush=True)
+
+
 def _tb() -> str:
     text = traceback.format_exc()
     return text[-_MAX_LOG:]
@@ -728,6 +753,8 @@ def main(argv: list[str]) -> int:
     conn = Connection(fd)
     send, recv = conn.send_bytes, conn.recv_bytes  # bound before any candidate code runs
     runner = Runner(clock_ns, watch)
+    if os.environ.get("KF_RUNNER_WARM"):
+        _warm(runner.torch, os.environ["KF_RUNNER_WARM"])
     send(encode({"op": "ready", "pid": os.getpid(), "torch": str(runner.torch.__version__)}))
     guard: _Integrity | None = None
     while True:

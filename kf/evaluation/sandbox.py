@@ -73,6 +73,8 @@ class RequestTiming(NamedTuple):
     runner_s: float
     ended: float
     pid: int
+    #: the handler's own breakdown where it gives one (``run``: inputs, forward, outputs)
+    detail: dict[str, float] | None = None
 
 
 _netns: bool | None = None
@@ -161,9 +163,11 @@ class RunnerHandle:
         *,
         wrapper: Sequence[str] = (),
         isolate: bool = True,
+        warm: str | None = None,
     ) -> None:
         """Start a runner; ``wrapper`` (e.g. ncu's argv) runs it, inside the network
-        namespace unless ``isolate`` is False."""
+        namespace unless ``isolate`` is False; ``warm`` names the device whose start-up
+        work (a CUDA context, the op tracer) it does before it says it is ready."""
         self.scratch = Path(tempfile.mkdtemp(prefix="kf-runner-"))
         self.log_path = self.scratch / "runner.log"
         self.threads = threads
@@ -176,6 +180,10 @@ class RunnerHandle:
             PYTHONUNBUFFERED="1",
             PYTHONDONTWRITEBYTECODE="1",
         )
+        self.warm = warm
+        env.pop("KF_RUNNER_WARM", None)
+        if warm:
+            env["KF_RUNNER_WARM"] = warm
         # Fair timing on a CPU: idle OpenMP threads of one runner must not spin while the
         # other runner is being timed, and big buffers are reused from the heap rather than
         # mmap'ed afresh (page faults) on every call — which helps eager's temporaries most,
@@ -296,7 +304,13 @@ class RunnerHandle:
         ended = time.monotonic()
         took = reply.get("took_ns")
         runner_s = took / 1e9 if isinstance(took, int) else 0.0
-        REQUESTS.append(RequestTiming(op, ended - began, runner_s, ended, self.pid))
+        phases = reply.get("phases_ns")
+        detail = (
+            {str(k): v / 1e9 for k, v in phases.items() if isinstance(v, int)}
+            if isinstance(phases, dict)
+            else None
+        )
+        REQUESTS.append(RequestTiming(op, ended - began, runner_s, ended, self.pid, detail))
         forged = reply.get("id") != request_id
         with contextlib.suppress(OSError):
             forged = forged or self.conn.poll(0)  # a second message nobody asked for
@@ -346,8 +360,17 @@ class RunnerHandle:
 class RunnerPool:
     """A thread-safe pool of warm runners; each leased runner is used once and killed."""
 
-    def __init__(self, size: int = 2, *, threads: int | None = None, python: str | None = None):
+    def __init__(
+        self,
+        size: int = 2,
+        *,
+        threads: int | None = None,
+        python: str | None = None,
+        warm: str | None = None,
+    ):
+        """``warm``: the device (``cuda:N``) whose start-up work runners do while idle."""
         self.size = max(0, size)
+        self.warm = warm
         self.threads = threads or default_threads()
         self.python = python or sys.executable
         self._idle: list[RunnerHandle] = []
@@ -358,7 +381,7 @@ class RunnerPool:
         self._closed = False
 
     def _spawn(self) -> RunnerHandle:
-        handle = RunnerHandle(self.python, self.threads)
+        handle = RunnerHandle(self.python, self.threads, warm=self.warm)
         log.debug("runner_spawned", pid=handle.pid)
         return handle
 
@@ -497,10 +520,14 @@ _default_lock = threading.Lock()
 
 
 def default_pool() -> RunnerPool:
-    """The process-wide pool (size ``$KF_EVAL_POOL``, default 2), closed at exit."""
+    """The process-wide pool (size ``$KF_EVAL_POOL``, default 2, runners warmed for
+    ``$KF_RUNNER_WARM``), closed at exit."""
     global _default
     with _default_lock:
         if _default is None or _default._closed:
-            _default = RunnerPool(size=int(os.environ.get("KF_EVAL_POOL", "2")))
+            _default = RunnerPool(
+                size=int(os.environ.get("KF_EVAL_POOL", "2")),
+                warm=os.environ.get("KF_RUNNER_WARM") or None,
+            )
             atexit.register(_default.close)
         return _default

@@ -105,8 +105,11 @@ def _setup_fields(
     return {
         "device": device,
         "threads": handle.threads,
-        # a CUDA context maps far more address space than any sane RLIMIT_AS
-        "memory_bytes": 0 if device.startswith("cuda") else limits.memory_bytes,
+        # a CUDA context (also one a runner warmed for a GPU made at start-up) maps far
+        # more address space than any sane RLIMIT_AS
+        "memory_bytes": 0
+        if device.startswith("cuda") or (handle.warm or "").startswith("cuda")
+        else limits.memory_bytes,
         # a reused reference runner (no candidate code) gets no cumulative CPU limit: a
         # hard limit cannot be raised again, and the grader's deadlines still apply
         "cpu_s": 0 if reference else limits.cpu_s or int(deadline.timeout_s * handle.threads) + 30,
