@@ -79,10 +79,13 @@ def worker_agents(device: str = "cpu") -> list[type[Agent[Any]]]:
             CudaVerifier,
             compile_concurrency,
         )
+        from kf.evaluation.sandbox import reconfigure_default_pool
 
         os.environ.setdefault("KF_EVAL_POOL", str(compile_concurrency() + 4))
         # idle runners make their CUDA context and load the op tracer before a stage needs them
         os.environ.setdefault("KF_RUNNER_WARM", device)
+        # `kf run` checked its tasks first, which made the process's pool with neither
+        reconfigure_default_pool()
         return [CudaHardwareAgent, CudaCompiler, CudaVerifier, Profiler, CounterCollector]
     from hardware_agents.cpu_agent import CpuHardwareAgent
 

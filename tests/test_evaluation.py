@@ -303,3 +303,28 @@ def test_warmed_runners_trace_and_verify() -> None:
         assert [f for f in flagged.flags if f.startswith("torch_compute")], flagged.flags
     finally:
         warmed.close()
+
+
+def test_default_pool_takes_settings_made_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kf run` checks its tasks (making the process's pool) before a CUDA worker sets
+    $KF_EVAL_POOL and $KF_RUNNER_WARM; reconfiguring applies them to that pool."""
+    from kf.evaluation import sandbox
+
+    monkeypatch.delenv("KF_EVAL_POOL", raising=False)
+    monkeypatch.delenv("KF_RUNNER_WARM", raising=False)
+    monkeypatch.setattr(sandbox, "_default", None)
+    first = sandbox.default_pool()
+    try:
+        first.start()
+        assert (first.size, first.warm) == (2, None)
+        monkeypatch.setenv("KF_EVAL_POOL", "3")
+        monkeypatch.setenv("KF_RUNNER_WARM", "cpu")
+        sandbox.reconfigure_default_pool()
+        assert sandbox.default_pool() is first
+        assert (first.size, first.warm) == (3, "cpu")
+        idle = list(first._idle)
+        assert len(idle) == 3 and all(h.warm == "cpu" for h in idle)
+        with first.lease() as handle:  # a warmed runner serves
+            assert handle.request("ping", 60.0)["ok"]
+    finally:
+        first.close()

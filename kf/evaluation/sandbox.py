@@ -50,6 +50,7 @@ __all__ = [
     "RunnerTimeout",
     "default_pool",
     "default_threads",
+    "reconfigure_default_pool",
 ]
 
 log = structlog.get_logger("kf.evaluation.sandbox")
@@ -390,6 +391,17 @@ class RunnerPool:
         while not self._closed and len(self._idle) < self.size:
             self._idle.append(self._spawn())
 
+    def configure(self, *, size: int, warm: str | None) -> None:
+        """Change the number of idle runners kept and what they warm up for; idle
+        runners started for another warm-up are replaced."""
+        with self._lock:
+            stale = [h for h in self._idle if h.warm != warm]
+            self._idle = [h for h in self._idle if h.warm == warm]
+            self.size, self.warm = max(0, size), warm
+            self._fill()
+        for handle in stale:
+            handle.kill()
+
     def start(self) -> None:
         """Spawn the warm runners now (otherwise they are spawned on first use)."""
         with self._lock:
@@ -519,15 +531,28 @@ _default: RunnerPool | None = None
 _default_lock = threading.Lock()
 
 
+def _pool_settings() -> tuple[int, str | None]:
+    return int(os.environ.get("KF_EVAL_POOL", "2")), os.environ.get("KF_RUNNER_WARM") or None
+
+
 def default_pool() -> RunnerPool:
     """The process-wide pool (size ``$KF_EVAL_POOL``, default 2, runners warmed for
     ``$KF_RUNNER_WARM``), closed at exit."""
     global _default
     with _default_lock:
         if _default is None or _default._closed:
-            _default = RunnerPool(
-                size=int(os.environ.get("KF_EVAL_POOL", "2")),
-                warm=os.environ.get("KF_RUNNER_WARM") or None,
-            )
+            size, warm = _pool_settings()
+            _default = RunnerPool(size=size, warm=warm)
             atexit.register(_default.close)
         return _default
+
+
+def reconfigure_default_pool() -> None:
+    """Apply ``$KF_EVAL_POOL`` and ``$KF_RUNNER_WARM`` to the process-wide pool if it
+    exists already (a task check made it before a worker set them); see
+    :meth:`RunnerPool.configure`."""
+    with _default_lock:
+        pool = _default if _default is not None and not _default._closed else None
+    if pool is not None:
+        size, warm = _pool_settings()
+        pool.configure(size=size, warm=warm)
