@@ -174,6 +174,8 @@ def stage_summary(db: Path) -> dict[str, Any]:
         "profiled_ok": 0, "profile_failed": {}, "flagged": 0, "objcache_hits": 0,
         "compile_s": [], "verify_s": [], "profile_s": [], "speedups": [],
     }  # fmt: skip
+    # per stage, per runner request op: summed seconds (reports' phases)
+    phases: dict[str, dict[str, list[float]]] = {"compile": {}, "verify": {}, "profile": {}}
     spans: dict[str, list[tuple[float, float]]] = {"build": [], "gpu": []}
     log = EventLog(db)
     try:
@@ -182,6 +184,15 @@ def stage_summary(db: Path) -> dict[str, Any]:
             report = getattr(ev, "report", None)
             stages = CandidateCompiled | CandidateVerified | CandidateRejected | CandidateProfiled
             if isinstance(ev, stages):
+                stage = (
+                    "compile"
+                    if isinstance(ev, CandidateCompiled)
+                    else "profile"
+                    if isinstance(ev, CandidateProfiled)
+                    else "verify"
+                )
+                for op, secs in (getattr(report, "phases", None) or {}).items():
+                    phases[stage].setdefault(op, []).append(float(secs))
                 end = rec.envelope.time
                 which = "build" if isinstance(ev, CandidateCompiled) else "gpu"
                 spans[which].append((end - float(getattr(report, "duration_s", 0.0)), end))
@@ -209,6 +220,11 @@ def stage_summary(db: Path) -> dict[str, Any]:
         log.close()
     for which, intervals in spans.items():
         out[f"{which}_concurrency"] = concurrency(intervals)
+    # mean seconds per candidate in each runner request op (lease_wait: runner start-up)
+    out["phases_mean_s"] = {
+        stage: {op: round(sum(v) / len(v), 4) for op, v in sorted(ops.items())}
+        for stage, ops in phases.items()
+    }
     for key in ("compile_s", "verify_s", "profile_s"):
         values = out.pop(key)
         out[key.replace("_s", "_seconds")] = {

@@ -56,6 +56,12 @@ def test_honest_candidate_passes_every_stage(pool: RunnerPool) -> None:
     assert [r.op for r in done].count("run") > 5  # trials, then the generalisation gate
     assert {"setup", "load_task", "load_candidate", "make_inputs", "check"} <= {r.op for r in done}
     assert all(0 < r.runner_s <= r.wall_s for r in done if r.op != "lease_wait")
+    # ... and the report says where the stage's time went, per request op
+    assert compiled.phases.get("load_candidate", 0) > 0
+    assert verified.phases["run"] > 0 and verified.phases["check"] > 0
+    assert sum(verified.phases.values()) <= verified.duration_s + verified.phases.get(
+        "lease_wait", 0.0
+    )
     assert len(verified.evidence) == 5
     assert all(e.ok for e in verified.evidence)
     assert len({e.seed for e in verified.evidence}) == 5
@@ -70,6 +76,7 @@ def test_honest_candidate_passes_every_stage(pool: RunnerPool) -> None:
     assert profiled.runtime_min_ms <= profiled.runtime_median_ms
     assert profiled.outside_wall_ms is not None
     assert "perf_counter_ns" in profiled.timer
+    assert profiled.phases["time"] > 0 and "setup" in profiled.phases
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from kf.evaluation.reports import (
     VerifyReport,
 )
 from kf.evaluation.sandbox import (
+    REQUESTS,
     Limits,
     RunnerCrashed,
     RunnerError,
@@ -181,6 +182,17 @@ def _after_candidate_failure(ref: RunnerHandle, exc: _CandidateFailed, device: s
         ref.discard = True
 
 
+def _phases(since: float, *handles: RunnerHandle) -> dict[str, float]:
+    """Seconds the stage's runners took per request op since ``since`` (the request log;
+    ``lease_wait``: waiting for a leased runner to start)."""
+    pids = {h.pid for h in handles}
+    spent: dict[str, float] = {}
+    for r in list(REQUESTS):
+        if r.ended >= since and r.pid in pids:
+            spent[r.op] = spent.get(r.op, 0.0) + r.wall_s
+    return {op: round(s, 4) for op, s in sorted(spent.items())}
+
+
 def _truncate(text: str) -> str:
     return text if len(text) <= _MAX_LOG else "… (truncated)\n" + text[-_MAX_LOG:]
 
@@ -325,6 +337,7 @@ def compile_candidate(
     pool = pool or default_pool()
     limits = limits or Limits()
     static = check_source(source)
+    since = time.monotonic()
     with pool.lease() as cand:
         start = time.monotonic()
         deadline = _Deadline(timeout_s)
@@ -355,11 +368,16 @@ def compile_candidate(
                 duration_s=time.monotonic() - start,
                 failure_kind=exc.kind,
                 warnings=static + tuple(cand.findings),
+                phases=_phases(since, cand),
             )
         warnings = static + tuple(cand.findings)
     log.info("candidate_compiled", task=task.name, warnings=warnings)
     return CompileReport(
-        ok=True, log=build_log, duration_s=time.monotonic() - start, warnings=warnings
+        ok=True,
+        log=build_log,
+        duration_s=time.monotonic() - start,
+        warnings=warnings,
+        phases=_phases(since, cand),
     )
 
 
@@ -390,6 +408,7 @@ def verify_candidate(
     variants: list[TrialEvidence] = []
     flags: list[str] = []
     atol = 0.0
+    since = time.monotonic()
     with pool.reference_lease(_ref_key(task, device)) as ref, pool.lease() as cand:
         start = time.monotonic()
         deadline = _Deadline(timeout_s)
@@ -405,6 +424,7 @@ def verify_candidate(
                 duration_s=time.monotonic() - start,
                 variant_evidence=tuple(variants),
                 flags=tuple(flags) + tuple(f for f in cand.findings if f not in flags),
+                phases=_phases(since, ref, cand),
                 **kw,
             )
 
@@ -547,6 +567,41 @@ def profile_candidate(
 
     Raises :class:`TaskError` when the task itself is broken.
     """
+    since = time.monotonic()
+    leased: list[RunnerHandle] = []
+    report = _profile(
+        task,
+        source,
+        leased,
+        device=device,
+        seed=seed,
+        warmup=warmup,
+        min_trials=min_trials,
+        min_time_s=min_time_s,
+        max_trials=max_trials,
+        timeout_s=timeout_s,
+        limits=limits,
+        pool=pool,
+    )
+    return msgspec.structs.replace(report, phases=_phases(since, *leased))
+
+
+def _profile(
+    task: Task,
+    source: str,
+    leased: list[RunnerHandle],
+    *,
+    device: str,
+    seed: int,
+    warmup: int,
+    min_trials: int,
+    min_time_s: float,
+    max_trials: int,
+    timeout_s: float,
+    limits: Limits | None,
+    pool: RunnerPool | None,
+) -> ProfileReport:
+    """:func:`profile_candidate`; the runners it leases are added to ``leased``."""
     device = parse_device(device)
     pool = pool or default_pool()
     limits = limits or Limits()
@@ -555,6 +610,7 @@ def profile_candidate(
         pool.reference_lease(_ref_key(task, device)) as ref,
         pool.lease() as cand,
     ):
+        leased += [ref, cand]
         if not device.startswith("cuda"):
             # replacement runners import torch now, not during a CPU timing; CUDA events
             # time the GPU, which runner start-ups on the host do not slow
