@@ -117,6 +117,7 @@ def pipeline_arm(sources: list[str], work: Path, task: Path, timeout_s: float) -
     ]  # fmt: skip
     with GpuSampler() as gpu:
         t0 = time.perf_counter()
+        launched = time.time()  # envelope times are epoch seconds
         try:
             proc = subprocess.run(
                 argv, capture_output=True, text=True, env=env, check=False, timeout=timeout_s
@@ -136,7 +137,7 @@ def pipeline_arm(sources: list[str], work: Path, task: Path, timeout_s: float) -
         "candidates_per_min": len(sources) / wall * 60,
         "gpu_busy": gpu.busy,
         "returncode": proc.returncode,
-        "stages": stage_summary(work / "pipeline.db"),
+        "stages": stage_summary(work / "pipeline.db", launched),
         "report": report,
     }
 
@@ -157,8 +158,10 @@ def concurrency(intervals: list[tuple[float, float]]) -> dict[str, float]:
     return {"max": float(peak), "mean_while_busy": weighted / busy if busy else 0.0, "busy_s": busy}
 
 
-def stage_summary(db: Path) -> dict[str, Any]:
-    """What the run's log says each stage did: counts, seconds, failures, flags, builds."""
+def stage_summary(db: Path, launched: float | None = None) -> dict[str, Any]:
+    """What the run's log says each stage did: counts, seconds, failures, flags, builds,
+    and (given when ``kf run`` was launched, epoch seconds) a timeline: seconds from the
+    launch to the first and last event of each type, and to the first build's start."""
     from kf.log import EventLog
     from kf.search_facts import (
         CandidateCompiled,
@@ -177,10 +180,13 @@ def stage_summary(db: Path) -> dict[str, Any]:
     # per stage, per runner request op: summed seconds (reports' phases)
     phases: dict[str, dict[str, list[float]]] = {"compile": {}, "verify": {}, "profile": {}}
     spans: dict[str, list[tuple[float, float]]] = {"build": [], "gpu": []}
+    seen: dict[str, list[float]] = {}  # event type: [first, last] time
     log = EventLog(db)
     try:
         for rec in log.records():
             ev = rec.event
+            when = seen.setdefault(rec.envelope.type, [rec.envelope.time, rec.envelope.time])
+            when[1] = rec.envelope.time
             report = getattr(ev, "report", None)
             stages = CandidateCompiled | CandidateVerified | CandidateRejected | CandidateProfiled
             if isinstance(ev, stages):
@@ -220,6 +226,15 @@ def stage_summary(db: Path) -> dict[str, Any]:
         log.close()
     for which, intervals in spans.items():
         out[f"{which}_concurrency"] = concurrency(intervals)
+    if launched is not None:
+        out["timeline_s"] = {
+            kind: [round(first - launched, 2), round(last - launched, 2)]
+            for kind, (first, last) in sorted(seen.items(), key=lambda kv: kv[1][0])
+        }
+        if spans["build"]:
+            out["timeline_s"]["first_build_started"] = round(
+                min(a for a, _ in spans["build"]) - launched, 2
+            )
     # mean seconds per candidate in each runner request op (lease_wait: runner start-up)
     out["phases_mean_s"] = {
         stage: {op: round(sum(v) / len(v), 4) for op, v in sorted(ops.items())}
