@@ -458,3 +458,20 @@ def test_an_identical_load_in_a_fresh_process_is_a_cache_hit(
     assert proc.returncode == 0, proc.stderr
     assert "kf_objcache_probe" in proc.stdout and "cache hit" in proc.stdout, proc.stdout
     assert "which 1" in proc.stdout
+
+
+@needs_gxx
+def test_verdicts_are_also_appended_to_the_named_log(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``KF_OBJCACHE_LOG`` (a runner's log) gets each verdict too: ninja hides stderr."""
+    log = tmp_path / "runner.log"
+    log.write_text("runner output before the build\n")
+    monkeypatch.setenv("KF_OBJCACHE_LOG", str(log))
+    include = tmp_path / "include"
+    _write_header(include, 3)
+    _compile(_build_dir(tmp_path, "build-1"), f"-I{include}")
+    _compile(_build_dir(tmp_path, "build-2"), f"-I{include}")
+    lines = log.read_text().splitlines()
+    assert lines[0] == "runner output before the build"
+    assert _verdicts("\n".join(lines)) == ["miss", "hit"]

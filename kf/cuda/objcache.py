@@ -58,6 +58,11 @@ source path of the build that compiled it.
 
 The cache lives in ``$KF_CACHE_DIR/objects`` (or ``~/.cache/kf/objects``) and is never
 pruned here; deleting it is always safe.
+
+Each verdict (``kf.cuda.objcache: hit main.cpp …``) goes to stderr, which ninja shows
+only for a failed or verbose build, and is also appended to the file
+``$KF_OBJCACHE_LOG`` names, if any: kf's runners name their own log, so a candidate's
+compile report says which of its objects came from the cache.
 """
 
 from __future__ import annotations
@@ -655,8 +660,19 @@ def _file_mode() -> int:
 
 
 def _say(text: str) -> None:
-    sys.stderr.write(f"kf.cuda.objcache: {text}\n")
+    line = f"kf.cuda.objcache: {text}\n"
+    sys.stderr.write(line)
     sys.stderr.flush()
+    target = os.environ.get("KF_OBJCACHE_LOG")
+    if target:
+        try:  # one append of one short line: whole, even with other writers
+            fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        except OSError:
+            pass  # the verdict is on stderr anyway
 
 
 def _lookup(root: Path, key: str, paths: _Paths) -> dict[str, Any] | None:

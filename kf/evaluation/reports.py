@@ -71,12 +71,11 @@ def is_suspect(flags: tuple[str, ...] | list[str]) -> bool:
     return any(f.split(":", 1)[0] in SUSPECT_FLAGS for f in flags)
 
 
-#: What a stage report's ``phases`` hold: for each runner request op (``setup``,
-#: ``load_candidate``, ``run``, ``check``, ``time``, ...), the seconds the grader waited
-#: for the stage's runners' replies, and ``lease_wait``, the seconds it waited for a
-#: leased runner to finish starting (not part of ``duration_s``). Wall times, as noisy
-#: as ``duration_s``: they say where a stage's time went, not what a kernel costs.
-RUNNER_PHASES = "seconds per runner request op of the stage, and lease_wait"
+# A stage report's ``phases``: for each runner request op (``setup``, ``load_candidate``,
+# ``run``, ``check``, ``time``, ...), the seconds the grader waited for the stage's
+# runners' replies, and ``lease_wait``, the seconds it waited for a leased runner to
+# finish starting (not part of ``duration_s``). Wall times, as noisy as ``duration_s``:
+# they say where a stage's time went, not what a kernel costs.
 
 
 class CompileReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,7 +87,7 @@ class CompileReport(msgspec.Struct, frozen=True, kw_only=True):
     duration_s: float = 0.0
     failure_kind: str | None = None
     warnings: tuple[str, ...] = ()  # static checks and runtime findings, "code: detail"
-    phases: dict[str, float] = {}  # seconds per runner request (see RUNNER_PHASES)
+    phases: dict[str, float] = {}  # seconds per runner request op (see above)
 
 
 class TrialEvidence(msgspec.Struct, frozen=True, kw_only=True):
@@ -117,7 +116,7 @@ class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
     duration_s: float = 0.0
     variant_evidence: tuple[TrialEvidence, ...] = ()  # the generalisation gate's trials
     flags: tuple[str, ...] = ()
-    phases: dict[str, float] = {}  # seconds per runner request (see RUNNER_PHASES)
+    phases: dict[str, float] = {}  # seconds per runner request op (see above)
 
 
 class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -147,7 +146,7 @@ class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
     ref_runtime_ci95_ms: float = 0.0
     fresh_runtime_ms: float | None = None  # median of one call on each of a few fresh inputs
     reverify: VerifyReport | None = None  # re-verification of a speed-up above 10x
-    phases: dict[str, float] = {}  # seconds per runner request (see RUNNER_PHASES)
+    phases: dict[str, float] = {}  # seconds per runner request op (see above)
 
 
 class CountersReport(msgspec.Struct, frozen=True, kw_only=True):

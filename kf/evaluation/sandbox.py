@@ -176,6 +176,8 @@ class RunnerHandle:
         env = dict(os.environ)
         env.update(
             TMPDIR=str(self.scratch),
+            # build tools the runner starts add their verdicts to its log (kf.cuda.objcache)
+            KF_OBJCACHE_LOG=str(self.log_path),
             OMP_NUM_THREADS=str(threads),
             MKL_NUM_THREADS=str(threads),
             PYTHONUNBUFFERED="1",
@@ -199,7 +201,8 @@ class RunnerHandle:
         prefix = [str(shutil.which("unshare")), "-rn"] if self.isolated_network else []
         prefix = [*wrapper, *prefix]
         self.findings: list[str] = []
-        with open(self.log_path, "wb") as logf:
+        # appending: the runner and the build tools it starts write to it side by side
+        with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
                 [
                     *prefix,
