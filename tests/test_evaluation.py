@@ -331,7 +331,8 @@ def test_default_pool_takes_settings_made_after_it(monkeypatch: pytest.MonkeyPat
         assert (first.size, first.warm) == (3, "cpu")
         idle = list(first._idle)
         assert len(idle) == 3 and all(h.warm == "cpu" for h in idle)
-        with first.lease() as handle:  # a warmed runner serves
+        with first.lease() as handle:  # a runner that did its warm-up before 'ready' serves
+            assert "kf runner: warmed up for cpu in" in handle.log_tail()
             assert handle.request("ping", 60.0)["ok"]
     finally:
         first.close()

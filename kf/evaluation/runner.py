@@ -709,6 +709,7 @@ def _warm(torch: Any, device: str) -> None:
     imports ``torch._dynamo`` (1.5 to 2 s). Nothing of a candidate exists yet. A failure
     is only logged: set-up reports it properly.
     """
+    start = time.perf_counter()
     try:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
@@ -717,6 +718,10 @@ def _warm(torch: Any, device: str) -> None:
             torch.zeros(1).add_(1)
     except Exception as exc:  # set-up raises the real error with its context
         print(f"kf runner: warm-up for {device} failed: {_describe(exc)}", flush=True)
+    else:
+        print(
+            f"kf runner: warmed up for {device} in {time.perf_counter() - start:.2f}s", flush=True
+        )
 
 
 def _tb() -> str:
