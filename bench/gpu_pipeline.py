@@ -74,12 +74,18 @@ class GpuSampler:
         self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         self.period_s = period_s
         self.samples: list[int] = []
+        # (time, busy jiffies, all jiffies, this cgroup's CPU seconds)
+        self.cpu: list[tuple[float, int, int, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        ticks = 0
         while not self._stop.is_set():
             self.samples.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+            if ticks % round(1.0 / self.period_s) == 0:
+                self.cpu.append((time.perf_counter(), *host_cpu_jiffies(), cgroup_cpu_s()))
+            ticks += 1
             self._stop.wait(self.period_s)
 
     def __enter__(self) -> GpuSampler:
@@ -93,6 +99,52 @@ class GpuSampler:
     @property
     def busy(self) -> float:
         return sum(self.samples) / max(1, len(self.samples)) / 100.0
+
+    def host_cpu(self, window_s: float = 10.0) -> dict[str, Any]:
+        """CPU use over the arm and per ``window_s`` window: the busy share of all the
+        CPUs /proc/stat shows, and the cores this container's cgroup kept busy (its CPU
+        seconds over wall seconds): whether the builds had the host's cores to themselves."""
+        if len(self.cpu) < 2:
+            return {}
+        first, last = self.cpu[0], self.cpu[-1]
+        share, cores, start = [], [], first
+        for point in self.cpu[1:]:
+            if point[0] - start[0] >= window_s or point is last:
+                share.append(round((point[1] - start[1]) / max(1, point[2] - start[2]), 2))
+                cores.append(round((point[3] - start[3]) / max(1e-9, point[0] - start[0]), 1))
+                start = point
+        cgroup = first[3] == first[3]  # NaN where there is no cgroup v2 cpu.stat
+        return {
+            "busy_share": round((last[1] - first[1]) / max(1, last[2] - first[2]), 3),
+            "cores_busy": round((last[3] - first[3]) / max(1e-9, last[0] - first[0]), 2)
+            if cgroup
+            else None,
+            "cpus_usable": len(os.sched_getaffinity(0)),
+            "cpus_in_proc_stat": os.cpu_count(),
+            f"busy_share_per_{window_s:g}s": share,
+            f"cores_busy_per_{window_s:g}s": cores if cgroup else None,
+        }
+
+
+def cgroup_cpu_s() -> float:
+    """CPU seconds this process's cgroup (v2) has used; NaN where there is none."""
+    try:
+        with open("/sys/fs/cgroup/cpu.stat") as f:
+            for line in f:
+                if line.startswith("usage_usec "):
+                    return int(line.split()[1]) / 1e6
+    except OSError:
+        pass
+    return float("nan")
+
+
+def host_cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all the host's CPUs; idle and iowait count as not busy."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    total = sum(fields[:8])  # guest time is already inside user and nice
+    return total - idle, total
 
 
 def task_file(work: Path, batch: int) -> Path:
@@ -136,6 +188,7 @@ def pipeline_arm(sources: list[str], work: Path, task: Path, timeout_s: float) -
         "wall_s": wall,
         "candidates_per_min": len(sources) / wall * 60,
         "gpu_busy": gpu.busy,
+        "host_cpu": gpu.host_cpu(),
         "returncode": proc.returncode,
         "stages": stage_summary(work / "pipeline.db", launched),
         "report": report,
@@ -324,6 +377,7 @@ def sequential_arm(sources: list[str], count: int, work: Path, task: Path) -> di
         "wall_s": wall,
         "candidates_per_min": count / wall * 60,
         "gpu_busy": gpu.busy,
+        "host_cpu": gpu.host_cpu(),
         "each": results,
     }
 
@@ -403,6 +457,8 @@ def main() -> int:
             result["pipeline"] = pipeline_arm(sources, work, task, args.pipeline_timeout)
             result["pipeline"]["batch"] = args.batch
             shutil.copy(work / "pipeline.stderr", args.out / "pipeline.stderr")
+            # kept even if the sequential arm is cut short
+            (args.out / "gpu_pipeline.json").write_text(json.dumps(result, indent=2))
         if "sequential" not in args.skip and args.sequential > 0:
             task = task_file(work, args.batch)
             result["sequential"] = sequential_arm(sources, args.sequential, work, task)
