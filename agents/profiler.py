@@ -7,6 +7,12 @@ that incumbent (alternating, same session) before the archive sees it; when the 
 says it is slower than its measurement did, its speed-up is lowered accordingly (never
 raised above what was measured against eager), so the archive's plain comparison decides
 on the paired measurement. The archive stays a pure fold.
+
+A third guard catches a session whose eager timing was itself an outlier (on a host busy
+with builds, PyTorch's several kernel launches can be slowed where a candidate's one is
+not): when this session's eager time lies well above the median of the task's earlier
+sessions on the same device, the speed-up is stated against that median instead, with a
+flag saying so. It only ever lowers a speed-up.
 """
 
 from __future__ import annotations
@@ -35,6 +41,11 @@ from kf.tasks import Task
 __all__ = ["Profiler", "ProfilerState", "relative_noise", "within_noise"]
 
 RETIME_ROUNDS = 2
+# An eager time is an outlier when it lies above the median of at least EAGER_HISTORY
+# earlier sessions by more than EAGER_OUTLIER (relative) and by more than three robust
+# standard deviations of those sessions (1.4826 × their median absolute deviation).
+EAGER_HISTORY = 3
+EAGER_OUTLIER = 0.10
 
 
 def relative_noise(report: ProfileReport) -> float:
@@ -51,11 +62,29 @@ def within_noise(challenger: float, c_noise: float, incumbent: float, i_noise: f
     return (challenger - incumbent) / incumbent <= math.hypot(c_noise, i_noise)
 
 
+def eager_median_if_outlier(history: Sequence[float], eager_ms: float) -> float | None:
+    """The median of ``history`` (earlier sessions' eager times of one task on one device)
+    when ``eager_ms`` lies well above it (see :data:`EAGER_OUTLIER`); otherwise None.
+
+    Only a slow outlier matters: it inflates a speed-up. A fast one deflates it, which
+    errs on the safe side.
+    """
+    if len(history) < EAGER_HISTORY or eager_ms <= 0:
+        return None
+    median = statistics.median(history)
+    spread = 1.4826 * statistics.median(abs(x - median) for x in history)
+    if eager_ms > median * (1 + EAGER_OUTLIER) and eager_ms > median + 3 * spread:
+        return median
+    return None
+
+
 class ProfilerState(EvaluatorState, kw_only=True):
-    """The evaluator's state plus each task's best elite and every profile's speed and noise."""
+    """The evaluator's state plus each task's best elite, every profile's speed and noise,
+    and the eager times measured so far per task and device."""
 
     best: dict[str, str] = {}  # task → candidate id of its fastest elite
     timings: dict[str, tuple[float, float]] = {}  # candidate id → (speed-up, relative noise)
+    eager_ms: dict[str, list[float]] = {}  # "task@device id" → eager ms of each session
 
 
 class Profiler(EvaluatorAgent):
@@ -73,6 +102,9 @@ class Profiler(EvaluatorAgent):
         ev = rec.event
         if isinstance(ev, CandidateProfiled) and ev.report.ok:
             state.timings[ev.candidate_id] = (ev.report.speedup, relative_noise(ev.report))
+            if ev.report.ref_runtime_ms > 0:
+                key = f"{ev.task}@{ev.device_id}"
+                state.eager_ms.setdefault(key, []).append(ev.report.ref_runtime_ms)
         elif isinstance(ev, EliteAdmitted):
             current = state.timings.get(state.best.get(ev.task, ""), (0.0, 0.0))[0]
             if ev.speedup > current:
@@ -116,6 +148,7 @@ class Profiler(EvaluatorAgent):
         kw = {"device": self.device, "seed": state.seed, "timeout_s": self.timeout_s}
         report = profile_candidate(task, source, **kw)  # type: ignore[arg-type]
         report = reverify_fast(task, source, report, **kw)  # type: ignore[arg-type]
+        report = self._against_usual_eager(state, task.name, report)
         incumbent = state.best.get(task.name)
         if not report.ok or incumbent is None or incumbent == cid:
             return report
@@ -126,6 +159,25 @@ class Profiler(EvaluatorAgent):
         ):
             return report
         return self._retime(task, report, source, incumbent, inc_source, inc_speedup, kw)
+
+    def _against_usual_eager(
+        self, state: ProfilerState, task: str, report: ProfileReport
+    ) -> ProfileReport:
+        """State the speed-up against the usual eager time if this session's was an outlier."""
+        if not report.ok or report.runtime_ms <= 0:
+            return report
+        history = state.eager_ms.get(f"{task}@{self.device_id}", [])
+        usual = eager_median_if_outlier(history, report.ref_runtime_ms)
+        if usual is None:
+            return report
+        speedup = min(report.speedup, usual / report.runtime_ms)
+        note = (
+            f"eager_outlier: this session's eager {report.ref_runtime_ms:.4f} ms is above the "
+            f"median {usual:.4f} ms of {len(history)} earlier sessions on this device; "
+            f"speed-up stated against the median: {speedup:.3f}× "
+            f"(against this session's eager: {report.speedup:.3f}×)"
+        )
+        return msgspec.structs.replace(report, speedup=speedup, flags=(*report.flags, note))
 
     def _retime(
         self,

@@ -159,3 +159,65 @@ def test_profiler_does_not_retime_a_clear_win(monkeypatch: pytest.MonkeyPatch) -
         sources={"inc": "inc", "new": "new"}, best={"t": "inc"}, timings={"inc": (2.0, 0.05)}
     )
     assert agent._profile(state, Task.from_source("t", "x"), "new", "new") is clear
+
+
+# eager times of the 39 ordinary sessions of a 40-candidate H200 run (ms); the 40th was 0.518
+H200_EAGER = [0.357] * 4 + [0.358] * 5 + [0.359, 0.36, 0.36, 0.36, 0.361, 0.361, 0.361]
+H200_EAGER += [0.362] * 4 + [0.364] * 3 + [0.365, 0.366, 0.366, 0.368, 0.369, 0.369, 0.372]
+H200_EAGER += [0.373, 0.373, 0.375, 0.376, 0.377, 0.379, 0.384, 0.387, 0.395]
+
+
+def test_eager_outlier_needs_history_and_a_clear_margin() -> None:
+    from agents.profiler import eager_median_if_outlier
+
+    assert len(H200_EAGER) == 39
+    median = eager_median_if_outlier(H200_EAGER, 0.518)
+    assert median is not None and abs(median - 0.362) < 1e-9
+    assert eager_median_if_outlier(H200_EAGER, 0.395) is None  # the slowest ordinary one
+    assert eager_median_if_outlier(H200_EAGER, 0.30) is None  # fast: errs on the safe side
+    assert eager_median_if_outlier([0.36, 0.36], 0.9) is None  # too little history
+    # a noisy device widens the margin beyond the fixed 10 %
+    noisy = [1.0, 1.3, 0.8, 1.2, 0.9]
+    assert eager_median_if_outlier(noisy, 1.3) is None
+    assert eager_median_if_outlier(noisy, 2.0) == 1.0
+
+
+def test_profiler_states_speedup_against_usual_eager_after_an_outlier_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session whose eager time was an outlier does not inflate the speed-up; the log's
+    earlier profiles on the same device say what eager usually takes."""
+    from agents import profiler as profiler_module
+    from kf.agent import AgentContext
+    from kf.events import Record, make_envelope
+    from kf.tasks import Task
+
+    def profiled(i: int, eager: float, device: str) -> Record:
+        report = ProfileReport(ok=True, speedup=eager / 0.1, runtime_ms=0.1, ref_runtime_ms=eager)
+        ev = CandidateProfiled(candidate_id=f"c{i}", task="t", device_id=device, report=report)
+        return Record(make_envelope(ev, run_id="r", source="profiler@x"), ev)
+
+    outlier = ProfileReport(ok=True, speedup=0.518 / 0.112, runtime_ms=0.112, ref_runtime_ms=0.518)
+    monkeypatch.setattr(profiler_module, "profile_candidate", lambda t, s, **kw: outlier)
+    monkeypatch.setattr(profiler_module, "reverify_fast", lambda t, s, r, **kw: r)
+    ctx = AgentContext(run_id="r", agent_id="profiler@t", options={"device_id": "host/cuda:0"})
+    agent = profiler_module.Profiler(ctx)
+    state = agent.initial_state()
+    for i, eager in enumerate(H200_EAGER):
+        state = agent.evolve(state, profiled(i, eager, "host/cuda:0"))
+    assert isinstance(state, profiler_module.ProfilerState)
+    state.sources["new"] = "new"
+    report = agent._profile(state, Task.from_source("t", "x"), "new", "new")
+    assert abs(report.speedup - 0.362 / 0.112) < 1e-9  # 3.23x, not the 4.63x measured
+    assert report.runtime_ms == 0.112 and report.ref_runtime_ms == 0.518  # measurements kept
+    (flag,) = [f for f in report.flags if f.startswith("eager_outlier:")]
+    assert "0.5180 ms" in flag and "39 earlier sessions" in flag and "4.625×" in flag
+
+    # history from another device says nothing about this one
+    other = profiler_module.Profiler(
+        AgentContext(run_id="r", agent_id="profiler@u", options={"device_id": "other/cuda:0"})
+    )
+    state2 = other.initial_state()
+    for i, eager in enumerate(H200_EAGER):
+        state2 = other.evolve(state2, profiled(i, eager, "host/cuda:0"))
+    assert other._profile(state2, Task.from_source("t", "x"), "new", "new") is outlier
