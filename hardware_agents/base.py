@@ -1,5 +1,11 @@
 """What every hardware agent does: announce its device when it connects, heartbeat while
-it serves, and announce when it leaves. A device kind only says how to probe itself."""
+it serves, and announce when it leaves. A device kind only says how to probe itself.
+
+A kind whose measurements take a while (``announce_before_measuring``) announces what it
+can describe at once, so work can be routed to it, then measures with the device to
+itself (the exclusive side of its device gate, which timing also takes) and announces
+again with the measured figures. The later announcement supersedes the earlier one.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ class HardwareAgent(Agent[None]):
     listens = ()
     device_kind: ClassVar[str] = ""  # "cpu", "cuda", …
     default_device: ClassVar[str] = ""
+    announce_before_measuring: ClassVar[bool] = False
 
     def __init__(self, ctx: AgentContext) -> None:
         super().__init__(ctx)
@@ -31,9 +38,11 @@ class HardwareAgent(Agent[None]):
         self.heartbeat_s = float(ctx.options.get("heartbeat_s", 10.0))
         self.measure = bool(ctx.options.get("measure", True))
         self._beat: asyncio.Task[None] | None = None
+        self._measuring: asyncio.Task[None] | None = None
 
-    def probe(self) -> dict[str, Any]:
-        """The device's capabilities (blocking; runs in a thread)."""
+    def probe(self, measure: bool) -> dict[str, Any]:
+        """The device's capabilities, with measured figures if ``measure`` (blocking; runs
+        in a thread)."""
         raise NotImplementedError
 
     def initial_state(self) -> None:
@@ -43,7 +52,14 @@ class HardwareAgent(Agent[None]):
         return ()
 
     async def on_start(self) -> None:
-        capabilities = await asyncio.to_thread(self.probe)
+        later = self.measure and self.announce_before_measuring
+        capabilities = await asyncio.to_thread(self.probe, self.measure and not later)
+        self._announce(capabilities)
+        self._beat = asyncio.create_task(self._heartbeats())
+        if later:
+            self._measuring = asyncio.create_task(self._measure())
+
+    def _announce(self, capabilities: dict[str, Any]) -> None:
         self.emit(
             DeviceAnnounced(
                 device_id=self.device_id,
@@ -52,7 +68,20 @@ class HardwareAgent(Agent[None]):
                 capabilities=capabilities,
             )
         )
-        self._beat = asyncio.create_task(self._heartbeats())
+
+    async def _measure(self) -> None:
+        """Measure with the device to ourselves, then announce the measured figures."""
+        from agents.evaluator import gate_for
+
+        try:
+            async with await gate_for(self.device).exclusive():
+                capabilities = await asyncio.to_thread(self.probe, True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the first announcement stands, without measurements
+            self.ctx.log.warning("device_measurement_failed", device=self.device, error=str(exc))
+            return
+        self._announce(capabilities)
 
     async def _heartbeats(self) -> None:
         while True:
@@ -60,8 +89,9 @@ class HardwareAgent(Agent[None]):
             self.emit(DeviceHeartbeat(device_id=self.device_id))
 
     async def on_stop(self) -> None:
-        if self._beat is not None:
-            self._beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._beat
+        for task in (self._measuring, self._beat):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self.emit(DeviceLeft(device_id=self.device_id, reason="worker stopped"))

@@ -19,6 +19,6 @@ class CpuHardwareAgent(HardwareAgent):
     device_kind = "cpu"
     default_device = "cpu"
 
-    def probe(self) -> dict[str, Any]:
-        caps: dict[str, Any] = msgspec.to_builtins(probe(measure=self.measure))
+    def probe(self, measure: bool) -> dict[str, Any]:
+        caps: dict[str, Any] = msgspec.to_builtins(probe(measure=measure))
         return caps

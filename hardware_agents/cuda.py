@@ -2,7 +2,9 @@
 measured copy bandwidth and matrix throughput, and the kernel backends usable here.
 
 :func:`probe` runs in a child process (``python -m hardware_agents.cuda --device cuda:0``)
-so the worker that announces the device never holds a CUDA context of its own. The
+so the worker that announces the device never holds a CUDA context of its own.
+:func:`probe_early` starts that child (without measurements) in the background, so that
+``kf run`` can describe its GPU while it checks its tasks. The
 text parsers (:func:`parse_nvcc_version`, :func:`parse_nvidia_smi_clocks`) are pure and
 tested with fixed inputs.
 """
@@ -10,11 +12,13 @@ tested with fixed inputs.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import re
 import shutil
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import msgspec
@@ -25,8 +29,13 @@ __all__ = [
     "parse_nvcc_version",
     "parse_nvidia_smi_clocks",
     "probe",
+    "probe_early",
     "probe_in_subprocess",
+    "take_early_probe",
 ]
+
+# device → the description probe_early is making (no measurements)
+_EARLY: dict[str, concurrent.futures.Future[CudaCapabilities]] = {}
 
 
 class CudaCapabilities(msgspec.Struct, frozen=True, kw_only=True):
@@ -204,6 +213,36 @@ def probe_in_subprocess(
             f"probing {device} failed (status {proc.returncode}): {proc.stderr[-1500:]}"
         )
     return msgspec.json.decode(proc.stdout.strip().splitlines()[-1], type=CudaCapabilities)
+
+
+def probe_early(device: str) -> None:
+    """Start describing ``device`` (no measurements) in a background thread, for the CUDA
+    hardware agent this process will start (:func:`take_early_probe`)."""
+    if device in _EARLY:
+        return
+    future: concurrent.futures.Future[CudaCapabilities] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(probe_in_subprocess(device, measure=False))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    _EARLY[device] = future
+    # a daemon thread: a `kf run` that stops at a broken task does not wait for the probe
+    threading.Thread(target=run, name="kf-probe", daemon=True).start()
+
+
+def take_early_probe(device: str) -> CudaCapabilities | None:
+    """What :func:`probe_early` found for ``device`` (waiting for it if need be), once; None
+    if it was not started or failed (the caller probes again and reports that error)."""
+    future = _EARLY.pop(device, None)
+    if future is None:
+        return None
+    try:
+        return future.result()
+    except Exception:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ import msgspec
 from agents.compiler import Compiler
 from agents.verifier import Verifier
 from hardware_agents.base import HardwareAgent
-from hardware_agents.cuda import probe_in_subprocess
+from hardware_agents.cuda import probe_in_subprocess, take_early_probe
 from kf.evaluation import CompileReport, compile_candidate
 from kf.tasks import Task
 
@@ -40,14 +40,22 @@ def compile_concurrency() -> int:
 
 
 class CudaHardwareAgent(HardwareAgent):
-    """One GPU, probed in a child process (the worker's own process keeps no CUDA context)."""
+    """One GPU, probed in a child process (the worker's own process keeps no CUDA context).
+
+    It announces the GPU before measuring its copy bandwidth and matmul throughput, so
+    builds for it start at once (they use the host's cores, not the GPU); the measured
+    figures follow in a second announcement. ``kf run`` starts the first description
+    while it checks its tasks (:func:`hardware_agents.cuda.probe_early`).
+    """
 
     device_kind = "cuda"
     default_device = "cuda:0"
+    announce_before_measuring = True
 
-    def probe(self) -> dict[str, Any]:
+    def probe(self, measure: bool) -> dict[str, Any]:
+        early = None if measure else take_early_probe(self.device)
         caps: dict[str, Any] = msgspec.to_builtins(
-            probe_in_subprocess(self.device, measure=self.measure)
+            early or probe_in_subprocess(self.device, measure=measure)
         )
         return caps
 

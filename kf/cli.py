@@ -194,6 +194,7 @@ def _summary(snap: Any) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Evolve kernels for the given tasks on this machine."""
+    from kf.evaluation.device import DeviceError
     from kf.llm.cli import llm_config
     from kf.orchestra import RunOptions, run_search
     from kf.report import build_report_from, format_table
@@ -209,9 +210,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         tasks = load_tasks(args.tasks)
         if not args.join:  # a joined deployment's workers check on their own devices
+            if not args.no_worker:
+                from kf.orchestra import prepare_worker
+
+                prepare_worker(args.device)
             for t in tasks:
                 check_task(t, device=args.device)
-    except TaskError as exc:
+    except (TaskError, DeviceError) as exc:
         print(f"kf run: {exc}", file=sys.stderr)
         return EXIT_USAGE
     opts = RunOptions(

@@ -92,6 +92,16 @@ def worker_agents(device: str = "cpu") -> list[type[Agent[Any]]]:
     return [CpuHardwareAgent, Compiler, Verifier, Profiler]
 
 
+def prepare_worker(device: str) -> None:
+    """Start, before a local worker for ``device`` exists, what it would otherwise wait
+    for: on a GPU, the device's description (``kf run`` does this while it checks its
+    tasks, so the GPU is announced, and builds for it start, as soon as the run starts)."""
+    if device.startswith("cuda"):
+        from hardware_agents.cuda import probe_early
+
+        probe_early(device)
+
+
 def _runner_factory(
     cls: type[Agent[Any]], run_id: str, nc: Any, options: dict[str, Any]
 ) -> Callable[[], AgentRunner]:

@@ -272,6 +272,22 @@ def test_archive_waits_for_a_device_before_assigning() -> None:
             if isinstance(a, CandidateAssigned)] == [("s1", "late", 1)]
 
 
+def test_archive_second_announcement_of_a_device_reassigns_nothing() -> None:
+    """A GPU is announced before and again after its measurements: its work stays put."""
+    d = Driver()
+    d.feed(announce("g"))
+    d.feed(started())
+    d.feed(propose("s1"))
+    d.feed(propose("s2"))
+    where = {c: d.state.candidates[c].device_id for c in ("s1", "s2")}
+    assert where == {"s1": "d", "s2": "g"}  # the driver's own device "d" and "g" share
+    out = d.feed(announce("g"))
+    assert not [e for e in out if isinstance(e, CandidateAssigned)]
+    assert {c: d.state.candidates[c].device_id for c in ("s1", "s2")} == where
+    assert [d.state.candidates[c].attempt for c in ("s1", "s2")] == [1, 1]
+    assert d.state.devices["g"].live
+
+
 def test_archive_redispatches_work_of_a_lost_device_and_counts_it_once() -> None:
     """A lost device's candidate is reassigned; the old device's late result is ignored."""
     d = Driver()

@@ -71,6 +71,22 @@ def test_eval_bad_usage_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
     assert "only 'cpu'" in capsys.readouterr().err
 
 
+def test_run_on_an_unavailable_device_exits_two(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`kf run --device cuda:0` without a usable GPU says so, as kf eval does (no traceback)."""
+    import torch
+
+    from kf.cli import main as kf_main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    db = tmp_path / "run.db"
+    assert kf_main(["run", TASK, "--device", "cuda:0", "--budget", "1", "--db", str(db)]) == 2
+    assert "only 'cpu'" in capsys.readouterr().err
+    assert not db.exists()  # nothing was started
+
+
 def test_eval_module_subprocess_reports_json() -> None:
     """``python -m kf.evaluation.cli`` on a candidate without ModelNew exits 1 with JSON."""
     proc = subprocess.run(
