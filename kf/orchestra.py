@@ -95,7 +95,11 @@ def worker_agents(device: str = "cpu") -> list[type[Agent[Any]]]:
 def prepare_worker(device: str) -> None:
     """Start, before a local worker for ``device`` exists, what it would otherwise wait
     for: on a GPU, the device's description (``kf run`` does this while it checks its
-    tasks, so the GPU is announced, and builds for it start, as soon as the run starts)."""
+    tasks, so the GPU is announced, and builds for it start, as soon as the run starts).
+    Raises :class:`kf.evaluation.DeviceError` for a device this machine lacks."""
+    from kf.evaluation import parse_device
+
+    device = parse_device(device)  # "cuda" → "cuda:0", as the worker will name it
     if device.startswith("cuda"):
         from hardware_agents.cuda import probe_early
 

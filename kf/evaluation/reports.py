@@ -52,7 +52,7 @@ FLAG_REASONS: dict[str, str] = {
     "output_changed_after_timing": "the output on the timed inputs changed after timing",
     "cache_suspected": "much faster on repeated inputs than on fresh ones (a cached result?)",
     "speedup_over_10x": "a speed-up above 10x: re-verified on fresh inputs and shapes",
-    "eager_outlier": "eager was slow this session: the speed-up is stated against its median",
+    "eager_outlier": "eager was unusually slow this session: speed-up against earlier median",
     # static checks (kf.static_checks)
     "no_custom_kernel": "no native kernel is built or loaded",
     "kernel_never_called": "a kernel is built but forward never calls it",
