@@ -76,9 +76,7 @@ class HardwareAgent(Agent[None]):
         try:
             async with await gate_for(self.device).exclusive():
                 capabilities = await asyncio.to_thread(self.probe, True)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the first announcement stands, without measurements
+        except Exception as exc:  # the first announcement stands (a cancel is no Exception)
             self.ctx.log.warning("device_measurement_failed", device=self.device, error=str(exc))
             return
         self._announce(capabilities)
