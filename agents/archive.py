@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from kf.agent import Agent
+from kf.backends import backend_of, device_kind, language_of, languages_for
 from kf.behaviour import describe
 from kf.evaluation.reports import is_suspect
 from kf.events import Event, Record
@@ -43,6 +44,7 @@ from kf.search_facts import (
     CandidateProfiled,
     CandidateProposed,
     CandidateRejected,
+    CandidateUnroutable,
     CandidateVerified,
     EliteAdmitted,
     GeneralisationFailed,
@@ -66,6 +68,15 @@ class SearchConfig(msgspec.Struct, frozen=True, kw_only=True):
     migrate_every: int = 8
     llm: bool = False
     max_attempts: int = 3  # assignments of one candidate before it fails as lost
+    # 2: first generations written by the LLM, backends derived here, unroutable
+    # candidates failed with a reason, LLM look-ahead. Logs without the key are version 1
+    # and replay as they were decided.
+    search_version: int = 1
+    device: str = "cpu"
+    init: int = 0  # first-generation candidates an LLM writes per task (and per retry round)
+    init_with_seeds: bool = False  # also for tasks that have seeds
+    languages: list[str] = []  # languages asked for ([]: every language the device runs)
+    llm_lookahead: int = 0  # selections beyond max_in_flight while the model answers
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> SearchConfig:
@@ -137,6 +148,10 @@ class TaskArchive(msgspec.Struct, kw_only=True):
     elites: dict[str, str] = {}  # cell_key → candidate id
     skipped: str | None = None
     exhausted: bool = False
+    inits: int = 0  # first-generation (``init``) selections issued
+    round_left: int = 0  # init selections left in the current retry round
+    rounds: int = 0  # retry rounds started (no correct kernel after the first generation)
+    first_failures: list[str] = []  # failed seed/init candidates while none is correct
 
 
 class ArchiveState(msgspec.Struct, kw_only=True):
@@ -336,7 +351,16 @@ class ArchiveAgent(Agent[ArchiveState]):
                 and (not state.devices[d].backends or c.backend in state.devices[d].backends)
             )
             if not fits:
-                waiting.append(cid)
+                reason = self._unroutable(state, c)
+                if reason is None:
+                    waiting.append(cid)
+                    continue
+                self._fail(state, c, "unroutable", reason)
+                plan.append(
+                    CandidateUnroutable(
+                        candidate_id=c.id, task=c.task, backend=c.backend, reason=reason
+                    )
+                )
                 continue
             device = fits[0][1]
             load[device] += 1
@@ -344,10 +368,33 @@ class ArchiveAgent(Agent[ArchiveState]):
             c.attempt += 1
             plan.append(
                 CandidateAssigned(
-                    candidate_id=c.id, task=c.task, device_id=device, attempt=c.attempt
+                    candidate_id=c.id,
+                    task=c.task,
+                    device_id=device,
+                    attempt=c.attempt,
+                    backend=c.backend if state.config.search_version >= 2 else "",
                 )
             )
         state.queue = waiting
+
+    @staticmethod
+    def _unroutable(state: ArchiveState, c: Cand) -> str | None:
+        """Why no live device can ever take ``c`` (None: wait, no device is live yet)."""
+        if state.config.search_version < 2:
+            return None
+        live = {d: s for d, s in state.devices.items() if s.live}
+        if not live:
+            return None
+        kind = c.target.partition(":")[0]
+        same = {d: s for d, s in live.items() if s.kind == kind}
+        if not same:
+            seen = ", ".join(f"{d} ({s.kind})" for d, s in sorted(live.items()))
+            return f"no live device of kind {kind} (live: {seen})"
+        served = sorted({b for s in same.values() for b in s.backends})
+        return (
+            f"no live {kind} device runs backend {c.backend} "
+            f"(they run: {', '.join(served) or 'nothing announced'})"
+        )
 
     def _proposed(self, state: ArchiveState, ev: CandidateProposed, event_id: str) -> None:
         t = state.tasks.get(ev.task)
@@ -364,7 +411,9 @@ class ArchiveAgent(Agent[ArchiveState]):
             parent_id=ev.parent_id,
             selection=ev.selection,
             source=ev.source,
-            backend=ev.backend,
+            backend=(
+                backend_of(ev.source, ev.device) if state.config.search_version >= 2 else ev.backend
+            ),
             target=ev.device,
         )
         state.queue.append(ev.candidate_id)
@@ -377,7 +426,11 @@ class ArchiveAgent(Agent[ArchiveState]):
         c.status = "failed"
         c.failure = kind
         c.error = (error or "")[:2000]
-        state.tasks[c.task].failed += 1
+        t = state.tasks[c.task]
+        t.failed += 1
+        if c.operator in ("seed", "init") and not t.elites:
+            t.first_failures.append(c.id)
+            del t.first_failures[:-3]
 
     def _profiled(
         self, state: ArchiveState, c: Cand, ev: CandidateProfiled, plan: list[Event]
@@ -450,27 +503,77 @@ class ArchiveAgent(Agent[ArchiveState]):
     def _used(self, t: TaskArchive) -> int:
         return t.seeds + t.selections
 
+    def _drafting(self, state: ArchiveState) -> bool:
+        """Whether an LLM writes first generations in this run (search version 2)."""
+        cfg = state.config
+        return cfg.llm and cfg.search_version >= 2 and cfg.init > 0
+
+    def _languages(self, state: ArchiveState) -> list[str] | None:
+        """Languages to ask for that a live device runs (None: no device of the kind is live)."""
+        cfg = state.config
+        kind = device_kind(cfg.device)
+        wanted = cfg.languages or languages_for(cfg.device)
+        live = [s for s in state.devices.values() if s.live and s.kind == kind]
+        if not live:
+            return None
+        served = {lang for s in live for lang in languages_for(cfg.device, s.backends)}
+        return [lang for lang in wanted if lang in served]
+
+    def _next_kind(self, state: ArchiveState, t: TaskArchive) -> str | None:
+        """What the task's next selection is: ``init``, ``mutate``, or None (wait)."""
+        if not self._drafting(state):
+            return "mutate" if t.elites else None
+        first_gen = t.seeds == 0 or state.config.init_with_seeds
+        wants_init = first_gen and t.inits < state.config.init
+        if not wants_init and t.elites:
+            return "mutate"
+        # no correct kernel yet: a new round once everything of the task has finished
+        if (
+            not wants_init
+            and t.round_left <= 0
+            and (t.proposed < t.seeds or self._in_flight(state, t.name) > 0)
+        ):
+            return None
+        return "init" if self._languages(state) else None
+
     def _top_up(self, state: ArchiveState, plan: list[Event]) -> None:
         cfg = state.config
         in_flight = self._in_flight(state)
-        while in_flight < cfg.max_in_flight:
-            eligible = [
-                t
-                for t in state.tasks.values()
-                if t.skipped is None
-                and self._used(t) < cfg.budget
-                and t.elites
-                and state.llm_stopped is None
-            ]
+        limit = cfg.max_in_flight + (cfg.llm_lookahead if cfg.llm else 0)
+        while in_flight < limit:
+            eligible = []
+            for t in state.tasks.values():
+                if t.skipped is None and self._used(t) < cfg.budget and state.llm_stopped is None:
+                    kind = self._next_kind(state, t)
+                    if kind is not None:
+                        eligible.append((self._used(t), t.name, kind))
             if not eligible:
                 break
-            t = min(eligible, key=lambda t: (self._used(t), t.name))
-            self._select(state, t, plan)
+            _, name, kind = min(eligible)
+            if kind == "init":
+                self._select_init(state, state.tasks[name], plan)
+            else:
+                self._select(state, state.tasks[name], plan)
             in_flight += 1
-        # tasks that can never go on: no elite, nothing in flight, seeds all done
+        if self._drafting(state):
+            langs = self._languages(state)
+            if langs == []:
+                # a device of the kind is live, but it runs none of the languages asked for
+                wanted = cfg.languages or languages_for(cfg.device)
+                for t in state.tasks.values():
+                    if t.skipped is None and not t.elites and t.inits == 0 and t.seeds == 0:
+                        t.skipped = (
+                            f"no live device runs any of the languages asked for "
+                            f"({', '.join(wanted)})"
+                        )
+                        t.exhausted = True
+                        plan.append(TaskSkipped(task=t.name, reason=t.skipped))
+        # tasks that can never go on: no elite, nothing in flight, seeds all done (without
+        # an LLM writing first generations; with one, a new round is asked for instead)
         for t in state.tasks.values():
             if (
                 t.skipped is None
+                and not self._drafting(state)
                 and not t.elites
                 and not t.exhausted
                 and t.proposed >= t.seeds
@@ -492,11 +595,42 @@ class ArchiveAgent(Agent[ArchiveState]):
             state.finished = True
             plan.append(RunFinished(reason=_finish_reason(state)))
 
+    def _select_init(self, state: ArchiveState, t: TaskArchive, plan: list[Event]) -> None:
+        """A first-generation selection: the model writes a kernel from the reference alone
+        (a retry round also shows it the evidence of the failed first candidates)."""
+        cfg = state.config
+        langs = self._languages(state) or []
+        n = t.selections
+        rng = _selection_rng(state.seed, t.name, n)
+        first_gen = (t.seeds == 0 or cfg.init_with_seeds) and t.inits < cfg.init
+        if not first_gen:
+            if t.round_left <= 0:
+                t.round_left = cfg.init
+                t.rounds += 1
+            t.round_left -= 1
+        # languages in turn, from a seeded starting point, so a generation covers them all
+        offset = _selection_rng(state.seed, t.name, "language").randrange(len(langs))
+        language = langs[(t.inits + offset) % len(langs)]
+        t.inits += 1
+        t.selections += 1
+        t.pending.append(n)
+        plan.append(
+            ParentSelected(
+                task=t.name,
+                selection=n,
+                island=n % max(1, cfg.islands),
+                operator="init",
+                parent_id="",
+                rng_seed=rng.getrandbits(32),
+                language=language,
+                evidence=() if first_gen else tuple(t.first_failures),
+            )
+        )
+
     def _select(self, state: ArchiveState, t: TaskArchive, plan: list[Event]) -> None:
         cfg = state.config
         n = t.selections
-        digest = hashlib.sha256(f"{state.seed}:{t.name}:{n}".encode()).digest()
-        rng = random.Random(int.from_bytes(digest[:8], "big"))
+        rng = _selection_rng(state.seed, t.name, n)
         island = n % max(1, cfg.islands)
         if cfg.islands > 1 and cfg.migrate_every > 0 and n > 0 and n % cfg.migrate_every == 0:
             self._migrate(state, t, plan)
@@ -517,6 +651,7 @@ class ArchiveAgent(Agent[ArchiveState]):
                 parent_id=parent.id,
                 second_parent_id=second,
                 rng_seed=rng.getrandbits(32),
+                language=language_of(parent.backend) if cfg.search_version >= 2 else "",
             )
         )
 
@@ -550,6 +685,11 @@ class ArchiveAgent(Agent[ArchiveState]):
                 continue
             best = max(members, key=lambda c: (c.speedup or 0.0, c.id))
             self._admit(state, t, best, (src + 1) % cfg.islands, plan, migrated_from=src)
+
+
+def _selection_rng(seed: int, task: str, n: object) -> random.Random:
+    digest = hashlib.sha256(f"{seed}:{task}:{n}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
 
 
 def _finish_reason(state: ArchiveState) -> str:

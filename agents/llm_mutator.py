@@ -28,16 +28,22 @@ import msgspec
 
 from kf import params
 from kf.agent import Agent, AgentContext
+from kf.backends import backend_of, language_of
 from kf.events import Event, Record, derived_id
 from kf.facts import DeviceAnnounced, RunStarted
 from kf.llm.budget import Budget, Pricing, Usage
 from kf.llm.client import CallOutcome, ClientSettings, LlmClient, api_key_from_env
+from kf.llm.evidence import compile_outcome, profile_outcome, verify_outcome
 from kf.llm.parse import ResponseError, parse_edit, parse_region
 from kf.llm.prompts import (
     SEED_REGIONS,
+    Attempt,
     Inspiration,
     MutationContext,
-    mutation_messages,
+    Prompt,
+    estimate_tokens,
+    init_messages,
+    mutation_prompt,
     prompt_hash,
     rewrite_messages,
 )
@@ -57,6 +63,7 @@ from kf.search_facts import (
     CandidateProfiled,
     CandidateProposed,
     CandidateRejected,
+    CandidateUnroutable,
     CountersMeasured,
     EliteAdmitted,
     MutationFailed,
@@ -85,6 +92,8 @@ class CandInfo(msgspec.Struct, kw_only=True):
     cell: tuple[int, int, int] | None = None
     build: str | None = None  # the compiler's resource report (kf.cuda lines)
     counters: dict[str, float] | None = None  # ncu summary, for a task's best
+    outcome: str = ""  # the evidence shown to a model: trimmed errors, failing trials, timings
+    language: str = ""
 
 
 class LlmMutatorState(msgspec.Struct, kw_only=True):
@@ -124,7 +133,9 @@ class LlmMutator(Agent[LlmMutatorState]):
     """Model-written candidates and prompt rewrites, every call recorded verbatim."""
 
     kind = "llm_mutator"
-    concurrency = 4
+    # reactions waiting for the model at once; the client's --llm-concurrency limits the
+    # HTTP calls actually in flight, so selections queue here, not in the archive
+    concurrency = 64
     listens = (
         RunStarted,
         DeviceAnnounced,
@@ -132,6 +143,7 @@ class LlmMutator(Agent[LlmMutatorState]):
         CandidateCompiled,
         CandidateRejected,
         CandidateProfiled,
+        CandidateUnroutable,
         CountersMeasured,
         EliteAdmitted,
         LlmCalled,
@@ -207,8 +219,16 @@ class LlmMutator(Agent[LlmMutatorState]):
             state.sources[ev.candidate_id] = ev.source
             state.seen.setdefault(ev.task, set()).add(_digest(ev.source))
             state.cands[ev.candidate_id] = CandInfo(
-                task=ev.task, island=ev.island, parent_id=ev.parent_id
+                task=ev.task,
+                island=ev.island,
+                parent_id=ev.parent_id,
+                language=language_of(backend_of(ev.source, ev.device)),
             )
+        elif isinstance(ev, CandidateUnroutable):
+            c = state.cands.get(ev.candidate_id)
+            if c is not None:
+                c.failure = f"unroutable: {ev.reason}"
+                c.outcome = f"never ran: {ev.reason}"
         elif isinstance(ev, CountersMeasured):
             c = state.cands.get(ev.candidate_id)
             if c is not None and ev.report.ok:
@@ -221,12 +241,19 @@ class LlmMutator(Agent[LlmMutatorState]):
             if c is not None and not ok:
                 kind = ev.report.failure_kind or "failed"
                 c.failure = f"{kind}: {(ev.report.error or '').strip()[:800]}"
+                c.outcome = (
+                    compile_outcome(ev.report)
+                    if isinstance(ev, CandidateCompiled)
+                    else verify_outcome(ev.report)
+                )
                 if c.parent_id is not None:
                     fails = state.child_failures.setdefault(c.parent_id, [])
                     fails.append(c.failure)
                     del fails[:-3]
         elif isinstance(ev, CandidateProfiled):
             c = state.cands.get(ev.candidate_id)
+            if c is not None:
+                c.outcome = profile_outcome(ev.report)
             if c is not None and ev.report.ok:
                 c.speedup = ev.report.speedup
                 c.runtime_ms = ev.report.runtime_ms
@@ -314,6 +341,8 @@ class LlmMutator(Agent[LlmMutatorState]):
         task: str = "",
         selection: int | None = None,
         prompt_id: str = "",
+        prompt: Prompt | None = None,
+        language: str = "",
     ) -> tuple[LlmCalled, CallOutcome]:
         client = self.client(state.config)
         self._in_flight += 1
@@ -341,6 +370,13 @@ class LlmMutator(Agent[LlmMutatorState]):
             task=task,
             selection=selection,
             prompt_id=prompt_id,
+            language=language,
+            prompt_tokens_estimated=(
+                prompt.tokens
+                if prompt is not None
+                else sum(estimate_tokens(m["content"]) for m in messages)
+            ),
+            truncated=prompt.truncated if prompt is not None else (),
         )
         return called, out
 
@@ -374,6 +410,8 @@ class LlmMutator(Agent[LlmMutatorState]):
                 task=ev.task, selection=ev.selection, reason=reason, mutator=label
             )
 
+        if ev.operator == "init":
+            return await self._draft(state, ev, event_id, label, failed)
         parent = state.sources.get(ev.parent_id)
         if parent is None:
             return [failed(f"parent {ev.parent_id} was never proposed in this run")]
@@ -398,22 +436,27 @@ class LlmMutator(Agent[LlmMutatorState]):
             inspirations=self._inspirations(state, ev),
             failures=tuple(state.child_failures.get(ev.parent_id, ())),
             device=state.device_caps,
+            parent_outcome=info.outcome,
+            language=ev.language,
         )
+        prompt = mutation_prompt(ctx, self._prompt_budget(state))
         call_id = derived_id("llm-call", event_id)
         called, out = await self._call(
             state,
             call_id,
             "mutate",
             ev.model,
-            mutation_messages(ctx),
+            prompt.messages,
             task=ev.task,
             selection=ev.selection,
             prompt_id=ev.prompt_id,
+            prompt=prompt,
+            language=ev.language,
         )
         if not out.ok or out.response is None:
             return [called, failed(f"LLM call failed: {out.error}")]
         try:
-            edit = parse_edit(out.response, parent)
+            edit = parse_edit(out.response, parent, finish_reason=out.finish_reason)
         except ResponseError as exc:
             return [called, failed(f"unusable LLM response: {exc}")]
         if _digest(edit.source) in state.seen.get(ev.task, set()):
@@ -442,6 +485,93 @@ class LlmMutator(Agent[LlmMutatorState]):
                     f"prompt {ev.prompt_id}; llm call {call_id}; {edit.kind} "
                     f"({edit.blocks} block{'s' if edit.blocks != 1 else ''})"
                     + ("; crossover" if crossed else "")
+                    + "".join(f"; {n}" for n in edit.notes)
+                ),
+            ),
+        ]
+
+    def _prompt_budget(self, state: LlmMutatorState) -> int:
+        """Tokens a prompt may take: ``llm_max_context`` less the answer's ``max_tokens``."""
+        o = {**state.config, **self.ctx.options}
+        context = int(o.get("llm_max_context", 32768))
+        answer = int(o.get("llm_max_tokens", 4096))
+        return max(1024, context - answer) if context > answer else max(1024, context // 2)
+
+    async def _draft(
+        self,
+        state: LlmMutatorState,
+        ev: PromptChosen,
+        event_id: str,
+        label: str,
+        failed: Any,
+    ) -> list[Event]:
+        """A first-generation candidate: the model writes a kernel from the reference alone
+        (in a retry round, with the evidence of the failed first attempts)."""
+        reason = self._budget_left(state)
+        if reason is not None:
+            return [*self._exhausted(state, reason), failed(reason)]
+        attempts = [
+            Attempt(
+                candidate_id=cid,
+                source=state.sources[cid],
+                outcome=state.cands[cid].outcome or state.cands[cid].failure or "failed",
+                language=state.cands[cid].language,
+            )
+            for cid in ev.evidence
+            if cid in state.sources and cid in state.cands
+        ]
+        prompt = init_messages(
+            ev.task,
+            state.references.get(ev.task, ""),
+            ev.language,
+            state.prompts.get(ev.prompt_id, SEED_REGIONS),
+            state.device_caps,
+            attempts,
+            self._prompt_budget(state),
+        )
+        call_id = derived_id("llm-call", event_id)
+        called, out = await self._call(
+            state,
+            call_id,
+            "init",
+            ev.model,
+            prompt.messages,
+            task=ev.task,
+            selection=ev.selection,
+            prompt_id=ev.prompt_id,
+            prompt=prompt,
+            language=ev.language,
+        )
+        if not out.ok or out.response is None:
+            return [called, failed(f"LLM call failed: {out.error}")]
+        try:
+            edit = parse_edit(out.response, None, finish_reason=out.finish_reason)
+        except ResponseError as exc:
+            return [called, failed(f"unusable LLM response: {exc}")]
+        if _digest(edit.source) in state.seen.get(ev.task, set()):
+            return [called, failed("the LLM's candidate duplicates one already proposed")]
+        try:
+            parsed = params.parse(edit.source)
+        except params.ParamsError:
+            parsed = None
+        shown = f"; shown {len(attempts)} failed attempt(s)" if attempts else ""
+        return [
+            called,
+            CandidateProposed(
+                candidate_id=derived_id("candidate", event_id),
+                task=ev.task,
+                source=edit.source,
+                operator="init",
+                mutator=label,
+                island=ev.island,
+                selection=ev.selection,
+                device=state.device,
+                family=params.family(edit.source),
+                config=dict(parsed[1]) if parsed else {},
+                note=(
+                    f"first generation in {ev.language or 'any language'}; prompt "
+                    f"{ev.prompt_id}; llm call {call_id}{shown}"
+                    + "".join(f"; {n}" for n in edit.notes)
                 ),
             ),
         ]

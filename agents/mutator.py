@@ -19,7 +19,6 @@ import msgspec
 
 from kf import params
 from kf.agent import Agent
-from kf.cuda.backends import backend_of
 from kf.events import Event, Record, derived_id
 from kf.facts import RunStarted
 from kf.search_facts import CandidateProposed, MutationFailed, ParentSelected
@@ -89,7 +88,6 @@ class OfflineMutator(Agent[MutatorState]):
                         mutator=OFFLINE_MUTATOR,
                         island=i % state.islands,
                         device=state.device,
-                        backend=backend_of(source, state.device),
                         family=params.family(source),
                         config=dict(parsed[1]) if parsed else {},
                         note=f"seed kernel {name}",
@@ -147,7 +145,6 @@ class OfflineMutator(Agent[MutatorState]):
                     parent_id=ev.parent_id,
                     second_parent_id=ev.second_parent_id if note else None,
                     device=state.device,
-                    backend=backend_of(source, state.device),
                     family=params.family(source),
                     config=dict(child),
                     note=note or f"changed {', '.join(changed)}",
@@ -176,7 +173,6 @@ class OfflineMutator(Agent[MutatorState]):
                     selection=ev.selection,
                     parent_id=ev.parent_id,
                     device=state.device,
-                    backend=backend_of(source, state.device),
                     family=params.family(source),
                     config=dict(child),
                     note=f"no unexplored neighbour after {_ATTEMPTS} tries: a random unexplored "

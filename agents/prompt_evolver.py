@@ -43,6 +43,7 @@ from kf.search_facts import (
     CandidateProfiled,
     CandidateProposed,
     CandidateRejected,
+    CandidateUnroutable,
     MutationFailed,
     ParentSelected,
 )
@@ -144,6 +145,7 @@ class PromptEvolver(Agent[EvolverState]):
         CandidateCompiled,
         CandidateRejected,
         CandidateProfiled,
+        CandidateUnroutable,
         PromptRewritten,
         PromptRewriteFailed,
         LlmBudgetExhausted,
@@ -181,6 +183,10 @@ class PromptEvolver(Agent[EvolverState]):
                 state.candidate_prompt[ev.candidate_id] = pid
         elif isinstance(ev, MutationFailed):
             pid = state.selection_prompt.pop(f"{ev.task}:{ev.selection}", None)
+            if pid is not None:
+                self._finish(state, pid, 0.0, ev.task, plan)
+        elif isinstance(ev, CandidateUnroutable):
+            pid = state.candidate_prompt.pop(ev.candidate_id, None)
             if pid is not None:
                 self._finish(state, pid, 0.0, ev.task, plan)
         elif isinstance(ev, (CandidateCompiled, CandidateRejected, CandidateProfiled)):
@@ -238,6 +244,8 @@ class PromptEvolver(Agent[EvolverState]):
             prompt_id=chosen.id,
             model=model,
             rng_seed=ev.rng_seed,
+            language=ev.language,
+            evidence=ev.evidence,
         )
 
     def _finish(

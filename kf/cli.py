@@ -265,7 +265,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not args.join:
             db = args.db or f"runs/{report['run_id']}.db"
             print(f"\nlog: {db}    (kf report {db} --json; kf replay {db} --check)")
+    unrunnable = _unrunnable(report)
+    if unrunnable:
+        print(f"kf run: no device could run any candidate: {unrunnable}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
+
+
+def _unrunnable(report: dict[str, Any]) -> str | None:
+    """Why the run's devices could run none of its candidates (None if any ran)."""
+    reasons = []
+    for t in report["tasks"]:
+        unroutable = t.get("failures", {}).get("unroutable", 0)
+        skipped = t.get("skipped") or ""
+        if t["candidates"] and unroutable == t["candidates"]:
+            reasons.append(f"{t['task']}: all {unroutable} candidates unroutable")
+        elif not t["candidates"] and skipped.startswith("no live device"):
+            reasons.append(f"{t['task']}: {skipped}")
+        else:
+            return None
+    return "; ".join(reasons) or None
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

@@ -67,6 +67,9 @@ class LlmCalled(Observation, frozen=True, kw_only=True):
     task: str = ""
     selection: int | None = None
     prompt_id: str = ""
+    language: str = ""  # the kernel language asked for (mutations)
+    prompt_tokens_estimated: int = 0  # kf's estimate before sending (for --llm-max-context)
+    truncated: tuple[str, ...] = ()  # what was cut from the prompt to fit, and how much
 
 
 @event("llm.budget_exhausted")
@@ -100,6 +103,8 @@ class PromptChosen(Decision, frozen=True, kw_only=True):
     model: str
     second_parent_id: str | None = None
     rng_seed: int = 0
+    language: str = ""  # the kernel language the selection asked for ("": any)
+    evidence: tuple[str, ...] = ()  # failed candidates whose evidence the prompt carries
 
 
 @event("prompt.rewrite_requested")

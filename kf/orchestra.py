@@ -151,7 +151,7 @@ class Progress:
     seen: list[Envelope] = field(default_factory=list)
     state: Any = None
     agent: Any = None
-    done: int = 0
+    mutation_failures: int = 0
 
     def __post_init__(self) -> None:
         from agents.archive import ArchiveAgent
@@ -164,6 +164,7 @@ class Progress:
             CandidateCompiled,
             CandidateProfiled,
             CandidateRejected,
+            CandidateUnroutable,
             MutationFailed,
             TaskSkipped,
         )
@@ -176,12 +177,14 @@ class Progress:
             self.finished = ev
         elif isinstance(ev, TaskSkipped):
             print(f"  {ev.task}: skipped — {ev.reason}", file=self.out, flush=True)
+        elif isinstance(ev, MutationFailed):
+            self.mutation_failures += 1
+            self._line(ev)
         elif isinstance(
-            ev, (CandidateProfiled, CandidateRejected, CandidateCompiled, MutationFailed)
+            ev, (CandidateProfiled, CandidateRejected, CandidateCompiled, CandidateUnroutable)
         ):
             if isinstance(ev, CandidateCompiled) and ev.report.ok:
                 return
-            self.done += 1
             self._line(ev)
 
     def _line(self, ev: Any) -> None:
@@ -201,9 +204,16 @@ class Progress:
         best = best_candidate(self.state, task)
         best_s = f"best {best.speedup:.2f}×" if best is not None and best.speedup else "best —"
         op = c.operator if c is not None else ""
+        # budget units used up: finished candidates (seeds, first kernels, children) and
+        # selections that produced no candidate; a verdict revised later is counted once
+        done = (
+            sum(x.profiled + x.failed for x in self.state.tasks.values())
+            + self.mutation_failures
+        )
+        finished = t.profiled + t.failed
         print(
-            f"[{self.done:4d}/{self.total_budget}] {task:<18} {op:<9} {what}   "
-            f"(evaluated {t.profiled + t.failed}, correct {t.correct}, {best_s})",
+            f"[{min(done, self.total_budget):4d}/{self.total_budget}] {task:<18} {op:<9} "
+            f"{what}   (evaluated {finished}, correct {min(t.profiled, finished)}, {best_s})",
             file=self.out,
             flush=True,
         )
@@ -362,6 +372,7 @@ async def _publish_start(
             "device": o.device,
             "llm": bool(o.llm_url),
             "mutator": mutator,
+            "search_version": 2,
             **o.extra,
         },
         tasks=tuple(

@@ -13,6 +13,7 @@ from typing import Any
 from kf.agent import AgentContext
 from kf.events import Envelope, Record, decode_event
 from kf.log import EventLog
+from kf.run_stats import format_run_stats, run_stats
 
 __all__ = [
     "FAST_P",
@@ -92,6 +93,7 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
                 for c in state.candidates.values()
                 if c.task == name and c.suspect
             ],
+            "failures": _failures(state, name),
             "generalisation_failed": [
                 {"candidate_id": c.id, "reason": c.generalisation}
                 for c in state.candidates.values()
@@ -124,7 +126,18 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
         "geomean_speedup": geomean(list(speedups.values())),
         "mutator": mutators[0] if len(mutators) == 1 else mutators,
         "devices": devices,
+        "run_stats": run_stats(envelopes),
     }
+
+
+def _failures(state: Any, task: str) -> dict[str, int]:
+    """How many of a task's candidates failed, by cause (compile_error, mismatch, …)."""
+    out: dict[str, int] = {}
+    for c in state.candidates.values():
+        if c.task == task and c.status == "failed":
+            kind = c.failure or "failed"
+            out[kind] = out.get(kind, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -173,5 +186,11 @@ def format_table(report: dict[str, Any]) -> str:
         f"archive: {a['filled_cells']} of {a['total_cells']} cells filled; "
         f"mutator: {report['mutator']}"
     )
+    lines += [
+        f"{t['task']}: failed by cause: " + ", ".join(f"{k} {v}" for k, v in t["failures"].items())
+        for t in report["tasks"]
+        if t.get("failures")
+    ]
     lines += notes
+    lines += format_run_stats(report.get("run_stats") or {})
     return "\n".join(lines)

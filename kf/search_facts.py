@@ -15,6 +15,7 @@ __all__ = [
     "CandidateProfiled",
     "CandidateProposed",
     "CandidateRejected",
+    "CandidateUnroutable",
     "CandidateVerified",
     "CountersMeasured",
     "EliteAdmitted",
@@ -117,6 +118,17 @@ class CandidateAssigned(Decision, frozen=True, kw_only=True):
     task: str
     device_id: str
     attempt: int
+    backend: str = ""  # the backend the archive derived from the candidate's source
+
+
+@event("search.candidate_unroutable")
+class CandidateUnroutable(Decision, frozen=True, kw_only=True):
+    """No live device can run a candidate (its backend or device kind): it ends here, failed."""
+
+    candidate_id: str
+    task: str
+    backend: str
+    reason: str
 
 
 @event("kernel.generalisation_failed")
@@ -133,15 +145,22 @@ class GeneralisationFailed(Observation, frozen=True, kw_only=True):
 
 @event("search.parent_selected")
 class ParentSelected(Decision, frozen=True, kw_only=True):
-    """The archive chose a parent (and operator) for the next candidate of a task."""
+    """The archive chose a parent (and operator) for the next candidate of a task.
+
+    ``operator == "init"`` asks for a first-generation candidate written from the task's
+    reference alone (``parent_id`` is then empty); ``evidence`` names earlier failed
+    first-generation candidates whose failures the new prompt shows.
+    """
 
     task: str
     selection: int  # 0-based count of selections for this task
     island: int
-    operator: str  # mutate | crossover
+    operator: str  # init | mutate | crossover
     parent_id: str
     second_parent_id: str | None = None
     rng_seed: int = 0  # the mutator seeds its own choices with this
+    language: str = ""  # cuda | triton | cpp: the kernel language asked for ("": any)
+    evidence: tuple[str, ...] = ()  # failed candidates whose evidence the prompt carries
 
 
 @event("search.elite_admitted")

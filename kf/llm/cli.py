@@ -30,6 +30,37 @@ def add_llm_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llm-retries", type=int, default=4, help="retries on 429/5xx/timeouts")
     p.add_argument("--llm-concurrency", type=int, default=4, help="LLM calls at once")
     p.add_argument(
+        "--llm-max-context",
+        type=int,
+        default=32768,
+        metavar="TOKENS",
+        help="the model's context window (estimated tokens); prompts are cut to fit, and "
+        "what was cut is recorded",
+    )
+    p.add_argument(
+        "--llm-max-tokens", type=int, default=4096, metavar="TOKENS", help="tokens per answer"
+    )
+    p.add_argument(
+        "--init",
+        type=int,
+        default=4,
+        metavar="N",
+        help="first-generation kernels the LLM writes from the reference per task (and per "
+        "retry round when none is correct)",
+    )
+    p.add_argument(
+        "--init-with-seeds",
+        action="store_true",
+        help="also write a first generation for tasks that have seed kernels",
+    )
+    p.add_argument(
+        "--language",
+        default="auto",
+        metavar="LANGS",
+        help="languages the LLM writes: auto (every one the device runs: cuda,triton on a "
+        "GPU; cpp on a CPU) or a comma list",
+    )
+    p.add_argument(
         "--llm-usd-per-mtok",
         nargs=2,
         type=float,
@@ -68,6 +99,16 @@ def llm_config(args: argparse.Namespace) -> dict[str, Any] | str:
         return str(exc)
     if not any(w > 0 for _, w in models):
         return "at least one --model needs a positive weight"
+    if args.init < 0:
+        return "--init must be 0 or more"
+    if args.llm_max_context <= args.llm_max_tokens // 2 or args.llm_max_tokens < 16:
+        return "--llm-max-context must leave room for --llm-max-tokens (and that at least 16)"
+    from kf.backends import parse_languages
+
+    try:
+        languages = parse_languages(args.language, getattr(args, "device", "cpu"))
+    except ValueError as exc:
+        return str(exc)
     names = ", ".join(m for m, _ in models)
     cfg: dict[str, Any] = {
         "llm_url": args.llm_url,
@@ -76,9 +117,15 @@ def llm_config(args: argparse.Namespace) -> dict[str, Any] | str:
         "llm_timeout_s": args.llm_timeout,
         "llm_max_retries": args.llm_retries,
         "llm_concurrency": args.llm_concurrency,
+        "llm_lookahead": args.llm_concurrency,
+        "llm_max_context": args.llm_max_context,
+        "llm_max_tokens": args.llm_max_tokens,
+        "init": args.init,
+        "init_with_seeds": bool(args.init_with_seeds),
         "llm_usd_per_mtok_in": args.llm_usd_per_mtok[0],
         "llm_usd_per_mtok_out": args.llm_usd_per_mtok[1],
     }
+    cfg["languages"] = languages
     for key, value in (
         ("llm_budget_tokens", args.llm_budget_tokens),
         ("llm_budget_calls", args.llm_budget_calls),

@@ -15,11 +15,19 @@ from typing import Any
 
 __all__ = [
     "EVOLVABLE_REGIONS",
+    "LANGUAGE_GUIDES",
     "REWRITE_OPERATORS",
     "SEED_REGIONS",
+    "Attempt",
     "Inspiration",
     "MutationContext",
+    "Prompt",
+    "Section",
+    "estimate_tokens",
+    "fit_sections",
+    "init_messages",
     "mutation_messages",
+    "mutation_prompt",
     "prompt_hash",
     "rewrite_messages",
 ]
@@ -95,6 +103,8 @@ class MutationContext:
     inspirations: Sequence[Inspiration] = ()
     failures: Sequence[str] = ()
     device: Mapping[str, Any] = field(default_factory=dict)
+    parent_outcome: str = ""  # the parent's evidence: errors, failing trials, timings
+    language: str = ""
 
 
 def _clip(text: str, limit: int) -> str:
@@ -124,15 +134,199 @@ def _device_lines(caps: Mapping[str, Any]) -> str:
     return "\n".join(lines) or "- (no device has announced itself yet)"
 
 
-def mutation_messages(ctx: MutationContext) -> list[dict[str, str]]:
-    """System and user messages asking for an improved child of the parent."""
+@dataclass(frozen=True)
+class Attempt:
+    """An earlier candidate shown to the model with what became of it."""
+
+    candidate_id: str
+    source: str
+    outcome: str
+    language: str = ""
+
+
+@dataclass(frozen=True)
+class Section:
+    """One part of a prompt; ``drop`` orders what is cut first when the prompt is too long
+    (0: never dropped), ``clip`` whether it may be shortened instead."""
+
+    name: str
+    text: str
+    drop: int = 0
+    clip: bool = False
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Messages ready to send, kf's token estimate and what was cut to fit the context."""
+
+    messages: list[dict[str, str]]
+    tokens: int
+    truncated: tuple[str, ...] = ()
+
+
+LANGUAGE_GUIDES: dict[str, str] = {
+    "cuda": (
+        "Language: CUDA C++ on the GPU, built with torch.utils.cpp_extension.load_inline as "
+        "KernelBench does: put the kernels and a host wrapper taking and returning "
+        "torch::Tensor in a `cuda_sources` string (#include <torch/extension.h>), the "
+        "wrapper's declaration in `cpp_sources`, and call load_inline(name=..., "
+        "cpp_sources=..., cuda_sources=..., functions=[...], extra_cuda_cflags=['-O3']) at "
+        "module level. ModelNew.forward calls the wrapper. Inputs arrive on the GPU; check "
+        "bounds, handle any size, and launch on the current stream."
+    ),
+    "triton": (
+        "Language: Triton on the GPU: `import triton`, `import triton.language as tl`, one or "
+        "more @triton.jit kernels, launched from ModelNew.forward with a grid computed from "
+        "the input sizes (mask the tails). Inputs arrive on the GPU; allocate outputs with "
+        "torch.empty on the inputs' device."
+    ),
+    "cpp": (
+        "Language: C++ with OpenMP on the CPU. Build it with kf.native.build(source, "
+        "defines={...}) (a g++ -O3 -march=native -fopenmp call returning a ctypes library; "
+        'declare functions extern "C" and pass data_ptr()s and sizes) or with '
+        "torch.utils.cpp_extension.load_inline(name=..., cpp_sources=..., functions=[...], "
+        "extra_cflags=['-O3', '-fopenmp'], extra_ldflags=['-fopenmp']). Parallelise the outer "
+        "loops with `#pragma omp parallel for` and vectorise the inner ones."
+    ),
+}
+
+_INIT_FORMAT = (
+    "Answer with the complete module in a single ```python block. It must define class "
+    "ModelNew with the same constructor arguments and forward inputs and outputs as the "
+    "reference Model, and compute forward with your own kernel (not with the PyTorch ops of "
+    "the reference). A kf:params block (SPACE and CONFIG dicts between '# --- kf:params ---' "
+    "and '# --- kf:end ---') may declare template parameters kf will tune."
+)
+
+
+def estimate_tokens(text: str) -> int:
+    """A conservative token estimate (about 3 characters a token for code and prose)."""
+    return len(text) // 3 + 1
+
+
+def fit_sections(
+    sections: Sequence[Section], budget_tokens: int | None
+) -> tuple[str, tuple[str, ...]]:
+    """Join the sections, dropping (highest ``drop`` first, later ones first among equals)
+    and then clipping what may be clipped until the estimate fits; say what was cut."""
+    parts = list(sections)
+    cut: list[str] = []
+
+    def size() -> int:
+        return estimate_tokens("\n\n".join(p.text for p in parts))
+
+    if budget_tokens is None or size() <= budget_tokens:
+        return "\n\n".join(p.text for p in parts), ()
+    order = sorted(
+        (i for i, p in enumerate(parts) if p.drop > 0), key=lambda i: (-parts[i].drop, -i)
+    )
+    dropped: set[int] = set()
+    for i in order:
+        if size() <= budget_tokens:
+            break
+        dropped.add(i)
+        cut.append(f"{parts[i].name} dropped ({len(parts[i].text)} chars)")
+        parts[i] = Section(name=parts[i].name, text="", drop=parts[i].drop)
+    parts_kept = [p for i, p in enumerate(parts) if i not in dropped]
+    parts = parts_kept
+    while size() > budget_tokens:
+        clippable = [i for i, p in enumerate(parts) if p.clip and len(p.text) > 400]
+        if not clippable:
+            break
+        i = max(clippable, key=lambda j: len(parts[j].text))
+        over_chars = (size() - budget_tokens) * 3 + 64
+        keep = max(400, len(parts[i].text) - over_chars)
+        text = parts[i].text
+        head, tail = text[: keep * 2 // 3], text[len(text) - keep // 3 :]
+        clipped = f"{head}\n# … ({len(text) - keep} characters cut to fit the context) …\n{tail}"
+        cut.append(f"{parts[i].name} clipped from {len(text)} to {keep} chars")
+        parts[i] = Section(name=parts[i].name, text=clipped, drop=parts[i].drop, clip=False)
+    return "\n\n".join(p.text for p in parts), tuple(cut)
+
+
+def _messages(sections: Sequence[Section], budget_tokens: int | None, system: str = "") -> Prompt:
+    system = system or _SYSTEM
+    room = None if budget_tokens is None else max(256, budget_tokens - estimate_tokens(system))
+    user, cut = fit_sections(sections, room)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return Prompt(messages, estimate_tokens(system) + estimate_tokens(user), cut)
+
+
+def _attempt_sections(title: str, attempts: Sequence[Attempt], drop: int) -> list[Section]:
+    out = []
+    for a in attempts:
+        lang = f", {a.language}" if a.language else ""
+        out.append(
+            Section(
+                name=f"outcome of {a.candidate_id[:12]}",
+                text=f"# {title} {a.candidate_id[:12]}{lang}: what happened\n{a.outcome}",
+                drop=drop,
+            )
+        )
+        out.append(
+            Section(
+                name=f"source of {a.candidate_id[:12]}",
+                text=f"```python\n{_clip(a.source, 8000)}\n```",
+                drop=drop + 2,
+                clip=True,
+            )
+        )
+    return out
+
+
+def init_messages(
+    task: str,
+    reference: str,
+    language: str,
+    regions: Mapping[str, str],
+    device: Mapping[str, Any],
+    attempts: Sequence[Attempt] = (),
+    budget_tokens: int | None = None,
+) -> Prompt:
+    """Messages asking for a first kernel written from the reference alone (after failed
+    first attempts, with their evidence)."""
+    sections = [
+        Section(
+            name="reference",
+            text=f"# Task `{task}`: the PyTorch reference\n```python\n{reference}\n```",
+            clip=True,
+        ),
+        Section(name="device", text=f"# Target device\n{_device_lines(device)}", drop=3),
+        Section(name="language", text=f"# {LANGUAGE_GUIDES.get(language, language)}"),
+        Section(name="strategy", text=f"# Strategy\n{regions.get('strategy', '')}", drop=2),
+        Section(name="pitfalls", text=f"# Pitfalls\n{regions.get('pitfalls', '')}", drop=1),
+        Section(name="hardware", text=f"# Hardware notes\n{regions.get('hardware', '')}", drop=3),
+    ]
+    sections += _attempt_sections("Earlier attempt", attempts, drop=4)
+    job = (
+        "Write a first, exactly correct kernel for this task"
+        + (" that avoids the failures above" if attempts else "")
+        + "; make it fast where that does not risk correctness."
+    )
+    sections.append(Section(name="job", text=f"# Your job\n{job}\n{_INIT_FORMAT}"))
+    return _messages(sections, budget_tokens)
+
+
+def mutation_prompt(ctx: MutationContext, budget_tokens: int | None = None) -> Prompt:
+    """System and user messages asking for an improved child of the parent, fitted to the
+    context budget (what was cut is in ``truncated``)."""
     r = ctx.regions
-    parts = [
-        f"# Task `{ctx.task}`: the PyTorch reference\n```python\n{_clip(ctx.reference, 6000)}\n```",
-        f"# Target device\n{_device_lines(ctx.device)}",
-        f"# Strategy\n{r.get('strategy', '')}",
-        f"# Pitfalls\n{r.get('pitfalls', '')}",
-        f"# Hardware notes\n{r.get('hardware', '')}",
+    sections = [
+        Section(
+            name="reference",
+            text=f"# Task `{ctx.task}`: the PyTorch reference\n```python\n{ctx.reference}\n```",
+            clip=True,
+        ),
+        Section(name="device", text=f"# Target device\n{_device_lines(ctx.device)}", drop=3),
+    ]
+    if ctx.language:
+        sections.append(
+            Section(name="language", text=f"# {LANGUAGE_GUIDES.get(ctx.language, ctx.language)}")
+        )
+    sections += [
+        Section(name="strategy", text=f"# Strategy\n{r.get('strategy', '')}", drop=2),
+        Section(name="pitfalls", text=f"# Pitfalls\n{r.get('pitfalls', '')}", drop=1),
+        Section(name="hardware", text=f"# Hardware notes\n{r.get('hardware', '')}", drop=3),
     ]
     perf = []
     if ctx.parent_speedup is not None:
@@ -140,11 +334,24 @@ def mutation_messages(ctx: MutationContext) -> list[dict[str, str]]:
     if ctx.parent_runtime_ms is not None and ctx.parent_ref_ms is not None:
         perf.append(f"{ctx.parent_runtime_ms:.4f} ms vs eager {ctx.parent_ref_ms:.4f} ms")
     if ctx.parent_failure:
-        perf.append(f"failed: {ctx.parent_failure}")
-    parts.append(
-        f"# Parent kernel {ctx.parent_id[:12]} ({'; '.join(perf) or 'not yet timed'})\n"
-        f"```python\n{_clip(ctx.parent_source, 12000)}\n```"
+        perf.append(f"failed: {ctx.parent_failure.splitlines()[0][:200]}")
+    sections.append(
+        Section(
+            name="parent",
+            text=(
+                f"# Parent kernel {ctx.parent_id[:12]} ({'; '.join(perf) or 'not yet timed'})\n"
+                f"```python\n{ctx.parent_source}\n```"
+            ),
+            clip=True,
+        )
     )
+    if ctx.parent_outcome:
+        sections.append(
+            Section(
+                name="parent evidence",
+                text=f"# What kf measured of the parent\n{ctx.parent_outcome}",
+            )
+        )
     measured = []
     if ctx.parent_build:
         measured.append(f"Compiler report:\n{_clip(ctx.parent_build, 1500)}")
@@ -162,29 +369,58 @@ def mutation_messages(ctx: MutationContext) -> list[dict[str, str]]:
             + ", ".join(f"{label} {c[k]:.1f}" for k, label in names.items() if k in c)
         )
     if measured:
-        parts.append("# What the parent's build and hardware counters say\n" + "\n".join(measured))
+        sections.append(
+            Section(
+                name="build and counters",
+                text="# What the parent's build and hardware counters say\n" + "\n".join(measured),
+                drop=2,
+            )
+        )
     if ctx.second_parent_source:
-        parts.append(
-            "# Second parent (combine the best ideas of both)\n"
-            f"```python\n{_clip(ctx.second_parent_source, 8000)}\n```"
+        sections.append(
+            Section(
+                name="second parent",
+                text=(
+                    "# Second parent (combine the best ideas of both)\n"
+                    f"```python\n{ctx.second_parent_source}\n```"
+                ),
+                clip=True,
+            )
         )
     for ins in ctx.inspirations:
         sp = f"{ins.speedup:.3f}x" if ins.speedup is not None else "untimed"
-        parts.append(
-            f"# Inspiration {ins.candidate_id[:12]} (island {ins.island}, cell {ins.cell}, {sp})\n"
-            f"```python\n{_clip(ins.source, 4000)}\n```"
+        sections.append(
+            Section(
+                name=f"inspiration {ins.candidate_id[:12]}",
+                text=(
+                    f"# Inspiration {ins.candidate_id[:12]} (island {ins.island}, cell "
+                    f"{ins.cell}, {sp})\n```python\n{_clip(ins.source, 4000)}\n```"
+                ),
+                drop=5,
+            )
         )
     if ctx.failures:
-        parts.append(
-            "# Recent failures of this parent's children (avoid repeating them)\n"
-            + "\n".join(f"- {_clip(f, 600)}" for f in ctx.failures)
+        sections.append(
+            Section(
+                name="children's failures",
+                text="# Recent failures of this parent's children (avoid repeating them)\n"
+                + "\n".join(f"- {_clip(f, 600)}" for f in ctx.failures),
+                drop=4,
+            )
         )
     verb = "Combine the two parents into" if ctx.second_parent_source else "Write"
-    parts.append(f"# Your job\n{verb} a faster, still exactly correct kernel.\n{_FORMAT}")
-    return [
-        {"role": "system", "content": _SYSTEM},
-        {"role": "user", "content": "\n\n".join(parts)},
-    ]
+    sections.append(
+        Section(
+            name="job",
+            text=f"# Your job\n{verb} a faster, still exactly correct kernel.\n{_FORMAT}",
+        )
+    )
+    return _messages(sections, budget_tokens)
+
+
+def mutation_messages(ctx: MutationContext) -> list[dict[str, str]]:
+    """System and user messages asking for an improved child of the parent (unbounded)."""
+    return mutation_prompt(ctx).messages
 
 
 _OPERATOR_HINTS = {

@@ -1,0 +1,144 @@
+"""Where a run's time went: the model's answers against the evaluators' work.
+
+Computed from the producers' wall-clock times recorded in the log (``Envelope.time``;
+never used by a fold): an LLM call spans ``[time - latency_s, time]`` of its
+``llm.called``; a device is busy with a candidate from its ``search.candidate_assigned``
+to the first stage event that ends that attempt (a failed build, a rejection, or a
+profile). Over the span from the first device's announcement to the run's end:
+
+- ``busy_fraction`` per device: the share of that span with at least one candidate of
+  the device in evaluation;
+- ``waiting_for_model_s``: seconds in which no device had work while a model call was
+  in flight (the evaluators starved for candidates);
+- the calls' count, summed and mean latency, the seconds with at least one call in
+  flight, and the most calls in flight at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kf.events import Envelope, decode_event
+
+__all__ = ["format_run_stats", "run_stats"]
+
+_TERMINAL = ("kernel.candidate_profiled", "kernel.candidate_rejected", "kernel.candidate_compiled")
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(intervals: Sequence[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _minus(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
+    """Seconds covered by ``a`` and not by ``b`` (both unions)."""
+    total = 0.0
+    for s, e in a:
+        cur = s
+        for bs, be in b:
+            if be <= cur or bs >= e:
+                continue
+            if bs > cur:
+                total += bs - cur
+            cur = max(cur, be)
+            if cur >= e:
+                break
+        if cur < e:
+            total += e - cur
+    return total
+
+
+def _max_overlap(intervals: Iterable[tuple[float, float]]) -> int:
+    points = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
+    best = cur = 0
+    for _, d in points:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+def run_stats(envelopes: Sequence[Envelope]) -> dict[str, Any]:
+    """LLM time, evaluator busy fractions and time spent waiting for the model."""
+    calls: list[tuple[float, float]] = []
+    assigned: dict[tuple[str, int], tuple[str, float]] = {}
+    busy: dict[str, list[tuple[float, float]]] = {}
+    start = end = None
+    for env in envelopes:
+        t = env.type
+        if t == "device.announced" and start is None:
+            start = env.time
+        elif t == "run.finished":
+            end = env.time
+        elif t == "llm.called":
+            ev = decode_event(env)
+            calls.append((env.time - float(getattr(ev, "latency_s", 0.0)), env.time))
+        elif t == "search.candidate_assigned":
+            ev = decode_event(env)
+            assigned[(ev.candidate_id, ev.attempt)] = (ev.device_id, env.time)  # type: ignore[attr-defined]
+        elif t in _TERMINAL:
+            ev = decode_event(env)
+            if t == "kernel.candidate_compiled" and ev.report.ok:  # type: ignore[attr-defined]
+                continue
+            key = (ev.candidate_id, getattr(ev, "attempt", 1))  # type: ignore[attr-defined]
+            if key in assigned:
+                device, t0 = assigned.pop(key)
+                busy.setdefault(device, []).append((t0, env.time))
+    if envelopes and end is None:
+        end = envelopes[-1].time
+    span = (end - start) if start is not None and end is not None else 0.0
+    for device, t0 in assigned.values():  # still in evaluation at the end of the log
+        if end is not None:
+            busy.setdefault(device, []).append((t0, end))
+    llm_union = _union(calls)
+    all_busy = _union(iv for ivs in busy.values() for iv in ivs)
+    return {
+        "span_s": round(span, 3),
+        "llm_calls": len(calls),
+        "llm_latency_s": round(sum(b - a for a, b in calls), 3),
+        "llm_mean_latency_s": round(sum(b - a for a, b in calls) / len(calls), 3)
+        if calls
+        else None,
+        "llm_in_flight_s": round(_length(llm_union), 3),
+        "llm_max_concurrent": _max_overlap(calls),
+        "waiting_for_model_s": round(_minus(llm_union, all_busy), 3),
+        "devices": {
+            d: {
+                "busy_s": round(_length(_union(ivs)), 3),
+                "busy_fraction": round(_length(_union(ivs)) / span, 3) if span > 0 else None,
+                "candidates": len(ivs),
+            }
+            for d, ivs in sorted(busy.items())
+        },
+    }
+
+
+def format_run_stats(stats: dict[str, Any]) -> list[str]:
+    """Lines for the run summary."""
+    lines = []
+    if stats.get("llm_calls"):
+        lines.append(
+            f"model: {stats['llm_calls']} calls, mean {stats['llm_mean_latency_s']:.1f} s, "
+            f"up to {stats['llm_max_concurrent']} at once, a call in flight for "
+            f"{stats['llm_in_flight_s']:.1f} s of {stats['span_s']:.1f} s; evaluators idle "
+            f"waiting for the model: {stats['waiting_for_model_s']:.1f} s"
+        )
+    for d, s in stats.get("devices", {}).items():
+        frac = s["busy_fraction"]
+        lines.append(
+            f"evaluator {d}: busy {s['busy_s']:.1f} s"
+            + (f" ({100 * frac:.0f}% of the run)" if frac is not None else "")
+            + f", {s['candidates']} candidate evaluations"
+        )
+    return lines
