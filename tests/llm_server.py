@@ -4,7 +4,9 @@ It is not a language model: each request to ``/v1/chat/completions`` is answered
 next scripted action, or by a responder function once the script is used up. Actions:
 ``{"content": str}`` (a normal completion with usage), ``{"status": 429 | 500, ...}``,
 ``{"hang": seconds}`` (answers after that long, past a client's timeout),
-``{"garbage": str}`` (a 200 whose body is not a completion). It runs in a thread with its
+``{"garbage": str}`` (a 200 whose body is not a completion). A completion may carry
+``"finish_reason"`` (e.g. ``"length"``, an answer cut off at the token limit) and
+``"delay"`` (seconds to wait before answering, for a slow model). It runs in a thread with its
 own event loop, so synchronous tests (driving ``kf run`` in a subprocess) can use it too.
 """
 
@@ -36,6 +38,8 @@ class ScriptedServer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._hangs: list[asyncio.Future[None]] = []
+        self.in_flight = 0  # delayed answers being waited on now
+        self.max_in_flight = 0  # the most delayed answers waited on at once
 
     def _next(self, body: dict[str, Any]) -> Action:
         with self._lock:
@@ -62,6 +66,15 @@ class ScriptedServer:
             )
         if "garbage" in action:
             return web.Response(text=action["garbage"], content_type="application/json")
+        if action.get("delay"):
+            with self._lock:
+                self.in_flight += 1
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            try:
+                await asyncio.sleep(float(action["delay"]))
+            finally:
+                with self._lock:
+                    self.in_flight -= 1
         content = str(action["content"])
         prompt_tokens = sum(len(m.get("content", "").split()) for m in body.get("messages", []))
         completion_tokens = len(content.split())
@@ -75,7 +88,7 @@ class ScriptedServer:
                     {
                         "index": 0,
                         "message": {"role": "assistant", "content": content},
-                        "finish_reason": "stop",
+                        "finish_reason": action.get("finish_reason", "stop"),
                     }
                 ],
                 "usage": {

@@ -50,7 +50,12 @@ def trim_error(text: str, limit: int = 1500) -> str:
 def compile_outcome(report: CompileReport) -> str:
     """A failed build or import, for the model."""
     kind = report.failure_kind or "compile_error"
-    return f"failed to build or import ({kind}):\n{trim_error(report.error or report.log)}"
+    error = (report.error or "").strip()
+    details = trim_error(report.log) if report.log.strip() else ""
+    if details and error and error in details:
+        error = ""
+    body = "\n".join(x for x in (error, details) if x) or "(no output)"
+    return f"failed to build or import ({kind}):\n{body}"
 
 
 def verify_outcome(report: VerifyReport) -> str:
