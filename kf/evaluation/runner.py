@@ -25,6 +25,7 @@ from kf.evaluation.transport import Exports, is_ipc, pack, unpack
 __all__ = ["main"]
 
 _MAX_ERROR = 2000
+_TRIALS_KEPT = 4  # trials (pristine inputs, expected outputs) a reference runner holds
 _MAX_LOG = 20_000
 
 
@@ -290,6 +291,7 @@ class Runner:
         self.task_module: Any = None
         self.inputs: list[Any] = []
         self.trials: dict[int, tuple[list[Any], list[Any]]] = {}
+        self.trial_variant: dict[int, int | None] = {}
         self.watch = watch or _Watch()
         # CUDA runners hand tensors over as IPC handles (kf.evaluation.transport)
         self.ipc = False
@@ -474,8 +476,25 @@ class Runner:
         if made.pristine is None:
             return {**made.reply, "reused": reused}
         self.inputs = self.clone(made.pristine)
+        # a check follows its own trial's inputs; keeping every trial's inputs and outputs
+        # would hold tens of GB at KernelBench's sizes
+        self.trials.pop(seed, None)
         self.trials[seed] = (made.pristine, made.expected)
+        self.trial_variant[seed] = None if variant is None else int(variant)
+        while len(self.trials) > 1 and (
+            len(self.trials) > _TRIALS_KEPT
+            or sum(map(self._nbytes, self.trials.values())) > max(self.made_budget, 1 << 30)
+        ):
+            del self.trials[next(iter(self.trials))]
         return {**made.reply, "reused": reused, "inputs": self.dump(self.clone(made.pristine))}
+
+    def _nbytes(self, trial: tuple[list[Any], list[Any]]) -> int:
+        torch = self.torch
+        return sum(
+            v.numel() * v.element_size()
+            for v in (*trial[0], *trial[1])
+            if isinstance(v, torch.Tensor)
+        )
 
     def _remember(self, key: tuple[int, int, int | None], made: _Made) -> None:
         """Keep what was made for later candidates, within ``made_budget`` bytes."""
@@ -616,7 +635,12 @@ class Runner:
     def _check(self, msg: dict[str, Any]) -> dict[str, Any]:
         from kf.evaluation.compare import compare_inputs, compare_outputs
 
-        pristine, expected = self.trials[int(msg["seed"])]
+        seed = int(msg["seed"])
+        if seed not in self.trials:
+            # evicted to bound memory: the inputs and outputs are a pure function of the seed
+            made = self._make_inputs(seed, self.trial_variant.get(seed))
+            self.trials[seed] = (made.pristine or [], made.expected or [])
+        pristine, expected = self.trials[seed]
         try:
             got = self.load(msg["outputs"])
             after = self.load(msg["inputs_after"])
