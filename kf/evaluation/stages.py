@@ -640,7 +640,7 @@ def _compile_baseline(
     """Have the reference runner compile the reference for its current inputs (or find it
     compiled): its reply, with ``error`` set when there is no compiled baseline."""
     if not want:
-        return {"error": "turned off ($KF_COMPILE_BASELINE=0)"}
+        return {"error": "turned off by $KF_COMPILE_BASELINE=0"}
     lost_key = f"{_ref_key(task, device)}:{seed}"
     if lost_key in _baseline_lost:
         return {"error": _baseline_lost[lost_key], "cached": True}
