@@ -95,6 +95,28 @@ def test_profile_of_uncompilable_reference_records_why_and_times_eager(
     assert second.compile_baseline_cached is True
 
 
+def test_profile_whose_compile_outlasts_its_limit_loses_only_the_baseline(
+    monkeypatch: pytest.MonkeyPatch, pool: RunnerPool
+) -> None:
+    """A compile past $KF_COMPILE_BASELINE_TIMEOUT_S kills the reference runner; the
+    profile is taken again with fresh runners against eager, and the next profile of
+    the task does not try the compile again."""
+    from kf.evaluation import stages
+
+    monkeypatch.setenv("KF_COMPILE_BASELINE", "1")
+    monkeypatch.setenv("KF_COMPILE_BASELINE_TIMEOUT_S", "0.01")  # no compile is that quick
+    monkeypatch.setattr(stages, "_baseline_lost", {})
+    task = load_task(EVAL / "task_uncompilable.py")
+    source = (EVAL / "honest_twice.py").read_text()
+    first = profile_candidate(task, source, pool=pool, **FAST)
+    assert first.ok, first.error
+    assert first.speedup > 0 and first.compiled_runtime_ms is None
+    assert first.compile_baseline_error and "lost its runner" in first.compile_baseline_error
+    second = profile_candidate(task, source, pool=pool, **FAST)
+    assert second.ok and second.compile_baseline_error == first.compile_baseline_error
+    assert "compile_baseline" not in second.phases  # not asked again
+
+
 def test_profile_report_reads_old_logs_without_compiled_fields() -> None:
     """A ProfileReport from before the compiled baseline decodes with None and defaults."""
     import msgspec
