@@ -161,6 +161,7 @@ class Tuner(EvaluatorAgent):
                 min_trials=5,
                 min_time_s=0.1,
                 timeout_s=self.timeout_s,
+                compile_baseline=False,  # a trial ranks configurations: eager suffices
             )
         return TuningTrial(
             config=dict(config),

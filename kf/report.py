@@ -2,6 +2,10 @@
 
 KernelBench's ``fast_p``: the fraction of the run's tasks whose best kernel is correct
 and more than ``p`` times faster than PyTorch eager (``fast_0`` counts correct tasks).
+``fast_p_vs_best`` and ``geomean_speedup_vs_best`` state the same against the better
+of eager and ``torch.compile`` (timed in the same session, :mod:`kf.evaluation.stages`);
+a task whose best kernel has no ``torch.compile`` time counts against eager there, and
+``tasks_without_compiled_baseline`` says how many did.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
     events = len(envelopes)
     tasks: list[dict[str, Any]] = []
     speedups: dict[str, float] = {}
+    vs_best: dict[str, float] = {}
+    profiles = _profiles(envelopes)
     filled = 0
     for name, t in state.tasks.items():
         best = best_candidate(state, name)
@@ -100,9 +106,12 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
                 if c.task == name and c.generalisation is not None
             ],
         }
+        entry.update(_baseline_entry(profiles, name, best.id if best else None))
         tasks.append(entry)
         if best is not None and best.speedup is not None:
             speedups[name] = best.speedup
+            better = entry["best_speedup_vs_best"]
+            vs_best[name] = better if better is not None else best.speedup
     n = len(state.tasks)
     total_cells = n * state.config.islands * CELLS_PER_ISLAND
     mutators = sorted({c.mutator for c in state.candidates.values()})
@@ -124,6 +133,14 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
             for p in FAST_P
         },
         "geomean_speedup": geomean(list(speedups.values())),
+        "fast_p_vs_best": {
+            f"fast_{p:g}": (sum(1 for s in vs_best.values() if s > p) / n if n else 0.0)
+            for p in FAST_P
+        },
+        "geomean_speedup_vs_best": geomean(list(vs_best.values())),
+        "tasks_without_compiled_baseline": sum(
+            1 for t in tasks if t["best_speedup"] is not None and t["best_speedup_vs_best"] is None
+        ),
         "mutator": mutators[0] if len(mutators) == 1 else mutators,
         "devices": devices,
         "run_stats": run_stats(envelopes),
@@ -140,9 +157,57 @@ def _failures(state: Any, task: str) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def _profiles(envelopes: Iterable[Envelope]) -> dict[str, list[Any]]:
+    """Each task's successful profile reports, in log order (``kernel.candidate_profiled``)."""
+    out: dict[str, list[Any]] = {}
+    for env in envelopes:
+        if env.type == "kernel.candidate_profiled":
+            ev = decode_event(env)
+            if ev.report.ok:  # type: ignore[attr-defined]
+                out.setdefault(ev.task, []).append(ev)  # type: ignore[attr-defined]
+    return out
+
+
+def _baseline_entry(
+    profiles: dict[str, list[Any]], task: str, best_id: str | None
+) -> dict[str, Any]:
+    """The best kernel's speed-ups against ``torch.compile`` and against the better of
+    eager and compiled (its last profile's), the compiled time, and the task's compile cost.
+
+    Logs from before the compiled baseline give None throughout.
+    """
+    evs = profiles.get(task, [])
+    mine = [ev.report for ev in evs if ev.candidate_id == best_id]
+    last = mine[-1] if mine else None
+    compiled = [ev.report for ev in evs if ev.report.compiled_runtime_ms is not None]
+    errors = [ev.report.compile_baseline_error for ev in evs if ev.report.compile_baseline_error]
+    return {
+        "best_speedup_vs_compiled": last.speedup_vs_compiled if last is not None else None,
+        "best_speedup_vs_best": last.speedup_vs_best if last is not None else None,
+        "compiled_ms": last.compiled_runtime_ms if last is not None else None,
+        # the longest compile of the task's reference a profile paid (0: all reused)
+        "compile_baseline_s": max((r.compile_baseline_s for r in compiled), default=None),
+        "compile_baseline_error": errors[-1] if errors and not compiled else None,
+    }
+
+
 def format_table(report: dict[str, Any]) -> str:
     """A plain-text table of the report."""
-    rows = [("task", "cands", "compiled", "correct", "eager ms", "best ms", "speedup", "best")]
+    rows = [
+        (
+            "task",
+            "cands",
+            "compiled",
+            "correct",
+            "eager ms",
+            "t.compile ms",
+            "best ms",
+            "speedup",
+            "vs t.compile",
+            "vs best",
+            "best",
+        )
+    ]
     for t in report["tasks"]:
         rows.append(
             (
@@ -151,13 +216,20 @@ def format_table(report: dict[str, Any]) -> str:
                 str(t["compiled"]),
                 str(t["correct"]),
                 f"{t['ref_ms']:.3f}" if t["ref_ms"] else "—",
+                f"{t['compiled_ms']:.3f}" if t.get("compiled_ms") else "—",
                 f"{t['best_ms']:.3f}" if t["best_ms"] else "—",
                 f"{t['best_speedup']:.2f}×" if t["best_speedup"] else "—",
+                f"{t['best_speedup_vs_compiled']:.2f}×"
+                if t.get("best_speedup_vs_compiled")
+                else "—",
+                f"{t['best_speedup_vs_best']:.2f}×" if t.get("best_speedup_vs_best") else "—",
                 (t["best_candidate_id"] or t["skipped"] or "—")[:40],
             )
         )
     notes: list[str] = []
     for t in report["tasks"]:
+        if t.get("compile_baseline_error"):
+            notes.append(f"{t['task']}: no torch.compile baseline: {t['compile_baseline_error']}")
         notes += [f"{t['task']}: best flagged: {f}" for f in t.get("best_flags", [])]
         notes += [
             f"{t['task']}: {s['candidate_id'][:12]} kept out of best (suspect timing): "
@@ -181,6 +253,19 @@ def format_table(report: dict[str, Any]) -> str:
         if gm
         else "fast_p: " + ", ".join(f"{k} = {v:.2f}" for k, v in fp.items())
     )
+    if "fast_p_vs_best" in report:
+        fb, gb = report["fast_p_vs_best"], report["geomean_speedup_vs_best"]
+        lines.append(
+            "against the better of eager and torch.compile: "
+            + ", ".join(f"{k} = {v:.2f}" for k, v in fb.items())
+            + (f"; geomean {gb:.2f}×" if gb else "")
+            + (
+                f" ({report['tasks_without_compiled_baseline']} task(s) without a torch.compile "
+                "time count against eager)"
+                if report.get("tasks_without_compiled_baseline")
+                else ""
+            )
+        )
     a = report["archive"]
     lines.append(
         f"archive: {a['filled_cells']} of {a['total_cells']} cells filled; "

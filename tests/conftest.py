@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,11 @@ from kf.bus import EmbeddedServer
 from kf.logs import configure
 
 configure("WARNING", json=True)
+
+# Profiles time the reference under torch.compile too, which costs seconds of compiling on
+# CI's 2 cores per fresh reference runner: off for the suite, on in the tests of it
+# (tests/test_compile_baseline.py), which set $KF_COMPILE_BASELINE themselves.
+os.environ.setdefault("KF_COMPILE_BASELINE", "0")
 
 
 @pytest.fixture

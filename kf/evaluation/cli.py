@@ -15,7 +15,7 @@ from pathlib import Path
 import structlog
 
 from kf.evaluation.device import DeviceError, parse_device
-from kf.evaluation.reports import FLAG_REASONS, EvalResult
+from kf.evaluation.reports import FLAG_REASONS, EvalResult, ProfileReport
 from kf.evaluation.sandbox import RunnerStartError
 from kf.evaluation.stages import evaluate
 from kf.tasks import TaskError, load_task
@@ -72,6 +72,7 @@ def _human(result: EvalResult) -> str:
                 f"profile: {p.runtime_ms:.4f} ms ± {p.runtime_ci95_ms:.4f} (n={p.trials}), "
                 f"eager {p.ref_runtime_ms:.4f} ms, speedup {p.speedup:.2f}×"
             )
+            lines.append(_compiled_line(p))
         else:
             lines.append(f"profile: FAILED ({p.failure_kind}): {p.error}")
     k = result.counters
@@ -94,6 +95,22 @@ def _human(result: EvalResult) -> str:
             why = FLAG_REASONS.get(code, "")
             lines.append(f"  - {flag}" + (f"  [{why}]" if why else ""))
     return "\n".join(lines)
+
+
+def _compiled_line(p: ProfileReport) -> str:
+    """The torch.compile baseline of a profile, or why there is none."""
+    if p.compiled_runtime_ms is None:
+        return f"  torch.compile: none ({p.compile_baseline_error}); speed-up against eager only"
+    paid = (
+        "compiled earlier, reused"
+        if p.compile_baseline_cached
+        else (f"compiled in {p.compile_baseline_s:.1f}s")
+    )
+    return (
+        f"  torch.compile {p.compiled_runtime_ms:.4f} ms ({paid}), speedup "
+        f"{p.speedup_vs_compiled or 0.0:.2f}×; against the better of the two "
+        f"{p.speedup_vs_best or 0.0:.2f}×"
+    )
 
 
 def main(argv: list[str]) -> int:

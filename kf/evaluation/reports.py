@@ -121,7 +121,16 @@ class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
-    """Candidate and PyTorch-eager timings from one session on one device."""
+    """Candidate, PyTorch-eager and ``torch.compile`` timings from one session on one device.
+
+    ``speedup`` is always against eager (the archive's fitness and every older log read
+    it so); ``speedup_vs_compiled`` is against the reference under ``torch.compile``,
+    ``speedup_vs_best`` against the faster of the two. Both are None when there is no
+    compiled timing, and ``compile_baseline_error`` says why (turned off, or
+    ``torch.compile`` failed). ``compile_baseline_s`` is the time this profile spent
+    compiling the reference: 0.0 with ``compile_baseline_cached`` when an earlier
+    profile in the same reference runner compiled it.
+    """
 
     ok: bool
     error: str | None = None
@@ -148,6 +157,19 @@ class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
     fresh_runtime_ms: float | None = None  # median of one call on each of a few fresh inputs
     reverify: VerifyReport | None = None  # re-verification of a speed-up above 10x
     phases: dict[str, float] = {}  # seconds per runner request op (see above)
+    # the reference under torch.compile, timed alternately with eager and the candidate
+    compiled_runtime_ms: float | None = None
+    compiled_runtime_std_ms: float = 0.0
+    compiled_runtime_median_ms: float = 0.0
+    compiled_runtime_ci95_ms: float = 0.0
+    compiled_trials: int = 0
+    compile_baseline: str = ""  # how it was compiled: mode, backend, torch version
+    compile_baseline_s: float = 0.0
+    compile_baseline_cached: bool = False
+    compile_baseline_graphs: int = 0  # graphs dynamo compiled (0: ran eagerly, or unknown)
+    compile_baseline_error: str | None = None
+    speedup_vs_compiled: float | None = None
+    speedup_vs_best: float | None = None
 
 
 class CountersReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -238,6 +260,11 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
             "runtime_std_ms": p.runtime_std_ms if p is not None and p.ok else None,
             "ref_runtime_ms": p.ref_runtime_ms if p is not None and p.ok else None,
             "speedup": p.speedup if p is not None and p.ok else None,
+            "compiled_runtime_ms": p.compiled_runtime_ms if p is not None and p.ok else None,
+            "speedup_vs_compiled": p.speedup_vs_compiled if p is not None and p.ok else None,
+            "speedup_vs_best": p.speedup_vs_best if p is not None and p.ok else None,
+            "compile_baseline_s": p.compile_baseline_s if p is not None and p.ok else None,
+            "compile_baseline_error": p.compile_baseline_error if p is not None else None,
             "flags": list(self.flags),
             "suspect": self.suspect,
             "error": self.error,

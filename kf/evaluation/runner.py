@@ -278,6 +278,20 @@ def _aliases(torch: Any, a: Any, b: Any) -> bool:
         return True
 
 
+class _Compiled(NamedTuple):
+    """The reference under ``torch.compile`` for one model and input signature.
+
+    ``fn`` is None when compiling failed; ``reply`` is what the first request was told
+    (compile seconds and graphs, or the error), repeated to later ones with ``cached``.
+    """
+
+    fn: Any
+    reply: dict[str, Any]
+
+
+_MAX_COMPILED = 4  # compiled references a runner keeps (one per model seed and input shapes)
+
+
 class _Made(NamedTuple):
     """One input set a reference runner made: the reply, pristine inputs, expected outputs."""
 
@@ -311,6 +325,9 @@ class Runner:
         self.made: OrderedDict[tuple[int, int, int | None], _Made] = OrderedDict()
         self.made_budget = 0
         self.model_seed = 0
+        # a reused reference runner keeps its torch.compile'd reference, per model seed
+        # and input signature, so later candidates of the task do not pay the compile
+        self.compiled: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
 
     # -- serialisation -------------------------------------------------------------
     def dump(self, value: Any) -> bytes:
@@ -692,9 +709,94 @@ class Runner:
                 return {**verdict, "ok": False, "kind": "input_mutated", "reason": problem}
         return verdict
 
+    def _signature(self, values: list[Any]) -> tuple[Any, ...]:
+        """What a compiled graph is specialised on: each input's shape, dtype and device
+        (tensors) or value (anything else), with the model's seed."""
+        torch = self.torch
+        parts = [
+            (tuple(v.shape), str(v.dtype), str(v.device), v.requires_grad)
+            if isinstance(v, torch.Tensor)
+            else (type(v).__name__, repr(v)[:200])
+            for v in values
+        ]
+        return (self.model_seed, *parts)
+
+    def op_compile_baseline(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Compile the reference with ``torch.compile`` for the current inputs, once.
+
+        Default mode, inductor, static shapes (what a first compile gives; no
+        recompilation for other shapes turns them dynamic). The first call, which
+        compiles, is timed; its output must pass the same check as a candidate's, or
+        the compiled reference is not a baseline. A failure is an answer (``error``),
+        not a failed request: the task is fine, only the baseline is missing.
+        """
+        key = self._signature(self.inputs)
+        known = self.compiled.get(key)
+        if known is not None:
+            self.compiled.move_to_end(key)
+            return {**known.reply, "cached": True}
+        if msg.get("cache_dir"):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(msg["cache_dir"])
+        fn, reply = self._compile_reference()
+        self.compiled[key] = _Compiled(fn, reply)
+        while len(self.compiled) > _MAX_COMPILED:
+            self.compiled.popitem(last=False)
+        return {**reply, "cached": False}
+
+    def _compile_reference(self) -> tuple[Any, dict[str, Any]]:
+        from kf.evaluation.compare import compare_outputs
+
+        torch = self.torch
+        described = (
+            "torch.compile(mode default, backend inductor, dynamic=False), "
+            f"torch {torch.__version__}"
+        )
+        fn: Any = None
+        start = self.clock_ns()
+        try:
+            import torch._dynamo
+            import torch._inductor.config
+
+            if "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS" not in os.environ:
+                # inductor keeps precompiled headers under the runner's scratch directory
+                # whatever its cache directory is, so each fresh runner would rebuild them
+                # (about 15 s on 2 cores) even when every kernel is in the cache
+                torch._inductor.config.cpp_cache_precompile_headers = False
+            graphs_before = _dynamo_graphs(torch)
+            fn = torch.compile(self.model, backend="inductor", dynamic=False)
+            with torch.no_grad():
+                got = fn(*self.clone(self.inputs))
+            self.backend.synchronize()
+            compile_s = (self.clock_ns() - start) / 1e9
+            with torch.no_grad():
+                want = self.model(*self.clone(self.inputs))
+            got_list = [got] if isinstance(got, torch.Tensor) else list(got)
+            want_list = [want] if isinstance(want, torch.Tensor) else list(want)
+            verdict = compare_outputs(torch, [w.detach() for w in want_list], got_list)
+        except Exception as exc:  # any failure of torch.compile is the answer
+            return None, {
+                "baseline": described,
+                "compile_s": (self.clock_ns() - start) / 1e9,
+                "error": f"torch.compile failed: {_describe(exc)}",
+            }
+        if not verdict["ok"]:
+            return None, {
+                "baseline": described,
+                "compile_s": compile_s,
+                "error": f"torch.compile's output fails kf's check against eager: "
+                f"{verdict['kind']}: {verdict['reason']}",
+            }
+        graphs = _dynamo_graphs(torch) - graphs_before
+        return fn, {"baseline": described, "compile_s": compile_s, "graphs": graphs}
+
     def op_time(self, msg: dict[str, Any]) -> dict[str, Any]:
         torch = self.torch
         model, inputs, backend = self.model, self.inputs, self.backend
+        if msg.get("compiled"):
+            known = self.compiled.get(self._signature(inputs))
+            if known is None or known.fn is None:
+                raise _Failure("protocol", "no compiled reference for these inputs")
+            model = known.fn
         samples: list[int] = []
         try:
             with torch.no_grad():
@@ -781,6 +883,16 @@ def _warm(torch: Any, device: str) -> None:
         print(
             f"kf runner: warmed up for {device} in {time.perf_counter() - start:.2f}s", flush=True
         )
+
+
+def _dynamo_graphs(torch: Any) -> int:
+    """Graphs dynamo has compiled in this process so far (0 where torch does not say)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except (ImportError, AttributeError, KeyError, TypeError):
+        return 0
 
 
 def _tb() -> str:

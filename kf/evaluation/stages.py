@@ -47,6 +47,7 @@ __all__ = [
     "REVERIFY_ABOVE",
     "TIMER_DISAGREEMENT",
     "collect_counters",
+    "compile_baseline_wanted",
     "compile_candidate",
     "cross_check_flags",
     "evaluate",
@@ -65,6 +66,7 @@ OUTPUT_CHANGED = "output_changed_after_timing"
 CACHE_SUSPECTED = "cache_suspected"
 REVERIFY_ABOVE = 10.0  # a speed-up above this is re-verified and flagged
 _FRESH_SETS = 3
+_OFF = frozenset({"0", "false", "no", "off"})
 _device_locks: dict[str, threading.Lock] = {}
 _device_locks_guard = threading.Lock()
 
@@ -549,6 +551,36 @@ def cross_check_flags(
     return ()
 
 
+def compile_baseline_wanted() -> bool:
+    """Whether profiles also time the reference under ``torch.compile``
+    (``$KF_COMPILE_BASELINE``, default on; ``0`` turns it off)."""
+    return os.environ.get("KF_COMPILE_BASELINE", "1").strip().lower() not in _OFF
+
+
+def _compile_timeout_s() -> float:
+    """How long one ``torch.compile`` of a reference may take (``$KF_COMPILE_BASELINE_TIMEOUT_S``,
+    default 600 s); it does not count against the profile's own timeout."""
+    return float(os.environ.get("KF_COMPILE_BASELINE_TIMEOUT_S") or 600.0)
+
+
+def _inductor_cache_dir() -> str | None:
+    """Where reference runners keep inductor's caches: ``$KF_CACHE_DIR/inductor`` (or
+    ``~/.cache/kf/inductor``), so a fresh reference runner recompiles a task's reference
+    from the cache in about a second; None (the runner's own scratch directory, lost
+    with it) with ``$KF_COMPILE_CACHE=0``, and None when ``$TORCHINDUCTOR_CACHE_DIR``
+    is set (runners inherit it)."""
+    if os.environ.get("KF_COMPILE_CACHE", "1").strip().lower() in _OFF:
+        return None
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return None
+    root = os.environ.get("KF_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kf")
+    return os.path.join(root, "inductor")
+
+
+class _BaselineLost(Exception):
+    """The reference runner died or hung compiling or timing the compiled reference."""
+
+
 def profile_candidate(
     task: Task,
     source: str,
@@ -562,28 +594,75 @@ def profile_candidate(
     timeout_s: float = 120.0,
     limits: Limits | None = None,
     pool: RunnerPool | None = None,
+    compile_baseline: bool | None = None,
 ) -> ProfileReport:
-    """Time the candidate and PyTorch eager alternately, in separate runners, in one session.
+    """Time the candidate, PyTorch eager and the reference under ``torch.compile``
+    alternately, in separate runners (eager and compiled share the candidate-free one),
+    in one session.
 
-    Raises :class:`TaskError` when the task itself is broken.
+    ``compile_baseline`` None follows ``$KF_COMPILE_BASELINE`` (default on). The
+    reference is compiled once per model seed and input shapes in its runner, which
+    later profiles of the task reuse; a compile that fails is recorded in the report
+    (``compile_baseline_error``) and the speed-up is stated against eager only. Raises
+    :class:`TaskError` when the task itself is broken.
     """
     since = time.monotonic()
     leased: list[RunnerHandle] = []
-    report = _profile(
-        task,
-        source,
-        leased,
-        device=device,
-        seed=seed,
-        warmup=warmup,
-        min_trials=min_trials,
-        min_time_s=min_time_s,
-        max_trials=max_trials,
-        timeout_s=timeout_s,
-        limits=limits,
-        pool=pool,
-    )
+    want = compile_baseline_wanted() if compile_baseline is None else compile_baseline
+    kw: dict[str, Any] = {
+        "device": device,
+        "seed": seed,
+        "warmup": warmup,
+        "min_trials": min_trials,
+        "min_time_s": min_time_s,
+        "max_trials": max_trials,
+        "timeout_s": timeout_s,
+        "limits": limits,
+        "pool": pool,
+    }
+    try:
+        report = _profile(task, source, leased, compile_baseline=want, **kw)
+    except _BaselineLost:
+        # the reference runner was lost to torch.compile; the failure is remembered, so
+        # this second session, with fresh runners, times against eager only
+        report = _profile(task, source, leased, compile_baseline=want, **kw)
     return msgspec.structs.replace(report, phases=_phases(since, *leased))
+
+
+# baseline compiles that killed or hung their runner, per reference key and seed: not
+# tried again in this process
+_baseline_lost: dict[str, str] = {}
+
+
+def _compile_baseline(
+    task: Task, ref: RunnerHandle, device: str, seed: int, want: bool
+) -> dict[str, Any]:
+    """Have the reference runner compile the reference for its current inputs (or find it
+    compiled): its reply, with ``error`` set when there is no compiled baseline."""
+    if not want:
+        return {"error": "turned off by $KF_COMPILE_BASELINE=0"}
+    lost_key = f"{_ref_key(task, device)}:{seed}"
+    if lost_key in _baseline_lost:
+        return {"error": _baseline_lost[lost_key], "cached": True}
+    try:
+        reply: dict[str, Any] = ref.request(
+            "compile_baseline",
+            _compile_timeout_s(),
+            cache_dir=_inductor_cache_dir(),
+            what="torch.compile of the reference",
+        )
+    except (RunnerTimeout, RunnerCrashed) as exc:
+        why = f"torch.compile of the reference lost its runner: {exc}"
+        _baseline_lost[lost_key] = why
+        log.warning("compile_baseline_lost", task=task.name, error=why)
+        raise _BaselineLost(why) from exc
+    except RunnerFailed as exc:
+        return {"error": f"torch.compile of the reference failed: {exc}"}
+    if reply.get("error"):
+        log.info("compile_baseline_failed", task=task.name, error=reply["error"])
+    elif not reply.get("cached"):
+        log.info("compile_baseline_compiled", task=task.name, seconds=reply.get("compile_s"))
+    return reply
 
 
 def _profile(
@@ -600,8 +679,13 @@ def _profile(
     timeout_s: float,
     limits: Limits | None,
     pool: RunnerPool | None,
+    compile_baseline: bool,
 ) -> ProfileReport:
-    """:func:`profile_candidate`; the runners it leases are added to ``leased``."""
+    """:func:`profile_candidate`; the runners it leases are added to ``leased``.
+
+    Raises :class:`_BaselineLost` when the reference runner died or hung over the
+    compiled baseline (remembered, so a second call skips it).
+    """
     device = parse_device(device)
     pool = pool or default_pool()
     limits = limits or Limits()
@@ -630,6 +714,13 @@ def _profile(
                     duration_s=time.monotonic() - start,
                 )
 
+            baseline = _compile_baseline(task, ref, device, seed, compile_baseline)
+            deadline = _Deadline(timeout_s)  # the compile had a time limit of its own
+            compiled: dict[str, Any] = {
+                "on": baseline.get("error") is None,
+                "error": baseline.get("error"),
+            }
+
             rtt_ns = min(_round_trip_ns(task, cand, deadline) for _ in range(3))
             # The grader's own wall clock around every timing request of the candidate:
             # samples forged or shrunk in-process cannot add up to it.
@@ -646,19 +737,41 @@ def _profile(
                     wall["sampled_ms"] += sum(samples)
                 return samples
 
+            def timed_compiled(n: int) -> list[float]:
+                """Samples of the compiled reference; none once it has failed."""
+                if not compiled["on"]:
+                    return []
+                try:
+                    reply = ref.request(
+                        "time", deadline.left(), n=n, compiled=True, what=f"timing {n} compiled"
+                    )
+                except (RunnerTimeout, RunnerCrashed) as exc:
+                    why = f"the compiled reference lost its runner while timed: {exc}"
+                    _baseline_lost[f"{_ref_key(task, device)}:{seed}"] = why
+                    raise _BaselineLost(why) from exc
+                except RunnerFailed as exc:
+                    compiled.update(on=False, error=f"the compiled reference failed: {exc}")
+                    return []
+                return [ns / 1e6 for ns in reply["samples_ns"]]
+
             est_c = statistics.median(timed(cand, warmup, True) or [1.0])
             est_r = statistics.median(timed(ref, warmup, False) or [1.0])
+            est_k = statistics.median(timed_compiled(warmup) or [0.0])
             round_s = max(min_time_s / 10, 0.01)
-            per_round = max(1, min(200, int(round_s * 1e3 / max(est_c, est_r, 1e-3))))
+            per_round = max(1, min(200, int(round_s * 1e3 / max(est_c, est_r, est_k, 1e-3))))
             cand_ms: list[float] = []
             ref_ms: list[float] = []
+            comp_ms: list[float] = []
             while len(cand_ms) < max_trials:
                 enough = len(cand_ms) >= min_trials and len(ref_ms) >= min_trials
+                enough = enough and (len(comp_ms) >= min_trials or not compiled["on"])
                 if enough and (sum(cand_ms) >= min_time_s * 1e3 or deadline.left() < timeout_s / 3):
                     break
                 cand_ms += timed(cand, per_round, True)
                 ref_ms += timed(ref, per_round, False)
+                comp_ms += timed_compiled(per_round)
             c, r = timing_stats(cand_ms), timing_stats(ref_ms)
+            kc = timing_stats(comp_ms) if compiled["on"] and comp_ms else None
 
             # Outside view: wall time of K back-to-back calls, minus one request's overhead.
             k = max(5, min(10_000, math.ceil(50.0 / max(c["mean"], 1e-3))))
@@ -734,9 +847,11 @@ def _profile(
             )
     timer = (
         "time.perf_counter_ns bound at runner start-up before candidate import; one call per "
-        "sample; PyTorch eager timed alternately in a candidate-free runner; cross-checked "
-        "against the grader's wall clock over a batch of calls"
+        "sample; PyTorch eager (and the reference under torch.compile) timed alternately in "
+        "a candidate-free runner; cross-checked against the grader's wall clock over a "
+        "batch of calls"
     )
+    best_ref = min(r["mean"], kc["mean"]) if kc is not None else None
     report = ProfileReport(
         ok=True,
         runtime_ms=c["mean"],
@@ -759,12 +874,27 @@ def _profile(
         device=device,
         threads=cand.threads,
         duration_s=time.monotonic() - start,
+        compiled_runtime_ms=kc["mean"] if kc is not None else None,
+        compiled_runtime_std_ms=kc["std"] if kc is not None else 0.0,
+        compiled_runtime_median_ms=kc["median"] if kc is not None else 0.0,
+        compiled_runtime_ci95_ms=kc["ci95"] if kc is not None else 0.0,
+        compiled_trials=len(comp_ms) if kc is not None else 0,
+        compile_baseline=str(baseline.get("baseline", "")),
+        compile_baseline_s=0.0 if baseline.get("cached") else float(baseline.get("compile_s", 0.0)),
+        compile_baseline_cached=bool(baseline.get("cached")),
+        compile_baseline_graphs=int(baseline.get("graphs", 0)),
+        compile_baseline_error=None
+        if kc is not None
+        else str(compiled["error"] or "no sample of the compiled reference"),
+        speedup_vs_compiled=kc["mean"] / c["mean"] if kc is not None and c["mean"] > 0 else None,
+        speedup_vs_best=best_ref / c["mean"] if best_ref is not None and c["mean"] > 0 else None,
     )
     log.info(
         "candidate_profiled",
         task=task.name,
         runtime_ms=report.runtime_ms,
         speedup=report.speedup,
+        speedup_vs_compiled=report.speedup_vs_compiled,
         flags=report.flags,
     )
     return report

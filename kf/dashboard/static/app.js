@@ -512,7 +512,7 @@
     kids.push(el("h2", {}, "candidate ", el("span", { class: "mono cand-id", text: d.id })));
     kids.push(el("p", { class: "kv" },
       el("span", { class: "pill " + d.status, text: d.status === "failed" ? "failed: " + (d.failure || "?") : d.status }),
-      ` ${d.task} · island ${d.island} · ${d.operator} · ${d.mutator}` + (d.cell ? ` · cell ${d.cell.join(".")}` : "") + (d.speedup ? ` · ${fmtX(d.speedup)} (${fmtMs(d.runtime_ms)} vs eager ${fmtMs(d.ref_ms)})` : "")));
+      ` ${d.task} · island ${d.island} · ${d.operator} · ${d.mutator}` + (d.cell ? ` · cell ${d.cell.join(".")}` : "") + (d.speedup ? ` · ${fmtX(d.speedup)} (${fmtMs(d.runtime_ms)} vs eager ${fmtMs(d.ref_ms)})` : "") + (d.speedup && d.profile && d.profile.compiled_runtime_ms ? ` · ${fmtX(d.profile.speedup_vs_compiled)} vs torch.compile ${fmtMs(d.profile.compiled_runtime_ms)}` : "")));
     const chain = [chip(d, "this: "), ...d.lineage.map((c) => chip(c))];
     const last = d.lineage.length ? d.lineage[d.lineage.length - 1] : d;
     kids.push(section("lineage",
@@ -534,7 +534,7 @@
     ] : el("p", { class: "empty", text: "not verified yet" })));
     const p = d.profile;
     kids.push(section("timings", p ? [
-      kv(p, ["ok", "speedup", "runtime_ms", "runtime_std_ms", "runtime_median_ms", "runtime_min_ms", "runtime_ci95_ms", "trials", "ref_runtime_ms", "ref_runtime_std_ms", "ref_trials", "timer", "outside_wall_ms", "outside_calls", "threads", "flags", "device", "failure_kind", "duration_s"]),
+      kv(p, ["ok", "speedup", "runtime_ms", "runtime_std_ms", "runtime_median_ms", "runtime_min_ms", "runtime_ci95_ms", "trials", "ref_runtime_ms", "ref_runtime_std_ms", "ref_trials", "compiled_runtime_ms", "compiled_runtime_std_ms", "compiled_trials", "speedup_vs_compiled", "speedup_vs_best", "compile_baseline_s", "compile_baseline_cached", "compile_baseline_error", "timer", "outside_wall_ms", "outside_calls", "threads", "flags", "device", "failure_kind", "duration_s"]),
       p.error ? pre(p.error, "error") : null,
     ] : el("p", { class: "empty", text: "not profiled" })));
     if (d.elite.length) kids.push(section("archive", el("ul", {}, d.elite.map((e) => el("li", { text: `seq ${e.seq}: elite of cell ${e.cell.join(".")} on island ${e.island} at ${fmtX(e.speedup)}` + (e.replaced ? `, replacing ${short(e.replaced)}` : "") + (e.migrated_from !== null && e.migrated_from !== undefined ? ` (migrated from island ${e.migrated_from})` : "") })))));

@@ -1,0 +1,269 @@
+"""The torch.compile baseline: the reference compiled with inductor and timed beside eager
+in the same session, reused by later profiles, recorded (not fatal) when it cannot be had."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kf.evaluation import ProfileReport, RunnerPool, profile_candidate
+from kf.evaluation.cli import main as eval_main
+from kf.tasks import load_task
+
+ROOT = Path(__file__).resolve().parent.parent
+EVAL = ROOT / "tests" / "fixtures" / "eval"
+FAST: dict[str, Any] = {"min_time_s": 0.05, "min_trials": 5, "warmup": 2}
+
+
+def test_eval_reports_torch_compile_baseline_and_reuses_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kf eval --json` of an honest candidate times the compiled reference (paying the
+    compile once) with speed-ups consistent with the three times, and a second profile in
+    the same reference runner reuses the compiled reference instead of compiling again."""
+    monkeypatch.setenv("KF_COMPILE_BASELINE", "1")
+    task, cand = EVAL / "task_gelu.py", EVAL / "honest.py"
+    assert eval_main([str(task), str(cand), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    p = out["profile"]
+    assert p["compile_baseline_error"] is None
+    assert p["compiled_runtime_ms"] > 0 and p["compiled_trials"] >= FAST["min_trials"]
+    assert p["compile_baseline_s"] > 0 and p["compile_baseline_cached"] is False
+    assert p["compile_baseline_graphs"] >= 1 and "inductor" in p["compile_baseline"]
+    assert p["speedup_vs_compiled"] == pytest.approx(p["compiled_runtime_ms"] / p["runtime_ms"])
+    best = min(p["ref_runtime_ms"], p["compiled_runtime_ms"])
+    assert p["speedup_vs_best"] == pytest.approx(best / p["runtime_ms"])
+    assert p["speedup"] == pytest.approx(p["ref_runtime_ms"] / p["runtime_ms"])  # still eager
+    assert out["speedup_vs_compiled"] == p["speedup_vs_compiled"]
+    assert out["speedup_vs_best"] == p["speedup_vs_best"]
+
+    # kf eval's process-wide pool keeps the task's reference runner: no second compile
+    again = profile_candidate(load_task(task), cand.read_text(), **FAST)
+    assert again.ok, again.error
+    assert again.compile_baseline_cached is True and again.compile_baseline_s == 0.0
+    assert again.compiled_runtime_ms is not None and again.compiled_runtime_ms > 0
+    assert again.phases.get("compile_baseline", 0.0) < p["compile_baseline_s"]
+
+
+@pytest.fixture
+def pool() -> Any:
+    """A runner pool of the test's own, closed afterwards."""
+    pool = RunnerPool(size=1)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def test_profile_without_compile_baseline_says_why(
+    monkeypatch: pytest.MonkeyPatch, pool: RunnerPool
+) -> None:
+    """$KF_COMPILE_BASELINE=0 times eager only: no compiled figures, and the reason."""
+    monkeypatch.setenv("KF_COMPILE_BASELINE", "0")
+    task = load_task(EVAL / "task_uncompilable.py")
+    report = profile_candidate(task, (EVAL / "honest_twice.py").read_text(), pool=pool, **FAST)
+    assert report.ok, report.error
+    assert report.speedup > 0
+    assert report.compiled_runtime_ms is None and report.compiled_trials == 0
+    assert report.speedup_vs_compiled is None and report.speedup_vs_best is None
+    assert report.compile_baseline_error is not None
+    assert "KF_COMPILE_BASELINE=0" in report.compile_baseline_error
+    assert "compile_baseline" not in report.phases  # not even asked
+
+
+def test_profile_of_uncompilable_reference_records_why_and_times_eager(
+    monkeypatch: pytest.MonkeyPatch, pool: RunnerPool
+) -> None:
+    """A reference torch.compile cannot compile leaves the error in the report; the
+    candidate is still timed against eager, and the failure is not retried."""
+    monkeypatch.setenv("KF_COMPILE_BASELINE", "1")
+    task = load_task(EVAL / "task_uncompilable.py")
+    source = (EVAL / "honest_twice.py").read_text()
+    first = profile_candidate(task, source, pool=pool, **FAST)
+    assert first.ok, first.error
+    assert first.speedup > 0 and first.ref_runtime_ms > 0
+    assert first.compiled_runtime_ms is None and first.speedup_vs_compiled is None
+    assert first.compile_baseline_error is not None
+    assert "torch.compile failed" in first.compile_baseline_error
+    assert "no shape function" in first.compile_baseline_error
+    second = profile_candidate(task, source, pool=pool, **FAST)
+    assert second.compile_baseline_error == first.compile_baseline_error
+    assert second.compile_baseline_cached is True
+
+
+def test_profile_whose_compile_outlasts_its_limit_loses_only_the_baseline(
+    monkeypatch: pytest.MonkeyPatch, pool: RunnerPool
+) -> None:
+    """A compile past $KF_COMPILE_BASELINE_TIMEOUT_S kills the reference runner; the
+    profile is taken again with fresh runners against eager, and the next profile of
+    the task does not try the compile again."""
+    from kf.evaluation import stages
+
+    monkeypatch.setenv("KF_COMPILE_BASELINE", "1")
+    monkeypatch.setenv("KF_COMPILE_BASELINE_TIMEOUT_S", "0.01")  # no compile is that quick
+    monkeypatch.setattr(stages, "_baseline_lost", {})
+    task = load_task(EVAL / "task_uncompilable.py")
+    source = (EVAL / "honest_twice.py").read_text()
+    first = profile_candidate(task, source, pool=pool, **FAST)
+    assert first.ok, first.error
+    assert first.speedup > 0 and first.compiled_runtime_ms is None
+    assert first.compile_baseline_error and "lost its runner" in first.compile_baseline_error
+    second = profile_candidate(task, source, pool=pool, **FAST)
+    assert second.ok and second.compile_baseline_error == first.compile_baseline_error
+    assert "compile_baseline" not in second.phases  # not asked again
+
+
+def test_profile_report_reads_old_logs_without_compiled_fields() -> None:
+    """A ProfileReport from before the compiled baseline decodes with None and defaults."""
+    import msgspec
+
+    old = msgspec.json.encode(
+        {"ok": True, "runtime_ms": 1.0, "ref_runtime_ms": 2.0, "speedup": 2.0}
+    )
+    report = msgspec.json.decode(old, type=ProfileReport)
+    assert report.speedup == 2.0
+    assert report.compiled_runtime_ms is None and report.speedup_vs_best is None
+    assert report.compile_baseline_error is None and report.compile_baseline_s == 0.0
+
+
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs an NVIDIA GPU and a CUDA build of PyTorch (CI has neither)",
+)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_profile_times_torch_compile_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the reference compiles with inductor (Triton), is timed with CUDA events
+    and L2 flushes beside eager, and the next profile of the task reuses it."""
+    monkeypatch.setenv("KF_COMPILE_BASELINE", "1")
+    task = load_task(ROOT / "examples" / "cuda_tasks" / "gelu_residual.py")
+    seed = (ROOT / "examples" / "cuda_tasks" / "seeds" / "gelu_residual.py").read_text()
+    pool = RunnerPool(size=2, warm="cuda:0")
+    try:
+        first = profile_candidate(task, seed, device="cuda:0", pool=pool)
+        again = profile_candidate(task, seed, device="cuda:0", pool=pool)
+    finally:
+        pool.close()
+    assert first.ok and again.ok, (first.error, again.error)
+    assert first.compile_baseline_error is None, first.compile_baseline_error
+    assert first.compiled_runtime_ms is not None and first.compiled_runtime_ms > 0
+    assert first.compile_baseline_s > 0 and not first.compile_baseline_cached
+    assert first.speedup_vs_compiled == pytest.approx(first.compiled_runtime_ms / first.runtime_ms)
+    assert again.compile_baseline_cached and again.compile_baseline_s == 0.0
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_profile_of_uncompilable_reference_times_eager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU too, a reference torch.compile rejects leaves the reason and eager timing."""
+    monkeypatch.setenv("KF_COMPILE_BASELINE", "1")
+    task = load_task(EVAL / "task_uncompilable.py")
+    pool = RunnerPool(size=2, warm="cuda:0")
+    try:
+        report = profile_candidate(
+            task, (EVAL / "honest_twice.py").read_text(), device="cuda:0", pool=pool
+        )
+    finally:
+        pool.close()
+    assert report.ok, report.error
+    assert report.compiled_runtime_ms is None
+    assert report.compile_baseline_error and "torch.compile failed" in report.compile_baseline_error
+
+
+def _run_envelopes(reports: dict[str, tuple[str, ProfileReport]]) -> list[Any]:
+    """The committed envelopes of a tiny run: one seed per task, each profiled with the
+    given report, the archive's decisions folded back in as the archivist commits them."""
+    from agents.archive import ArchiveAgent
+    from kf.agent import AgentContext
+    from kf.evaluation.reports import CompileReport, VerifyReport
+    from kf.events import Event, Record, make_envelope
+    from kf.facts import DeviceAnnounced, RunStarted, TaskSpec
+    from kf.search_facts import (
+        CandidateCompiled,
+        CandidateProfiled,
+        CandidateProposed,
+        CandidateVerified,
+    )
+
+    seed_src = (ROOT / "tests" / "fixtures" / "search" / "seeds" / "scale_relu.py").read_text()
+    agent = ArchiveAgent(AgentContext(run_id="r", agent_id="archive@t"))
+    state = agent.initial_state()
+    envelopes: list[Any] = []
+
+    def feed(ev: Event) -> None:
+        nonlocal state
+        env = make_envelope(
+            ev, run_id="r", source="t@x", event_id=f"e{len(envelopes)}", seq=len(envelopes) + 1
+        )
+        envelopes.append(env)
+        r = Record(env, ev)
+        state = agent.evolve(state, r)
+        for d in agent.react(state, r):
+            feed(d)
+
+    feed(
+        RunStarted(
+            run_id="r",
+            seed=1,
+            config={"budget": 1, "islands": 1, "max_in_flight": 1},
+            tasks=tuple(
+                TaskSpec(name=t, source="x", sha256="h", seeds=(("s", seed_src),)) for t in reports
+            ),
+        )
+    )
+    feed(
+        DeviceAnnounced(
+            device_id="d", kind="cpu", agent_id="hw@x", capabilities={"backends": ["cpp-openmp"]}
+        )
+    )
+    for task, (cid, report) in reports.items():
+        feed(
+            CandidateProposed(
+                candidate_id=cid, task=task, source=seed_src, island=0, operator="seed",
+                mutator="offline", selection=None,
+            )
+        )  # fmt: skip
+        where: dict[str, Any] = {"candidate_id": cid, "task": task, "device_id": "d", "attempt": 1}
+        feed(CandidateCompiled(report=CompileReport(ok=True), **where))
+        feed(CandidateVerified(report=VerifyReport(correct=True, trials=5), **where))
+        feed(CandidateProfiled(report=report, **where))
+    return envelopes
+
+
+def test_report_states_best_speedups_against_each_baseline() -> None:
+    """`kf report` gives each task's best speed-up against eager, torch.compile and the
+    better of the two, with fast_p and geomean against the better one; a task without a
+    compiled time says why and counts against eager there."""
+    from kf.report import build_report_from, format_table
+
+    with_compiled = ProfileReport(
+        ok=True, runtime_ms=1.0, ref_runtime_ms=4.0, speedup=4.0, compiled_runtime_ms=2.0,
+        speedup_vs_compiled=2.0, speedup_vs_best=2.0, compile_baseline_s=7.5,
+    )  # fmt: skip
+    without = ProfileReport(
+        ok=True, runtime_ms=1.0, ref_runtime_ms=3.0, speedup=3.0,
+        compile_baseline_error="torch.compile failed: no C++ compiler",
+    )  # fmt: skip
+    report = build_report_from(_run_envelopes({"a": ("ca", with_compiled), "b": ("cb", without)}))
+    tasks = {t["task"]: t for t in report["tasks"]}
+    assert tasks["a"]["best_speedup"] == 4.0
+    assert tasks["a"]["best_speedup_vs_compiled"] == 2.0
+    assert tasks["a"]["best_speedup_vs_best"] == 2.0
+    assert tasks["a"]["compiled_ms"] == 2.0 and tasks["a"]["compile_baseline_s"] == 7.5
+    assert tasks["b"]["best_speedup_vs_compiled"] is None
+    assert tasks["b"]["compile_baseline_error"] == "torch.compile failed: no C++ compiler"
+    assert report["tasks_without_compiled_baseline"] == 1
+    assert report["fast_p"]["fast_2"] == 1.0  # 4× and 3× against eager
+    assert report["fast_p_vs_best"]["fast_2"] == 0.5  # 2× (not above 2) and 3× (eager)
+    assert report["geomean_speedup_vs_best"] == pytest.approx((2.0 * 3.0) ** 0.5)
+    table = format_table(report)
+    assert "vs t.compile" in table and "no torch.compile baseline" in table
+    assert "against the better of eager and torch.compile" in table
