@@ -668,6 +668,20 @@ class Runner:
             "phases_ns": {"inputs": t1 - t0, "forward": t2 - t1, "outputs": self.clock_ns() - t2},
         }
 
+    def op_trim(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Between stages: drop the trials' tensors and the last inputs when they are
+        large (a reference runner stays alive for the task's next candidate, and idle
+        runners holding 25 GB each ran a GPU out of memory), then return cached blocks."""
+        limit = int(msg.get("keep_bytes", _TRIM_ABOVE_BYTES))
+        held = sum(map(self._nbytes, self.trials.values())) + self._nbytes((self.inputs, []))
+        dropped = 0
+        if held > limit:
+            self.trials.clear()
+            self.inputs = []
+            dropped = held
+        self._trim_device_cache()
+        return {"dropped_bytes": dropped}
+
     def op_check(self, msg: dict[str, Any]) -> dict[str, Any]:
         try:
             return {"verdict": self._check(msg)}

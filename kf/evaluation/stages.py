@@ -7,12 +7,14 @@ a candidate-free reference runner, which holds the expected outputs and judges t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -193,6 +195,48 @@ def _phases(since: float, *handles: RunnerHandle) -> dict[str, float]:
         if r.ended >= since and r.pid in pids:
             spent[r.op] = spent.get(r.op, 0.0) + r.wall_s
     return {op: round(s, 4) for op, s in sorted(spent.items())}
+
+
+_BIG_LOCKS: dict[str, threading.Lock] = {}
+
+
+def _big_task_bytes() -> int:
+    """Inputs plus outputs above which a task's verifications run one at a time on a GPU
+    (``$KF_BIG_TASK_MB``, default 2048): two of KernelBench's 6 GB tasks side by side,
+    each with a reference and a candidate process, do not fit in an H200."""
+    return int(float(os.environ.get("KF_BIG_TASK_MB", "2048")) * (1 << 20))
+
+
+def _footprint(made: dict[str, Any]) -> int:
+    """Bytes of one input set and its outputs, from a ``make_inputs`` reply."""
+    sizes = {"float64": 8, "int64": 8, "complex64": 8, "float16": 2, "bfloat16": 2, "int16": 2}
+    total = 0
+    for shapes, dtypes in (
+        (made.get("input_shapes", []), made.get("input_dtypes", [])),
+        (made.get("output_shapes", []), made.get("output_dtypes", [])),
+    ):
+        for shape, dtype in zip(shapes, dtypes, strict=False):
+            n = 1
+            for d in shape:
+                n *= int(d)
+            total += n * sizes.get(str(dtype), 1 if str(dtype) in ("int8", "uint8", "bool") else 4)
+    return total
+
+
+def _trim(ref: RunnerHandle) -> None:
+    """Ask a reference runner to drop large per-stage tensors before it idles."""
+    with contextlib.suppress(RunnerError):
+        ref.request("trim", 30.0)
+
+
+@contextlib.contextmanager
+def _trimmed(lease: Any) -> Iterator[RunnerHandle]:
+    """A reference lease whose runner drops its large tensors before going back idle."""
+    with lease as ref:
+        try:
+            yield ref
+        finally:
+            _trim(ref)
 
 
 def _truncate(text: str) -> str:
@@ -430,10 +474,18 @@ def verify_candidate(
                 **kw,
             )
 
+        big: threading.Lock | None = None
         try:
             _load_pair(task, source, ref, cand, device, limits, deadline, seed)
             for i, trial_seed in enumerate(_seed_trials(seed, trials)):
                 made = _reference(task, ref, "make_inputs", deadline, seed=trial_seed)
+                if (
+                    big is None
+                    and device.startswith("cuda")
+                    and _footprint(made) > _big_task_bytes()
+                ):
+                    big = _BIG_LOCKS.setdefault(device, threading.Lock())
+                    big.acquire()
                 atol = max([_tol(d) for d in made["output_dtypes"]], default=1e-4)
                 ran = _candidate(
                     task,
@@ -468,6 +520,10 @@ def verify_candidate(
                 f"\n{exc.log[-1500:]}" if exc.kind in ("crash", "exception") and exc.log else ""
             )
             return report(correct=False, failure_kind=exc.kind, error=exc.error + detail)
+        finally:
+            _trim(ref)
+            if big is not None:
+                big.release()
     log.info("candidate_verified", task=task.name, trials=len(evidence))
     return report(correct=True)
 
@@ -691,7 +747,7 @@ def _profile(
     limits = limits or Limits()
     with (
         _device_lock(device),
-        pool.reference_lease(_ref_key(task, device)) as ref,
+        _trimmed(pool.reference_lease(_ref_key(task, device))) as ref,
         pool.lease() as cand,
     ):
         leased += [ref, cand]
