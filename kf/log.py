@@ -144,16 +144,19 @@ def _file_problem(path: Path) -> str | None:
         with path.open("rb") as f:
             head = f.read(100)
     except OSError as exc:
-        return f"cannot read it ({exc.strerror or exc})"
+        return f"cannot read the log ({exc.strerror or exc})"
     if len(head) < 100 or not head.startswith(_SQLITE_HEADER):
-        return "not an SQLite database (it does not start with the SQLite header)"
+        return "not a kf event log: not an SQLite database (no SQLite header)"
     page = int.from_bytes(head[16:18], "big")
     page = 65536 if page == 1 else page
     pages = int.from_bytes(head[28:32], "big")
     header_valid = head[24:28] == head[92:96]
     wal = path.with_name(path.name + "-wal")
     if header_valid and not wal.exists() and page and size < page * pages:
-        return f"truncated: {size} bytes, its header says {page * pages}"
+        return (
+            f"the log is damaged: truncated to {size} bytes, its header says "
+            f"{page * pages}; restore it from a copy"
+        )
     return None
 
 
@@ -219,7 +222,7 @@ class EventLog:
         if not exists and (readonly or not create):
             raise LogError(f"{self.path}: no such event log")
         if exists and (problem := _file_problem(self.path)):
-            raise LogError(f"{self.path}: not a kf event log: {problem}")
+            raise LogError(f"{self.path}: {problem}")
         try:
             if not readonly:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -486,6 +489,12 @@ class EventLog:
         """Committed envelopes with their decoded events."""
         for body in self.read_raw(start, stop):
             yield Record.from_bytes(body)
+
+    def row_type(self, seq: int) -> str | None:
+        """The ``type`` column of the row at ``seq`` (None if there is none)."""
+        for (type_,) in self._query("SELECT type FROM events WHERE seq = ?", [seq]):
+            return str(type_)
+        return None
 
     def get(self, event_id: str) -> Envelope | None:
         """One committed envelope by id."""

@@ -2,6 +2,11 @@
 
 KernelBench's ``fast_p``: the fraction of the run's tasks whose best kernel is correct
 and more than ``p`` times faster than PyTorch eager (``fast_0`` counts correct tasks).
+
+A report read from a log file first verifies the log's hash chain: a log changed outside
+kf raises :class:`~kf.log.LogIntegrityError` naming the first bad ``seq``, unless the
+caller passes ``ignore_integrity`` — then the report carries the failure and its table
+says so before anything else.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from typing import Any
 
 from kf.agent import AgentContext
 from kf.events import Envelope, Record, decode_event
-from kf.log import EventLog
+from kf.log import EventLog, check_integrity
 
 __all__ = [
     "FAST_P",
@@ -26,8 +31,9 @@ __all__ = [
 FAST_P = (0.0, 1.0, 1.5, 2.0)
 
 
-def fold_archive(elog: EventLog) -> Any:
-    """The archive state after the whole log."""
+def fold_archive(elog: EventLog, *, ignore_integrity: bool = False) -> Any:
+    """The archive state after the whole log, once its chain is verified (see module doc)."""
+    check_integrity(elog, ignore=ignore_integrity)
     return fold_envelopes(elog.read())
 
 
@@ -43,10 +49,13 @@ def fold_envelopes(envelopes: Iterable[Envelope]) -> Any:
     return state
 
 
-def build_report(db: str | Path) -> dict[str, Any]:
-    """The JSON report of ``kf report --json``, from a log file."""
+def build_report(db: str | Path, *, ignore_integrity: bool = False) -> dict[str, Any]:
+    """The JSON report of ``kf report --json``, from a log file whose chain is verified."""
     with EventLog(db, readonly=True) as elog:
-        return build_report_from(list(elog.read()))
+        integrity = check_integrity(elog, ignore=ignore_integrity)
+        report = build_report_from(list(elog.read()))
+    report["integrity"] = {**integrity.as_json(), "message": integrity.message()}
+    return report
 
 
 def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
@@ -174,4 +183,15 @@ def format_table(report: dict[str, Any]) -> str:
         f"mutator: {report['mutator']}"
     )
     lines += notes
+    integrity = report.get("integrity")
+    if integrity is not None:
+        if integrity["status"] == "broken":
+            lines.insert(
+                0,
+                f"WARNING: {integrity['message']}\n"
+                "WARNING: shown because --ignore-integrity was given: these results come "
+                "from a log changed outside kf and prove nothing\n",
+            )
+        else:
+            lines.append(integrity["message"])
     return "\n".join(lines)
