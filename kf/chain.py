@@ -62,6 +62,8 @@ class Integrity:
                 f"{self.path}: unchained log (written before kf chained its logs): "
                 f"{self.events} events, seq gapless; rewrites cannot be detected"
             )
+        if not self.events:
+            return f"{self.path}: empty log (nothing to verify)"
         return (
             f"{self.path}: log chain verified: {self.events} events, "
             f"head sha256 {self.head_hash[:16]}…"
@@ -101,6 +103,8 @@ class ChainVerifier:
                 what = "seq " + (str(expected) if seq == expected + 1 else f"{expected}..{seq - 1}")
                 return self._fail(expected, f"{what} missing before seq {seq} (a row was deleted)")
             return self._fail(seq, f"seq {seq} after seq {self.last_seq} (out of order)")
+        if self.chained and digest is None:
+            return self._fail(seq, f"no chain hash ({type_} was not committed by kf's writer)")
         try:
             env = decode_envelope(bytes(body))
         except EventError as exc:
@@ -110,8 +114,6 @@ class ChainVerifier:
         if fields != columns or env.schema != schema or env.time != time_:
             return self._fail(seq, "the row's columns disagree with the envelope in its body")
         if self.chained:
-            if digest is None:
-                return self._fail(seq, f"no chain hash ({type_} was not committed by kf's writer)")
             h = link(self.prev, bytes(body))
             if digest != h.hex():
                 return self._fail(
