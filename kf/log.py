@@ -247,13 +247,14 @@ class EventLog:
         self._conn = conn
         self.db = sqlite_utils.Database(conn)
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if tables or self.readonly:
+            self.format = self._format(tables)  # before anything changes another's database
         if not self.readonly:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
             if not tables:
                 self._transaction([*_SCHEMA, *_guards(True)])
-                tables = {"events", "rejected", "meta"}
-        self.format = self._format(tables)
+                self.format = FORMAT
         self.chained = any(r[1] == "hash" for r in conn.execute("PRAGMA table_info(events)"))
         if not self.readonly:
             if self.format > FORMAT:
