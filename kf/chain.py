@@ -124,6 +124,11 @@ class ChainVerifier:
         self.events += 1
         return True
 
+    @property
+    def ok_so_far(self) -> bool:
+        """No bad row yet."""
+        return self.bad_seq is None
+
     def _fail(self, seq: int, problem: str) -> bool:
         self.bad_seq, self.problem = seq, problem
         return False
@@ -134,7 +139,7 @@ class ChainVerifier:
             path=path,
             chained=self.chained,
             events=self.events,
-            head_hash=self.prev.hex() if self.chained and self.events else "",
+            head_hash=self.prev.hex() if self.chained and self.events and self.ok_so_far else "",
             bad_seq=self.bad_seq,
             problem=self.problem,
         )

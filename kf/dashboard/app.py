@@ -302,9 +302,12 @@ def make_app(
     carry (the name the dashboard was bound to, a machine's DNS name).
     """
     elog = open_log(db)
-    feed = Feed(elog, poll_s=poll_s)
     try:
+        feed = Feed(elog, poll_s=poll_s)
         feed.catch_up()
+    except LogError as exc:  # damage SQLite found while reading
+        elog.close()
+        raise DashboardError(str(exc)) from None
     except BaseException:
         elog.close()
         raise
