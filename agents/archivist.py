@@ -37,7 +37,7 @@ from kf.events import (
     make_envelope,
 )
 from kf.facts import DeviceLost
-from kf.log import EventLog
+from kf.log import EventLog, LogBusy
 from kf.runtime import AgentCrashed, reaction_envelopes
 
 __all__ = ["Archivist", "ArchivistStats"]
@@ -69,6 +69,7 @@ class ArchivistStats(msgspec.Struct, kw_only=True):
     rejected: int = 0
     batches: int = 0
     decisions: int = 0
+    busy_waits: int = 0  # commits retried while another connection held the write lock
 
 
 class Archivist:
@@ -97,10 +98,11 @@ class Archivist:
         self._last_seen: dict[str, float] = {}  # device → monotonic time last heard
         self.heartbeat_timeout_s = float(ctx.options.get("heartbeat_timeout_s", 30.0))
         self._hosted: list[tuple[Agent[Any], Any]] = []
+        self._busy = False  # waiting for another connection's write lock
 
     # -- hosted agents -------------------------------------------------------------------
 
-    def _start_hosted(self, elog: EventLog) -> None:
+    async def _start_hosted(self, elog: EventLog) -> None:
         """Fold the whole log into the hosted agents; answer what they had not answered."""
         agents = [
             cls(AgentContext(run_id=self.ctx.run_id, agent_id=self.ctx.agent_id))
@@ -121,7 +123,7 @@ class Archivist:
         pending: list[Envelope] = []
         for env in history:
             pending.extend(self._fold_hosted(env, answered))
-        self._commit_decisions(elog, pending, answered)
+        await self._commit_decisions(elog, pending, answered)
 
     def _fold_hosted(
         self, env: Envelope, answered: set[tuple[str, str]] | None = None
@@ -149,7 +151,7 @@ class Archivist:
             out.extend(reaction_envelopes(agent.kind, source, env, events))
         return out
 
-    def _commit_decisions(
+    async def _commit_decisions(
         self,
         elog: EventLog,
         pending: list[Envelope],
@@ -158,13 +160,38 @@ class Archivist:
         """Append decisions, fold them back in, and repeat until the agents are quiet."""
         committed: list[Envelope] = []
         while pending:
-            new = elog.append(pending)
+            new = await self._append(elog, pending)
             self.stats.decisions += len(new)
             committed.extend(new)
             pending = []
             for env in new:
                 pending.extend(self._fold_hosted(env, answered))
         return committed
+
+    async def _append(self, elog: EventLog, envelopes: list[Envelope]) -> list[Envelope]:
+        """Commit; while another connection (a user's sqlite shell) holds the database's
+        write lock, wait without blocking the loop and retry — nothing is lost meanwhile."""
+        started = time.monotonic()
+        delay, warned = 0.05, -1.0
+        while True:
+            try:
+                committed = elog.append(envelopes)
+            except LogBusy as exc:
+                self.stats.busy_waits += 1
+                self._busy = True
+                waited = time.monotonic() - started
+                if waited - warned >= 10.0 or warned < 0:
+                    warned = waited
+                    log.warning("log_busy", waited_s=round(waited, 1), error=str(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            if self._busy:
+                self._busy = False
+                now = time.monotonic()
+                self._last_seen = dict.fromkeys(self._last_seen, now)
+                log.warning("log_busy_over", waited_s=round(now - started, 1))
+            return committed
 
     def _track_device(self, env: Envelope) -> None:
         if env.type in _DEVICE_ALIVE or env.type in _DEVICE_GONE:
@@ -186,6 +213,8 @@ class Archivist:
         while True:
             await asyncio.sleep(max(0.1, timeout / 4))
             now = time.monotonic()
+            if self._busy:  # their heartbeats wait in our queue: the silence is ours
+                continue
             for device, seen in sorted(self._last_seen.items()):
                 if now - seen > timeout:
                     del self._last_seen[device]
@@ -213,7 +242,7 @@ class Archivist:
                 raise ValueError("the archivist needs a NATS URL")
             nc = await bus.connect(bus.BusOptions.from_env(url, name=self.ctx.agent_id))
         try:
-            self._start_hosted(elog)
+            await self._start_hosted(elog)
             in_sub = await nc.subscribe(
                 bus.inbound_subject(self.ctx.run_id),
                 cb=self._on_inbound,
@@ -331,7 +360,7 @@ class Archivist:
                     accepted.append(env)
             replies.append((msg, refused))
         self.stats.batches += 1
-        committed = elog.append(accepted)
+        committed = await self._append(elog, accepted)
         for env in committed:
             self._track_device(env)
         self.stats.duplicates += len(accepted) - len(committed)
@@ -339,7 +368,7 @@ class Archivist:
         pending: list[Envelope] = []
         for env in committed:
             pending.extend(self._fold_hosted(env))
-        committed.extend(self._commit_decisions(elog, pending))
+        committed.extend(await self._commit_decisions(elog, pending))
         # Replies and publications are best effort: a producer that misses its reply
         # retries (and is deduplicated); a subscriber that misses an event fills the gap.
         for msg, refused in replies:

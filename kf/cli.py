@@ -130,9 +130,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except LookupError as exc:
         print(f"kf replay: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    with elog:
-        result = fold(elog, types)
-        checked = check(elog, types) if args.check else None
+    try:
+        with elog:
+            result = fold(elog, types)
+            checked = check(elog, types) if args.check else None
+    except LogError as exc:
+        print(f"kf replay: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if args.json:
         out: dict[str, Any] = {
             "db": str(args.db),
@@ -154,6 +158,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     "event_type": checked.difference.event_type,
                     "message": checked.difference.message,
                 },
+                "integrity": None
+                if checked.integrity is None
+                else checked.integrity.as_json(),
             }
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
@@ -165,6 +172,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"state hash: {result.hash}")
         if checked is not None:
             if checked.ok:
+                if checked.integrity is not None:
+                    print(checked.integrity.message())
                 print(f"check: ok, {checked.decisions_checked} decisions recomputed and equal")
             else:
                 d = checked.difference
@@ -323,7 +332,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from kf.report import build_report, format_table
 
     try:
-        report = build_report(args.db)
+        report = build_report(args.db, ignore_integrity=args.ignore_integrity)
     except LogError as exc:
         print(f"kf report: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -344,7 +353,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     async def go() -> None:
         stop = asyncio.Event()
         _install_signal_handlers(stop)
-        await serve(args.db, host=args.host, port=args.port, stop=stop, out=sys.stdout)
+        await serve(
+            args.db,
+            host=args.host,
+            port=args.port,
+            stop=stop,
+            out=sys.stdout,
+            allowed_hosts=args.allow_host,
+        )
 
     try:
         asyncio.run(go())
@@ -362,7 +378,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         with EventLog(args.db, readonly=True) as elog:
-            state = fold_archive(elog)
+            state = fold_archive(elog, ignore_integrity=args.ignore_integrity)
+            integrity = elog.verify()
     except LogError as exc:
         print(f"kf export: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -380,6 +397,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"# candidate {best.id}: {best.speedup:.2f}x over PyTorch eager "
         f"({best.runtime_ms:.4f} ms vs {best.ref_ms:.4f} ms), config {best.config}\n"
     )
+    if not integrity.ok:
+        header = (
+            f"# WARNING: {integrity.message()}\n"
+            "# exported with --ignore-integrity: this kernel and its figures prove nothing\n"
+        ) + header
+        print(f"kf export: WARNING: {integrity.message()}", file=sys.stderr)
     args.output.write_text(header + best.source)
     print(f"wrote {args.output} ({task}, {best.speedup:.2f}× over eager)")
     return EXIT_OK
@@ -508,6 +531,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("db", type=Path)
     rp.add_argument("--json", action="store_true")
     rp.add_argument(
+        "--ignore-integrity",
+        action="store_true",
+        help="report a log that fails its hash-chain check anyway (marked as such)",
+    )
+    rp.add_argument(
         "--html", type=Path, metavar="OUT.html", help="also write a self-contained HTML report"
     )
     rp.set_defaults(func=cmd_report)
@@ -516,12 +544,25 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("db", type=Path)
     ex.add_argument("-o", "--output", type=Path, required=True)
     ex.add_argument("--task", help="which task (default: the only one)")
+    ex.add_argument(
+        "--ignore-integrity",
+        action="store_true",
+        help="export from a log that fails its hash-chain check anyway (marked as such)",
+    )
     ex.set_defaults(func=cmd_export)
 
     sv = sub.add_parser("serve", help="dashboard for a run (live while it runs)")
     sv.add_argument("db", type=Path, help="the run's event log (runs/<run_id>.db)")
     sv.add_argument("--port", type=int, default=8765, help="TCP port (0: any free port)")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    sv.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a name the dashboard may be reached by besides localhost and IP addresses "
+        "(DNS rebinding protection); repeatable",
+    )
     sv.set_defaults(func=cmd_serve)
     return p
 

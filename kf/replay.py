@@ -4,7 +4,9 @@
 ``check`` walks the log once more and, at every committed event, recomputes what each
 deciding agent would decide from the prefix up to that event, comparing with the
 decisions recorded in the log (same ids, types, data and ``based_on``). The first
-difference is returned, named by its ``seq``.
+difference is returned, named by its ``seq``. Before any of that, ``check`` verifies the
+log's hash chain (:meth:`kf.log.EventLog.verify`): a row rewritten, inserted or deleted
+outside kf is a difference of kind ``integrity`` at the first bad ``seq``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import msgspec
 
 from kf.agent import Agent, AgentContext, agent_types, snapshot_hash
 from kf.events import Decision, Envelope, Event, Record, decode_envelope, decode_event, derived_id
-from kf.log import EventLog
+from kf.log import EventLog, Integrity
 
 __all__ = ["CheckResult", "Difference", "FoldResult", "check", "deciding_agent_types", "fold"]
 
@@ -55,6 +57,7 @@ class CheckResult:
     difference: Difference | None = None
     hash: str = ""
     kinds: tuple[str, ...] = field(default_factory=tuple)
+    integrity: Integrity | None = None
 
 
 def deciding_agent_types(kinds: Iterable[str] | None = None) -> list[type[Agent[Any]]]:
@@ -107,7 +110,23 @@ def fold(elog: EventLog, types: Sequence[type[Agent[Any]]]) -> FoldResult:
 
 
 def check(elog: EventLog, types: Sequence[type[Agent[Any]]]) -> CheckResult:
-    """Recompute every decision from its log prefix; stop at the first difference."""
+    """Verify the chain, then recompute every decision from its log prefix; stop at the
+    first difference."""
+    integrity = elog.verify()
+    if not integrity.ok:
+        bad = integrity.bad_seq or 0
+        return CheckResult(
+            ok=False,
+            decisions_checked=0,
+            events=integrity.events,
+            difference=Difference(
+                seq=bad,
+                kind="integrity",
+                event_type=elog.row_type(bad) or "missing row",
+                message=integrity.problem,
+            ),
+            integrity=integrity,
+        )
     history = _load(elog)
     run_id = history[0].run_id if history else ""
     agents = _instances(types, run_id, {})
@@ -134,6 +153,7 @@ def check(elog: EventLog, types: Sequence[type[Agent[Any]]]) -> CheckResult:
             events=len(history),
             difference=Difference(seq=env.seq or 0, kind=kind, event_type=env.type, message=msg),
             kinds=kinds,
+            integrity=integrity,
         )
 
     for env in history:
@@ -185,6 +205,7 @@ def check(elog: EventLog, types: Sequence[type[Agent[Any]]]) -> CheckResult:
         events=len(history),
         hash=fold(elog, types).hash,
         kinds=kinds,
+        integrity=integrity,
     )
 
 

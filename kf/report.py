@@ -6,6 +6,11 @@ and more than ``p`` times faster than PyTorch eager (``fast_0`` counts correct t
 of eager and ``torch.compile`` (timed in the same session, :mod:`kf.evaluation.stages`);
 a task whose best kernel has no ``torch.compile`` time counts against eager there, and
 ``tasks_without_compiled_baseline`` says how many did.
+
+A report read from a log file first verifies the log's hash chain: a log changed outside
+kf raises :class:`~kf.log.LogIntegrityError` naming the first bad ``seq``, unless the
+caller passes ``ignore_integrity`` — then the report carries the failure and its table
+says so before anything else.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 
 from kf.agent import AgentContext
 from kf.events import Envelope, Record, decode_event
-from kf.log import EventLog
+from kf.log import EventLog, check_integrity
 from kf.run_stats import format_run_stats, run_stats
 
 __all__ = [
@@ -31,8 +36,9 @@ __all__ = [
 FAST_P = (0.0, 1.0, 1.5, 2.0)
 
 
-def fold_archive(elog: EventLog) -> Any:
-    """The archive state after the whole log."""
+def fold_archive(elog: EventLog, *, ignore_integrity: bool = False) -> Any:
+    """The archive state after the whole log, once its chain is verified (see module doc)."""
+    check_integrity(elog, ignore=ignore_integrity)
     return fold_envelopes(elog.read())
 
 
@@ -48,10 +54,13 @@ def fold_envelopes(envelopes: Iterable[Envelope]) -> Any:
     return state
 
 
-def build_report(db: str | Path) -> dict[str, Any]:
-    """The JSON report of ``kf report --json``, from a log file."""
+def build_report(db: str | Path, *, ignore_integrity: bool = False) -> dict[str, Any]:
+    """The JSON report of ``kf report --json``, from a log file whose chain is verified."""
     with EventLog(db, readonly=True) as elog:
-        return build_report_from(list(elog.read()))
+        integrity = check_integrity(elog, ignore=ignore_integrity)
+        report = build_report_from(list(elog.read()))
+    report["integrity"] = {**integrity.as_json(), "message": integrity.message()}
+    return report
 
 
 def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
@@ -278,4 +287,15 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     lines += notes
     lines += format_run_stats(report.get("run_stats") or {})
+    integrity = report.get("integrity")
+    if integrity is not None:
+        if integrity["status"] == "broken":
+            lines.insert(
+                0,
+                f"WARNING: {integrity['message']}\n"
+                "WARNING: shown because --ignore-integrity was given: these results come "
+                "from a log changed outside kf and prove nothing\n",
+            )
+        else:
+            lines.append(integrity["message"])
     return "\n".join(lines)

@@ -498,3 +498,53 @@ def test_view_prompt_population_comes_from_prompt_events() -> None:
         "prompt.chosen",
     ]
     assert out["population"][0]["prompt_id"] == "p0" and out["population"][0]["uses"] == 1
+
+
+async def test_dashboard_refuses_a_foreign_host_header(log_copy: Path) -> None:
+    """A request naming another site in Host (DNS rebinding) gets 421; local names, IP
+    literals and names given with ``allowed_hosts`` are served."""
+    url, stop = await start_dashboard(
+        log_copy, host="127.0.0.1", port=0, allowed_hosts=["gpu-box.lan"]
+    )
+    port = url.rstrip("/").rsplit(":", 1)[1]
+    try:
+        async with aiohttp.ClientSession() as s:
+            for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example"):
+                async with s.get(url + "api/state", headers={"Host": host}) as r:
+                    assert r.status == 421, host
+                    assert "DNS rebinding" in await r.text()
+            for host in (f"127.0.0.1:{port}", f"localhost:{port}", "[::1]", "gpu-box.lan:80",
+                         "10.1.2.3"):  # fmt: skip
+                async with s.get(url + "api/state", headers={"Host": host}) as r:
+                    assert r.status == 200, host
+    finally:
+        await stop()
+
+
+def test_dashboard_host_allowed_names() -> None:
+    """The Host allow-list: names with ports, IPv6 literals, trailing dots, case."""
+    from kf.dashboard import host_allowed
+
+    assert host_allowed("LOCALHOST.:8765", [])
+    assert host_allowed("[::1]:8765", [])
+    assert host_allowed("box:1", ["box"])
+    assert host_allowed(None, [])
+    assert not host_allowed("box:1", [])
+    assert not host_allowed("localhost.evil.example", ["127.0.0.1"])
+
+
+@needs_chromium
+async def test_dashboard_warns_when_the_log_fails_its_chain(log_copy: Path, tmp_path: Path) -> None:
+    """A log rewritten outside kf is still shown, under a banner naming the first bad seq."""
+    with contextlib.closing(sqlite3.connect(log_copy, isolation_level=None)) as c:
+        c.execute("DROP TRIGGER events_no_update")
+        c.execute("UPDATE events SET body = (SELECT body FROM events WHERE seq = 3) WHERE seq = 5")
+    async with dashboard(log_copy) as url, chromium(tmp_path) as page:
+        await page.goto(url)
+        await page.wait_for("document.querySelector('#integrity[data-status=broken]')")
+        text = await page.eval("document.querySelector('#integrity').textContent")
+        hidden = await page.eval("document.querySelector('#integrity').hidden")
+        await page.screenshot("integrity-broken")
+    assert not hidden
+    assert "integrity check failed at seq 5" in text and "forged" in text
+    assert page.errors == []

@@ -4,7 +4,14 @@ afterwards (``kf report --html``), all from the committed log.
 
 from __future__ import annotations
 
-from kf.dashboard.app import DashboardError, Feed, make_app, open_log, start_dashboard
+from kf.dashboard.app import (
+    DashboardError,
+    Feed,
+    host_allowed,
+    make_app,
+    open_log,
+    start_dashboard,
+)
 from kf.dashboard.page import live_page, report_html, write_report
 from kf.dashboard.view import RunView
 
@@ -12,6 +19,7 @@ __all__ = [
     "DashboardError",
     "Feed",
     "RunView",
+    "host_allowed",
     "live_page",
     "make_app",
     "open_log",

@@ -21,15 +21,24 @@ Routes (all ``GET``; every view of the page has its JSON behind it):
 ``/api/candidates/{id}``       one candidate: source, diff, reports, lineage
 ``/api/stream``                server-sent events: ``head`` whenever the log grows
 =============================  ===========================================================
+
+The feed verifies the log's hash chain as it reads (:meth:`kf.log.EventLog.verify`); a log
+that fails it is still shown, under a banner naming the first bad ``seq``
+(``state["integrity"]``).
+
+Requests whose ``Host`` header names anything but the bound address, ``localhost``, an IP
+literal or a name passed in ``allowed_hosts`` get 421: a page on another site that
+rebinds its own name to 127.0.0.1 (DNS rebinding) cannot read the run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -39,12 +48,13 @@ from aiohttp import web
 
 from kf.dashboard.view import RunView
 from kf.events import EventError, Record
-from kf.log import EventLog, LogError
+from kf.log import EventLog, Integrity, LogError
 
 __all__ = [
     "FEED_KEY",
     "DashboardError",
     "Feed",
+    "host_allowed",
     "make_app",
     "open_log",
     "serve",
@@ -86,6 +96,7 @@ class Feed:
         self.view = RunView()
         self.poll_s = poll_s
         self.undecodable = 0
+        self.integrity: Integrity = elog.verify()
         self._subscribers: set[asyncio.Queue[int | None]] = set()
         self._closed = False
 
@@ -104,6 +115,8 @@ class Feed:
                 _log.warning("dashboard.undecodable_event", seq=self.view.head, error=str(exc))
                 continue
             self.view.feed(rec)
+        if n:
+            self.integrity = self.elog.verify()
         return n
 
     async def follow(self) -> None:
@@ -169,7 +182,13 @@ async def _state(request: web.Request) -> web.Response:
     state["server_time"] = time.time()
     state["db"] = str(request.app[DB_KEY])
     state["undecodable"] = feed.undecodable
+    state["integrity"] = integrity_state(feed.integrity)
     return _json(state)
+
+
+def integrity_state(found: Integrity) -> dict[str, object]:
+    """The chain's status as the page shows it."""
+    return {**found.as_json(), "message": found.message()}
 
 
 def _view(fn: Callable[[RunView], Any]) -> Callable[[web.Request], Awaitable[web.Response]]:
@@ -230,16 +249,70 @@ async def _on_shutdown(app: web.Application) -> None:
     app[FEED_KEY].close()
 
 
-def make_app(db: str | Path, *, poll_s: float = 0.25) -> web.Application:
-    """The dashboard app for one run's log (raises :class:`DashboardError` for a bad file)."""
-    elog = open_log(db)
-    feed = Feed(elog, poll_s=poll_s)
+LOCAL_NAMES = ("localhost", "localhost.localdomain")
+HOSTS_KEY: web.AppKey[frozenset[str]] = web.AppKey("kf_allowed_hosts")
+
+
+def _host_name(header: str) -> str:
+    """The name part of a Host header (``[::1]:8765`` → ``::1``, ``a:1`` → ``a``)."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        return h[1 : h.find("]")] if "]" in h else h
+    name, sep, port = h.rpartition(":")
+    return name if sep and port.isdigit() else h
+
+
+def host_allowed(header: str | None, allowed: Iterable[str]) -> bool:
+    """Whether a request's Host header may be served (see the module doc)."""
+    if header is None:  # browsers always send one; a client without it is not a web page
+        return True
+    name = _host_name(header).rstrip(".")
+    if name in LOCAL_NAMES or name in {a.strip("[]").lower() for a in allowed}:
+        return True
     try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True  # an address typed into the browser cannot have been rebound
+
+
+@web.middleware
+async def _check_host(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    header = request.headers.get("Host")
+    allowed: frozenset[str] = request.app[HOSTS_KEY]
+    if not host_allowed(header, allowed):
+        _log.warning("dashboard.host_refused", host=header)
+        return web.Response(
+            status=421,
+            text=f"kf dashboard: Host {header!r} is not allowed (DNS rebinding protection); "
+            f"to reach the dashboard under this name, start it with --allow-host "
+            f"{_host_name(header or '')}\n",
+        )
+    return await handler(request)
+
+
+def make_app(
+    db: str | Path, *, poll_s: float = 0.25, allowed_hosts: Iterable[str] = ()
+) -> web.Application:
+    """The dashboard app for one run's log (raises :class:`DashboardError` for a bad file).
+
+    ``allowed_hosts``: names besides localhost and IP literals that the Host header may
+    carry (the name the dashboard was bound to, a machine's DNS name).
+    """
+    elog = open_log(db)
+    try:
+        feed = Feed(elog, poll_s=poll_s)
         feed.catch_up()
+    except LogError as exc:  # damage SQLite found while reading
+        elog.close()
+        raise DashboardError(str(exc)) from None
     except BaseException:
         elog.close()
         raise
-    app = web.Application()
+    app = web.Application(middlewares=[_check_host])
+    app[HOSTS_KEY] = frozenset(allowed_hosts)
     app[FEED_KEY] = feed
     app[DB_KEY] = Path(db)
     app.cleanup_ctx.append(_follow_ctx)
@@ -259,10 +332,18 @@ def make_app(db: str | Path, *, poll_s: float = 0.25) -> web.Application:
 
 
 async def start_dashboard(
-    db: str | Path, *, host: str = "127.0.0.1", port: int = 0, poll_s: float = 0.25
+    db: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    poll_s: float = 0.25,
+    allowed_hosts: Iterable[str] = (),
 ) -> tuple[str, Callable[[], Awaitable[None]]]:
-    """Serve the dashboard in the running loop; return its URL and an async ``stop``."""
-    app = make_app(db, poll_s=poll_s)
+    """Serve the dashboard in the running loop; return its URL and an async ``stop``.
+
+    The Host header may name ``host`` itself, localhost, an IP literal or ``allowed_hosts``.
+    """
+    app = make_app(db, poll_s=poll_s, allowed_hosts=[host, *allowed_hosts])
     runner = web.AppRunner(app, shutdown_timeout=2.0, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -280,9 +361,17 @@ async def start_dashboard(
     return f"http://{shown}:{bound}/", runner.cleanup
 
 
-async def serve(db: str | Path, *, host: str, port: int, stop: asyncio.Event, out: TextIO) -> None:
+async def serve(
+    db: str | Path,
+    *,
+    host: str,
+    port: int,
+    stop: asyncio.Event,
+    out: TextIO,
+    allowed_hosts: Iterable[str] = (),
+) -> None:
     """Serve the dashboard until ``stop`` is set, printing its URL to ``out``."""
-    url, close = await start_dashboard(db, host=host, port=port)
+    url, close = await start_dashboard(db, host=host, port=port, allowed_hosts=allowed_hosts)
     print(f"kf serve: dashboard at {url} (log {db}); Ctrl-C stops it", file=out, flush=True)
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from kf.dashboard.app import Feed, open_log
+from kf.dashboard.app import Feed, integrity_state, open_log
 
 __all__ = ["live_page", "report_html", "write_report"]
 
@@ -55,6 +55,7 @@ def report_html(db: str | Path) -> str:
     state = view.state()
     state["db"] = str(db)
     state["undecodable"] = feed.undecodable
+    state["integrity"] = integrity_state(feed.integrity)
     details = {c["id"]: view.candidate(c["id"]) for c in state["candidates"]}
     css = (STATIC / "style.css").read_text(encoding="utf-8")
     js = (STATIC / "app.js").read_text(encoding="utf-8").replace("</script", "<\\/script")

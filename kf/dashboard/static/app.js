@@ -126,6 +126,7 @@
     status.textContent = run.finished ? "finished" : run.events ? "running" : "empty";
     status.className = "pill " + (run.finished ? "done" : "running");
     if (run.finish_reason) status.title = run.finish_reason;
+    renderIntegrity();
     renderStats();
     renderLegend();
     renderArchive();
@@ -135,6 +136,19 @@
     renderDevices();
     renderCandidates();
     renderPrompts();
+  }
+
+  function renderIntegrity() {
+    // the log's hash chain, as the server verified it (absent in older reports)
+    const box = document.getElementById("integrity");
+    const found = state.integrity;
+    box.hidden = !found || found.status === "verified";
+    if (box.hidden) return;
+    box.className = "integrity " + found.status;
+    box.dataset.status = found.status;
+    box.textContent = found.status === "broken"
+      ? "WARNING: " + found.message + ". What this page shows may have been forged."
+      : found.message;
   }
 
   function renderStats() {
