@@ -70,6 +70,7 @@ class LlmCalled(Observation, frozen=True, kw_only=True):
     language: str = ""  # the kernel language asked for (mutations)
     prompt_tokens_estimated: int = 0  # kf's estimate before sending (for --llm-max-context)
     truncated: tuple[str, ...] = ()  # what was cut from the prompt to fit, and how much
+    queued_s: float = 0.0  # seconds waiting for a --llm-concurrency slot (not in latency_s)
 
 
 @event("llm.budget_exhausted")

@@ -72,6 +72,7 @@ def _max_overlap(intervals: Iterable[tuple[float, float]]) -> int:
 def run_stats(envelopes: Sequence[Envelope]) -> dict[str, Any]:
     """LLM time, evaluator busy fractions and time spent waiting for the model."""
     calls: list[tuple[float, float]] = []
+    queued = 0.0
     assigned: dict[tuple[str, int], tuple[str, float]] = {}
     busy: dict[str, list[tuple[float, float]]] = {}
     start = end = None
@@ -84,6 +85,7 @@ def run_stats(envelopes: Sequence[Envelope]) -> dict[str, Any]:
         elif t == "llm.called":
             ev = decode_event(env)
             calls.append((env.time - float(getattr(ev, "latency_s", 0.0)), env.time))
+            queued += float(getattr(ev, "queued_s", 0.0))
         elif t == "search.candidate_assigned":
             ev = decode_event(env)
             assigned[(ev.candidate_id, ev.attempt)] = (ev.device_id, env.time)  # type: ignore[attr-defined]
@@ -112,6 +114,7 @@ def run_stats(envelopes: Sequence[Envelope]) -> dict[str, Any]:
         else None,
         "llm_in_flight_s": round(_length(llm_union), 3),
         "llm_max_concurrent": _max_overlap(calls),
+        "llm_queued_s": round(queued, 3),
         "waiting_for_model_s": round(_minus(llm_union, all_busy), 3),
         "devices": {
             d: {
@@ -131,8 +134,9 @@ def format_run_stats(stats: dict[str, Any]) -> list[str]:
         lines.append(
             f"model: {stats['llm_calls']} calls, mean {stats['llm_mean_latency_s']:.1f} s, "
             f"up to {stats['llm_max_concurrent']} at once, a call in flight for "
-            f"{stats['llm_in_flight_s']:.1f} s of {stats['span_s']:.1f} s; evaluators idle "
-            f"waiting for the model: {stats['waiting_for_model_s']:.1f} s"
+            f"{stats['llm_in_flight_s']:.1f} s of {stats['span_s']:.1f} s; calls queued for a "
+            f"--llm-concurrency slot {stats.get('llm_queued_s', 0.0):.1f} s in all; "
+            f"evaluators idle waiting for the model: {stats['waiting_for_model_s']:.1f} s"
         )
     for d, s in stats.get("devices", {}).items():
         frac = s["busy_fraction"]

@@ -59,6 +59,7 @@ class CallOutcome:
     latency_s: float
     attempts: tuple[tuple[int | None, str | None, float], ...]
     error: str | None
+    queued_s: float = 0.0  # waiting for one of the --llm-concurrency slots
 
     @property
     def ok(self) -> bool:
@@ -98,9 +99,11 @@ class LlmClient:
         """One logical call: retried on 429/5xx/timeouts with backoff; never raises for HTTP."""
         s = self.settings
         attempts: list[tuple[int | None, str | None, float]] = []
-        start = time.monotonic()
+        queued = time.monotonic()
+        start = queued
         error: str | None = None
         async with self._slots:
+            start = time.monotonic()  # latency counts from a free slot, not the queue
             for attempt in range(s.max_retries + 1):
                 if attempt:
                     await asyncio.sleep(min(s.backoff_s * 2 ** (attempt - 1), s.max_backoff_s))
@@ -150,6 +153,7 @@ class LlmClient:
                     latency_s=time.monotonic() - start,
                     attempts=tuple(attempts),
                     error=None,
+                    queued_s=start - queued,
                 )
         if error is not None and len(attempts) > s.max_retries:
             error = f"gave up after {len(attempts)} attempts; last: {error}"
@@ -162,6 +166,7 @@ class LlmClient:
             latency_s=time.monotonic() - start,
             attempts=tuple(attempts),
             error=error or "no attempt made",
+            queued_s=start - queued,
         )
 
 
