@@ -33,13 +33,14 @@ def _watch_parent(parent_pid: int) -> None:
 
     The runner's parent is the grader, or a wrapper the grader started (ncu): either
     way, being re-parented means that parent died, and the grader's pid vanishing
-    means the grader did.
+    means the grader did. In the box (``parent_pid`` 0) the parent is bwrap's init,
+    which dies with the grader (``--die-with-parent``) and takes the box with it.
     """
     first = os.getppid()
     while True:
         if os.getppid() != first:
             os._exit(70)
-        if first != parent_pid:
+        if parent_pid and first != parent_pid:
             try:
                 os.kill(parent_pid, 0)
             except ProcessLookupError:

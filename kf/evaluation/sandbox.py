@@ -1,15 +1,17 @@
 """Sandboxed runner processes and a pool of pre-spawned warm ones.
 
-Each runner is ``python -m kf.evaluation.runner`` in its own session (process group),
-with a private scratch directory as its cwd and ``TMPDIR``, and, where the kernel allows
-unprivileged user namespaces, in a network namespace of its own (``unshare -rn``: only
-a loopback device that is down), so it has no network; the runner's audit hook also
-refuses socket calls once a candidate is loaded. ``$KF_EVAL_NETNS=0`` turns the
-namespace off. Limits (address space,
-CPU seconds, file size) are applied when a runner is set up for its one job. A runner
-serves one candidate (or one task reference) and is then killed; the pool keeps a few
-started in advance so the next job's interpreter and torch import overlap this one's
-work.
+Each runner is ``python -m kf.evaluation.runner`` started inside bubblewrap's box
+(:mod:`kf.evaluation.box`: its own user, PID, network and mount namespaces, uid 65534,
+an allow-listed environment, nothing writable but a size-limited scratch tmpfs), in its
+own session (process group); the runner's audit hook also refuses socket calls once a
+candidate is loaded. Where the box cannot be set up kf refuses to evaluate, unless
+``$KF_UNSAFE_NO_SANDBOX=1`` asks for the old, unboxed runners (a private scratch
+directory as cwd and ``TMPDIR``, a network namespace of their own where the kernel
+allows it, ``$KF_EVAL_NETNS=0`` turning that off), whose every report is marked.
+Limits (address space, CPU seconds, file size) are applied when a runner is set up for
+its one job. A runner serves one candidate (or one task reference) and is then killed;
+the pool keeps a few started in advance so the next job's interpreter and torch import
+overlap this one's work.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any, NamedTuple
 
 import structlog
 
+from kf.evaluation import box
 from kf.evaluation.protocol import decode, encode
 
 __all__ = [
@@ -165,10 +168,20 @@ class RunnerHandle:
         wrapper: Sequence[str] = (),
         isolate: bool = True,
         warm: str | None = None,
+        ro_paths: Sequence[str] = (),
+        rw_paths: Sequence[str] = (),
     ) -> None:
-        """Start a runner; ``wrapper`` (e.g. ncu's argv) runs it, inside the network
-        namespace unless ``isolate`` is False; ``warm`` names the device whose start-up
-        work (a CUDA context, the op tracer) it does before it says it is ready."""
+        """Start a runner in the box (:mod:`kf.evaluation.box`); ``wrapper`` (e.g.
+        ncu's argv) runs it, inside the box, with ``ro_paths`` and ``rw_paths`` bound in
+        besides (the tool, its output folder); ``warm`` names the device whose start-up
+        work (a CUDA context, the op tracer) it does before it says it is ready.
+
+        Raises :class:`kf.evaluation.box.SandboxUnavailable` where the box cannot be set
+        up and ``$KF_UNSAFE_NO_SANDBOX=1`` does not ask for none. Unboxed runners (that
+        mode) start in a network namespace unless ``isolate`` is False.
+        """
+        #: "bwrap", or "unsafe-no-sandbox": what every report of this runner says
+        self.sandbox = box.mode()
         self.scratch = Path(tempfile.mkdtemp(prefix="kf-runner-"))
         self.log_path = self.scratch / "runner.log"
         self.threads = threads
@@ -197,22 +210,31 @@ class RunnerHandle:
             ("MALLOC_TRIM_THRESHOLD_", str(1 << 31)),
         ):
             env.setdefault(key, value)
-        self.isolated_network = isolate and network_namespace_available()
-        prefix = [str(shutil.which("unshare")), "-rn"] if self.isolated_network else []
-        prefix = [*wrapper, *prefix]
         self.findings: list[str] = []
+        runner = [python, "-P", "-m", "kf.evaluation.runner", str(child_sock.fileno())]
+        if self.sandbox == box.MODE_BWRAP:
+            self.isolated_network = True
+            # the log must exist before bwrap binds it into the box
+            self.log_path.touch()
+            prefix = box.command(
+                python=python,
+                scratch=self.scratch,
+                log_path=self.log_path,
+                env=box.environment(env, self.scratch, {}),
+                ro_paths=ro_paths,
+                rw_paths=rw_paths,
+            )
+            # the grader's pid means nothing in the box's PID namespace: 0 says so
+            argv = [*prefix, "--", *wrapper, *runner, "0"]
+            env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"}
+        else:
+            self.isolated_network = isolate and network_namespace_available()
+            unshare = [str(shutil.which("unshare")), "-rn"] if self.isolated_network else []
+            argv = [*wrapper, *unshare, *runner, str(os.getpid())]
         # appending: the runner and the build tools it starts write to it side by side
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
-                [
-                    *prefix,
-                    python,
-                    "-P",
-                    "-m",
-                    "kf.evaluation.runner",
-                    str(child_sock.fileno()),
-                    str(os.getpid()),
-                ],
+                argv,
                 pass_fds=(child_sock.fileno(),),
                 cwd=self.scratch,
                 env=env,
@@ -352,6 +374,15 @@ class RunnerHandle:
         if self.closed:
             return
         self.closed = True
+        if self.sandbox == box.MODE_BWRAP:
+            # bwrap's init in the box first: the kernel then kills everything in the box's
+            # PID namespace, and bwrap exits once it is empty, so nothing is left when
+            # the wait below returns
+            for child in _children(self.proc.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(child, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -359,6 +390,15 @@ class RunnerHandle:
         with contextlib.suppress(OSError):
             self.conn.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (empty when /proc cannot say)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
 
 
 class RunnerPool:
