@@ -24,6 +24,14 @@ __all__ = [
 ]
 
 FAST_P = (0.0, 1.0, 1.5, 2.0)
+_STAGE_EVENTS = frozenset(
+    {
+        "kernel.candidate_compiled",
+        "kernel.candidate_verified",
+        "kernel.candidate_rejected",
+        "kernel.candidate_profiled",
+    }
+)
 
 
 def fold_archive(elog: EventLog) -> Any:
@@ -124,6 +132,14 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
         "geomean_speedup": geomean(list(speedups.values())),
         "mutator": mutators[0] if len(mutators) == 1 else mutators,
         "devices": devices,
+        # stage reports whose runners ran outside kf's box (--unsafe-no-sandbox)
+        "unsandboxed_results": sum(
+            1
+            for e in envelopes
+            if e.type in _STAGE_EVENTS
+            and getattr(getattr(decode_event(e), "report", None), "sandbox", "")
+            == "unsafe-no-sandbox"
+        ),
     }
 
 
@@ -173,5 +189,11 @@ def format_table(report: dict[str, Any]) -> str:
         f"archive: {a['filled_cells']} of {a['total_cells']} cells filled; "
         f"mutator: {report['mutator']}"
     )
+    if report.get("unsandboxed_results"):
+        lines.append(
+            f"UNSANDBOXED: {report['unsandboxed_results']} stage result(s) came from runners "
+            "outside kf's box (--unsafe-no-sandbox): candidates could read kf's secrets and "
+            "files and forge results"
+        )
     lines += notes
     return "\n".join(lines)

@@ -58,10 +58,7 @@ BOX_UID = 65534
 MODE_BWRAP = "bwrap"
 MODE_UNSAFE = "unsafe-no-sandbox"
 #: The flag every stage report of an unsandboxed evaluation carries.
-UNSANDBOXED_FLAG = (
-    "unsandboxed: evaluated with --unsafe-no-sandbox: the candidate ran outside kf's box "
-    "and could read kf's environment and files, and forge results"
-)
+UNSANDBOXED_FLAG = "unsandboxed: the runners ran outside kf's box (--unsafe-no-sandbox)"
 
 _SCRATCH_MB = 1024
 _SHM_MB = 64
@@ -241,6 +238,10 @@ def _gpu(args: list[str]) -> None:
         args += ["--dev-bind", node, node]
 
 
+# bound otherwise (``/usr`` whole, ``--proc``, ``--dev``)
+_NOT_BOUND = ("/usr/", "/proc", "/dev")
+
+
 def _ro_paths(python: str, extra: Iterable[str]) -> list[Path]:
     paths: list[Path] = [*_python_paths(python), Path(_kf_root()) / "kf"]
     for name in ("CUDA_HOME", "CUDA_PATH"):
@@ -255,10 +256,9 @@ def _ro_paths(python: str, extra: Iterable[str]) -> list[Path]:
     if cache is not None:
         paths.append(cache)
     out: list[Path] = []
-    for p in paths:
-        p = p.absolute()
-        if p.exists() and p not in out and not str(p).startswith(("/usr/", "/proc", "/dev")):
-            out.append(p)
+    for path in (p.absolute() for p in paths):
+        if path.exists() and path not in out and not str(path).startswith(_NOT_BOUND):
+            out.append(path)
     return out
 
 
@@ -298,18 +298,19 @@ def command(
     args += ["--proc", "/proc", "--dev", "/dev"]
     args += ["--size", str(_megabytes("KF_SANDBOX_SHM_MB", _SHM_MB) << 20), "--tmpfs", "/dev/shm"]
     _gpu(args)
+    # the one writable place: /tmp, a size-limited tmpfs holding the scratch folder (or
+    # the scratch folder itself, with /tmp a link to it, when it is elsewhere); mounted
+    # before the read-only binds, so that one under /tmp (a test's cache) stays visible
+    size = str(scratch_bytes())
+    if scratch.parent == Path("/tmp"):
+        args += ["--size", size, "--tmpfs", "/tmp", "--dir", str(scratch)]
+    else:
+        args += ["--size", size, "--tmpfs", str(scratch), "--symlink", str(scratch), "/tmp"]
     for path in _ro_paths(python, ro_paths):
         args += ["--ro-bind", str(path), str(path)]
-    # the one writable place: /tmp, a size-limited tmpfs holding the scratch folder (or
-    # the scratch folder itself, with /tmp a link to it, when it is elsewhere)
-    if scratch.parent == Path("/tmp"):
-        args += ["--size", str(scratch_bytes()), "--tmpfs", "/tmp", "--dir", str(scratch)]
-    else:
-        args += ["--size", str(scratch_bytes()), "--tmpfs", str(scratch)]
-        args += ["--symlink", str(scratch), "/tmp"]
     args += ["--bind", str(log_path), str(log_path)]
-    for path in rw_paths:
-        args += ["--bind", str(path), str(path)]
+    for rw in rw_paths:
+        args += ["--bind", rw, rw]
     args += ["--chdir", str(scratch), "--remount-ro", "/"]
     return args
 
@@ -386,7 +387,7 @@ def mode() -> str:
     if why is None:
         return MODE_BWRAP
     raise SandboxUnavailable(
-        f"kf refuses to evaluate: the runner sandbox cannot be set up ({why}); install "
+        f"refusing to evaluate: the runner sandbox cannot be set up ({why}); install "
         "bubblewrap (apt-get install bubblewrap) or point KF_BWRAP at a bwrap binary, or "
         "evaluate without it, marked, with --unsafe-no-sandbox (KF_UNSAFE_NO_SANDBOX=1)"
     )

@@ -116,7 +116,8 @@ class Limits:
 
     memory_bytes: int = int(os.environ.get("KF_EVAL_MEMORY_MB", "8192")) * 2**20
     cpu_s: int = 0  # derived from the stage's timeout when 0
-    file_bytes: int = 1 << 30
+    #: per file, the runner's own output log included (``$KF_EVAL_FILE_MB``, 256)
+    file_bytes: int = int(os.environ.get("KF_EVAL_FILE_MB", "256")) * 2**20
 
 
 class RunnerError(Exception):

@@ -13,11 +13,12 @@ import random
 import statistics
 import threading
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import structlog
 
+from kf.evaluation import box
 from kf.evaluation.device import parse_device
 from kf.evaluation.reports import (
     FAILURE_KINDS,
@@ -88,6 +89,27 @@ class _CandidateFailed(Exception):
     def __init__(self, kind: str, error: str, log: str = "") -> None:
         super().__init__(error)
         self.kind, self.error, self.log = kind, error, log
+
+
+_Report = TypeVar("_Report", CompileReport, VerifyReport, ProfileReport, CountersReport)
+
+
+def _sandboxed(report: _Report, handles: list[RunnerHandle]) -> _Report:
+    """``report`` saying where its runners ran (``sandbox``), and flagged ``unsandboxed``
+    when any of them ran outside the box."""
+    modes = {h.sandbox for h in handles}
+    if not modes:
+        return report
+    mode = box.MODE_UNSAFE if box.MODE_UNSAFE in modes else modes.pop()
+    if mode != box.MODE_UNSAFE:
+        return msgspec.structs.replace(report, sandbox=mode)
+    flag = box.UNSANDBOXED_FLAG
+    if isinstance(report, CompileReport):
+        if flag not in report.warnings:
+            report = msgspec.structs.replace(report, warnings=(*report.warnings, flag))
+    elif not isinstance(report, CountersReport) and flag not in report.flags:
+        report = msgspec.structs.replace(report, flags=(*report.flags, flag))
+    return msgspec.structs.replace(report, sandbox=mode)
 
 
 def _ref_key(task: Task, device: str) -> str:
@@ -330,15 +352,33 @@ def compile_candidate(
 ) -> CompileReport:
     """Import the candidate and construct ``ModelNew(*get_init_inputs())`` in a sandbox.
 
-    Native builds land in kf.native's on-disk cache, so later stages load them at once.
     Raises :class:`TaskError` when the task itself is broken.
     """
+    leased: list[RunnerHandle] = []
+    report = _compile(
+        task, source, leased, device=device, timeout_s=timeout_s, limits=limits, pool=pool
+    )
+    return _sandboxed(report, leased)
+
+
+def _compile(
+    task: Task,
+    source: str,
+    leased: list[RunnerHandle],
+    *,
+    device: str,
+    timeout_s: float,
+    limits: Limits | None,
+    pool: RunnerPool | None,
+) -> CompileReport:
+    """:func:`compile_candidate`; the runner it leases is added to ``leased``."""
     device = parse_device(device)
     pool = pool or default_pool()
     limits = limits or Limits()
     static = check_source(source)
     since = time.monotonic()
     with pool.lease() as cand:
+        leased.append(cand)
         start = time.monotonic()
         deadline = _Deadline(timeout_s)
         try:
@@ -401,6 +441,36 @@ def verify_candidate(
     dimension): the generalisation gate; failing it is ``generalisation_failed``.
     Raises :class:`TaskError` when the task itself is broken.
     """
+    leased: list[RunnerHandle] = []
+    report = _verify(
+        task,
+        source,
+        leased,
+        device=device,
+        seed=seed,
+        trials=trials,
+        timeout_s=timeout_s,
+        limits=limits,
+        pool=pool,
+        generalise=generalise,
+    )
+    return _sandboxed(report, leased)
+
+
+def _verify(
+    task: Task,
+    source: str,
+    leased: list[RunnerHandle],
+    *,
+    device: str,
+    seed: int,
+    trials: int,
+    timeout_s: float,
+    limits: Limits | None,
+    pool: RunnerPool | None,
+    generalise: bool,
+) -> VerifyReport:
+    """:func:`verify_candidate`; the runners it leases are added to ``leased``."""
     device = parse_device(device)
     pool = pool or default_pool()
     limits = limits or Limits()
@@ -410,6 +480,7 @@ def verify_candidate(
     atol = 0.0
     since = time.monotonic()
     with pool.reference_lease(_ref_key(task, device)) as ref, pool.lease() as cand:
+        leased += [ref, cand]
         start = time.monotonic()
         deadline = _Deadline(timeout_s)
 
@@ -583,7 +654,7 @@ def profile_candidate(
         limits=limits,
         pool=pool,
     )
-    return msgspec.structs.replace(report, phases=_phases(since, *leased))
+    return _sandboxed(msgspec.structs.replace(report, phases=_phases(since, *leased)), leased)
 
 
 def _profile(
@@ -782,12 +853,39 @@ def collect_counters(
 ) -> CountersReport:
     """Nsight Compute's counters for one forward call of a (verified) candidate.
 
-    The candidate runs in a runner started under ``ncu`` (:mod:`kf.cuda.ncu`), after a
-    forward call checked against the reference as in every stage. Where ncu may not
-    read the counters from inside the runner's network namespace, it is tried once
-    outside it and the report says so. Call it with the device to itself: ncu replays
-    each kernel.
+    The candidate runs in a runner started under ``ncu`` (:mod:`kf.cuda.ncu`), inside
+    the runner's box, after a forward call checked against the reference as in every
+    stage. ncu is never run outside the box: where the driver lets only administrators
+    read counters, the report says so. Unboxed runners (``--unsafe-no-sandbox``) try
+    once outside their network namespace instead, and the report says that. Call it
+    with the device to itself: ncu replays each kernel.
     """
+    leased: list[RunnerHandle] = []
+    report = _counters(
+        task,
+        source,
+        leased,
+        device=device,
+        seed=seed,
+        timeout_s=timeout_s,
+        limits=limits,
+        pool=pool,
+    )
+    return _sandboxed(report, leased)
+
+
+def _counters(
+    task: Task,
+    source: str,
+    leased: list[RunnerHandle],
+    *,
+    device: str,
+    seed: int,
+    timeout_s: float,
+    limits: Limits | None,
+    pool: RunnerPool | None,
+) -> CountersReport:
+    """:func:`collect_counters`; the runners it starts are added to ``leased``."""
     import shutil
     import tempfile
     from pathlib import Path
@@ -809,8 +907,15 @@ def collect_counters(
             log_file = folder / f"ncu-{int(isolate)}.csv"
             deadline = _Deadline(timeout_s)
             cand = RunnerHandle(
-                pool.python, pool.threads, wrapper=ncu.command(tool, str(log_file)), isolate=isolate
+                pool.python,
+                pool.threads,
+                wrapper=ncu.command(tool, str(log_file)),
+                isolate=isolate,
+                ro_paths=(str(Path(tool).resolve().parent),),
+                rw_paths=(str(folder),),
             )
+            leased.append(cand)
+            boxed = cand.sandbox == box.MODE_BWRAP
             isolated = cand.isolated_network
             try:
                 with pool.reference_lease(_ref_key(task, device)) as ref:
@@ -830,7 +935,7 @@ def collect_counters(
                     duration_s=time.monotonic() - start,
                 )  # fmt: skip
             except RunnerError as exc:  # the runner under ncu did not start or answer
-                if isolated:
+                if isolated and not boxed:
                     continue  # ncu may not work inside the namespace: once more outside
                 return CountersReport(
                     ok=False, error=f"the runner under ncu failed: {exc}; log: "
@@ -848,7 +953,14 @@ def collect_counters(
                     summary=ncu.summarise(kernels), network_isolated=isolated,
                     duration_s=time.monotonic() - start,
                 )  # fmt: skip
-            if not (isolated and ncu.permission_refused(text + tail)):
+            if boxed and ncu.permission_refused(text + tail):
+                return CountersReport(
+                    ok=False, error="ncu may not read the GPU's counters inside kf's box (the "
+                    "driver lets only administrators: NVreg_RestrictProfilingToAdminUsers=0 "
+                    "allows everyone)", tool=version, device=device,
+                    duration_s=time.monotonic() - start,
+                )  # fmt: skip
+            if boxed or not (isolated and ncu.permission_refused(text + tail)):
                 break
         detail = (text.strip() or tail.strip())[-1500:]
         return CountersReport(
