@@ -302,7 +302,7 @@ def command(
     # the scratch folder itself, with /tmp a link to it, when it is elsewhere); mounted
     # before the read-only binds, so that one under /tmp (a test's cache) stays visible
     size = str(scratch_bytes())
-    if scratch.parent == Path("/tmp"):
+    if scratch.is_relative_to("/tmp"):
         args += ["--size", size, "--tmpfs", "/tmp", "--dir", str(scratch)]
     else:
         args += ["--size", size, "--tmpfs", str(scratch), "--symlink", str(scratch), "/tmp"]
