@@ -32,9 +32,7 @@ MARKER = "kf-escape-marker"
 SCRATCH_MB = 64
 FILE_MB = 16
 
-needs_box = pytest.mark.skipif(
-    box.probe() is not None, reason=f"no runner box here: {box.probe()}"
-)
+needs_box = pytest.mark.skipif(box.probe() is not None, reason=f"no runner box here: {box.probe()}")
 
 
 def _grader_env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -206,9 +204,7 @@ def test_box_hostile_candidate_leaves_nothing_behind_after_every_stage(
     """A correct candidate that forks a setsid child and fills its disk in every stage
     passes, and no child of it or file of it is left once ``kf eval`` returns."""
     port = listener.getsockname()[1]
-    proc = _kf_eval(
-        tmp_path, _candidate(tmp_path, report=False, port=port), _grader_env(tmp_path)
-    )
+    proc = _kf_eval(tmp_path, _candidate(tmp_path, report=False, port=port), _grader_env(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["correct"] and result["profile"]["ok"]
