@@ -30,6 +30,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -234,7 +235,8 @@ class RunnerHandle:
             argv = [*wrapper, *unshare, *runner, str(os.getpid())]
         # appending: the runner and the build tools it starts write to it side by side
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(
+            self.proc = _spawner().submit(
+                subprocess.Popen,
                 argv,
                 pass_fds=(child_sock.fileno(),),
                 cwd=self.scratch,
@@ -243,7 +245,7 @@ class RunnerHandle:
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )
+            ).result()
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
         self.ready = False
@@ -292,9 +294,12 @@ class RunnerHandle:
 
     def _wait_exit(self) -> int | None:
         try:
-            return self.proc.wait(timeout=10)
+            code = self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             return None
+        if self.sandbox == box.MODE_BWRAP and 128 < code < 128 + signal.NSIG:
+            return 128 - code  # bwrap exits 128 + N for a runner killed by signal N
+        return code
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Block until the runner has imported torch (raises RunnerError if it cannot)."""
@@ -375,8 +380,8 @@ class RunnerHandle:
         if self.closed:
             return
         self.closed = True
-        if self.sandbox == box.MODE_BWRAP:
-            # bwrap's init in the box first: the kernel then kills everything in the box's
+        if self.sandbox == box.MODE_BWRAP and self.proc.poll() is None:
+            # (not reaped yet, so its pid is still bwrap's) bwrap's init in the box first: the kernel then kills everything in the box's
             # PID namespace, and bwrap exits once it is empty, so nothing is left when
             # the wait below returns
             for child in _children(self.proc.pid):
@@ -391,6 +396,24 @@ class RunnerHandle:
         with contextlib.suppress(OSError):
             self.conn.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+_spawn_thread: ThreadPoolExecutor | None = None
+_spawn_lock = threading.Lock()
+
+
+def _spawner() -> ThreadPoolExecutor:
+    """The one thread that starts every runner, alive as long as this process.
+
+    bwrap's ``--die-with-parent`` is the kernel's parent-death signal, which fires when
+    the *thread* that started bwrap ends, not the process: a runner started from a
+    short-lived worker thread would be killed with that thread.
+    """
+    global _spawn_thread
+    with _spawn_lock:
+        if _spawn_thread is None:
+            _spawn_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kf-spawner")
+        return _spawn_thread
 
 
 def _children(pid: int) -> list[int]:
