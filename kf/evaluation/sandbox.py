@@ -235,17 +235,21 @@ class RunnerHandle:
             argv = [*wrapper, *unshare, *runner, str(os.getpid())]
         # appending: the runner and the build tools it starts write to it side by side
         with open(self.log_path, "ab") as logf:
-            self.proc = _spawner().submit(
-                subprocess.Popen,
-                argv,
-                pass_fds=(child_sock.fileno(),),
-                cwd=self.scratch,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            ).result()
+            self.proc = (
+                _spawner()
+                .submit(
+                    subprocess.Popen,
+                    argv,
+                    pass_fds=(child_sock.fileno(),),
+                    cwd=self.scratch,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+                .result()
+            )
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
         self.ready = False
@@ -381,9 +385,9 @@ class RunnerHandle:
             return
         self.closed = True
         if self.sandbox == box.MODE_BWRAP and self.proc.poll() is None:
-            # (not reaped yet, so its pid is still bwrap's) bwrap's init in the box first: the kernel then kills everything in the box's
-            # PID namespace, and bwrap exits once it is empty, so nothing is left when
-            # the wait below returns
+            # (not reaped yet: its pid is still bwrap's) bwrap's init in the box first: the
+            # kernel then kills everything in the box's PID namespace, and bwrap exits
+            # once it is empty, so nothing is left when the wait below returns
             for child in _children(self.proc.pid):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(child, signal.SIGKILL)
