@@ -511,10 +511,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kf`` console script."""
     args = build_parser().parse_args(argv)
     level = args.log_level
-    if (
-        level is None
-        and args.verb in ("run", "eval", "report", "replay", "export")
-        and not (os.environ.get("KF_LOG_LEVEL"))
+    if level is None and args.verb in ("run", "eval", "report", "replay", "export") and not (
+        os.environ.get("KF_LOG_LEVEL")
     ):
         level = "WARNING"  # interactive verbs show their own progress; agents' logs are noise
     configure(level)
