@@ -293,3 +293,61 @@ def test_box_environment_drops_secrets_even_when_allowed(tmp_path: Path) -> None
             os.environ["KF_SANDBOX_ENV"] = old
     assert "KF_NATS_TOKEN" not in env and "OPENAI_API_KEY" not in env
     assert env["CXX"] == "g++" and env["HOME"] == str(tmp_path)
+
+
+def _kf_run(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kf.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+        check=False,
+    )
+
+
+@needs_box
+def test_box_kf_run_hostile_seed_cannot_forge_the_log(
+    tmp_path: Path, listener: socket.socket, cleanup: None
+) -> None:
+    """In a real ``kf run``, a seed that looks for the run's log among the processes it can
+    see finds none, writes nothing into it, and leaves no process behind; replay holds."""
+    tasks = tmp_path / "tasks"
+    (tasks / "seeds").mkdir(parents=True)
+    shutil.copy(TASK, tasks / "gelu.py")
+    seed = _candidate(tmp_path, report=False, port=listener.getsockname()[1])
+    shutil.copy(seed, tasks / "seeds" / "gelu.py")
+    db = tmp_path / f"{MARKER}-run.db"  # the forging seed writes only to such a log
+    env = _grader_env(tmp_path)
+    proc = _kf_run(tmp_path, env, "run", str(tasks), "--budget", "1", "--db", str(db), "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["tasks"][0]["correct"] >= 1
+    assert report["unsandboxed_results"] == 0
+    with sqlite3.connect(db) as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert "forged" not in tables
+    assert _kf_run(tmp_path, env, "replay", str(db), "--check").returncode == 0
+    assert _marked_pids() == []
+    assert _no_connection(listener)
+
+
+def test_box_kf_run_unsafe_no_sandbox_marks_the_report(tmp_path: Path) -> None:
+    """A ``kf run`` without the box (``KF_UNSAFE_NO_SANDBOX=1``) records every stage as
+    unsandboxed, and ``kf report`` says so."""
+    tasks = tmp_path / "tasks"
+    (tasks / "seeds").mkdir(parents=True)
+    search = ROOT / "tests/fixtures/search"
+    shutil.copy(search / "scale_relu.py", tasks / "scale_relu.py")
+    shutil.copy(search / "seeds" / "scale_relu.py", tasks / "seeds" / "scale_relu.py")
+    db = tmp_path / "run.db"
+    env = _grader_env(tmp_path, KF_BWRAP=str(tmp_path / "no" / "bwrap"), KF_UNSAFE_NO_SANDBOX="1")
+    proc = _kf_run(tmp_path, env, "run", str(tasks), "--budget", "1", "--db", str(db))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shown = _kf_run(tmp_path, env, "report", str(db))
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "UNSANDBOXED: 3 stage result(s)" in shown.stdout, shown.stdout
+    assert "unsandboxed: the runners ran outside kf's box" in shown.stdout  # the best's flags
+    as_json = json.loads(_kf_run(tmp_path, env, "report", str(db), "--json").stdout)
+    assert as_json["unsandboxed_results"] == 3
