@@ -138,10 +138,21 @@ def _setup_fields(
         "cpu_s": 0 if reference else limits.cpu_s or int(deadline.timeout_s * handle.threads) + 30,
         "file_bytes": limits.file_bytes,
         # GPU runners pass tensors as CUDA IPC handles (kf.evaluation.transport)
-        "ipc": device.startswith("cuda") and os.environ.get("KF_TENSOR_TRANSPORT") != "bytes",
+        "ipc": device.startswith("cuda") and _ipc_transport(handle),
         # a reused reference keeps the input sets it made (the trial seeds repeat)
         "reference_cache_bytes": _reference_cache_bytes() if reference else 0,
     }
+
+
+def _ipc_transport(handle: RunnerHandle) -> bool:
+    """Whether GPU runners hand tensors over as CUDA IPC handles: ``$KF_TENSOR_TRANSPORT``
+    ``ipc`` or ``bytes``; by default yes for unboxed runners, and not (yet) between
+    boxes, whose separate PID and IPC namespaces CUDA IPC has not been shown to cross
+    (docs/sandbox.md)."""
+    chosen = os.environ.get("KF_TENSOR_TRANSPORT", "")
+    if chosen in ("ipc", "bytes"):
+        return chosen == "ipc"
+    return handle.sandbox != box.MODE_BWRAP
 
 
 def _reference_cache_bytes() -> int:
