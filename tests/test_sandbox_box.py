@@ -178,6 +178,7 @@ def test_box_hostile_candidate_finds_nothing_to_take(
         assert str(found[key]).startswith("denied"), (key, found[key])
     assert found["run_log"] == {"logs_seen": [], "forged": []}
     assert str(found["repo_write"]).startswith("denied")
+    assert str(found["cache_write"]).startswith("denied")
     assert str(found["repo_open_cli"]).startswith("denied")
     assert found["native_connect"] != "connected"
     assert all(str(v).startswith("denied") for v in found["fill_outside"].values()), found
@@ -218,15 +219,38 @@ def test_box_hostile_candidate_leaves_nothing_behind_after_every_stage(
 
 
 @needs_box
-def test_box_honest_native_candidate_passes(tmp_path: Path) -> None:
-    """An honest C++ candidate compiles (into the box's own cache) and passes in the box."""
-    env = _grader_env(tmp_path, KF_CACHE_DIR=str(tmp_path / "cache"))
+def test_box_honest_native_candidate_is_built_by_the_grader(tmp_path: Path) -> None:
+    """An honest C++ candidate passes in the box; its library was built by the grader, in
+    a build box, into the shared cache under the key the grader computed."""
+    from kf import native
+
+    cache = tmp_path / "cache"
+    env = _grader_env(tmp_path, KF_CACHE_DIR=str(cache))
     proc = _kf_eval(tmp_path, ADVERSARIAL / "honest_cpp.py", env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["correct"] and result["sandbox"] == "bwrap"
-    # the box could not write the grader's cache
-    assert not list((tmp_path / "cache").rglob("*.so"))
+    namespace: dict[str, object] = {}
+    source = (ADVERSARIAL / "honest_cpp.py").read_text()
+    exec(compile(source.split("class ModelNew")[0], "honest_cpp", "exec"), namespace)
+    key, _, _ = native.build_key(str(namespace["SOURCE"]))
+    assert sorted(p.name for p in (cache / "native").glob("*.so")) == [f"{key}.so"]
+    assert not list((cache / "native").glob("*.build-*"))  # the build folder went
+
+
+@needs_box
+def test_box_build_service_refuses_a_broken_build_with_the_compiler_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build that fails in the build box stores nothing and returns the compiler's log."""
+    from kf.evaluation.builds import build_native
+
+    monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
+    reply = build_native('extern "C" int f() { return undeclared_name; }', [], {}, 60.0)
+    assert not reply["ok"] and "undeclared_name" in reply["log"]
+    assert not list((tmp_path / "cache" / "native").glob("*.so"))
+    reply = build_native('extern "C" int f() { return N; }', [], {"N": "7"}, 60.0)
+    assert reply["ok"] and Path(reply["path"]).parent == tmp_path / "cache" / "native"
 
 
 def test_box_missing_bwrap_refuses_with_one_line(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ Debian package with ``dpkg -x``); otherwise ``bwrap`` is looked up on ``PATH``.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -187,6 +188,10 @@ def shared_cache() -> Path | None:
     bound read-only into every box, so runners reuse builds but cannot rewrite them."""
     root = Path(os.environ.get("KF_CACHE_DIR") or Path.home() / ".cache" / "kf")
     root = root.absolute()
+    # made here, so that it is bound from the first box on and builds the grader does
+    # for boxed runners (kf.evaluation.builds) show up in every box
+    with contextlib.suppress(OSError):
+        (root / "native").mkdir(parents=True, exist_ok=True)
     return root if root.is_dir() else None
 
 
@@ -266,7 +271,7 @@ def command(
     *,
     python: str,
     scratch: Path,
-    log_path: Path,
+    log_path: Path | None,
     env: Mapping[str, str],
     ro_paths: Sequence[str] = (),
     rw_paths: Sequence[str] = (),
@@ -274,8 +279,8 @@ def command(
 ) -> list[str]:
     """bwrap's argv up to ``--``, for a runner whose scratch folder is ``scratch`` (its
     host-side folder, holding ``log_path``, the runner's output, which stays writable
-    in the box) and whose environment is ``env``; ``ro_paths`` and ``rw_paths`` are
-    bound in besides (a tool such as ncu, its output folder)."""
+    in the box; none for a build box) and whose environment is ``env``; ``ro_paths``
+    and ``rw_paths`` are bound in besides (a tool such as ncu, its output folder)."""
     exe = bwrap or bwrap_path()
     if exe is None:
         raise SandboxUnavailable("bubblewrap (bwrap) is not installed")
@@ -308,7 +313,8 @@ def command(
         args += ["--size", size, "--tmpfs", str(scratch), "--symlink", str(scratch), "/tmp"]
     for path in _ro_paths(python, ro_paths):
         args += ["--ro-bind", str(path), str(path)]
-    args += ["--bind", str(log_path), str(log_path)]
+    if log_path is not None:
+        args += ["--bind", str(log_path), str(log_path)]
     for rw in rw_paths:
         args += ["--bind", rw, rw]
     args += ["--chdir", str(scratch), "--remount-ro", "/"]

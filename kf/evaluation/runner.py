@@ -701,6 +701,31 @@ class Runner:
         return {"total_ns": self.clock_ns() - start}
 
 
+def _remote_build(
+    send: Callable[[bytes], None],
+    recv: Callable[[], bytes],
+    encode: Callable[[Any], bytes],
+    decode: Callable[[bytes], Any],
+    source: str,
+    flags: list[str],
+    defines: dict[str, str],
+    timeout_s: float,
+) -> str:
+    """:data:`kf.native.remote_builder` in the box: ask the grader, which builds the
+    library in a box of its own and answers with its path in the read-only shared cache
+    (kf.evaluation.builds)."""
+    from kf.native import NativeCompileError
+
+    send(encode({"op": "build", "source": source, "flags": flags, "defines": defines,
+                 "timeout_s": timeout_s}))  # fmt: skip
+    reply = decode(recv())
+    if not isinstance(reply, dict) or reply.get("op") != "built":
+        raise RuntimeError("the grader did not answer the build request")
+    if not reply.get("ok"):
+        raise NativeCompileError(str(reply.get("error")), str(reply.get("log") or ""))
+    return str(reply["path"])
+
+
 def _warm(torch: Any, device: str) -> None:
     """Start-up work that a GPU stage would otherwise wait for (``$KF_RUNNER_WARM``).
 
@@ -758,6 +783,10 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     conn = Connection(fd)
     send, recv = conn.send_bytes, conn.recv_bytes  # bound before any candidate code runs
+    if os.environ.get("KF_BUILD_SERVICE") == "1":  # in the box: the grader builds
+        import kf.native
+
+        kf.native.remote_builder = functools.partial(_remote_build, send, recv, encode, decode)
     runner = Runner(clock_ns, watch)
     if os.environ.get("KF_RUNNER_WARM"):
         _warm(runner.torch, os.environ["KF_RUNNER_WARM"])

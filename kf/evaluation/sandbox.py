@@ -213,6 +213,7 @@ class RunnerHandle:
         ):
             env.setdefault(key, value)
         self.findings: list[str] = []
+        self.builds = 0  # kf.native builds served for this runner (kf.evaluation.builds)
         runner = [python, "-P", "-m", "kf.evaluation.runner", str(child_sock.fileno())]
         if self.sandbox == box.MODE_BWRAP:
             self.isolated_network = True
@@ -222,7 +223,8 @@ class RunnerHandle:
                 python=python,
                 scratch=self.scratch,
                 log_path=self.log_path,
-                env=box.environment(env, self.scratch, {}),
+                # kf.native builds go through the grader (kf.evaluation.builds)
+                env=box.environment(env, self.scratch, {"KF_BUILD_SERVICE": "1"}),
                 ro_paths=ro_paths,
                 rw_paths=rw_paths,
             )
@@ -271,8 +273,39 @@ class RunnerHandle:
         return data[-_LOG_TAIL:].decode("utf-8", "replace")
 
     def _receive(self, timeout_s: float, what: str) -> dict[str, Any]:
+        end = time.monotonic() + timeout_s
+        while True:
+            msg = self._receive_one(max(0.0, end - time.monotonic()), timeout_s, what)
+            if msg.get("op") != "build" or self.sandbox != box.MODE_BWRAP:
+                return msg
+            self._serve_build(msg, max(1.0, end - time.monotonic()))
+
+    def _serve_build(self, msg: dict[str, Any], left_s: float) -> None:
+        """Build a boxed runner's ``kf.native`` library (:mod:`kf.evaluation.builds`)."""
+        from kf.evaluation.builds import MAX_BUILDS_PER_RUNNER, build_native
+
+        self.builds += 1
         try:
-            has_reply = self.conn.poll(max(0.0, timeout_s))
+            if self.builds > MAX_BUILDS_PER_RUNNER:
+                reply: dict[str, Any] = {
+                    "ok": False,
+                    "error": f"more than {MAX_BUILDS_PER_RUNNER} builds asked for by one runner",
+                }
+            else:
+                reply = build_native(
+                    str(msg["source"]),
+                    [str(f) for f in msg.get("flags") or []],
+                    {str(k): str(v) for k, v in dict(msg.get("defines") or {}).items()},
+                    min(float(msg.get("timeout_s") or 120.0), left_s),
+                )
+        except (KeyError, TypeError, ValueError) as exc:
+            reply = {"ok": False, "error": f"malformed build request: {exc}"}
+        with contextlib.suppress(OSError):
+            self.conn.send_bytes(encode({"op": "built", **reply}))
+
+    def _receive_one(self, left_s: float, timeout_s: float, what: str) -> dict[str, Any]:
+        try:
+            has_reply = self.conn.poll(left_s)
         except OSError:
             has_reply = True
         if not has_reply:
