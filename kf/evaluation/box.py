@@ -97,6 +97,12 @@ ALLOWED_ENV = frozenset(
         "NVIDIA_VISIBLE_DEVICES",
         "NVIDIA_DRIVER_CAPABILITIES",
         "TORCH_CUDA_ARCH_LIST",
+        "TRITON_LIBCUDA_PATH",
+        "TRITON_PTXAS_PATH",
+        # kept off on the H200 machines (KINDS.md): a program must not turn it on
+        "NCCL_NVLS_ENABLE",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+        "NVSHMEM_DISABLE_NVLS",
         # threads and allocator (set by kf.evaluation.sandbox, or the user's own)
         "OMP_NUM_THREADS",
         "OMP_WAIT_POLICY",
