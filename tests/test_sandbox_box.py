@@ -375,3 +375,94 @@ def test_box_kf_run_unsafe_no_sandbox_marks_the_report(tmp_path: Path) -> None:
     assert "unsandboxed: the runners ran outside kf's box" in shown.stdout  # the best's flags
     as_json = json.loads(_kf_run(tmp_path, env, "report", str(db), "--json").stdout)
     assert as_json["unsandboxed_results"] == 3
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (through /proc's children lists)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [int(k) for k in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except OSError:
+            kids = []
+        out += kids
+        todo += kids
+    return out
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
+    """The pids still alive once all are gone or ``timeout_s`` has passed."""
+    import time
+
+    end = time.monotonic() + timeout_s
+    alive = pids
+    while alive and time.monotonic() < end:
+        alive = [p for p in alive if Path(f"/proc/{p}").exists() and not _zombie(p)]
+        if alive:
+            time.sleep(0.05)  # polling a condition, not synchronising on time
+    return alive
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+@needs_box
+def test_box_runner_dies_with_a_killed_grader(tmp_path: Path) -> None:
+    """When the grader is killed outright (SIGKILL, no clean-up), its boxed runners and
+    everything in their boxes go too (``--die-with-parent``)."""
+    grader = (
+        "import sys\n"
+        "from kf.evaluation.sandbox import RunnerHandle\n"
+        "h = RunnerHandle(sys.executable, 1)\n"
+        "h.wait_ready()\n"
+        "print(h.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    env = _grader_env(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", grader],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        assert proc.stdout is not None
+        bwrap_pid = int(proc.stdout.readline())
+        boxed = [bwrap_pid, *_descendants(bwrap_pid)]
+        assert len(boxed) >= 3  # bwrap, bwrap's init in the box, the runner
+        proc.kill()
+        proc.wait(timeout=30)
+        assert _wait_gone(boxed) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+@needs_box
+def test_box_runner_started_from_a_finished_thread_still_answers() -> None:
+    """A runner started from a worker thread that has ended still serves (bwrap's
+    parent-death signal follows the starting thread, so kf starts runners from one
+    thread that lives as long as the grader)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kf.evaluation.sandbox import RunnerHandle
+
+    def start() -> RunnerHandle:
+        started = RunnerHandle(sys.executable, 1)
+        started.wait_ready()  # bwrap is long past setting its parent-death signal
+        return started
+
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        handle = executor.submit(start).result()
+    try:  # the executor's thread has ended here
+        assert handle.request("ping", 60.0)["ok"]
+    finally:
+        handle.kill()
