@@ -377,6 +377,7 @@ class LlmMutator(Agent[LlmMutatorState]):
                 else sum(estimate_tokens(m["content"]) for m in messages)
             ),
             truncated=prompt.truncated if prompt is not None else (),
+            queued_s=out.queued_s,
         )
         return called, out
 

@@ -216,6 +216,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.budget < 1:
         print("kf run: --budget must be at least 1", file=sys.stderr)
         return EXIT_USAGE
+    if not (args.join and args.no_worker):  # the task checks and the worker run candidates
+        refused = _require_sandbox(args.unsafe_no_sandbox)
+        if refused:
+            print(f"kf run: {refused}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         tasks = load_tasks(args.tasks)
         if not args.join:  # a joined deployment's workers check on their own devices
@@ -296,6 +301,19 @@ def _unrunnable(report: dict[str, Any]) -> str | None:
     return "; ".join(reasons) or None
 
 
+def _require_sandbox(unsafe: bool) -> str | None:
+    """Why candidates cannot be boxed here (None: they can, or ``--unsafe-no-sandbox``)."""
+    from kf.evaluation.box import SandboxUnavailable, require
+
+    if unsafe:
+        os.environ["KF_UNSAFE_NO_SANDBOX"] = "1"
+    try:
+        require()
+    except SandboxUnavailable as exc:
+        return str(exc)
+    return None
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     """Serve a run started elsewhere with this machine's device."""
     from kf.bus import valid_run_id
@@ -312,6 +330,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
             options=options,
         )
 
+    refused = _require_sandbox(args.unsafe_no_sandbox)
+    if refused:
+        print(f"kf worker: {refused}", file=sys.stderr)
+        return EXIT_USAGE
     options: dict[str, Any] = {"timeout_s": args.timeout, "heartbeat_s": args.heartbeat}
     if args.name:
         options["device_id"] = args.name
@@ -495,6 +517,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds per candidate stage before it is killed",
     )
     rn.add_argument("--json", action="store_true", help="print the final report as JSON")
+    rn.add_argument(
+        "--unsafe-no-sandbox",
+        action="store_true",
+        help="run candidates outside kf's bubblewrap box (they can read kf's environment "
+        "and files); every result says so",
+    )
     rn.add_argument("--serve", action="store_true", help="serve the dashboard while running")
     rn.add_argument("--serve-port", type=int, default=8765, help="dashboard port (0: any)")
     rn.add_argument("--serve-host", default="127.0.0.1", help="dashboard address (loopback)")
@@ -524,6 +552,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--timeout", type=float, default=180.0)
     w.add_argument("--name", help="device id to announce (default <host>/<device>)")
     w.add_argument("--heartbeat", type=float, default=10.0, help="heartbeat seconds")
+    w.add_argument(
+        "--unsafe-no-sandbox",
+        action="store_true",
+        help="run candidates outside kf's bubblewrap box (they can read kf's environment "
+        "and files); every result says so",
+    )
     _add_nats_options(w, required=True)
     w.set_defaults(func=cmd_worker)
 

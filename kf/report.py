@@ -34,6 +34,14 @@ __all__ = [
 ]
 
 FAST_P = (0.0, 1.0, 1.5, 2.0)
+_STAGE_EVENTS = frozenset(
+    {
+        "kernel.candidate_compiled",
+        "kernel.candidate_verified",
+        "kernel.candidate_rejected",
+        "kernel.candidate_profiled",
+    }
+)
 
 
 def fold_archive(elog: EventLog, *, ignore_integrity: bool = False) -> Any:
@@ -153,6 +161,14 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
         "mutator": mutators[0] if len(mutators) == 1 else mutators,
         "devices": devices,
         "run_stats": run_stats(envelopes),
+        # stage reports whose runners ran outside kf's box (--unsafe-no-sandbox)
+        "unsandboxed_results": sum(
+            1
+            for e in envelopes
+            if e.type in _STAGE_EVENTS
+            and getattr(getattr(decode_event(e), "report", None), "sandbox", "")
+            == "unsafe-no-sandbox"
+        ),
     }
 
 
@@ -285,6 +301,12 @@ def format_table(report: dict[str, Any]) -> str:
         for t in report["tasks"]
         if t.get("failures")
     ]
+    if report.get("unsandboxed_results"):
+        lines.append(
+            f"UNSANDBOXED: {report['unsandboxed_results']} stage result(s) came from runners "
+            "outside kf's box (--unsafe-no-sandbox): candidates could read kf's secrets and "
+            "files and forge results"
+        )
     lines += notes
     lines += format_run_stats(report.get("run_stats") or {})
     integrity = report.get("integrity")

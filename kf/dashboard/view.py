@@ -125,12 +125,17 @@ class RunView:
         self.prompt_of_candidate: dict[str, str] = {}
         self.skipped: dict[str, str] = {}
         self.mutation_failures = 0
+        self.unsandboxed = 0  # stage reports of runners outside kf's box
+        self.boxed = 0  # stage reports of runners in it (older logs say neither)
 
     # -- folding -----------------------------------------------------------------------
 
     def feed(self, rec: Record) -> None:
         """Fold one committed record (records must come in ``seq`` order)."""
         env, ev = rec.envelope, rec.event
+        where = getattr(getattr(ev, "report", None), "sandbox", "")
+        self.unsandboxed += where == "unsafe-no-sandbox"
+        self.boxed += where == "bwrap"
         self.head = rec.seq
         self.events += 1
         self.run_id = self.run_id or env.run_id
@@ -280,6 +285,9 @@ class RunView:
             "finish_reason": self.finished,
             "counts": counts,
             "mutation_failures": self.mutation_failures,
+            # stage reports whose runners ran outside kf's box (--unsafe-no-sandbox)
+            "unsandboxed": self.unsandboxed,
+            "boxed": self.boxed,
             "event_types": dict(sorted(self.type_counts.items())),
         }
 

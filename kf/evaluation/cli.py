@@ -1,7 +1,8 @@
 """``kf eval TASK CANDIDATE.py``: compile, verify and profile one candidate.
 
 Exit status: 0 when the candidate is correct, 1 when it failed (any stage), 2 for bad
-usage, a broken task or an unavailable device (the message goes to stderr).
+usage, a broken task, an unavailable device or no runner sandbox (the message goes to
+stderr; ``--unsafe-no-sandbox`` evaluates without the box, and says so in the result).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import structlog
 
+from kf.evaluation.box import SandboxUnavailable, require
 from kf.evaluation.device import DeviceError, parse_device
 from kf.evaluation.reports import FLAG_REASONS, EvalResult, ProfileReport
 from kf.evaluation.sandbox import RunnerStartError
@@ -46,11 +48,19 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="on a GPU, also read hardware counters with Nsight Compute (ncu)",
     )
+    p.add_argument(
+        "--unsafe-no-sandbox",
+        action="store_true",
+        help="run the candidate outside kf's bubblewrap box (it can then read kf's "
+        "environment and files); every result says so",
+    )
     return p
 
 
 def _human(result: EvalResult) -> str:
     lines = [f"task {result.task} on {result.device}"]
+    if result.sandbox == "unsafe-no-sandbox":
+        lines.append("UNSANDBOXED: the candidate ran outside kf's box (--unsafe-no-sandbox)")
     c, v, p = result.compile, result.verify, result.profile
     lines.append(f"compile: {'ok' if c.ok else 'FAILED'} ({c.duration_s:.2f}s)")
     if not c.ok:
@@ -124,6 +134,8 @@ def main(argv: list[str]) -> int:
         return 2
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
+    if args.unsafe_no_sandbox:
+        os.environ["KF_UNSAFE_NO_SANDBOX"] = "1"  # kf.evaluation.box reads it
     try:
         device = parse_device(args.device)
         if device.startswith("cuda"):  # idle runners make their CUDA context ahead of use
@@ -135,8 +147,9 @@ def main(argv: list[str]) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             print(f"kf eval: {candidate}: cannot read candidate: {exc}", file=sys.stderr)
             return 2
+        require()
         result = evaluate(task, source, device=device, seed=args.seed, counters=args.counters)
-    except (TaskError, DeviceError, RunnerStartError) as exc:
+    except (TaskError, DeviceError, RunnerStartError, SandboxUnavailable) as exc:
         print(f"kf eval: {exc}", file=sys.stderr)
         return 2
     if args.json:

@@ -53,6 +53,7 @@ FLAG_REASONS: dict[str, str] = {
     "cache_suspected": "much faster on repeated inputs than on fresh ones (a cached result?)",
     "speedup_over_10x": "a speed-up above 10x: re-verified on fresh inputs and shapes",
     "eager_outlier": "eager was unusually slow this session: speed-up against earlier median",
+    "unsandboxed": "outside the box a candidate can read kf's secrets and files and forge results",
     # static checks (kf.static_checks)
     "no_custom_kernel": "no native kernel is built or loaded",
     "kernel_never_called": "a kernel is built but forward never calls it",
@@ -72,6 +73,11 @@ def is_suspect(flags: tuple[str, ...] | list[str]) -> bool:
     return any(f.split(":", 1)[0] in SUSPECT_FLAGS for f in flags)
 
 
+# A stage report's ``sandbox``: where its runners ran: ``"bwrap"``, in kf's box
+# (kf.evaluation.box), or ``"unsafe-no-sandbox"``, outside it (``--unsafe-no-sandbox``),
+# in which case its flags (a compile report's warnings) carry an ``unsandboxed`` flag
+# too. Logs written before the box existed say ``""``.
+#
 # A stage report's ``phases``: for each runner request op (``setup``, ``load_candidate``,
 # ``run``, ``check``, ``time``, ...), the seconds the grader waited for the stage's
 # runners' replies, and ``lease_wait``, the seconds it waited for a leased runner to
@@ -89,6 +95,7 @@ class CompileReport(msgspec.Struct, frozen=True, kw_only=True):
     failure_kind: str | None = None
     warnings: tuple[str, ...] = ()  # static checks and runtime findings, "code: detail"
     phases: dict[str, float] = {}  # seconds per runner request op (see above)
+    sandbox: str = ""  # "bwrap" or "unsafe-no-sandbox" (see above); "" in older logs
 
 
 class TrialEvidence(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,6 +125,7 @@ class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
     variant_evidence: tuple[TrialEvidence, ...] = ()  # the generalisation gate's trials
     flags: tuple[str, ...] = ()
     phases: dict[str, float] = {}  # seconds per runner request op (see above)
+    sandbox: str = ""  # "bwrap" or "unsafe-no-sandbox" (see above); "" in older logs
 
 
 class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -170,6 +178,7 @@ class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
     compile_baseline_error: str | None = None
     speedup_vs_compiled: float | None = None
     speedup_vs_best: float | None = None
+    sandbox: str = ""  # "bwrap" or "unsafe-no-sandbox" (see above); "" in older logs
 
 
 class CountersReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -183,6 +192,7 @@ class CountersReport(msgspec.Struct, frozen=True, kw_only=True):
     summary: dict[str, float] = {}  # kf.cuda.ncu.summarise
     network_isolated: bool = True  # False when ncu could only run outside the namespace
     duration_s: float = 0.0
+    sandbox: str = ""  # "bwrap" or "unsafe-no-sandbox" (see above); "" in older logs
 
 
 class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -221,6 +231,14 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
         for part in parts:
             found += [f for f in part if f not in found]
         return tuple(found)
+
+    @property
+    def sandbox(self) -> str:
+        """``"unsafe-no-sandbox"`` when any stage ran outside the box, else the first
+        stage's mode (``"bwrap"``)."""
+        stages = [self.compile, self.verify, self.profile, self.counters]
+        modes = [s.sandbox for s in stages if s is not None]
+        return "unsafe-no-sandbox" if "unsafe-no-sandbox" in modes else modes[0]
 
     @property
     def suspect(self) -> bool:
@@ -272,4 +290,5 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
             "verify": msgspec.to_builtins(v) if v is not None else None,
             "profile": msgspec.to_builtins(p) if p is not None else None,
             "counters": msgspec.to_builtins(self.counters) if self.counters is not None else None,
+            "sandbox": self.sandbox,
         }

@@ -35,13 +35,14 @@ def _watch_parent(parent_pid: int) -> None:
 
     The runner's parent is the grader, or a wrapper the grader started (ncu): either
     way, being re-parented means that parent died, and the grader's pid vanishing
-    means the grader did.
+    means the grader did. In the box (``parent_pid`` 0) the parent is bwrap's init,
+    which dies with the grader (``--die-with-parent``) and takes the box with it.
     """
     first = os.getppid()
     while True:
         if os.getppid() != first:
             os._exit(70)
-        if first != parent_pid:
+        if parent_pid and first != parent_pid:
             try:
                 os.kill(parent_pid, 0)
             except ProcessLookupError:
@@ -875,6 +876,31 @@ class Runner:
         return {"total_ns": self.clock_ns() - start}
 
 
+def _remote_build(
+    send: Callable[[bytes], None],
+    recv: Callable[[], bytes],
+    encode: Callable[[Any], bytes],
+    decode: Callable[[bytes], Any],
+    source: str,
+    flags: list[str],
+    defines: dict[str, str],
+    timeout_s: float,
+) -> str:
+    """:data:`kf.native.remote_builder` in the box: ask the grader, which builds the
+    library in a box of its own and answers with its path in the read-only shared cache
+    (kf.evaluation.builds)."""
+    from kf.native import NativeCompileError
+
+    send(encode({"op": "build", "source": source, "flags": flags, "defines": defines,
+                 "timeout_s": timeout_s}))  # fmt: skip
+    reply = decode(recv())
+    if not isinstance(reply, dict) or reply.get("op") != "built":
+        raise RuntimeError("the grader did not answer the build request")
+    if not reply.get("ok"):
+        raise NativeCompileError(str(reply.get("error")), str(reply.get("log") or ""))
+    return str(reply["path"])
+
+
 def _warm(torch: Any, device: str) -> None:
     """Start-up work that a GPU stage would otherwise wait for (``$KF_RUNNER_WARM``).
 
@@ -942,6 +968,10 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     conn = Connection(fd)
     send, recv = conn.send_bytes, conn.recv_bytes  # bound before any candidate code runs
+    if os.environ.get("KF_BUILD_SERVICE") == "1":  # in the box: the grader builds
+        import kf.native
+
+        kf.native.remote_builder = functools.partial(_remote_build, send, recv, encode, decode)
     runner = Runner(clock_ns, watch)
     if os.environ.get("KF_RUNNER_WARM"):
         _warm(runner.torch, os.environ["KF_RUNNER_WARM"])

@@ -1,15 +1,17 @@
 """Sandboxed runner processes and a pool of pre-spawned warm ones.
 
-Each runner is ``python -m kf.evaluation.runner`` in its own session (process group),
-with a private scratch directory as its cwd and ``TMPDIR``, and, where the kernel allows
-unprivileged user namespaces, in a network namespace of its own (``unshare -rn``: only
-a loopback device that is down), so it has no network; the runner's audit hook also
-refuses socket calls once a candidate is loaded. ``$KF_EVAL_NETNS=0`` turns the
-namespace off. Limits (address space,
-CPU seconds, file size) are applied when a runner is set up for its one job. A runner
-serves one candidate (or one task reference) and is then killed; the pool keeps a few
-started in advance so the next job's interpreter and torch import overlap this one's
-work.
+Each runner is ``python -m kf.evaluation.runner`` started inside bubblewrap's box
+(:mod:`kf.evaluation.box`: its own user, PID, network and mount namespaces, uid 65534,
+an allow-listed environment, nothing writable but a size-limited scratch tmpfs), in its
+own session (process group); the runner's audit hook also refuses socket calls once a
+candidate is loaded. Where the box cannot be set up kf refuses to evaluate, unless
+``$KF_UNSAFE_NO_SANDBOX=1`` asks for the old, unboxed runners (a private scratch
+directory as cwd and ``TMPDIR``, a network namespace of their own where the kernel
+allows it, ``$KF_EVAL_NETNS=0`` turning that off), whose every report is marked.
+Limits (address space, CPU seconds, file size) are applied when a runner is set up for
+its one job. A runner serves one candidate (or one task reference) and is then killed;
+the pool keeps a few started in advance so the next job's interpreter and torch import
+overlap this one's work.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -35,6 +38,7 @@ from typing import Any, NamedTuple
 
 import structlog
 
+from kf.evaluation import box
 from kf.evaluation.protocol import decode, encode
 
 __all__ = [
@@ -113,7 +117,8 @@ class Limits:
 
     memory_bytes: int = int(os.environ.get("KF_EVAL_MEMORY_MB", "8192")) * 2**20
     cpu_s: int = 0  # derived from the stage's timeout when 0
-    file_bytes: int = 1 << 30
+    #: per file, the runner's own output log included (``$KF_EVAL_FILE_MB``, 256)
+    file_bytes: int = int(os.environ.get("KF_EVAL_FILE_MB", "256")) * 2**20
 
 
 class RunnerError(Exception):
@@ -165,10 +170,20 @@ class RunnerHandle:
         wrapper: Sequence[str] = (),
         isolate: bool = True,
         warm: str | None = None,
+        ro_paths: Sequence[str] = (),
+        rw_paths: Sequence[str] = (),
     ) -> None:
-        """Start a runner; ``wrapper`` (e.g. ncu's argv) runs it, inside the network
-        namespace unless ``isolate`` is False; ``warm`` names the device whose start-up
-        work (a CUDA context, the op tracer) it does before it says it is ready."""
+        """Start a runner in the box (:mod:`kf.evaluation.box`); ``wrapper`` (e.g.
+        ncu's argv) runs it, inside the box, with ``ro_paths`` and ``rw_paths`` bound in
+        besides (the tool, its output folder); ``warm`` names the device whose start-up
+        work (a CUDA context, the op tracer) it does before it says it is ready.
+
+        Raises :class:`kf.evaluation.box.SandboxUnavailable` where the box cannot be set
+        up and ``$KF_UNSAFE_NO_SANDBOX=1`` does not ask for none. Unboxed runners (that
+        mode) start in a network namespace unless ``isolate`` is False.
+        """
+        #: "bwrap", or "unsafe-no-sandbox": what every report of this runner says
+        self.sandbox = box.mode()
         self.scratch = Path(tempfile.mkdtemp(prefix="kf-runner-"))
         self.log_path = self.scratch / "runner.log"
         self.threads = threads
@@ -197,29 +212,45 @@ class RunnerHandle:
             ("MALLOC_TRIM_THRESHOLD_", str(1 << 31)),
         ):
             env.setdefault(key, value)
-        self.isolated_network = isolate and network_namespace_available()
-        prefix = [str(shutil.which("unshare")), "-rn"] if self.isolated_network else []
-        prefix = [*wrapper, *prefix]
         self.findings: list[str] = []
+        self.builds = 0  # kf.native builds served for this runner (kf.evaluation.builds)
+        runner = [python, "-P", "-m", "kf.evaluation.runner", str(child_sock.fileno())]
+        if self.sandbox == box.MODE_BWRAP:
+            self.isolated_network = True
+            # the log must exist before bwrap binds it into the box
+            self.log_path.touch()
+            prefix = box.command(
+                python=python,
+                scratch=self.scratch,
+                log_path=self.log_path,
+                # kf.native builds go through the grader (kf.evaluation.builds)
+                env=box.environment(env, self.scratch, {"KF_BUILD_SERVICE": "1"}),
+                ro_paths=ro_paths,
+                rw_paths=rw_paths,
+            )
+            # the grader's pid means nothing in the box's PID namespace: 0 says so
+            argv = [*prefix, "--", *wrapper, *runner, "0"]
+            env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"}
+        else:
+            self.isolated_network = isolate and network_namespace_available()
+            unshare = [str(shutil.which("unshare")), "-rn"] if self.isolated_network else []
+            argv = [*wrapper, *unshare, *runner, str(os.getpid())]
         # appending: the runner and the build tools it starts write to it side by side
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(
-                [
-                    *prefix,
-                    python,
-                    "-P",
-                    "-m",
-                    "kf.evaluation.runner",
-                    str(child_sock.fileno()),
-                    str(os.getpid()),
-                ],
-                pass_fds=(child_sock.fileno(),),
-                cwd=self.scratch,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+            self.proc = (
+                _spawner()
+                .submit(
+                    subprocess.Popen,
+                    argv,
+                    pass_fds=(child_sock.fileno(),),
+                    cwd=self.scratch,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+                .result()
             )
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
@@ -242,8 +273,39 @@ class RunnerHandle:
         return data[-_LOG_TAIL:].decode("utf-8", "replace")
 
     def _receive(self, timeout_s: float, what: str) -> dict[str, Any]:
+        end = time.monotonic() + timeout_s
+        while True:
+            msg = self._receive_one(max(0.0, end - time.monotonic()), timeout_s, what)
+            if msg.get("op") != "build" or self.sandbox != box.MODE_BWRAP:
+                return msg
+            self._serve_build(msg, max(1.0, end - time.monotonic()))
+
+    def _serve_build(self, msg: dict[str, Any], left_s: float) -> None:
+        """Build a boxed runner's ``kf.native`` library (:mod:`kf.evaluation.builds`)."""
+        from kf.evaluation.builds import MAX_BUILDS_PER_RUNNER, build_native
+
+        self.builds += 1
         try:
-            has_reply = self.conn.poll(max(0.0, timeout_s))
+            if self.builds > MAX_BUILDS_PER_RUNNER:
+                reply: dict[str, Any] = {
+                    "ok": False,
+                    "error": f"more than {MAX_BUILDS_PER_RUNNER} builds asked for by one runner",
+                }
+            else:
+                reply = build_native(
+                    str(msg["source"]),
+                    [str(f) for f in msg.get("flags") or []],
+                    {str(k): str(v) for k, v in dict(msg.get("defines") or {}).items()},
+                    min(float(msg.get("timeout_s") or 120.0), left_s),
+                )
+        except (KeyError, TypeError, ValueError) as exc:
+            reply = {"ok": False, "error": f"malformed build request: {exc}"}
+        with contextlib.suppress(OSError):
+            self.conn.send_bytes(encode({"op": "built", **reply}))
+
+    def _receive_one(self, left_s: float, timeout_s: float, what: str) -> dict[str, Any]:
+        try:
+            has_reply = self.conn.poll(left_s)
         except OSError:
             has_reply = True
         if not has_reply:
@@ -269,9 +331,12 @@ class RunnerHandle:
 
     def _wait_exit(self) -> int | None:
         try:
-            return self.proc.wait(timeout=10)
+            code = self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             return None
+        if self.sandbox == box.MODE_BWRAP and 128 < code < 128 + signal.NSIG:
+            return 128 - code  # bwrap exits 128 + N for a runner killed by signal N
+        return code
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Block until the runner has imported torch (raises RunnerError if it cannot)."""
@@ -352,6 +417,15 @@ class RunnerHandle:
         if self.closed:
             return
         self.closed = True
+        if self.sandbox == box.MODE_BWRAP and self.proc.poll() is None:
+            # (not reaped yet: its pid is still bwrap's) bwrap's init in the box first: the
+            # kernel then kills everything in the box's PID namespace, and bwrap exits
+            # once it is empty, so nothing is left when the wait below returns
+            for child in _children(self.proc.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(child, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -359,6 +433,33 @@ class RunnerHandle:
         with contextlib.suppress(OSError):
             self.conn.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+_spawn_thread: ThreadPoolExecutor | None = None
+_spawn_lock = threading.Lock()
+
+
+def _spawner() -> ThreadPoolExecutor:
+    """The one thread that starts every runner, alive as long as this process.
+
+    bwrap's ``--die-with-parent`` is the kernel's parent-death signal, which fires when
+    the *thread* that started bwrap ends, not the process: a runner started from a
+    short-lived worker thread would be killed with that thread.
+    """
+    global _spawn_thread
+    with _spawn_lock:
+        if _spawn_thread is None:
+            _spawn_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kf-spawner")
+        return _spawn_thread
+
+
+def _children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (empty when /proc cannot say)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
 
 
 class RunnerPool:

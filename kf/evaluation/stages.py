@@ -15,11 +15,12 @@ import statistics
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import structlog
 
+from kf.evaluation import box
 from kf.evaluation.device import parse_device
 from kf.evaluation.reports import (
     FAILURE_KINDS,
@@ -94,6 +95,27 @@ class _CandidateFailed(Exception):
         self.kind, self.error, self.log = kind, error, log
 
 
+_Report = TypeVar("_Report", CompileReport, VerifyReport, ProfileReport, CountersReport)
+
+
+def _sandboxed(report: _Report, handles: list[RunnerHandle]) -> _Report:
+    """``report`` saying where its runners ran (``sandbox``), and flagged ``unsandboxed``
+    when any of them ran outside the box."""
+    modes = {h.sandbox for h in handles}
+    if not modes:
+        return report
+    mode = box.MODE_UNSAFE if box.MODE_UNSAFE in modes else modes.pop()
+    if mode != box.MODE_UNSAFE:
+        return msgspec.structs.replace(report, sandbox=mode)
+    flag = box.UNSANDBOXED_FLAG
+    if isinstance(report, CompileReport):
+        if flag not in report.warnings:
+            report = msgspec.structs.replace(report, warnings=(*report.warnings, flag))
+    elif not isinstance(report, CountersReport) and flag not in report.flags:
+        report = msgspec.structs.replace(report, flags=(*report.flags, flag))
+    return msgspec.structs.replace(report, sandbox=mode)
+
+
 def _ref_key(task: Task, device: str) -> str:
     """Reference runners are reused per task text and device."""
     return f"{task.sha256}:{device}"
@@ -120,10 +142,21 @@ def _setup_fields(
         "cpu_s": 0 if reference else limits.cpu_s or int(deadline.timeout_s * handle.threads) + 30,
         "file_bytes": limits.file_bytes,
         # GPU runners pass tensors as CUDA IPC handles (kf.evaluation.transport)
-        "ipc": device.startswith("cuda") and os.environ.get("KF_TENSOR_TRANSPORT") != "bytes",
+        "ipc": device.startswith("cuda") and _ipc_transport(handle),
         # a reused reference keeps the input sets it made (the trial seeds repeat)
         "reference_cache_bytes": _reference_cache_bytes() if reference else 0,
     }
+
+
+def _ipc_transport(handle: RunnerHandle) -> bool:
+    """Whether GPU runners hand tensors over as CUDA IPC handles: ``$KF_TENSOR_TRANSPORT``
+    ``ipc`` or ``bytes``; by default yes for unboxed runners, and not (yet) between
+    boxes, whose separate PID and IPC namespaces CUDA IPC has not been shown to cross
+    (docs/sandbox.md)."""
+    chosen = os.environ.get("KF_TENSOR_TRANSPORT", "")
+    if chosen in ("ipc", "bytes"):
+        return chosen == "ipc"
+    return handle.sandbox != box.MODE_BWRAP
 
 
 def _reference_cache_bytes() -> int:
@@ -376,15 +409,33 @@ def compile_candidate(
 ) -> CompileReport:
     """Import the candidate and construct ``ModelNew(*get_init_inputs())`` in a sandbox.
 
-    Native builds land in kf.native's on-disk cache, so later stages load them at once.
     Raises :class:`TaskError` when the task itself is broken.
     """
+    leased: list[RunnerHandle] = []
+    report = _compile(
+        task, source, leased, device=device, timeout_s=timeout_s, limits=limits, pool=pool
+    )
+    return _sandboxed(report, leased)
+
+
+def _compile(
+    task: Task,
+    source: str,
+    leased: list[RunnerHandle],
+    *,
+    device: str,
+    timeout_s: float,
+    limits: Limits | None,
+    pool: RunnerPool | None,
+) -> CompileReport:
+    """:func:`compile_candidate`; the runner it leases is added to ``leased``."""
     device = parse_device(device)
     pool = pool or default_pool()
     limits = limits or Limits()
     static = check_source(source)
     since = time.monotonic()
     with pool.lease() as cand:
+        leased.append(cand)
         start = time.monotonic()
         deadline = _Deadline(timeout_s)
         try:
@@ -447,6 +498,36 @@ def verify_candidate(
     dimension): the generalisation gate; failing it is ``generalisation_failed``.
     Raises :class:`TaskError` when the task itself is broken.
     """
+    leased: list[RunnerHandle] = []
+    report = _verify(
+        task,
+        source,
+        leased,
+        device=device,
+        seed=seed,
+        trials=trials,
+        timeout_s=timeout_s,
+        limits=limits,
+        pool=pool,
+        generalise=generalise,
+    )
+    return _sandboxed(report, leased)
+
+
+def _verify(
+    task: Task,
+    source: str,
+    leased: list[RunnerHandle],
+    *,
+    device: str,
+    seed: int,
+    trials: int,
+    timeout_s: float,
+    limits: Limits | None,
+    pool: RunnerPool | None,
+    generalise: bool,
+) -> VerifyReport:
+    """:func:`verify_candidate`; the runners it leases are added to ``leased``."""
     device = parse_device(device)
     pool = pool or default_pool()
     limits = limits or Limits()
@@ -456,6 +537,7 @@ def verify_candidate(
     atol = 0.0
     since = time.monotonic()
     with pool.reference_lease(_ref_key(task, device)) as ref, pool.lease() as cand:
+        leased += [ref, cand]
         start = time.monotonic()
         deadline = _Deadline(timeout_s)
 
@@ -629,6 +711,13 @@ def _inductor_cache_dir() -> str | None:
         return None
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         return None
+    from kf.evaluation.box import unsafe_requested
+
+    if not unsafe_requested():
+        # boxed runners see the shared cache read-only, and a cache every runner could
+        # write would let a candidate plant pickles for the next reference runner: inside
+        # the box inductor compiles into the runner's own scratch, lost with it
+        return None
     root = os.environ.get("KF_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kf")
     return os.path.join(root, "inductor")
 
@@ -682,7 +771,7 @@ def profile_candidate(
         # the reference runner was lost to torch.compile; the failure is remembered, so
         # this second session, with fresh runners, times against eager only
         report = _profile(task, source, leased, compile_baseline=want, **kw)
-    return msgspec.structs.replace(report, phases=_phases(since, *leased))
+    return _sandboxed(msgspec.structs.replace(report, phases=_phases(since, *leased)), leased)
 
 
 # baseline compiles that killed or hung their runner, per reference key and seed: not
@@ -968,12 +1057,39 @@ def collect_counters(
 ) -> CountersReport:
     """Nsight Compute's counters for one forward call of a (verified) candidate.
 
-    The candidate runs in a runner started under ``ncu`` (:mod:`kf.cuda.ncu`), after a
-    forward call checked against the reference as in every stage. Where ncu may not
-    read the counters from inside the runner's network namespace, it is tried once
-    outside it and the report says so. Call it with the device to itself: ncu replays
-    each kernel.
+    The candidate runs in a runner started under ``ncu`` (:mod:`kf.cuda.ncu`), inside
+    the runner's box, after a forward call checked against the reference as in every
+    stage. ncu is never run outside the box: where the driver lets only administrators
+    read counters, the report says so. Unboxed runners (``--unsafe-no-sandbox``) try
+    once outside their network namespace instead, and the report says that. Call it
+    with the device to itself: ncu replays each kernel.
     """
+    leased: list[RunnerHandle] = []
+    report = _counters(
+        task,
+        source,
+        leased,
+        device=device,
+        seed=seed,
+        timeout_s=timeout_s,
+        limits=limits,
+        pool=pool,
+    )
+    return _sandboxed(report, leased)
+
+
+def _counters(
+    task: Task,
+    source: str,
+    leased: list[RunnerHandle],
+    *,
+    device: str,
+    seed: int,
+    timeout_s: float,
+    limits: Limits | None,
+    pool: RunnerPool | None,
+) -> CountersReport:
+    """:func:`collect_counters`; the runners it starts are added to ``leased``."""
     import shutil
     import tempfile
     from pathlib import Path
@@ -995,8 +1111,15 @@ def collect_counters(
             log_file = folder / f"ncu-{int(isolate)}.csv"
             deadline = _Deadline(timeout_s)
             cand = RunnerHandle(
-                pool.python, pool.threads, wrapper=ncu.command(tool, str(log_file)), isolate=isolate
+                pool.python,
+                pool.threads,
+                wrapper=ncu.command(tool, str(log_file)),
+                isolate=isolate,
+                ro_paths=(str(Path(tool).resolve().parent),),
+                rw_paths=(str(folder),),
             )
+            leased.append(cand)
+            boxed = cand.sandbox == box.MODE_BWRAP
             isolated = cand.isolated_network
             try:
                 with pool.reference_lease(_ref_key(task, device)) as ref:
@@ -1016,7 +1139,7 @@ def collect_counters(
                     duration_s=time.monotonic() - start,
                 )  # fmt: skip
             except RunnerError as exc:  # the runner under ncu did not start or answer
-                if isolated:
+                if isolated and not boxed:
                     continue  # ncu may not work inside the namespace: once more outside
                 return CountersReport(
                     ok=False, error=f"the runner under ncu failed: {exc}; log: "
@@ -1034,7 +1157,14 @@ def collect_counters(
                     summary=ncu.summarise(kernels), network_isolated=isolated,
                     duration_s=time.monotonic() - start,
                 )  # fmt: skip
-            if not (isolated and ncu.permission_refused(text + tail)):
+            if boxed and ncu.permission_refused(text + tail):
+                return CountersReport(
+                    ok=False, error="ncu may not read the GPU's counters inside kf's box (the "
+                    "driver lets only administrators: NVreg_RestrictProfilingToAdminUsers=0 "
+                    "allows everyone)", tool=version, device=device,
+                    duration_s=time.monotonic() - start,
+                )  # fmt: skip
+            if boxed or not (isolated and ncu.permission_refused(text + tail)):
                 break
         detail = (text.strip() or tail.strip())[-1500:]
         return CountersReport(

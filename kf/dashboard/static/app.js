@@ -165,6 +165,7 @@
       ["cells filled", state.archive.filled],
       ["evaluations / min", p.per_minute ? p.per_minute.toFixed(1) : "—"],
       ["mutator", cfg.mutator || "—"],
+      ["sandbox", run.unsandboxed ? `UNSANDBOXED (${run.unsandboxed} results)` : run.boxed ? "bwrap" : "—"],
     ];
     const box = document.getElementById("stats");
     box.replaceChildren(
@@ -548,7 +549,7 @@
     ] : el("p", { class: "empty", text: "not verified yet" })));
     const p = d.profile;
     kids.push(section("timings", p ? [
-      kv(p, ["ok", "speedup", "runtime_ms", "runtime_std_ms", "runtime_median_ms", "runtime_min_ms", "runtime_ci95_ms", "trials", "ref_runtime_ms", "ref_runtime_std_ms", "ref_trials", "compiled_runtime_ms", "compiled_runtime_std_ms", "compiled_trials", "speedup_vs_compiled", "speedup_vs_best", "compile_baseline_s", "compile_baseline_cached", "compile_baseline_error", "timer", "outside_wall_ms", "outside_calls", "threads", "flags", "device", "failure_kind", "duration_s"]),
+      kv(p, ["ok", "speedup", "runtime_ms", "runtime_std_ms", "runtime_median_ms", "runtime_min_ms", "runtime_ci95_ms", "trials", "ref_runtime_ms", "ref_runtime_std_ms", "ref_trials", "compiled_runtime_ms", "compiled_runtime_std_ms", "compiled_trials", "speedup_vs_compiled", "speedup_vs_best", "compile_baseline_s", "compile_baseline_cached", "compile_baseline_error", "timer", "outside_wall_ms", "outside_calls", "threads", "flags", "device", "failure_kind", "duration_s", "sandbox"]),
       p.error ? pre(p.error, "error") : null,
     ] : el("p", { class: "empty", text: "not profiled" })));
     if (d.elite.length) kids.push(section("archive", el("ul", {}, d.elite.map((e) => el("li", { text: `seq ${e.seq}: elite of cell ${e.cell.join(".")} on island ${e.island} at ${fmtX(e.speedup)}` + (e.replaced ? `, replacing ${short(e.replaced)}` : "") + (e.migrated_from !== null && e.migrated_from !== undefined ? ` (migrated from island ${e.migrated_from})` : "") })))));

@@ -1,0 +1,468 @@
+"""The runner box (kf.evaluation.box): a hostile candidate run through the real ``kf eval``
+and ``kf run`` stays in it; without bwrap kf refuses, or runs marked when told to."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kf.evaluation import box
+
+ROOT = Path(__file__).resolve().parent.parent
+ADVERSARIAL = ROOT / "tests/fixtures/adversarial"
+TASK = ADVERSARIAL / "task_gelu.py"
+SECRETS = {
+    "KF_NATS_TOKEN": "kf-secret-value-nats",
+    "KF_LLM_API_KEY": "kf-secret-value-llm",
+    "OPENAI_API_KEY": "kf-secret-value-openai",
+}
+MARKER = "kf-escape-marker"
+SCRATCH_MB = 64
+FILE_MB = 16
+
+needs_box = pytest.mark.skipif(box.probe() is not None, reason=f"no runner box here: {box.probe()}")
+
+
+def _grader_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The grader's environment: kf's secrets set, its own home and temporary folder."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True, exist_ok=True)
+    (home / ".ssh" / "id_rsa").write_text("-----BEGIN kf-secret-value-ssh-----\n")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env = dict(os.environ)
+    env.update(SECRETS)
+    env.update(
+        HOME=str(home),
+        TMPDIR=str(tmp),
+        PYTHONPATH=str(ROOT),
+        KF_CACHE_DIR=os.environ.get("KF_CACHE_DIR") or str(ROOT / ".kf-cache"),
+        KF_EVAL_THREADS="1",
+        KF_EVAL_POOL="1",
+        KF_SANDBOX_SCRATCH_MB=str(SCRATCH_MB),
+        KF_EVAL_FILE_MB=str(FILE_MB),
+        KF_LOG_LEVEL="WARNING",
+    )
+    env.pop("KF_UNSAFE_NO_SANDBOX", None)
+    env.update(extra)
+    return env
+
+
+def _candidate(tmp_path: Path, *, report: bool, port: int) -> Path:
+    """escape.py with its constants filled in for this test."""
+    source = (ADVERSARIAL / "escape.py").read_text()
+    values = {
+        "REPORT": repr(report),
+        "MARKER": repr(MARKER),
+        "PORT": repr(port),
+        "HOME": repr(str(tmp_path / "home")),
+        "REPO": repr(str(ROOT)),
+        "SECRET_VALUES": repr(tuple(SECRETS.values())),
+    }
+    for name, value in values.items():
+        source, n = re.subn(rf"^{name} = .*$", f"{name} = {value}", source, count=1, flags=re.M)
+        assert n == 1, name
+    path = tmp_path / f"escape_{'report' if report else 'run'}.py"
+    path.write_text(source)
+    return path
+
+
+def _kf_eval(
+    tmp_path: Path, candidate: Path, env: dict[str, str], *args: str
+) -> subprocess.CompletedProcess[str]:
+    """``kf eval`` in a grader process whose command line names a run's log, as
+    ``kf run --db`` does (the path the forging candidate looked for)."""
+    db = tmp_path / f"{MARKER}-run.db"  # the only log the candidate would write to
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY, body TEXT)")
+    grader = (
+        "import sys\nfrom kf.evaluation.cli import main\n"
+        "sys.exit(main(sys.argv[2:]))  # argv[1]: the run's log, as kf run's command line has"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", grader, str(db), str(TASK), str(candidate), "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+        check=False,
+    )
+
+
+def _marked_pids() -> list[int]:
+    """Host processes whose command line carries the escape marker."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if MARKER.encode() in argv:
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    """A TCP socket listening on 127.0.0.1 that no candidate should reach."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+@pytest.fixture
+def cleanup() -> Iterator[None]:
+    """Whatever an escape left behind goes, even when an assertion failed."""
+    before = hashlib.sha256((ROOT / "kf/cli.py").read_bytes()).hexdigest()
+    try:
+        yield
+    finally:
+        for pid in _marked_pids():  # started by this test's candidate
+            os.kill(pid, signal.SIGKILL)
+        (ROOT / "kf/_escaped.py").unlink(missing_ok=True)
+        for path in (Path("/var/tmp/kf-escape-fill"), ROOT / "kf-escape-fill"):
+            path.unlink(missing_ok=True)
+        assert hashlib.sha256((ROOT / "kf/cli.py").read_bytes()).hexdigest() == before
+
+
+def _no_connection(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        conn, _ = sock.accept()
+    except BlockingIOError:
+        return True
+    conn.close()
+    return False
+
+
+@needs_box
+def test_box_hostile_candidate_finds_nothing_to_take(
+    tmp_path: Path, listener: socket.socket, cleanup: None
+) -> None:
+    """A candidate in the box runs as uid 65534 and sees no secret, home, log, repository,
+    network or disk outside its size-limited scratch folder."""
+    port = listener.getsockname()[1]
+    proc = _kf_eval(tmp_path, _candidate(tmp_path, report=True, port=port), _grader_env(tmp_path))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["sandbox"] == "bwrap"
+    log = result["compile"]["log"]
+    report = re.search(r"ESCAPE-REPORT (\{.*\}) END", log)
+    assert report is not None, log[-3000:]
+    found = json.loads(report.group(1))
+
+    assert (found["uid"], found["gid"]) == (box.BOX_UID, box.BOX_UID)
+    assert found["env_secrets"] == {}
+    assert not set(found["env_names"]) & set(SECRETS)
+    assert found["proc_secrets"] == []
+    assert len(found["pids_visible"]) <= 3, found["pids_visible"]  # bwrap's init, the runner
+    for key in ("home_listing", "ssh_key", "root_ssh", "etc_shadow"):
+        assert str(found[key]).startswith("denied"), (key, found[key])
+    assert found["run_log"] == {"logs_seen": [], "forged": []}
+    assert str(found["repo_write"]).startswith("denied")
+    assert str(found["cache_write"]).startswith("denied")
+    assert str(found["repo_open_cli"]).startswith("denied")
+    assert found["native_connect"] != "connected"
+    assert all(str(v).startswith("denied") for v in found["fill_outside"].values()), found
+    for key in ("fill_scratch", "fill_tmp"):  # one tmpfs of SCRATCH_MB
+        assert found[key]["mb"] <= SCRATCH_MB and "No space left" in found[key]["error"], found
+    assert found["fill_shm"]["mb"] <= SCRATCH_MB and "No space left" in found["fill_shm"]["error"]
+    # the runner's output log is outside the box: the per-file limit holds it
+    assert found["flood_stdout"]["mb"] <= FILE_MB and "too large" in found["flood_stdout"]["error"]
+    assert found["orphan"] == "spawned"
+
+    assert _no_connection(listener)
+    assert _marked_pids() == []
+    assert list((tmp_path / "tmp").iterdir()) == []  # no runner folder left behind
+    with sqlite3.connect(tmp_path / f"{MARKER}-run.db") as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+    assert tables == {"events"}
+    assert not (ROOT / "kf/_escaped.py").exists()
+
+
+@needs_box
+def test_box_hostile_candidate_leaves_nothing_behind_after_every_stage(
+    tmp_path: Path, listener: socket.socket, cleanup: None
+) -> None:
+    """A correct candidate that forks a setsid child and fills its disk in every stage
+    passes, and no child of it or file of it is left once ``kf eval`` returns."""
+    port = listener.getsockname()[1]
+    proc = _kf_eval(tmp_path, _candidate(tmp_path, report=False, port=port), _grader_env(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["correct"] and result["profile"]["ok"]
+    stages = [result[s]["sandbox"] for s in ("compile", "verify", "profile")]
+    assert stages == ["bwrap"] * 3
+    assert not any(f.startswith("unsandboxed") for f in result["flags"])
+    assert _marked_pids() == []
+    assert _no_connection(listener)
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert not Path("/var/tmp/kf-escape-fill").exists()
+
+
+@needs_box
+def test_box_honest_native_candidate_is_built_by_the_grader(tmp_path: Path) -> None:
+    """An honest C++ candidate passes in the box; its library was built by the grader, in
+    a build box, into the shared cache under the key the grader computed."""
+    from kf import native
+
+    cache = tmp_path / "cache"
+    env = _grader_env(tmp_path, KF_CACHE_DIR=str(cache))
+    proc = _kf_eval(tmp_path, ADVERSARIAL / "honest_cpp.py", env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["correct"] and result["sandbox"] == "bwrap"
+    namespace: dict[str, object] = {}
+    source = (ADVERSARIAL / "honest_cpp.py").read_text()
+    exec(compile(source.split("class ModelNew")[0], "honest_cpp", "exec"), namespace)
+    key, _, _ = native.build_key(str(namespace["SOURCE"]))
+    assert sorted(p.name for p in (cache / "native").glob("*.so")) == [f"{key}.so"]
+    assert not list((cache / "native").glob("*.build-*"))  # the build folder went
+
+
+@needs_box
+def test_box_build_service_refuses_a_broken_build_with_the_compiler_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build that fails in the build box stores nothing and returns the compiler's log."""
+    from kf.evaluation.builds import build_native
+
+    monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
+    reply = build_native('extern "C" int f() { return undeclared_name; }', [], {}, 60.0)
+    assert not reply["ok"] and "undeclared_name" in reply["log"]
+    assert not list((tmp_path / "cache" / "native").glob("*.so"))
+    reply = build_native('extern "C" int f() { return N; }', [], {"N": "7"}, 60.0)
+    assert reply["ok"] and Path(reply["path"]).parent == tmp_path / "cache" / "native"
+
+
+def test_box_missing_bwrap_refuses_with_one_line(tmp_path: Path) -> None:
+    """With bwrap missing, ``kf eval`` refuses in one line that says why and what to do."""
+    env = _grader_env(tmp_path, KF_BWRAP=str(tmp_path / "no" / "bwrap"))
+    proc = _kf_eval(tmp_path, ADVERSARIAL / "honest_cpp.py", env)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "refusing to evaluate" in lines[0] and "bubblewrap not found" in lines[0]
+    assert "--unsafe-no-sandbox" in lines[0]
+    assert proc.stdout == ""
+
+
+def test_box_bwrap_not_on_path_refuses(tmp_path: Path) -> None:
+    """With no bwrap on PATH (and no KF_BWRAP), ``kf eval`` refuses and says bwrap is missing."""
+    env = _grader_env(tmp_path, PATH=str(tmp_path / "empty-bin"))
+    env.pop("KF_BWRAP", None)
+    proc = _kf_eval(tmp_path, ADVERSARIAL / "honest_cpp.py", env)
+    assert proc.returncode == 2
+    assert "bubblewrap (bwrap) is not installed" in proc.stderr
+
+
+def test_box_failing_probe_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bwrap that cannot start a box (here /bin/false) fails the start-up probe: refused."""
+    false = shutil.which("false")
+    assert false is not None
+    monkeypatch.setenv("KF_BWRAP", false)
+    monkeypatch.delenv("KF_UNSAFE_NO_SANDBOX", raising=False)
+    box.reset()
+    try:
+        assert "failed its start-up probe" in str(box.probe())
+        with pytest.raises(box.SandboxUnavailable, match="refusing to evaluate"):
+            box.mode()
+    finally:
+        monkeypatch.undo()
+        box.reset()
+
+
+def test_box_unsafe_no_sandbox_runs_and_marks_every_stage(tmp_path: Path) -> None:
+    """``--unsafe-no-sandbox`` with no bwrap evaluates, and every stage says it was unboxed."""
+    env = _grader_env(tmp_path, KF_BWRAP=str(tmp_path / "no" / "bwrap"))
+    proc = _kf_eval(tmp_path, ADVERSARIAL / "honest_cpp.py", env, "--unsafe-no-sandbox")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["correct"]
+    assert result["sandbox"] == "unsafe-no-sandbox"
+    for stage in ("compile", "verify", "profile"):
+        assert result[stage]["sandbox"] == "unsafe-no-sandbox"
+    assert box.UNSANDBOXED_FLAG in result["flags"]
+
+
+def test_box_environment_drops_secrets_even_when_allowed(tmp_path: Path) -> None:
+    """Names that look like secrets never reach a runner, even through ``$KF_SANDBOX_ENV``."""
+    base = {"PATH": "/usr/bin", "KF_NATS_TOKEN": "x", "OPENAI_API_KEY": "y", "CXX": "g++"}
+    old = os.environ.get("KF_SANDBOX_ENV")
+    os.environ["KF_SANDBOX_ENV"] = "KF_NATS_TOKEN,OPENAI_API_KEY"
+    try:
+        env = box.environment(base, tmp_path, {})
+    finally:
+        if old is None:
+            os.environ.pop("KF_SANDBOX_ENV")
+        else:
+            os.environ["KF_SANDBOX_ENV"] = old
+    assert "KF_NATS_TOKEN" not in env and "OPENAI_API_KEY" not in env
+    assert env["CXX"] == "g++" and env["HOME"] == str(tmp_path)
+
+
+def _kf_run(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kf.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+        check=False,
+    )
+
+
+@needs_box
+def test_box_kf_run_hostile_seed_cannot_forge_the_log(
+    tmp_path: Path, listener: socket.socket, cleanup: None
+) -> None:
+    """In a real ``kf run``, a seed that looks for the run's log among the processes it can
+    see finds none, writes nothing into it, and leaves no process behind; replay holds."""
+    tasks = tmp_path / "tasks"
+    (tasks / "seeds").mkdir(parents=True)
+    shutil.copy(TASK, tasks / "gelu.py")
+    seed = _candidate(tmp_path, report=False, port=listener.getsockname()[1])
+    shutil.copy(seed, tasks / "seeds" / "gelu.py")
+    db = tmp_path / f"{MARKER}-run.db"  # the forging seed writes only to such a log
+    env = _grader_env(tmp_path)
+    proc = _kf_run(tmp_path, env, "run", str(tasks), "--budget", "1", "--db", str(db), "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["tasks"][0]["correct"] >= 1
+    assert report["unsandboxed_results"] == 0
+    with sqlite3.connect(db) as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert "forged" not in tables
+    assert _kf_run(tmp_path, env, "replay", str(db), "--check").returncode == 0
+    assert _marked_pids() == []
+    assert _no_connection(listener)
+
+
+def test_box_kf_run_unsafe_no_sandbox_marks_the_report(tmp_path: Path) -> None:
+    """A ``kf run`` without the box (``KF_UNSAFE_NO_SANDBOX=1``) records every stage as
+    unsandboxed, and ``kf report`` says so."""
+    tasks = tmp_path / "tasks"
+    (tasks / "seeds").mkdir(parents=True)
+    search = ROOT / "tests/fixtures/search"
+    shutil.copy(search / "scale_relu.py", tasks / "scale_relu.py")
+    shutil.copy(search / "seeds" / "scale_relu.py", tasks / "seeds" / "scale_relu.py")
+    db = tmp_path / "run.db"
+    env = _grader_env(tmp_path, KF_BWRAP=str(tmp_path / "no" / "bwrap"), KF_UNSAFE_NO_SANDBOX="1")
+    proc = _kf_run(tmp_path, env, "run", str(tasks), "--budget", "1", "--db", str(db))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shown = _kf_run(tmp_path, env, "report", str(db))
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "UNSANDBOXED: 3 stage result(s)" in shown.stdout, shown.stdout
+    assert "unsandboxed: the runners ran outside kf's box" in shown.stdout  # the best's flags
+    as_json = json.loads(_kf_run(tmp_path, env, "report", str(db), "--json").stdout)
+    assert as_json["unsandboxed_results"] == 3
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (through /proc's children lists)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [int(k) for k in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except OSError:
+            kids = []
+        out += kids
+        todo += kids
+    return out
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
+    """The pids still alive once all are gone or ``timeout_s`` has passed."""
+    import time
+
+    end = time.monotonic() + timeout_s
+    alive = pids
+    while alive and time.monotonic() < end:
+        alive = [p for p in alive if Path(f"/proc/{p}").exists() and not _zombie(p)]
+        if alive:
+            time.sleep(0.05)  # polling a condition, not synchronising on time
+    return alive
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+@needs_box
+def test_box_runner_dies_with_a_killed_grader(tmp_path: Path) -> None:
+    """When the grader is killed outright (SIGKILL, no clean-up), its boxed runners and
+    everything in their boxes go too (``--die-with-parent``)."""
+    grader = (
+        "import sys\n"
+        "from kf.evaluation.sandbox import RunnerHandle\n"
+        "h = RunnerHandle(sys.executable, 1)\n"
+        "h.wait_ready()\n"
+        "print(h.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    env = _grader_env(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", grader],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        assert proc.stdout is not None
+        bwrap_pid = int(proc.stdout.readline())
+        boxed = [bwrap_pid, *_descendants(bwrap_pid)]
+        assert len(boxed) >= 3  # bwrap, bwrap's init in the box, the runner
+        proc.kill()
+        proc.wait(timeout=30)
+        assert _wait_gone(boxed) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+@needs_box
+def test_box_runner_started_from_a_finished_thread_still_answers() -> None:
+    """A runner started from a worker thread that has ended still serves (bwrap's
+    parent-death signal follows the starting thread, so kf starts runners from one
+    thread that lives as long as the grader)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kf.evaluation.sandbox import RunnerHandle
+
+    def start() -> RunnerHandle:
+        started = RunnerHandle(sys.executable, 1)
+        started.wait_ready()  # bwrap is long past setting its parent-death signal
+        return started
+
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        handle = executor.submit(start).result()
+    try:  # the executor's thread has ended here
+        assert handle.request("ping", 60.0)["ok"]
+    finally:
+        handle.kill()
