@@ -229,7 +229,8 @@ def test_auth_deployment_config_takes_passwords_from_the_environment(tmp_path: P
             await arch.publish(bus.log_subject("demo"), b"committed")
             await arch.flush()
             await wait_for(lambda: len(got.got) >= 2, 10, "the allowed messages")
-            assert "Authorization Violation" in await _hello(url, user="archivist", **{"pass": "wrong"})
+            wrong = {"user": "archivist", "pass": "wrong"}
+            assert "Authorization Violation" in await _hello(url, **wrong)
             await worker.close()
             await arch.close()
             return got.got
