@@ -18,7 +18,6 @@ agents and answers any event they had not yet answered, then serves again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,7 +42,7 @@ from kf.events import (
 )
 from kf.facts import DeviceLost
 from kf.log import EventLog
-from kf.runtime import AgentCrashed, reaction_envelopes
+from kf.runtime import AgentCrashed, cancel_and_wait, reaction_envelopes
 
 __all__ = ["Archivist", "ArchivistStats"]
 
@@ -267,9 +266,7 @@ class Archivist:
             finally:
                 stopping.cancel()
                 watchdog.cancel()
-                writer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await writer
+                await cancel_and_wait(writer)
         finally:
             log.info("archivist_stopped", **msgspec.structs.asdict(self.stats), head=elog.head)
             elog.close()

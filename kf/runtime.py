@@ -59,6 +59,7 @@ __all__ = [
     "AgentRunner",
     "CommittedFeed",
     "Outbox",
+    "cancel_and_wait",
     "fetch_range",
     "reaction_envelopes",
     "supervise",
@@ -90,6 +91,19 @@ def reaction_envelopes(
         )
         for i, ev in enumerate(events)
     ]
+
+
+async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it has ended, without swallowing a cancellation of
+    the caller itself (``suppress(CancelledError)`` around the wait would: a SIGTERM that
+    arrives then would be lost and the caller would carry on draining)."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
 
 
 class AgentCrashed(RuntimeError):
@@ -434,9 +448,7 @@ class AgentRunner:
             await self._drain()
         finally:
             await feed.unsubscribe()
-            outbox_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await outbox_task
+            await cancel_and_wait(outbox_task)
 
     async def _drain(self) -> None:
         if self._reactions:
