@@ -1,11 +1,13 @@
 """``kf run`` with its embedded nats-server: a dead server and SIGTERM, with real processes.
 
-Each test starts ``kf run`` (no ``--nats``: it starts its own nats-server with per-run
-credentials) on ``tests/fixtures/search/scale_relu.py`` and acts on it mid-run.
+The ``kf run`` tests start it (no ``--nats``: it starts its own nats-server with per-run
+credentials) on ``tests/fixtures/search/scale_relu.py`` and act on it mid-run; the last
+one cuts an in-process archivist off from a real nats-server.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -13,6 +15,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from agents.archivist import Archivist
+from kf import bus
+from kf.agent import AgentContext
+from kf.bus import EmbeddedServer
+from kf.events import make_envelope
+from kf.facts import DeviceAnnounced, DeviceHeartbeat
+from kf.log import EventLog
+from kf.runtime import Outbox
+from tests.harness import wait_for as wait_async
 from tests.test_faults import (
     ENV,
     ROOT,
@@ -138,3 +149,58 @@ def test_recovery_sigterm_stops_the_run_like_sigint(tmp_path: Path) -> None:
         cwd=ROOT, env=ENV, capture_output=True, text=True, check=False,
     )
     assert chk.returncode == 0, chk.stdout + chk.stderr
+
+
+async def test_recovery_archivist_cut_off_from_nats_declares_no_device_lost(
+    tmp_path: Path,
+) -> None:
+    """A nats-server outage longer than the heartbeat timeout: the archivist, which heard
+    no one meanwhile, does not declare the still-beating device lost once it is back."""
+
+    run, db = "outage", tmp_path / "run.db"
+    server = EmbeddedServer().start()
+    port = server.port
+    arch_nc = await bus.connect(bus.BusOptions(server.url))
+    dev_nc = await bus.connect(bus.BusOptions(server.url))
+    arch = Archivist(
+        AgentContext(run_id=run, agent_id="archivist@t", options={"heartbeat_timeout_s": 1.0}),
+        db=db, nc=arch_nc,
+    )
+    stop, ready = asyncio.Event(), asyncio.Event()
+    arch_task = asyncio.create_task(arch.run(stop, ready))
+    outbox = Outbox(dev_nc, run, subject=bus.device_inbound_subject(run, "d1"), timeout_s=1.0)
+    outbox_task = asyncio.create_task(outbox.run())
+
+    def emit(ev: object) -> None:
+        outbox.put([make_envelope(ev, run_id=run, source="hardware@t")])  # type: ignore[arg-type]
+
+    async def beat() -> None:
+        while True:
+            emit(DeviceHeartbeat(device_id="d1"))
+            await asyncio.sleep(0.2)  # the device's heartbeat period, not a synchronisation
+
+    def beats() -> int:
+        return arch.stats.committed
+
+    try:
+        await ready.wait()
+        emit(DeviceAnnounced(device_id="d1", kind="cpu", agent_id="hardware@t"))
+        beater = asyncio.create_task(beat())
+        await wait_async(lambda: beats() >= 3, 30, "first heartbeats")
+        server.stop()
+        await asyncio.sleep(2.5)  # the outage itself (longer than the 1 s timeout)
+        server = EmbeddedServer(port=port).start()
+        after = beats()
+        await wait_async(lambda: beats() >= after + 10, 60, "heartbeats after the outage")
+        beater.cancel()
+    finally:
+        stop.set()
+        await arch_task
+        outbox_task.cancel()
+        await bus.close(arch_nc)
+        await bus.close(dev_nc)
+        server.stop()
+    with EventLog(db, readonly=True) as elog:
+        types = [e.type for e in elog.read()]
+    assert "device.lost" not in types
+    assert types.count("device.heartbeat") >= 10
