@@ -1,7 +1,11 @@
 """The archivist: the log's single writer, and host of the archive's decision agents.
 
-It receives batches of envelopes on ``kf.R.in``, validates each one (bad ones go to the
-log's ``rejected`` table, are counted and logged; the rest of the batch is unaffected),
+It receives batches of envelopes on ``kf.R.in`` and on each device's ``kf.R.in.dev.<D>``,
+validates each one (bad ones go to the log's ``rejected`` table, are counted and logged;
+the rest of the batch is unaffected), refuses — the same way — what the sender is not
+entitled to say (:class:`kf.auth.Entitlements`: a device's observations only on that
+device's subject, a stage result only for an attempt assigned to that device, no
+decisions from outside),
 deduplicates by ``event_id``, commits in one transaction, lets the hosted agents (the
 MAP-Elites archive and selection) fold the committed events and append their decisions,
 replies to the producers, and publishes every committed envelope on ``kf.R.log`` in
@@ -14,7 +18,6 @@ agents and answers any event they had not yet answered, then serves again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +30,7 @@ from nats.aio.msg import Msg
 
 from kf import bus
 from kf.agent import Agent, AgentContext
+from kf.auth import Entitlements
 from kf.events import (
     Envelope,
     EventError,
@@ -38,7 +42,7 @@ from kf.events import (
 )
 from kf.facts import DeviceLost
 from kf.log import EventLog, LogBusy
-from kf.runtime import AgentCrashed, reaction_envelopes
+from kf.runtime import AgentCrashed, cancel_and_wait, reaction_envelopes
 
 __all__ = ["Archivist", "ArchivistStats"]
 
@@ -48,6 +52,10 @@ _ENC = msgspec.msgpack.Encoder()
 _BATCH = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _FETCH = msgspec.msgpack.Decoder(dict[str, Any])
 _MAX_FETCH_BYTES = 768 * 1024
+
+
+class _NotIntake(ValueError):
+    """A batch on a subject that is no intake of this run."""
 
 
 class _Local:
@@ -66,7 +74,8 @@ class ArchivistStats(msgspec.Struct, kw_only=True):
 
     committed: int = 0
     duplicates: int = 0
-    rejected: int = 0
+    rejected: int = 0  # invalid bytes or envelopes, and refusals (below)
+    refused: int = 0  # valid events their sender was not entitled to send
     batches: int = 0
     decisions: int = 0
     busy_waits: int = 0  # commits retried while another connection held the write lock
@@ -99,6 +108,7 @@ class Archivist:
         self.heartbeat_timeout_s = float(ctx.options.get("heartbeat_timeout_s", 30.0))
         self._hosted: list[tuple[Agent[Any], Any]] = []
         self._busy = False  # waiting for another connection's write lock
+        self.entitlements = Entitlements()
 
     # -- hosted agents -------------------------------------------------------------------
 
@@ -117,13 +127,15 @@ class Archivist:
         for env in elog.read():
             history.append(env)
             self._track_device(env)
+            self.entitlements.fold(env)
             if env.caused_by is not None:
                 answered.add((env.source_kind, env.caused_by))
         self._hosted = list(zip(agents, states, strict=True))
         pending: list[Envelope] = []
         for env in history:
             pending.extend(self._fold_hosted(env, answered))
-        await self._commit_decisions(elog, pending, answered)
+        for env in await self._commit_decisions(elog, pending, answered):
+            self.entitlements.fold(env)
 
     def _fold_hosted(
         self, env: Envelope, answered: set[tuple[str, str]] | None = None
@@ -203,17 +215,28 @@ class Archivist:
             else:
                 self._last_seen.pop(device, None)
 
-    async def _watchdog(self) -> None:
+    async def _watchdog(self, nc: Client | None = None) -> None:
         """Record ``device.lost`` for a device silent longer than the heartbeat timeout.
 
         The silence is an observation (wall clock, made here); what follows from it — the
-        re-dispatch of that device's candidates — is the archive's decision.
+        re-dispatch of that device's candidates — is the archive's decision. While the
+        archivist itself is cut off from NATS it hears no one, so nothing is declared lost
+        then, and every device's clock starts again when the connection is back.
         """
         timeout = self.heartbeat_timeout_s
+        cut_off = False
         while True:
-            await asyncio.sleep(max(0.1, timeout / 4))
+            await asyncio.sleep(max(0.1, min(timeout / 4, 1.0)))
             now = time.monotonic()
             if self._busy:  # their heartbeats wait in our queue: the silence is ours
+                continue
+            if nc is not None and not nc.is_connected:
+                cut_off = True
+                continue
+            if cut_off:
+                cut_off = False
+                for device in self._last_seen:
+                    self._last_seen[device] = now
                 continue
             for device, seen in sorted(self._last_seen.items()):
                 if now - seen > timeout:
@@ -243,25 +266,26 @@ class Archivist:
             nc = await bus.connect(bus.BusOptions.from_env(url, name=self.ctx.agent_id))
         try:
             await self._start_hosted(elog)
-            in_sub = await nc.subscribe(
-                bus.inbound_subject(self.ctx.run_id),
-                cb=self._on_inbound,
-                pending_msgs_limit=-1,
-                pending_bytes_limit=-1,
-            )
+            in_subs = [
+                await nc.subscribe(
+                    subject, cb=self._on_inbound, pending_msgs_limit=-1, pending_bytes_limit=-1
+                )
+                for subject in bus.intake_subjects(self.ctx.run_id)
+            ]
             fetch_sub = await nc.subscribe(bus.fetch_subject(self.ctx.run_id), cb=self._on_fetch)
             await nc.flush()
             log.info("archivist_ready", db=str(self.db_path), head=elog.head)
             if ready is not None:
                 ready.set()
             writer = asyncio.create_task(self._writer(nc, elog))
-            watchdog = asyncio.create_task(self._watchdog())
+            watchdog = asyncio.create_task(self._watchdog(nc))
             stopping = asyncio.create_task(stop.wait())
             try:
                 await asyncio.wait({writer, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 if writer.done():
                     writer.result()  # a failed writer propagates: the log cannot be served
-                await in_sub.unsubscribe()
+                for sub in in_subs:
+                    await sub.unsubscribe()
                 # let what already arrived be committed and answered
                 try:
                     await asyncio.wait_for(self._queue.join(), 30)
@@ -271,9 +295,7 @@ class Archivist:
             finally:
                 stopping.cancel()
                 watchdog.cancel()
-                writer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await writer
+                await cancel_and_wait(writer)
         finally:
             log.info("archivist_stopped", **msgspec.structs.asdict(self.stats), head=elog.head)
             elog.close()
@@ -293,7 +315,7 @@ class Archivist:
         except (msgspec.DecodeError, ValueError, TypeError) as exc:
             self.stats.rejected += 1
             log.warning("bad_fetch_request", error=str(exc))
-            if msg.reply:
+            if _answerable(msg):
                 await msg.respond(_ENC.encode({"error": f"bad fetch request: {exc}"}))
             return
         events: list[bytes] = []
@@ -304,23 +326,36 @@ class Archivist:
                 if events and size > _MAX_FETCH_BYTES:
                     break
                 events.append(body)
-        if msg.reply:
+        if _answerable(msg):
             await msg.respond(_ENC.encode({"head": elog.head, "events": events}))
 
-    def _validate(self, subject: str, raw: bytes, elog: EventLog) -> Envelope | None:
+    def _validate(
+        self, subject: str, device: str | None, raw: bytes, elog: EventLog
+    ) -> Envelope | tuple[str, str]:
+        """The envelope, or ``(event id, reason)`` for one that is kept out of the log."""
+        event_id = ""
         try:
             env = decode_envelope(raw)
+            event_id = env.event_id
             if env.run_id != self.ctx.run_id:
                 raise EventError(f"event for run {env.run_id!r} sent to run {self.ctx.run_id!r}")
             if env.seq is not None:
                 raise EventError("inbound events must not carry a seq (only the log assigns it)")
-            decode_event(env)  # known types must match their schema
-            return env
+            ev = decode_event(env)  # known types must match their schema
         except EventError as exc:
             self.stats.rejected += 1
             log.warning("event_rejected", subject=subject, reason=str(exc), size=len(raw))
             elog.reject(subject, str(exc), raw)
-            return None
+            return event_id, str(exc)
+        refusal = self.entitlements.check(device, env, ev)
+        if refusal is not None:
+            reason = f"refused: {refusal}"
+            self.stats.rejected += 1
+            self.stats.refused += 1
+            log.warning("event_refused", subject=subject, event_id=event_id, reason=reason)
+            elog.reject(subject, reason, raw)
+            return event_id, reason
+        return env
 
     async def _writer(self, nc: Client, elog: EventLog) -> None:
         while True:
@@ -342,22 +377,29 @@ class Archivist:
                 accepted.extend(msg.envelopes)
                 continue
             refused: list[tuple[str, str]] = []
+            is_intake, device = bus.intake_device(self.ctx.run_id, msg.subject)
             try:
                 items = _BATCH.decode(msg.data)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                if not is_intake:
+                    raise _NotIntake(f"{msg.subject} names no device (not a device token)")
+            except (msgspec.DecodeError, msgspec.ValidationError, _NotIntake) as exc:
                 self.stats.rejected += 1
-                reason = f"not a batch of kf envelopes: {exc}"
+                reason = (
+                    f"refused: {exc}"
+                    if isinstance(exc, _NotIntake)
+                    else f"not a batch of kf envelopes: {exc}"
+                )
                 log.warning("message_rejected", subject=msg.subject, reason=reason)
                 elog.reject(msg.subject, reason, msg.data)
                 refused.append(("", reason))
                 replies.append((msg, refused))
                 continue
             for raw in items:
-                env = self._validate(msg.subject, bytes(raw), elog)
-                if env is None:
-                    refused.append(("", "invalid envelope"))
+                got = self._validate(msg.subject, device, bytes(raw), elog)
+                if isinstance(got, Envelope):
+                    accepted.append(got)
                 else:
-                    accepted.append(env)
+                    refused.append(got)
             replies.append((msg, refused))
         self.stats.batches += 1
         committed = await self._append(elog, accepted)
@@ -369,10 +411,12 @@ class Archivist:
         for env in committed:
             pending.extend(self._fold_hosted(env))
         committed.extend(await self._commit_decisions(elog, pending))
+        for env in committed:
+            self.entitlements.fold(env)
         # Replies and publications are best effort: a producer that misses its reply
         # retries (and is deduplicated); a subscriber that misses an event fills the gap.
         for msg, refused in replies:
-            if msg.reply:
+            if _answerable(msg):
                 try:
                     await msg.respond(_ENC.encode({"ok": True, "rejected": refused}))
                 except Exception as exc:
@@ -383,3 +427,9 @@ class Archivist:
                 await nc.publish(subject, encode_envelope(env))
             except Exception as exc:
                 log.info("publish_failed", seq=env.seq, error=repr(exc))
+
+
+def _answerable(msg: Msg) -> bool:
+    """Whether to answer ``msg``: it asks for a reply, and not on a kf subject (a reply
+    there would be published with the archivist's rights, e.g. onto the committed log)."""
+    return bool(msg.reply) and not msg.reply.startswith("kf.")

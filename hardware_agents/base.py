@@ -10,7 +10,6 @@ again with the measured figures. The later announcement supersedes the earlier o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -18,6 +17,7 @@ from hardware_agents.cpu import host_id
 from kf.agent import Agent, AgentContext
 from kf.events import Event, Record
 from kf.facts import DeviceAnnounced, DeviceHeartbeat, DeviceLeft
+from kf.runtime import cancel_and_wait
 
 __all__ = ["HardwareAgent"]
 
@@ -89,7 +89,5 @@ class HardwareAgent(Agent[None]):
     async def on_stop(self) -> None:
         for task in (self._measuring, self._beat):
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await cancel_and_wait(task)
         self.emit(DeviceLeft(device_id=self.device_id, reason="worker stopped"))

@@ -2,10 +2,19 @@
 
 Subjects for run ``R``:
 
-- ``kf.R.in`` — producers send batches of envelopes here as requests; the archivist
-  replies once they are committed (the producer's outbox retries until then).
+- ``kf.R.in`` — the general intake: proposers (mutators, the run's starter, plugins) send
+  batches of envelopes here as requests; the archivist replies once they are committed
+  (the producer's outbox retries until then).
+- ``kf.R.in.dev.<device>`` — one device's intake: the agents next to a device (hardware
+  agent, compiler, verifier, profiler…) send only here, so the archivist knows from the
+  subject which device an observation speaks for (core NATS tells a subscriber nothing
+  about the publisher; the server's permissions decide who may publish on a subject).
+  ``<device>`` is the device id escaped by :func:`device_token`.
 - ``kf.R.log`` — the archivist publishes every committed envelope, in ``seq`` order.
 - ``kf.R.fetch`` — request a range of committed envelopes (gap filling, catch-up).
+
+Who may publish where is set by the server's authorization (:mod:`kf.auth`,
+``docs/authorization.md``).
 """
 
 from __future__ import annotations
@@ -22,20 +31,28 @@ import sysconfig
 import tempfile
 import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import nats
 import structlog
 from nats.aio.client import Client
 
 __all__ = [
+    "BusDown",
     "BusOptions",
     "EmbeddedServer",
+    "close",
     "connect",
+    "device_inbound_subject",
+    "device_of_token",
+    "device_token",
     "fetch_subject",
     "inbound_subject",
+    "intake_device",
+    "intake_subject",
+    "intake_subjects",
     "log_subject",
     "nats_server_binary",
     "redact",
@@ -55,8 +72,77 @@ def valid_run_id(run_id: str) -> str:
 
 
 def inbound_subject(run_id: str) -> str:
-    """Where producers send envelopes for the archivist."""
+    """The general intake: where proposers send envelopes for the archivist."""
     return f"kf.{run_id}.in"
+
+
+_TOKEN_PLAIN = re.compile(r"[A-Za-z0-9_-]")
+_TOKEN = re.compile(r"^(?:[A-Za-z0-9_-]|~[0-9a-f]{2})+$")
+
+
+def device_token(device_id: str) -> str:
+    """``device_id`` as one subject token: letters, digits, ``_`` and ``-`` kept, every
+    other byte of its UTF-8 written ``~xx`` (``host/cuda:0`` → ``host~2fcuda~3a0``).
+
+    The mapping is one-to-one, so a permission on a device's subject is a permission to
+    speak for exactly that device id.
+    """
+    if not device_id or len(device_id) > 128:
+        raise ValueError(f"device id {device_id!r} must be 1-128 characters")
+    return "".join(
+        ch if _TOKEN_PLAIN.fullmatch(ch) else "".join(f"~{b:02x}" for b in ch.encode())
+        for ch in device_id
+    )
+
+
+def device_of_token(token: str) -> str | None:
+    """The device id a subject token names, or None for a token :func:`device_token`
+    would never write (so every device has exactly one intake subject)."""
+    if not _TOKEN.match(token):
+        return None
+    out = bytearray()
+    i = 0
+    while i < len(token):
+        if token[i] == "~":
+            out.append(int(token[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            out += token[i].encode()
+            i += 1
+    try:
+        device = out.decode()
+        return device if device and device_token(device) == token else None
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def device_inbound_subject(run_id: str, device_id: str) -> str:
+    """A device's intake: only that device's agents may publish here."""
+    return f"kf.{run_id}.in.dev.{device_token(device_id)}"
+
+
+def intake_subject(run_id: str, device_id: str | None = None) -> str:
+    """Where an agent sends: its device's intake if it speaks for a device, else the
+    general one."""
+    return (
+        inbound_subject(run_id) if device_id is None else device_inbound_subject(run_id, device_id)
+    )
+
+
+def intake_subjects(run_id: str) -> tuple[str, str]:
+    """What the archivist subscribes to: the general intake and every device's."""
+    return inbound_subject(run_id), f"kf.{run_id}.in.dev.*"
+
+
+def intake_device(run_id: str, subject: str) -> tuple[bool, str | None]:
+    """``(is an intake subject of run_id, the device it belongs to or None)``."""
+    if subject == inbound_subject(run_id):
+        return True, None
+    prefix = f"kf.{run_id}.in.dev."
+    if subject.startswith(prefix):
+        device = device_of_token(subject[len(prefix) :])
+        return device is not None, device
+    return False, None
 
 
 def log_subject(run_id: str) -> str:
@@ -82,31 +168,95 @@ def nats_server_binary() -> str:
     )
 
 
-class EmbeddedServer:
-    """A ``nats-server`` child process on a loopback port (random unless given)."""
+class BusDown(ConnectionError):
+    """The embedded nats-server died and could not be brought back; the message says why."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = -1, token: str | None = None):
-        if host not in ("127.0.0.1", "localhost", "::1") and not token:
+
+class ServerConfig(Protocol):
+    """What the embedded server needs of a set of credentials (:class:`kf.auth.RunCredentials`)."""
+
+    def server_config(self) -> str:
+        """The ``authorization { … }`` block of a nats-server configuration file."""
+        ...
+
+
+class EmbeddedServer:
+    """A ``nats-server`` child process on a loopback port (random unless given).
+
+    Authorization: none (tests, the default), a single ``token`` (backwards compatible,
+    not role-separated), or ``credentials`` (per-role users with publish/subscribe
+    permissions, written to a configuration file in the server's private temporary
+    folder). The folder (its log and configuration) is removed by :meth:`stop`.
+
+    :meth:`watch` keeps the server alive: a server that dies is started again on the same
+    port with the same configuration, up to ``max_restarts`` times, after which
+    :class:`BusDown` says why.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = -1,
+        token: str | None = None,
+        credentials: ServerConfig | None = None,
+        max_restarts: int = 3,
+    ):
+        if token and credentials is not None:
+            raise ValueError("an embedded nats-server takes a token or credentials, not both")
+        if host not in ("127.0.0.1", "localhost", "::1") and not (token or credentials):
             raise ValueError("an embedded nats-server on a non-loopback address needs a token")
         self.host = host
         self.port = port
         self.token = token
+        self.credentials = credentials
+        self.max_restarts = max_restarts
+        self.restarts = 0
         self.proc: subprocess.Popen[str] | None = None
-        self._logdir = tempfile.mkdtemp(prefix="kf-nats-")
+        self._logdir: str | None = None
+        self._stopping = False
 
     @property
     def url(self) -> str:
-        """The client URL (with the token, when one is set)."""
+        """The client URL (with the token, when one is set; credentials travel apart)."""
         auth = f"{self.token}@" if self.token else ""
         return f"nats://{auth}{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 10.0) -> EmbeddedServer:
-        """Start the server and wait until it listens; return self."""
+    @property
+    def folder(self) -> Path | None:
+        """The server's private temporary folder (log, configuration), while it exists."""
+        return Path(self._logdir) if self._logdir else None
+
+    def _argv(self) -> list[str]:
         argv = [nats_server_binary(), "-a", self.host, "-p", str(self.port)]
         if self.token:
             argv += ["--auth", self.token]
+        if self.credentials is not None:
+            assert self._logdir is not None
+            conf = Path(self._logdir) / "nats.conf"
+            if not conf.exists():
+                fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(self.credentials.server_config())
+            argv += ["-c", str(conf)]
+        return argv
+
+    def start(self, timeout_s: float = 10.0) -> EmbeddedServer:
+        """Start the server and wait until it listens; return self."""
+        if self._logdir is None:
+            self._logdir = tempfile.mkdtemp(prefix="kf-nats-")
+        self._stopping = False
+        try:
+            self._spawn(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, timeout_s: float) -> None:
+        assert self._logdir is not None
         self.proc = subprocess.Popen(
-            argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+            self._argv(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
         )
         assert self.proc.stderr is not None
         pattern = re.compile(r"Listening for client connections on .*:(\d+)")
@@ -131,25 +281,62 @@ class EmbeddedServer:
         except queue.Empty:
             port = None
         if port is None:
-            self.stop()
-            raise RuntimeError(
-                f"nats-server did not start; its output:\n{logfile.read_text()[-4000:]}"
-            )
+            tail = logfile.read_text()[-4000:] if logfile.exists() else ""
+            self._kill()
+            raise RuntimeError(f"nats-server did not start; its output:\n{tail}")
         self.port = port
-        return self
+
+    async def watch(self, notify: Callable[[str], None] | None = None) -> None:
+        """Restart the server whenever it dies (same port, same configuration) until
+        cancelled; raise :class:`BusDown` once it has died more than ``max_restarts``
+        times or cannot be started again. ``notify`` hears one line per restart."""
+        while True:
+            await asyncio.sleep(0.2)
+            proc = self.proc
+            if self._stopping or proc is None or proc.poll() is None:
+                continue
+            code = proc.returncode
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            if self.restarts >= self.max_restarts:
+                raise BusDown(
+                    f"the embedded nats-server (port {self.port}) died ({how}) and was "
+                    f"already restarted {self.restarts} time(s); giving up"
+                )
+            self.restarts += 1
+            log.warning("nats_server_died", port=self.port, how=how, restart=self.restarts)
+            try:
+                await asyncio.to_thread(self._spawn, 10.0)
+            except (RuntimeError, OSError) as exc:
+                raise BusDown(
+                    f"the embedded nats-server (port {self.port}) died ({how}) and could "
+                    f"not be restarted: {exc}"
+                ) from exc
+            if notify is not None:
+                notify(
+                    f"the embedded nats-server died ({how}); restarted on port {self.port} "
+                    f"(restart {self.restarts} of at most {self.max_restarts})"
+                )
+
+    def _kill(self) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.proc = None
 
     def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after 5 s)."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
+        """Stop the server (SIGTERM, then SIGKILL after 5 s) and remove its folder."""
+        self._stopping = True
+        self._kill()
+        if self._logdir is not None:
+            shutil.rmtree(self._logdir, ignore_errors=True)
+            self._logdir = None
 
     def __enter__(self) -> EmbeddedServer:
         return self.start()
@@ -181,6 +368,17 @@ class BusOptions:
         }
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(url=url, **base)
+
+    def for_role(self, role: str) -> BusOptions:
+        """These options as ``role`` (``archivist``, ``proposer``, ``worker``) connects:
+        with ``KF_NATS_<ROLE>_USER`` set, that user and ``KF_NATS_<ROLE>_PASSWORD``
+        replace the credentials (a process hosting several roles against a
+        role-separated server); otherwise unchanged."""
+        user = os.environ.get(f"KF_NATS_{role.upper()}_USER")
+        if not user:
+            return self
+        password = os.environ.get(f"KF_NATS_{role.upper()}_PASSWORD", "")
+        return replace(self, token=None, user=user, password=password)
 
 
 async def connect(
@@ -249,9 +447,11 @@ def redact(url: str) -> str:
     return re.sub(r"//[^@/]*@", "//***@", url)
 
 
-async def close(nc: Client) -> None:
-    """Drain and close, ignoring a connection that is already gone."""
-    with contextlib.suppress(Exception):
-        await nc.drain()
+async def close(nc: Client, timeout_s: float = 10.0) -> None:
+    """Drain and close, ignoring a connection that is already gone (one that is not
+    connected, or does not drain within ``timeout_s``, is closed without draining)."""
+    if nc.is_connected:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.drain(), timeout_s)
     with contextlib.suppress(Exception):
         await nc.close()

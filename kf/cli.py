@@ -254,10 +254,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         opts.extra.update(llm)
     if args.nats:
         opts.bus_options = _bus_options(args, args.nats, "kf-run")
+    from kf import shutdown
+
     try:
-        _, envelopes = asyncio.run(
+        # SIGTERM stops the run as SIGINT does: agents, connections and the embedded
+        # nats-server are stopped and temporary folders removed before the exit
+        _, envelopes = shutdown.run(
             run_search(tasks, opts, out=sys.stderr if args.json else sys.stdout)
         )
+    except shutdown.Terminated as exc:
+        print(
+            f"kf run: {exc}; the log keeps what was committed (rerun with --db to resume)",
+            file=sys.stderr,
+        )
+        return exc.exit_code
     except ValueError as exc:
         print(f"kf run: {exc}", file=sys.stderr)
         return EXIT_USAGE

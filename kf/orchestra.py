@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from kf import bus
 from kf.agent import Agent, AgentContext, make_agent_id
+from kf.auth import RunBus
 from kf.events import Envelope, Record, decode_event, derived_id, make_envelope
 from kf.facts import RunFinished, RunStarted, TaskSpec
 from kf.log import EventLog
@@ -240,19 +241,20 @@ async def run_search(
     else:
         run_id = bus.valid_run_id(o.run_id) if o.run_id else new_run_id()
     db = o.db or Path("runs") / f"{run_id}.db"
-    server: bus.EmbeddedServer | None = None
-    if o.nats_url is None:
-        if o.join:
-            raise ValueError("--join needs --nats: the run's agents must already be running")
-        server = bus.EmbeddedServer().start()
-        url = server.url
-    else:
-        url = o.nats_url
-    opts = o.bus_options or bus.BusOptions.from_env(url)
-    if o.bus_options is not None:
-        opts = bus.BusOptions(**{**opts.__dict__, "url": url})
+    if o.nats_url is None and o.join:
+        raise ValueError("--join needs --nats: the run's agents must already be running")
+    # one connection per role (kf.auth): without --nats an embedded server with fresh
+    # per-run credentials, watched and restarted if it dies
+    device_id = f"{host_id()}/{o.device}"
+    rb = await RunBus.open(
+        run_id,
+        url=o.nats_url,
+        options=o.bus_options,
+        device_id=device_id if o.local_worker and not o.join else None,
+        join=o.join,
+    )
+    url, nc = rb.url, rb.follower
     stop_agents, stop_archivist, ready = asyncio.Event(), asyncio.Event(), asyncio.Event()
-    nc = await bus.connect(opts)
     mutator = "llm" if o.llm_url else OFFLINE_MUTATOR
     llm_hosted, mutator_cls, llm_workers = llm_roles(bool(o.llm_url))
     where = f"log: {db}" if not o.join else f"joined via {bus.redact(url)}"
@@ -276,19 +278,19 @@ async def run_search(
                 ),
                 db=db,
                 hosted=[ArchiveAgent, *llm_hosted],
-                nc=nc,
+                nc=rb.archivist,
             )
             archivist_task = asyncio.create_task(
                 supervise(lambda: arch, stop_archivist, ready, name="archivist")
             )
-            await _first(ready.wait(), [archivist_task])
+            await _first(ready.wait(), [archivist_task, *rb.watched()])
         if not resume:
-            await _publish_start(nc, run_id, tasks, o, mutator)
+            await _publish_start(rb.proposer, run_id, tasks, o, mutator)
         if not o.join:
             agent_tasks.append(
                 asyncio.create_task(
                     supervise(
-                        _runner_factory(mutator_cls, run_id, nc, {}),
+                        _runner_factory(mutator_cls, run_id, rb.proposer, {}),
                         stop_agents,
                         name="mutator",
                     )
@@ -297,7 +299,7 @@ async def run_search(
         if o.local_worker and not o.join:
             opt = {
                 "device": o.device,
-                "device_id": f"{host_id()}/{o.device}",
+                "device_id": device_id,
                 "timeout_s": o.timeout_s,
                 "measure": o.measure_device,
                 "heartbeat_s": o.heartbeat_s,
@@ -305,7 +307,9 @@ async def run_search(
             for cls in [*worker_agents(o.device), *llm_workers]:
                 agent_tasks.append(
                     asyncio.create_task(
-                        supervise(_runner_factory(cls, run_id, nc, opt), stop_agents, name=cls.kind)
+                        supervise(
+                            _runner_factory(cls, run_id, rb.worker, opt), stop_agents, name=cls.kind
+                        )
                     )
                 )
         if o.serve is not None and db.exists():
@@ -318,7 +322,7 @@ async def run_search(
                 flush=True,
             )
         progress = Progress(out=out, total_budget=o.budget * max(1, len(tasks)))
-        watch = [*agent_tasks, *([archivist_task] if archivist_task else [])]
+        watch = [*agent_tasks, *([archivist_task] if archivist_task else []), *rb.watched()]
         await _first(_follow(nc, run_id, progress), watch)
         # agents drain (flushing what they produced) before the archivist stops
         stop_agents.set()
@@ -340,9 +344,7 @@ async def run_search(
                 t.cancel()
             with contextlib.suppress(BaseException):
                 await t
-        await bus.close(nc)
-        if server is not None:
-            server.stop()
+        await rb.close()
     return run_id, progress.seen
 
 

@@ -1,11 +1,13 @@
 """The agent runtime: outbox, ordered committed feed, and the runner with its lifecycle.
 
 Delivery. Producers put envelopes into an :class:`Outbox`, which sends them in batches as
-NATS requests to the archivist and retries (same ``event_id``) until the archivist replies
-that they are committed. The archivist deduplicates by ``event_id``, so retries are safe.
-An outbox lives in memory: if its process dies, what it had not delivered is produced
-again on restart, because reactions get deterministic ids (:func:`kf.events.derived_id`)
-and an agent re-reacts, during catch-up, to every event its kind has not yet answered.
+NATS requests to the archivist (on the general intake, or on its device's intake for an
+agent that speaks for a device: see :mod:`kf.bus`) and retries (same ``event_id``) until
+the archivist replies that they are committed. The archivist deduplicates by
+``event_id``, so retries are safe. An outbox lives in memory: if its process dies, what
+it had not delivered is produced again on restart, because reactions get deterministic
+ids (:func:`kf.events.derived_id`) and an agent re-reacts, during catch-up, to every event
+its kind has not yet answered.
 
 Order. :class:`CommittedFeed` yields committed envelopes strictly in ``seq`` order: it
 subscribes first, catches up from the log, buffers what arrives early, fills gaps with
@@ -57,6 +59,7 @@ __all__ = [
     "AgentRunner",
     "CommittedFeed",
     "Outbox",
+    "cancel_and_wait",
     "fetch_range",
     "reaction_envelopes",
     "supervise",
@@ -90,6 +93,19 @@ def reaction_envelopes(
     ]
 
 
+async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it has ended, without swallowing a cancellation of
+    the caller itself (``suppress(CancelledError)`` around the wait would: a SIGTERM that
+    arrives then would be lost and the caller would carry on draining)."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+
+
 class AgentCrashed(RuntimeError):
     """An agent's fold failed; its state cannot be trusted and it must restart from the log."""
 
@@ -105,9 +121,10 @@ class Outbox:
         batch: int = 512,
         window: int = 4,
         timeout_s: float = 5.0,
+        subject: str | None = None,
     ) -> None:
         self.nc = nc
-        self.subject = bus.inbound_subject(run_id)
+        self.subject = subject or bus.inbound_subject(run_id)
         self.batch = batch
         self.window = window
         self.timeout_s = timeout_s
@@ -304,7 +321,16 @@ class AgentRunner:
         self.ctx: AgentContext = agent.ctx
         self.nc = nc
         self.react_to_history = react_to_history
-        self.outbox = Outbox(nc, self.ctx.run_id)
+        # an agent that speaks for a device (it has a ``device_id``) sends on that device's
+        # intake, the only subject its credentials may publish on (kf.auth)
+        device = getattr(agent, "device_id", None)
+        self.outbox = Outbox(
+            nc,
+            self.ctx.run_id,
+            subject=bus.intake_subject(
+                self.ctx.run_id, device if isinstance(device, str) else None
+            ),
+        )
         self.state: Any = agent.initial_state()
         self.folded = 0  # last seq folded
         self.reactions_failed = 0
@@ -422,9 +448,7 @@ class AgentRunner:
             await self._drain()
         finally:
             await feed.unsubscribe()
-            outbox_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await outbox_task
+            await cancel_and_wait(outbox_task)
 
     async def _drain(self) -> None:
         if self._reactions:

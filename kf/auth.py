@@ -1,0 +1,456 @@
+"""Who may say what on a run's bus: roles, per-run credentials, and entitlements.
+
+Two layers (``docs/authorization.md``):
+
+1. **The server's permissions** decide who may publish on which subject. Roles:
+
+   - ``archivist`` — the only one that publishes committed events (``kf.R.log``) and
+     answers requests (``_INBOX.>``); it subscribes to every intake and to fetches.
+   - ``proposer`` — mutators (offline or LLM), the run's starter, plugins: publish to the
+     general intake ``kf.R.in`` and ask for ranges (``kf.R.fetch``).
+   - ``worker`` for device ``D`` — the agents next to one device: publish only to that
+     device's intake ``kf.R.in.dev.<D>`` and ask for ranges.
+
+   Everyone may read the committed log. :class:`RunCredentials` makes one user per role
+   (one per device for workers) with fresh random passwords for one run, and the
+   nats-server configuration that grants exactly that; :func:`nats_config` writes the
+   same for a deployment whose passwords come from the environment (``compose.yaml``).
+
+2. **The archivist's entitlement check** (:class:`Entitlements`, a fold of the committed
+   log): an observation that speaks for a device is accepted only on that device's
+   intake subject, and a stage result only for a candidate attempt the archive assigned
+   to that device; decisions and ``device.lost`` are never accepted from outside. What
+   it refuses goes to the log's ``rejected`` table with the reason, and is counted.
+
+A token-only server (``--auth``) still works, but every token holder is every role:
+nothing then stops a holder from publishing committed events or speaking for another
+device's subject.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import secrets
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from nats.aio.client import Client
+
+from kf import bus
+from kf.events import Decision, Envelope, Event, Observation, decode_event, event_class
+
+__all__ = [
+    "ROLES",
+    "Credential",
+    "Entitlements",
+    "EnvRef",
+    "RunBus",
+    "RunCredentials",
+    "deployment_config",
+    "nats_config",
+    "password_env",
+    "permissions",
+    "worker_user",
+]
+
+ROLES = ("archivist", "proposer", "worker")
+
+# facts any agent may report about itself, on any intake
+_LIFECYCLE = frozenset({"agent.started", "agent.stopped", "agent.reaction_failed"})
+# device facts about a candidate that a device may report for any candidate (a tuner
+# times elites found on other devices on its own device)
+_ANY_CANDIDATE = frozenset({"tuning.config_tuned"})
+_ARCHIVIST_ONLY = frozenset({"device.lost"})
+
+
+def permissions(run_id: str, role: str, device_id: str | None = None) -> dict[str, Any]:
+    """The nats-server ``permissions`` block of ``role`` in run ``run_id``."""
+    run_id = bus.valid_run_id(run_id)
+    log, fetch = bus.log_subject(run_id), bus.fetch_subject(run_id)
+    read = [log, "_INBOX.>"]
+    if role == "archivist":
+        return {
+            "publish": {"allow": [log, "_INBOX.>", fetch]},  # fetch: kf run follows its own log
+            "subscribe": {"allow": [*bus.intake_subjects(run_id), fetch, *read]},
+        }
+    if role == "proposer":
+        return {
+            "publish": {"allow": [bus.inbound_subject(run_id), fetch]},
+            "subscribe": {"allow": read},
+        }
+    if role == "worker":
+        if device_id is None:
+            raise ValueError("a worker's permissions are for one device: give its device id")
+        return {
+            "publish": {"allow": [bus.device_inbound_subject(run_id, device_id), fetch]},
+            "subscribe": {"allow": read},
+        }
+    raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+
+
+def worker_user(device_id: str) -> str:
+    """The NATS user name of the worker for ``device_id``."""
+    return f"worker-{bus.device_token(device_id)}"
+
+
+@dataclass(frozen=True)
+class EnvRef:
+    """A configuration value the nats-server reads from its environment (``$NAME``)."""
+
+    name: str
+
+
+def _render(value: Any, indent: int = 0) -> str:
+    pad = "  " * indent
+    if isinstance(value, EnvRef):
+        return f"${value.name}"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        if all(isinstance(v, str) for v in value):
+            return "[" + ", ".join(json.dumps(v) for v in value) + "]"
+        inner = "\n".join(f"{pad}  {_render(v, indent + 1)}" for v in value)
+        return f"[\n{inner}\n{pad}]"
+    if isinstance(value, dict):
+        inner = "\n".join(f"{pad}  {k}: {_render(v, indent + 1)}" for k, v in value.items())
+        return f"{{\n{inner}\n{pad}}}"
+    raise TypeError(f"cannot render {value!r} in a nats-server configuration")
+
+
+def nats_config(users: Sequence[tuple[str, str | EnvRef, dict[str, Any]]], header: str = "") -> str:
+    """A nats-server configuration whose ``authorization`` holds ``users``
+    (``(name, password or EnvRef, permissions)``)."""
+    block = {
+        "users": [
+            {"user": name, "password": password, "permissions": perms}
+            for name, password, perms in users
+        ]
+    }
+    head = "".join(f"# {line}\n" for line in header.splitlines())
+    return f"{head}authorization: {_render(block)}\n"
+
+
+@dataclass(frozen=True)
+class Credential:
+    """A NATS user and its password."""
+
+    user: str
+    password: str = field(repr=False)
+
+
+@dataclass(frozen=True)
+class RunCredentials:
+    """One run's users: the archivist, the proposers, and a worker per device."""
+
+    run_id: str
+    archivist: Credential
+    proposer: Credential
+    workers: tuple[tuple[str, Credential], ...] = ()
+
+    @classmethod
+    def generate(cls, run_id: str, devices: Sequence[str] = ()) -> RunCredentials:
+        """Fresh random passwords for every role of ``run_id`` (workers for ``devices``)."""
+
+        def fresh(user: str) -> Credential:
+            return Credential(user, secrets.token_urlsafe(24))
+
+        return cls(
+            run_id=bus.valid_run_id(run_id),
+            archivist=fresh("archivist"),
+            proposer=fresh("proposer"),
+            workers=tuple((d, fresh(worker_user(d))) for d in dict.fromkeys(devices)),
+        )
+
+    def credential(self, role: str, device_id: str | None = None) -> Credential:
+        """The credential of ``role`` (a worker's: of ``device_id``)."""
+        if role == "archivist":
+            return self.archivist
+        if role == "proposer":
+            return self.proposer
+        if role == "worker":
+            for device, cred in self.workers:
+                if device == device_id:
+                    return cred
+            raise KeyError(f"run {self.run_id} has no worker credentials for device {device_id!r}")
+        raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+
+    def options(
+        self, url: str, role: str, device_id: str | None = None, *, name: str = "kf"
+    ) -> bus.BusOptions:
+        """Connection options for ``role`` on the server at ``url``."""
+        cred = self.credential(role, device_id)
+        return bus.BusOptions(url=url, user=cred.user, password=cred.password, name=name)
+
+    def server_config(self) -> str:
+        """The nats-server configuration granting each role its permissions."""
+        users: list[tuple[str, str | EnvRef, dict[str, Any]]] = [
+            ("archivist", self.archivist.password, permissions(self.run_id, "archivist")),
+            ("proposer", self.proposer.password, permissions(self.run_id, "proposer")),
+        ]
+        users += [
+            (cred.user, cred.password, permissions(self.run_id, "worker", device))
+            for device, cred in self.workers
+        ]
+        return nats_config(users, header=f"kf run {self.run_id}: per-role users (kf.auth)")
+
+
+# -- the archivist's check ----------------------------------------------------------------
+
+
+def _fields(tag: str) -> frozenset[str]:
+    cls = event_class(tag)
+    if cls is None:
+        return frozenset()
+    return frozenset(getattr(cls, "__struct_fields__", ()))
+
+
+def _speaks_for_device(tag: str) -> bool:
+    cls = event_class(tag)
+    return cls is not None and issubclass(cls, Observation) and "device_id" in _fields(tag)
+
+
+class Entitlements:
+    """Which device may report what, folded from the committed log (so every refusal is
+    a pure function of the log prefix and the subject a message came on)."""
+
+    def __init__(self) -> None:
+        # the types the check reasons about must be known in this process
+        import kf.llm_facts
+        import kf.search_facts  # noqa: F401
+
+        self.assigned: dict[tuple[str, int], str] = {}  # (candidate, attempt) → device
+        self.devices_of: dict[str, set[str]] = {}  # candidate → every device it went to
+        self.event_device: dict[str, str] = {}  # event id → the device whose work it is
+
+    def fold(self, env: Envelope, ev: Event | None = None) -> None:
+        """Take one committed envelope into account."""
+        tag = env.type
+        if tag != "search.candidate_assigned" and not (
+            _speaks_for_device(tag) and "candidate_id" in _fields(tag)
+        ):
+            return
+        if ev is None:
+            ev = decode_event(env)
+        device = getattr(ev, "device_id", None)
+        candidate = getattr(ev, "candidate_id", None)
+        if not isinstance(device, str) or not isinstance(candidate, str):
+            return
+        self.event_device[env.event_id] = device
+        if tag == "search.candidate_assigned":
+            self.assigned[(candidate, int(getattr(ev, "attempt", 0)))] = device
+            self.devices_of.setdefault(candidate, set()).add(device)
+
+    def check(self, device: str | None, env: Envelope, ev: Event) -> str | None:
+        """Why ``env`` may not be accepted from the intake of ``device`` (None: the
+        general intake), or None when it may."""
+        tag = env.type
+        if isinstance(ev, Decision):
+            return f"{tag} is a decision: only the archivist's hosted agents make decisions"
+        if tag in _ARCHIVIST_ONLY:
+            return f"{tag} is observed only by the archivist"
+        if _speaks_for_device(tag):
+            claimed = getattr(ev, "device_id", None)
+            if device is None:
+                return (
+                    f"{tag} speaks for device {claimed!r}: it is accepted only on that "
+                    "device's intake subject"
+                )
+            if claimed != device:
+                return f"{tag} claims device {claimed!r} but came on the intake of {device!r}"
+            candidate = getattr(ev, "candidate_id", None)
+            if candidate is None or tag in _ANY_CANDIDATE:
+                return None
+            if "attempt" in _fields(tag):
+                attempt = int(getattr(ev, "attempt", 0))
+                owner = self.assigned.get((candidate, attempt))
+                if owner != device:
+                    where = f"assigned to {owner!r}" if owner else "never assigned"
+                    return (
+                        f"{tag}: candidate {candidate} attempt {attempt} was {where}, "
+                        f"not to {device!r}"
+                    )
+            elif device not in self.devices_of.get(candidate, ()):
+                return f"{tag}: candidate {candidate} was never assigned to {device!r}"
+            return None
+        if device is not None and event_class(tag) is not None and tag not in _LIFECYCLE:
+            return f"{tag} is not a device's observation: the intake of {device!r} may not send it"
+        if tag == "agent.reaction_failed" and env.caused_by:
+            owner = self.event_device.get(env.caused_by)
+            if owner is not None and owner != device:
+                came = "the general intake" if device is None else f"the intake of {device!r}"
+                return (
+                    f"a failed reaction to {env.caused_by} (work of device {owner!r}) may come "
+                    f"only from that device, not from {came}"
+                )
+        return None
+
+
+# -- the connections of a local run -------------------------------------------------------
+
+
+@dataclass
+class RunBus:
+    """The bus of a local ``kf run``: one connection per role (shared when the options
+    are the same, as on a token-only server) and, without ``--nats``, the embedded
+    server with fresh per-run credentials, watched and restarted if it dies."""
+
+    proposer: Client
+    archivist: Client | None = None
+    worker: Client | None = None
+    server: bus.EmbeddedServer | None = None
+    url: str = ""
+    watcher: asyncio.Task[None] | None = None
+    _clients: list[Client] = field(default_factory=list)
+
+    @property
+    def follower(self) -> Client:
+        """The connection that follows the committed log."""
+        return self.archivist or self.proposer
+
+    def watched(self) -> list[asyncio.Task[None]]:
+        """Tasks whose end means the run cannot go on (the embedded server's watcher)."""
+        return [self.watcher] if self.watcher is not None else []
+
+    @classmethod
+    async def open(
+        cls,
+        run_id: str,
+        *,
+        url: str | None,
+        options: bus.BusOptions | None = None,
+        device_id: str | None = None,
+        join: bool = False,
+        notify: Callable[[str], None] | None = None,
+    ) -> RunBus:
+        """Start the embedded server (``url`` None) or use ``url``, and connect the roles
+        this process hosts: the proposer always, the archivist unless ``join``, the worker
+        of ``device_id`` when given."""
+        server: bus.EmbeddedServer | None = None
+        clients: dict[bus.BusOptions, Client] = {}
+        try:
+            if url is None:
+                creds = RunCredentials.generate(run_id, [device_id] if device_id else [])
+                server = bus.EmbeddedServer(
+                    credentials=creds, max_restarts=int(os.environ.get("KF_NATS_RESTARTS", "3"))
+                ).start()
+                url = server.url
+                roles = {
+                    "archivist": creds.options(url, "archivist"),
+                    "proposer": creds.options(url, "proposer"),
+                }
+                if device_id:
+                    roles["worker"] = creds.options(url, "worker", device_id)
+            else:
+                base = options or bus.BusOptions.from_env(url)
+                base = replace(base, url=url)
+                roles = {r: base.for_role(r) for r in ROLES}
+            wanted = ["proposer"] + ([] if join else ["archivist"])
+            if device_id and not join:
+                wanted.append("worker")
+            got: dict[str, Client] = {}
+            for role in wanted:
+                key = replace(roles[role], name="")
+                if key not in clients:
+                    clients[key] = await bus.connect(replace(roles[role], name=f"kf-run-{role}"))
+                got[role] = clients[key]
+        except BaseException:
+            for c in clients.values():
+                await bus.close(c)
+            if server is not None:
+                server.stop()
+            raise
+        rb = cls(
+            proposer=got["proposer"],
+            archivist=got.get("archivist"),
+            worker=got.get("worker"),
+            server=server,
+            url=url,
+            _clients=list(clients.values()),
+        )
+        if server is not None:
+            rb.watcher = asyncio.create_task(server.watch(notify or _notify))
+        return rb
+
+    async def close(self) -> None:
+        """Stop watching, close every connection, stop the embedded server."""
+        if self.watcher is not None:
+            self.watcher.cancel()
+            with contextlib.suppress(BaseException):
+                await self.watcher
+        for c in self._clients:
+            await bus.close(c)
+        if self.server is not None:
+            self.server.stop()
+
+
+def _notify(message: str) -> None:
+    print(f"kf run: {message}", file=sys.stderr, flush=True)
+
+
+# -- a deployment's configuration (compose.yaml) -------------------------------------------
+
+
+def password_env(role: str, device_id: str | None = None) -> str:
+    """The environment variable holding a deployment's password for ``role``."""
+    if role == "worker":
+        if device_id is None:
+            raise ValueError("a worker's password is per device")
+        return "KF_NATS_WORKER_" + re.sub(r"[^A-Z0-9]", "_", device_id.upper()) + "_PASSWORD"
+    return f"KF_NATS_{role.upper()}_PASSWORD"
+
+
+def deployment_config(run_id: str, workers: Sequence[str]) -> str:
+    """The nats-server configuration of a deployment serving ``run_id`` with ``workers``
+    (device names): passwords are ``$KF_NATS_…_PASSWORD`` references the server resolves
+    from its own environment, so the file holds no secret."""
+    envs = [password_env("worker", w) for w in workers]
+    if len(set(envs)) != len(envs):
+        raise ValueError(f"worker names {list(workers)} map to the same password variable")
+    users: list[tuple[str, str | EnvRef, dict[str, Any]]] = [
+        ("archivist", EnvRef(password_env("archivist")), permissions(run_id, "archivist")),
+        ("proposer", EnvRef(password_env("proposer")), permissions(run_id, "proposer")),
+    ]
+    users += [
+        (worker_user(w), EnvRef(env), permissions(run_id, "worker", w))
+        for w, env in zip(workers, envs, strict=True)
+    ]
+    return nats_config(
+        users,
+        header=f"kf run {run_id}: per-role users, passwords from the environment\n"
+        "(generated by `python -m kf.auth nats-config`; see docs/authorization.md)",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kf.auth nats-config --run R --worker NAME… [-o FILE]``."""
+    p = argparse.ArgumentParser(prog="python -m kf.auth", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="verb", required=True)
+    c = sub.add_parser("nats-config", help="write a deployment's nats-server authorization")
+    c.add_argument("--run", required=True, metavar="RUN_ID")
+    c.add_argument(
+        "--worker", action="append", default=[], metavar="NAME", help="a device (kf worker --name)"
+    )
+    c.add_argument("-o", "--output", help="file to write (default stdout)")
+    args = p.parse_args(argv)
+    try:
+        text = deployment_config(args.run, args.worker)
+    except ValueError as exc:
+        print(f"kf.auth: {exc}", file=sys.stderr)
+        return 2
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Token holders of another role cannot write a run: a forging client as a real process.
+
+One real run on a role-separated nats-server (per-run users, as ``kf run`` makes for its
+embedded server): ``kf run`` hosting the archivist and the mutator, a ``kf worker``
+named ``wA`` and, holding the credentials of another worker (``evil``), the forger of
+``tests/nats_forger.py``. The scenario runs once; each test checks one defence.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from kf import bus
+from kf.auth import RunCredentials
+from kf.bus import EmbeddedServer
+from kf.log import EventLog
+from tests.test_faults import ENV, ROOT, check_counted_once, events, finish, of_type, run_args
+from tests.test_faults import stop as stop_procs
+
+RUN = "forged"
+BUDGET = 6
+
+
+def proc(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """A Python module as its own process with ``env`` added to the test environment."""
+    return subprocess.Popen(
+        [sys.executable, "-m", *args], cwd=ROOT, env={**ENV, **env},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Run the search with a forger attached; return the log path and everyone's output."""
+    creds = RunCredentials.generate(RUN, devices=["wA", "evil"])
+    db = tmp_path_factory.mktemp("forgery") / "run.db"
+    procs: list[subprocess.Popen[str]] = []
+    with EmbeddedServer(credentials=creds) as server:
+        roles = {
+            f"KF_NATS_{role.upper()}_{what}": value
+            for role in ("archivist", "proposer")
+            for what, value in (
+                ("USER", creds.credential(role).user),
+                ("PASSWORD", creds.credential(role).password),
+            )
+        }
+        wa, evil = creds.credential("worker", "wA"), creds.credential("worker", "evil")
+        try:
+            main = proc(["kf.cli", *run_args(server.url, db, RUN, BUDGET, "--no-worker")], roles)
+            worker = proc(
+                ["kf.cli", "worker", "--nats", server.url, "--run", RUN, "--name", "wA",
+                 "--heartbeat", "0.5"],
+                {"KF_NATS_USER": wa.user, "KF_NATS_PASSWORD": wa.password},
+            )
+            forger = proc(
+                ["tests.nats_forger", server.url, RUN, evil.user, evil.password, "evil", "wA"], {}
+            )
+            procs = [main, worker, forger]
+            f_code, f_out, f_err = finish(forger)
+            assert f_code == 0, f_err[-3000:]
+            code, out, err = finish(main)
+        finally:
+            stop_procs(*procs)
+    return {
+        "db": db,
+        "code": code,
+        "out": out,
+        "err": err,
+        "forger": json.loads(f_out),
+    }
+
+
+def test_forgery_worker_cannot_publish_committed_events(scenario: dict[str, Any]) -> None:
+    """A forged run.finished on the committed subject is refused by the server, and the
+    run goes on to evaluate every candidate."""
+    assert any(
+        f'permissions violation for publish to "{bus.log_subject(RUN).lower()}"' in e
+        for e in scenario["forger"]["errors"]
+    ), scenario["forger"]
+    assert scenario["code"] == 0, scenario["err"][-3000:]
+    report = json.loads(scenario["out"])
+    assert report["tasks"][0]["candidates"] == BUDGET
+    finished = [e for e in events(scenario["db"]) if e.type == "run.finished"]
+    assert len(finished) == 1 and finished[0].source != "archive@forged"
+    check_counted_once(scenario["db"], BUDGET)
+
+
+def test_forgery_profile_for_a_candidate_not_assigned_is_refused_and_recorded(
+    scenario: dict[str, Any],
+) -> None:
+    """A worker's forged profile (claiming another device, or for a candidate never
+    assigned to it) is refused with the reason, kept in the rejected table, never
+    committed; on another device's or the general intake the server drops it."""
+    forger = scenario["forger"]
+    (as_victim,) = forger["replies"]["as-victim"]["rejected"]
+    assert as_victim[0] == "forged-as-victim"
+    assert "claims device 'wA' but came on the intake of 'evil'" in as_victim[1]
+    (as_me,) = forger["replies"]["as-me"]["rejected"]
+    assert as_me[0] == "forged-as-me"
+    assert "was assigned to 'wA', not to 'evil'" in as_me[1]
+    assert forger["unanswered"] == ["victim-intake", "general-intake"]
+    for subject in (bus.device_inbound_subject(RUN, "wA"), bus.inbound_subject(RUN)):
+        # (nats-py reports the server's error in lower case)
+        assert any(f'publish to "{subject.lower()}"' in e for e in forger["errors"])
+
+    db = scenario["db"]
+    assert not [e for e in events(db) if e.event_id.startswith("forged-")]
+    profiled = of_type(db, "kernel.candidate_profiled")
+    assert profiled and {p.device_id for p in profiled} == {"wA"}
+    assert all(p.report.speedup != 77.0 for p in profiled)
+    with EventLog(db, readonly=True) as elog:
+        rows = list(elog.db.query("SELECT subject, reason FROM rejected"))
+    assert [r["subject"] for r in rows] == [bus.device_inbound_subject(RUN, "evil")] * 2
+    assert all(r["reason"].startswith("refused: kernel.candidate_profiled") for r in rows)
+    report = json.loads(scenario["out"])
+    assert report["tasks"][0]["candidates"] == BUDGET
