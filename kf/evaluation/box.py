@@ -178,7 +178,7 @@ def environment(base: Mapping[str, str], scratch: Path, extra: Mapping[str, str]
         TMPDIR=str(scratch),
         USER="nobody",
         LOGNAME="nobody",
-        PYTHONPATH=str(_kf_root()),
+        PYTHONPATH=os.pathsep.join(map(str, [_kf_root(), *_pythonpath_extras()])),
         # the box's own build caches (writable, gone with it); the shared one is read-only
         KF_CACHE_DIR=str(scratch / ".kf-cache"),
         TORCH_EXTENSIONS_DIR=str(scratch / ".torch_extensions"),
@@ -208,9 +208,25 @@ def _kf_root() -> Path:
     return Path(kf.__file__).resolve().parent.parent
 
 
+def _pythonpath_extras() -> list[Path]:
+    """The grader's ``$PYTHONPATH`` folders (packages installed with ``pip --target``, as on
+    a machine without a registry), minus any that holds kf's checkout: the box sees only
+    the checkout's ``kf`` package."""
+    kf_root = _kf_root()
+    out: list[Path] = []
+    for part in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        if not part:
+            continue
+        path = Path(part).resolve()
+        if path.is_dir() and not kf_root.is_relative_to(path) and path not in out:
+            out.append(path)
+    return out
+
+
 def _python_paths(python: str) -> list[Path]:
     """The Python installation(s) the runner's interpreter needs, read-only."""
     paths = {Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix)}
+    paths.update(_pythonpath_extras())
     exe = Path(python)
     paths.add(exe.parent.parent)
     paths.add(exe.resolve().parent.parent)
