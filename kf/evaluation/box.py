@@ -269,8 +269,29 @@ def _gpu(args: list[str]) -> None:
 _NOT_BOUND = ("/usr/", "/proc", "/dev")
 
 
+_TOOLS = ("gcc", "g++", "cc", "c++", "nvcc", "ninja", "ld")
+
+
+def _tool_paths() -> list[Path]:
+    """Installations of the compilers a runner calls (``load_inline``'s g++ and nvcc,
+    Triton's launcher build) that live outside ``/usr``: e.g. ``/opt/gcc`` on the H200
+    image, where a boxed ``load_inline`` otherwise failed with "No such file" for g++."""
+    out: list[Path] = []
+    names = [*_TOOLS, *(os.environ[v] for v in ("CC", "CXX") if os.environ.get(v))]
+    for name in names:
+        found = shutil.which(name)
+        if found is None:
+            continue
+        for exe in {Path(found), Path(found).resolve()}:
+            root = exe.parent.parent if exe.parent.name == "bin" else exe.parent
+            exposes_checkout = _kf_root().is_relative_to(root)
+            if not str(root).startswith("/usr") and not exposes_checkout and root not in out:
+                out.append(root)
+    return out
+
+
 def _ro_paths(python: str, extra: Iterable[str]) -> list[Path]:
-    paths: list[Path] = [*_python_paths(python), Path(_kf_root()) / "kf"]
+    paths: list[Path] = [*_python_paths(python), Path(_kf_root()) / "kf", *_tool_paths()]
     for name in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(name):
             paths.append(Path(os.environ[name]))
