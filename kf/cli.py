@@ -207,7 +207,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kf.llm.cli import llm_config
     from kf.orchestra import RunOptions, run_search
     from kf.report import build_report_from, format_table
-    from kf.tasks import TaskError, check_task, load_tasks
+    from kf.tasks import TaskError, check_task, load_tasks_skipping
 
     llm = llm_config(args)
     if isinstance(llm, str):
@@ -222,14 +222,27 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"kf run: {refused}", file=sys.stderr)
             return EXIT_USAGE
     try:
-        tasks = load_tasks(args.tasks)
+        # in a folder, a broken task is skipped with its reason and the others run
+        tasks, skipped = load_tasks_skipping(args.tasks)
         if not args.join:  # a joined deployment's workers check on their own devices
             if not args.no_worker:
                 from kf.orchestra import prepare_worker
 
                 prepare_worker(args.device)
+            checked = []
             for t in tasks:
-                check_task(t, device=args.device)
+                try:
+                    check_task(t, device=args.device)
+                    checked.append(t)
+                except TaskError as exc:
+                    if not args.tasks.is_dir():
+                        raise
+                    skipped.append((t.path or t.name, str(exc)))
+            tasks = checked
+        for where, why in skipped:
+            print(f"kf run: skipping {where}: {why}", file=sys.stderr)
+        if not tasks:
+            raise TaskError(f"{args.tasks}: no usable task ({len(skipped)} skipped)")
     except (TaskError, DeviceError) as exc:
         print(f"kf run: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -248,7 +261,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         local_worker=not args.no_worker,
         heartbeat_s=args.heartbeat,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        resume=args.resume,
     )
+    if skipped:
+        opts.extra["skipped_tasks"] = dict(skipped)  # recorded in the run's first event
     if llm:
         opts.llm_url = args.llm_url
         opts.extra.update(llm)
@@ -507,7 +523,13 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument(
         "--db",
         type=Path,
-        help="event log path (default runs/<run_id>.db); an existing log is resumed",
+        help="event log path (default runs/<run_id>.db); an existing log is resumed when "
+        "its tasks, budget, seed and device are the ones given (else see --resume)",
+    )
+    rn.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --db as it was started, even if the settings given differ",
     )
     rn.add_argument("--device", default="cpu", help="cpu (cuda:N comes with the GPU worker)")
     rn.add_argument("--islands", type=int, default=2)

@@ -53,6 +53,7 @@ class RunOptions:
     heartbeat_s: float = 10.0
     heartbeat_timeout_s: float = 30.0
     serve: tuple[str, int] | None = None  # (host, port): the dashboard beside the run
+    resume: bool = False  # continue a log's run even when the settings asked for differ
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -238,6 +239,20 @@ async def run_search(
     resume = o.db is not None and o.db.exists() and not o.join
     if resume and o.db is not None:
         run_id = _run_id_of(o.db)
+        differs = _differences(o.db, tasks, o)
+        if differs and not o.resume:
+            raise ValueError(
+                f"{o.db} holds run {run_id}, started with other settings ("
+                + "; ".join(differs)
+                + "): pass --resume to continue that run as it was started, or choose "
+                "another --db for a new run"
+            )
+        if differs:
+            print(
+                f"kf run: resuming {run_id} as it was started (" + "; ".join(differs) + ")",
+                file=out,
+                flush=True,
+            )
     else:
         run_id = bus.valid_run_id(o.run_id) if o.run_id else new_run_id()
     db = o.db or Path("runs") / f"{run_id}.db"
@@ -414,6 +429,31 @@ async def _follow(nc: Any, run_id: str, progress: Progress) -> None:
                 return
     finally:
         await feed.unsubscribe()
+
+
+def _differences(db: Path, tasks: list[Task], o: RunOptions) -> list[str]:
+    """What differs between the run a log holds and the one asked for now."""
+    with EventLog(db, readonly=True) as elog:
+        first = next(iter(elog.read(1, 1)), None)
+    if first is None or first.type != RunStarted.tag:
+        return []
+    started = decode_event(first)
+    assert isinstance(started, RunStarted)
+    out: list[str] = []
+    logged = {t.name: t.sha256 for t in started.tasks}
+    asked = {t.name: t.sha256 for t in tasks}
+    if logged != asked:
+        changed = sorted(n for n in asked if n in logged and asked[n] != logged[n])
+        if set(logged) != set(asked):
+            out.append(f"tasks {sorted(logged)} in the log, {sorted(asked)} now")
+        if changed:
+            out.append(f"task source changed: {', '.join(changed)}")
+    for key, now in (("budget", o.budget), ("device", o.device), ("llm", bool(o.llm_url))):
+        if started.config.get(key) != now:
+            out.append(f"{key} {started.config.get(key)!r} in the log, {now!r} now")
+    if started.seed != o.seed:
+        out.append(f"seed {started.seed} in the log, {o.seed} now")
+    return out
 
 
 def _run_id_of(db: Path) -> str:

@@ -133,6 +133,29 @@ def load_tasks(path: str | Path) -> list[Task]:
     return [load_task(f) for f in files]
 
 
+def load_tasks_skipping(path: str | Path) -> tuple[list[Task], list[tuple[str, str]]]:
+    """Like :func:`load_tasks`, but a folder's broken files are skipped: returns the tasks
+    and ``(file, reason)`` for each skipped one. A single file still raises."""
+    p = Path(path)
+    if not p.is_dir():
+        return load_tasks(p), []
+    files = sorted(
+        f
+        for f in p.glob("*.py")
+        if f.is_file() and f.name != "__init__.py" and not f.name.startswith("_")
+    )
+    if not files:
+        raise TaskError(f"{p}: folder holds no task files (*.py)")
+    tasks: list[Task] = []
+    skipped: list[tuple[str, str]] = []
+    for f in files:
+        try:
+            tasks.append(load_task(f))
+        except TaskError as exc:
+            skipped.append((str(f), str(exc)))
+    return tasks, skipped
+
+
 def import_source(module_name: str, source: str, filename: str | None = None) -> types.ModuleType:
     """Execute ``source`` as a new module registered as ``sys.modules[module_name]``.
 

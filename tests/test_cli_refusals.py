@@ -1,0 +1,71 @@
+"""`kf run` refuses what it cannot do faithfully, with one line, and recovers what it can."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SEARCH = ROOT / "tests/fixtures/search"
+
+
+def kf(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, KF_LOG_LEVEL="WARNING", KF_EVAL_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "kf.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def test_run_rerun_with_other_settings_is_refused_unless_resume(tmp_path: Path) -> None:
+    """A second `kf run` on a log with another budget or seed is refused with the
+    differences named; with --resume it continues the logged run as it was started."""
+    db = tmp_path / "run.db"
+    first = kf("run", str(SEARCH / "scale_relu.py"), "--budget", "2", "--db", str(db))
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = kf(
+        "run", str(SEARCH / "scale_relu.py"), "--budget", "5", "--seed", "4", "--db", str(db)
+    )
+    assert again.returncode == 2
+    message = again.stderr.strip().splitlines()[-1]
+    assert "budget 2 in the log, 5 now" in message and "seed 0 in the log, 4 now" in message
+    assert "--resume" in message and "Traceback" not in again.stderr
+    resumed = kf("run", str(SEARCH / "scale_relu.py"), "--budget", "5", "--db", str(db), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stdout and "as it was started" in resumed.stdout
+    same = kf("run", str(SEARCH / "scale_relu.py"), "--budget", "2", "--db", str(db))
+    assert same.returncode == 0, same.stderr[-3000:]
+
+
+def test_run_folder_skips_a_broken_task_and_runs_the_others(tmp_path: Path) -> None:
+    """In a folder, a file that does not import and a task whose reference raises are
+    skipped with their reasons; the good task is searched."""
+    folder = tmp_path / "tasks"
+    (folder / "seeds").mkdir(parents=True)
+    shutil.copy(SEARCH / "scale_relu.py", folder / "scale_relu.py")
+    shutil.copy(SEARCH / "seeds" / "scale_relu.py", folder / "seeds" / "scale_relu.py")
+    (folder / "broken.py").write_text("def nope(:\n")
+    (folder / "raises.py").write_text(
+        "import torch\nfrom torch import nn\n\n\nclass Model(nn.Module):\n"
+        "    def forward(self, x):\n        raise RuntimeError('reference is broken')\n\n\n"
+        "def get_inputs():\n    return [torch.randn(4)]\n\n\n"
+        "def get_init_inputs():\n    return []\n"
+    )
+    db = tmp_path / "run.db"
+    proc = kf("run", str(folder), "--budget", "1", "--db", str(db), "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    skips = [ln for ln in proc.stderr.splitlines() if ln.startswith("kf run: skipping")]
+    assert len(skips) == 2
+    assert any("broken.py" in s for s in skips)
+    assert any("raises" in s and "reference is broken" in s for s in skips)
+    import json
+
+    report = json.loads(proc.stdout)
+    assert [t["task"] for t in report["tasks"]] == ["scale_relu"]
