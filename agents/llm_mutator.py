@@ -34,7 +34,7 @@ from kf.facts import DeviceAnnounced, RunStarted
 from kf.llm.budget import Budget, Pricing, Usage
 from kf.llm.client import CallOutcome, ClientSettings, LlmClient, api_key_from_env
 from kf.llm.evidence import compile_outcome, profile_outcome, verify_outcome
-from kf.llm.parse import ResponseError, parse_edit, parse_region
+from kf.llm.parse import Edit, ResponseError, parse_edit, parse_region
 from kf.llm.prompts import (
     SEED_REGIONS,
     Attempt,
@@ -123,6 +123,14 @@ def build_notes(log: str, limit: int = 12) -> str | None:
     """The resource lines of a compile log (registers, shared memory, spills, cache hits)."""
     lines = [line for line in log.splitlines() if line.startswith("kf.cuda")]
     return "\n".join(lines[-limit:]) or None
+
+
+def _params(source: str) -> tuple[params.ParamSpace, params.Config] | None:
+    """The module's kf:params (space, config), or None when it has none or a broken one."""
+    try:
+        return params.parse(source)
+    except params.ParamsError:
+        return None
 
 
 def _digest(source: str) -> str:
@@ -292,10 +300,7 @@ class LlmMutator(Agent[LlmMutatorState]):
         out: list[Event] = []
         for task, seeds in state.seeds.items():
             for i, (name, source) in enumerate(seeds):
-                try:
-                    parsed = params.parse(source)
-                except params.ParamsError:
-                    parsed = None
+                parsed = _params(source)
                 out.append(
                     CandidateProposed(
                         candidate_id=derived_id("seed", rec.event_id, task, name),
@@ -442,30 +447,10 @@ class LlmMutator(Agent[LlmMutatorState]):
         )
         prompt = mutation_prompt(ctx, self._prompt_budget(state))
         call_id = derived_id("llm-call", event_id)
-        called, out = await self._call(
-            state,
-            call_id,
-            "mutate",
-            ev.model,
-            prompt.messages,
-            task=ev.task,
-            selection=ev.selection,
-            prompt_id=ev.prompt_id,
-            prompt=prompt,
-            language=ev.language,
-        )
-        if not out.ok or out.response is None:
-            return [called, failed(f"LLM call failed: {out.error}")]
-        try:
-            edit = parse_edit(out.response, parent, finish_reason=out.finish_reason)
-        except ResponseError as exc:
-            return [called, failed(f"unusable LLM response: {exc}")]
-        if _digest(edit.source) in state.seen.get(ev.task, set()):
-            return [called, failed("the LLM's candidate duplicates one already proposed")]
-        try:
-            parsed = params.parse(edit.source)
-        except params.ParamsError:
-            parsed = None
+        called, edit, why = await self._answer(state, ev, call_id, "mutate", prompt, parent)
+        if edit is None:
+            return [called, failed(why)]
+        parsed = _params(edit.source)
         crossed = ev.operator == "crossover" and ev.second_parent_id is not None
         return [
             called,
@@ -490,6 +475,39 @@ class LlmMutator(Agent[LlmMutatorState]):
                 ),
             ),
         ]
+
+    async def _answer(
+        self,
+        state: LlmMutatorState,
+        ev: PromptChosen,
+        call_id: str,
+        purpose: str,
+        prompt: Prompt,
+        parent: str | None,
+    ) -> tuple[LlmCalled, Edit | None, str]:
+        """Call the model with ``prompt`` and read its answer against ``parent``: the
+        recorded call, and the edit or why there is none."""
+        called, out = await self._call(
+            state,
+            call_id,
+            purpose,
+            ev.model,
+            prompt.messages,
+            task=ev.task,
+            selection=ev.selection,
+            prompt_id=ev.prompt_id,
+            prompt=prompt,
+            language=ev.language,
+        )
+        if not out.ok or out.response is None:
+            return called, None, f"LLM call failed: {out.error}"
+        try:
+            edit = parse_edit(out.response, parent, finish_reason=out.finish_reason)
+        except ResponseError as exc:
+            return called, None, f"unusable LLM response: {exc}"
+        if _digest(edit.source) in state.seen.get(ev.task, set()):
+            return called, None, "the LLM's candidate duplicates one already proposed"
+        return called, edit, ""
 
     def _prompt_budget(self, state: LlmMutatorState) -> int:
         """Tokens a prompt may take: ``llm_max_context`` less the answer's ``max_tokens``."""
@@ -531,30 +549,10 @@ class LlmMutator(Agent[LlmMutatorState]):
             self._prompt_budget(state),
         )
         call_id = derived_id("llm-call", event_id)
-        called, out = await self._call(
-            state,
-            call_id,
-            "init",
-            ev.model,
-            prompt.messages,
-            task=ev.task,
-            selection=ev.selection,
-            prompt_id=ev.prompt_id,
-            prompt=prompt,
-            language=ev.language,
-        )
-        if not out.ok or out.response is None:
-            return [called, failed(f"LLM call failed: {out.error}")]
-        try:
-            edit = parse_edit(out.response, None, finish_reason=out.finish_reason)
-        except ResponseError as exc:
-            return [called, failed(f"unusable LLM response: {exc}")]
-        if _digest(edit.source) in state.seen.get(ev.task, set()):
-            return [called, failed("the LLM's candidate duplicates one already proposed")]
-        try:
-            parsed = params.parse(edit.source)
-        except params.ParamsError:
-            parsed = None
+        called, edit, why = await self._answer(state, ev, call_id, "init", prompt, None)
+        if edit is None:
+            return [called, failed(why)]
+        parsed = _params(edit.source)
         shown = f"; shown {len(attempts)} failed attempt(s)" if attempts else ""
         return [
             called,
