@@ -3,7 +3,8 @@
 #   bench/gpu_llm_session.sh setup            # wheels from .whl/ into /tmp/site, kf editable
 #   bench/gpu_llm_session.sh test OUT         # GPU end-to-end test of the seedless LLM path
 #   bench/gpu_llm_session.sh kernelbench OUT  # kf run on three KernelBench level-1 tasks
-# (.whl/ is filled on a machine with PyPI: see docs/gpu.md, "Running on the H200".)
+# (.whl/ is filled on a machine with PyPI, .bwrap/ by scripts/fetch-bwrap-deb: see
+# docs/gpu.md, "Running on a registry-less GPU machine"; carry both.)
 set -uo pipefail
 mode=${1:-setup}
 out=${2:-bench-results}
@@ -19,6 +20,10 @@ if ! python3 -c "import importlib.metadata as m; m.version('kf')" 2>/dev/null; t
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null || exit 1
 fi
 command -v nats-server >/dev/null || { echo "nats-server not on PATH"; exit 1; }
+# the runner box: a bwrap carried as an unpacked .deb (scripts/fetch-bwrap-deb .bwrap)
+if [ -z "${KF_BWRAP:-}" ] && [ -x .bwrap/root/usr/bin/bwrap ]; then
+  export KF_BWRAP=$PWD/.bwrap/root/usr/bin/bwrap
+fi
 case "$mode" in
   setup)
     nvidia-smi -L
