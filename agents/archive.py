@@ -150,7 +150,6 @@ class TaskArchive(msgspec.Struct, kw_only=True):
     exhausted: bool = False
     inits: int = 0  # first-generation (``init``) selections issued
     round_left: int = 0  # init selections left in the current retry round
-    rounds: int = 0  # retry rounds started (no correct kernel after the first generation)
     first_failures: list[str] = []  # failed seed/init candidates while none is correct
 
 
@@ -604,9 +603,8 @@ class ArchiveAgent(Agent[ArchiveState]):
         rng = _selection_rng(state.seed, t.name, n)
         first_gen = (t.seeds == 0 or cfg.init_with_seeds) and t.inits < cfg.init
         if not first_gen:
-            if t.round_left <= 0:
+            if t.round_left <= 0:  # a new retry round
                 t.round_left = cfg.init
-                t.rounds += 1
             t.round_left -= 1
         # languages in turn, from a seeded starting point, so a generation covers them all
         offset = _selection_rng(state.seed, t.name, "language").randrange(len(langs))

@@ -158,9 +158,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     "event_type": checked.difference.event_type,
                     "message": checked.difference.message,
                 },
-                "integrity": None
-                if checked.integrity is None
-                else checked.integrity.as_json(),
+                "integrity": None if checked.integrity is None else checked.integrity.as_json(),
             }
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
@@ -637,8 +635,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kf`` console script."""
     args = build_parser().parse_args(argv)
     level = args.log_level
-    if level is None and args.verb in ("run", "eval", "report", "replay", "export") and not (
-        os.environ.get("KF_LOG_LEVEL")
+    if (
+        level is None
+        and args.verb in ("run", "eval", "report", "replay", "export")
+        and not (os.environ.get("KF_LOG_LEVEL"))
     ):
         level = "WARNING"  # interactive verbs show their own progress; agents' logs are noise
     configure(level)

@@ -209,13 +209,12 @@ class Progress:
         # budget units used up: finished candidates (seeds, first kernels, children) and
         # selections that produced no candidate; a verdict revised later is counted once
         done = (
-            sum(x.profiled + x.failed for x in self.state.tasks.values())
-            + self.mutation_failures
+            sum(x.profiled + x.failed for x in self.state.tasks.values()) + self.mutation_failures
         )
         finished = t.profiled + t.failed
         print(
             f"[{min(done, self.total_budget):4d}/{self.total_budget}] {task:<18} {op:<9} "
-            f"{what}   (evaluated {finished}, correct {min(t.profiled, finished)}, {best_s})",
+            f"{what}   (evaluated {finished}, correct {t.profiled}, {best_s})",
             file=self.out,
             flush=True,
         )

@@ -132,33 +132,47 @@ def test_auth_entitlements_accept_only_the_assigned_device() -> None:
     """A stage result is accepted only from the device its attempt was assigned to, on
     that device's intake; decisions, device.lost and other kinds' facts are refused."""
     ent = Entitlements()
-    ent.fold(_committed(CandidateAssigned(candidate_id="c1", task="t", device_id="wA", attempt=1),
-                        5, "assign-1"))
+    ent.fold(
+        _committed(
+            CandidateAssigned(candidate_id="c1", task="t", device_id="wA", attempt=1), 5, "assign-1"
+        )
+    )
     ok = ProfileReport(ok=True, speedup=77.0)
 
     def profiled(device: str, attempt: int = 1) -> CandidateProfiled:
-        return CandidateProfiled(candidate_id="c1", task="t", device_id=device, report=ok,
-                                 attempt=attempt)
+        return CandidateProfiled(
+            candidate_id="c1", task="t", device_id=device, report=ok, attempt=attempt
+        )
 
     assert _check(ent, "wA", profiled("wA")) is None
     assert "claims device 'wA' but came on the intake of 'evil'" in _check(
-        ent, "evil", profiled("wA"))
+        ent, "evil", profiled("wA")
+    )
     assert "attempt 1 was assigned to 'wA', not to 'evil'" in _check(ent, "evil", profiled("evil"))
     assert "attempt 2 was never assigned" in _check(ent, "wA", profiled("wA", 2))
     assert "only on that device's intake" in _check(ent, None, profiled("wA"))
     assert "is a decision" in _check(ent, None, RunFinished(reason="forged"))
     assert "only by the archivist" in _check(ent, "wA", DeviceLost(device_id="wA", silent_s=1))
-    proposal = CandidateProposed(candidate_id="c2", task="t", source="", operator="seed",
-                                 mutator="m")
+    proposal = CandidateProposed(
+        candidate_id="c2", task="t", source="", operator="seed", mutator="m"
+    )
     assert _check(ent, None, proposal) is None
     assert "not a device's observation" in _check(ent, "wA", proposal)
     assert _check(ent, "wA", DeviceHeartbeat(device_id="wA")) is None
     assert "claims device 'wB'" in _check(ent, "wA", DeviceHeartbeat(device_id="wB"))
-    counters = CountersMeasured(candidate_id="c1", task="t", device_id="evil",
-                                report=CountersReport(ok=False))
+    counters = CountersMeasured(
+        candidate_id="c1", task="t", device_id="evil", report=CountersReport(ok=False)
+    )
     assert "never assigned to 'evil'" in _check(ent, "evil", counters)
-    tuned = ConfigTuned(task="t", candidate_id="c1", device_id="evil", family="f",
-                        shape_index=0, shape="[]", baseline_config={})
+    tuned = ConfigTuned(
+        task="t",
+        candidate_id="c1",
+        device_id="evil",
+        family="f",
+        shape_index=0,
+        shape="[]",
+        baseline_config={},
+    )
     assert _check(ent, "evil", tuned) is None  # a device may time any elite on itself
     failed = ReactionFailed(kind="compiler", agent_id="compiler@x", event_type="x", error="e")
     assert _check(ent, "wA", failed, caused_by="assign-1") is None
@@ -189,9 +203,20 @@ def test_auth_deployment_config_takes_passwords_from_the_environment(tmp_path: P
     real nats-server given the passwords in its environment enforces the roles."""
     conf = tmp_path / "nats.conf"
     subprocess.run(
-        [sys.executable, "-m", "kf.auth", "nats-config", "--run", "demo", "--worker", "cpu-0",
-         "-o", str(conf)],
-        cwd=ROOT, check=True,
+        [
+            sys.executable,
+            "-m",
+            "kf.auth",
+            "nats-config",
+            "--run",
+            "demo",
+            "--worker",
+            "cpu-0",
+            "-o",
+            str(conf),
+        ],
+        cwd=ROOT,
+        check=True,
     )
     text = conf.read_text()
     assert text == deployment_config("demo", ["cpu-0"])
@@ -201,7 +226,9 @@ def test_auth_deployment_config_takes_passwords_from_the_environment(tmp_path: P
     env = {**os.environ, **secrets}
     server = subprocess.Popen(
         [bus.nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", "-1"],
-        env=env, stderr=subprocess.PIPE, text=True,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert server.stderr is not None
@@ -214,10 +241,12 @@ def test_auth_deployment_config_takes_passwords_from_the_environment(tmp_path: P
         url = f"nats://127.0.0.1:{port}"
 
         async def probe() -> list[tuple[str, bytes]]:
-            worker = await nats.connect(url, user="worker-cpu-0",
-                                        password=secrets[password_env("worker", "cpu-0")])
-            arch = await nats.connect(url, user="archivist",
-                                      password=secrets[password_env("archivist")])
+            worker = await nats.connect(
+                url, user="worker-cpu-0", password=secrets[password_env("worker", "cpu-0")]
+            )
+            arch = await nats.connect(
+                url, user="archivist", password=secrets[password_env("archivist")]
+            )
             got = _Msgs()
             await worker.subscribe(bus.log_subject("demo"), cb=got.on_msg)
             await arch.subscribe(bus.intake_subjects("demo")[1], cb=got.on_msg)

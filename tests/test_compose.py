@@ -106,19 +106,24 @@ def test_compose_every_kf_service_connects_as_its_role(tmp_path: Path) -> None:
         logins[name] = (user, passwords[password_env(role, device)])
     server = subprocess.Popen(
         [bus.nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", "-1"],
-        env={**os.environ, **passwords}, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **passwords},
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert server.stderr is not None
         port = next(
-            int(line.rsplit(":", 1)[1]) for line in server.stderr
+            int(line.rsplit(":", 1)[1])
+            for line in server.stderr
             if "Listening for client connections on" in line
         )
 
         async def committed_by(names: list[str]) -> list[bytes]:
             url = f"nats://127.0.0.1:{port}"
-            conns = {n: await nats.connect(url, user=logins[n][0], password=logins[n][1])
-                     for n in ["archivist", *names]}
+            conns = {
+                n: await nats.connect(url, user=logins[n][0], password=logins[n][1])
+                for n in ["archivist", *names]
+            }
             got: list[bytes] = []
             real = asyncio.Event()
 

@@ -29,8 +29,12 @@ BUDGET = 6
 def proc(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     """A Python module as its own process with ``env`` added to the test environment."""
     return subprocess.Popen(
-        [sys.executable, "-m", *args], cwd=ROOT, env={**ENV, **env},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        env={**ENV, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -53,8 +57,18 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         try:
             main = proc(["kf.cli", *run_args(server.url, db, RUN, BUDGET, "--no-worker")], roles)
             worker = proc(
-                ["kf.cli", "worker", "--nats", server.url, "--run", RUN, "--name", "wA",
-                 "--heartbeat", "0.5"],
+                [
+                    "kf.cli",
+                    "worker",
+                    "--nats",
+                    server.url,
+                    "--run",
+                    RUN,
+                    "--name",
+                    "wA",
+                    "--heartbeat",
+                    "0.5",
+                ],
                 {"KF_NATS_USER": wa.user, "KF_NATS_PASSWORD": wa.password},
             )
             forger = proc(

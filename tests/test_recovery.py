@@ -40,10 +40,28 @@ from tests.test_faults import stop as stop_procs
 def kf_run(db: Path, budget: int, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """``kf run`` with its embedded server, as its own process."""
     return subprocess.Popen(
-        [sys.executable, "-m", "kf.cli", "run", str(TASK), "--db", str(db), "--budget",
-         str(budget), "--islands", "1", "--heartbeat", "0.5", "--heartbeat-timeout", "5",
-         "--json"],
-        cwd=ROOT, env={**ENV, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "kf.cli",
+            "run",
+            str(TASK),
+            "--db",
+            str(db),
+            "--budget",
+            str(budget),
+            "--islands",
+            "1",
+            "--heartbeat",
+            "0.5",
+            "--heartbeat-timeout",
+            "5",
+            "--json",
+        ],
+        cwd=ROOT,
+        env={**ENV, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
 
@@ -146,7 +164,11 @@ def test_recovery_sigterm_stops_the_run_like_sigint(tmp_path: Path) -> None:
     assert of_type(db, "kernel.candidate_compiled")
     chk = subprocess.run(
         [sys.executable, "-m", "kf.cli", "replay", str(db), "--check"],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, check=False,
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert chk.returncode == 0, chk.stdout + chk.stderr
 
@@ -164,7 +186,8 @@ async def test_recovery_archivist_cut_off_from_nats_declares_no_device_lost(
     dev_nc = await bus.connect(bus.BusOptions(server.url))
     arch = Archivist(
         AgentContext(run_id=run, agent_id="archivist@t", options={"heartbeat_timeout_s": 1.0}),
-        db=db, nc=arch_nc,
+        db=db,
+        nc=arch_nc,
     )
     stop, ready = asyncio.Event(), asyncio.Event()
     arch_task = asyncio.create_task(arch.run(stop, ready))
