@@ -181,7 +181,10 @@ def test_box_hostile_candidate_finds_nothing_to_take(
     assert str(found["cache_write"]).startswith("denied")
     assert str(found["repo_open_cli"]).startswith("denied")
     assert found["native_connect"] != "connected"
-    assert all(str(v).startswith("denied") for v in found["fill_outside"].values()), found
+    # in the box /tmp is the scratch tmpfs itself: a checkout under /tmp (a CI clone) puts
+    # the repository's path there, so a write to it lands in scratch, not in the checkout
+    for path, verdict in found["fill_outside"].items():
+        assert str(verdict).startswith("denied") or path.startswith("/tmp/"), (path, found)
     for key in ("fill_scratch", "fill_tmp"):  # one tmpfs of SCRATCH_MB
         assert found[key]["mb"] <= SCRATCH_MB and "No space left" in found[key]["error"], found
     assert found["fill_shm"]["mb"] <= SCRATCH_MB and "No space left" in found["fill_shm"]["error"]
