@@ -21,6 +21,27 @@ from tests.tally import Pinged, Tally
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_kf(
+    *args: str, timeout: float = 300, eval_threads: str | None = "1"
+) -> subprocess.CompletedProcess[str]:
+    """``python -m kf.cli ARGS`` from the repository root, quiet logs, no LLM API keys in
+    its environment (the tests' models are scripted), one evaluation thread unless
+    ``eval_threads`` is None; output captured as text."""
+    env = dict(os.environ, KF_LOG_LEVEL="WARNING")
+    if eval_threads is not None:
+        env["KF_EVAL_THREADS"] = eval_threads
+    env.pop("KF_LLM_API_KEY", None)
+    env.pop("OPENAI_API_KEY", None)
+    return subprocess.run(
+        [sys.executable, "-m", "kf.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+
+
 async def wait_for(
     cond: Callable[[], Any] | Callable[[], Awaitable[Any]], timeout_s: float = 30.0, what: str = ""
 ) -> Any:

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
+
+from tests.harness import run_kf
 
 ROOT = Path(__file__).resolve().parent.parent
 SEARCH = ROOT / "tests/fixtures/search"
 
 
 def kf(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, KF_LOG_LEVEL="WARNING", KF_EVAL_THREADS="1")
-    return subprocess.run(
-        [sys.executable, "-m", "kf.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=env,
-    )
+    return run_kf(*args, timeout=timeout)
 
 
 def test_run_rerun_with_other_settings_is_refused_unless_resume(tmp_path: Path) -> None:

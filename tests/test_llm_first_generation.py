@@ -11,9 +11,7 @@ LLM path, and `kf replay --check` must pass with the server stopped.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import pytest
 
 from kf.events import decode_event
 from kf.log import EventLog
+from tests.harness import run_kf
 from tests.llm_server import ScriptedServer
 from tests.scripted_answers import CpuResponder
 
@@ -29,17 +28,7 @@ TASK = ROOT / "tests/fixtures/llm/tasks/scale_relu.py"
 
 
 def kf(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, KF_LOG_LEVEL="WARNING", KF_EVAL_THREADS="1")
-    env.pop("KF_LLM_API_KEY", None)
-    env.pop("OPENAI_API_KEY", None)
-    return subprocess.run(
-        [sys.executable, "-m", "kf.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=env,
-    )
+    return run_kf(*args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,8 @@ profiled, and the run must replay with the server stopped. Skips without a GPU.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import torch
 
 from kf.events import decode_event
 from kf.log import EventLog
+from tests.harness import run_kf
 from tests.llm_server import ScriptedServer
 from tests.scripted_answers import GpuResponder
 
@@ -38,17 +37,7 @@ pytestmark = [
 
 
 def kf(*args: str, timeout: float = 560) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, KF_LOG_LEVEL="WARNING")
-    env.pop("KF_LLM_API_KEY", None)
-    env.pop("OPENAI_API_KEY", None)
-    return subprocess.run(
-        [sys.executable, "-m", "kf.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=env,
-    )
+    return run_kf(*args, timeout=timeout, eval_threads=None)
 
 
 @pytest.fixture(scope="module")

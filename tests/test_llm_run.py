@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,7 @@ import pytest
 
 from kf.events import decode_event
 from kf.log import EventLog
+from tests.harness import run_kf
 from tests.llm_server import ScriptedServer, user_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,17 +60,7 @@ class KernelResponder:
 
 
 def kf(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, KF_LOG_LEVEL="WARNING", KF_EVAL_THREADS="1")
-    env.pop("KF_LLM_API_KEY", None)
-    env.pop("OPENAI_API_KEY", None)
-    return subprocess.run(
-        [sys.executable, "-m", "kf.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=env,
-    )
+    return run_kf(*args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -3,30 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kf.events import decode_event
 from kf.log import EventLog
+from tests.harness import run_kf
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests/fixtures/search"
 
 
 def kf(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, KF_LOG_LEVEL="WARNING", KF_EVAL_THREADS="1")
-    return subprocess.run(
-        [sys.executable, "-m", "kf.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=env,
-    )
+    return run_kf(*args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
