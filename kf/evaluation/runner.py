@@ -315,13 +315,17 @@ class Runner:
         self.backend: Backend = make_backend("cpu", clock_ns)
         self.model: Any = None
         self.task_module: Any = None
-        self.inputs: list[Any] = []
+        self._inputs: list[Any] | None = []
+        self._inputs_from: list[Any] = []
         self.trials: dict[int, tuple[list[Any], list[Any]]] = {}
         self.trial_variant: dict[int, int | None] = {}
         self.watch = watch or _Watch()
         # CUDA runners hand tensors over as IPC handles (kf.evaluation.transport)
         self.ipc = False
         self.exports = Exports()
+        # a candidate runner that makes its trial inputs from the seed itself (the grader
+        # then moves only outputs: kf.evaluation.stages._seeded_inputs)
+        self.own_inputs = False
         # a reused reference runner keeps the inputs and outputs it made, per seed
         self.made: OrderedDict[tuple[int, int, int | None], _Made] = OrderedDict()
         self.made_budget = 0
@@ -329,6 +333,19 @@ class Runner:
         # a reused reference runner keeps its torch.compile'd reference, per model seed
         # and input signature, so later candidates of the task do not pay the compile
         self.compiled: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
+
+    @property
+    def inputs(self) -> list[Any]:
+        """The inputs the next timed call gets; after ``make_inputs`` a private copy of
+        the made set, cloned on first use (a verification never uses it, and at
+        KernelBench's sizes each copy is gigabytes of device memory)."""
+        if self._inputs is None:
+            self._inputs, self._inputs_from = self.clone(self._inputs_from), []
+        return self._inputs
+
+    @inputs.setter
+    def inputs(self, values: list[Any]) -> None:
+        self._inputs, self._inputs_from = values, []
 
     # -- serialisation -------------------------------------------------------------
     def dump(self, value: Any) -> bytes:
@@ -365,6 +382,7 @@ class Runner:
             os.nice(int(msg["nice"]))  # a build: its compilers yield to grading and timing
         self.backend = make_backend(msg["device"], self.clock_ns)
         self.ipc = bool(msg.get("ipc")) and self.backend.name == "cuda"
+        self.own_inputs = bool(msg.get("own_inputs"))
         self.made_budget = self._cache_budget(msg)
         self.torch.set_num_threads(int(msg["threads"]))
         if msg.get("memory_bytes"):
@@ -510,7 +528,7 @@ class Runner:
             self.made.move_to_end(key)
         if made.pristine is None:
             return {**made.reply, "reused": reused}
-        self.inputs = self.clone(made.pristine)
+        self._inputs, self._inputs_from = None, made.pristine
         # a check follows its own trial's inputs; keeping every trial's inputs and outputs
         # would hold tens of GB at KernelBench's sizes
         self.trials.pop(seed, None)
@@ -521,6 +539,8 @@ class Runner:
             or sum(map(self._nbytes, self.trials.values())) > max(self.made_budget, 1 << 30)
         ):
             del self.trials[next(iter(self.trials))]
+        if msg.get("send") is False:  # the candidate runner makes its own (own_inputs)
+            return {**made.reply, "reused": reused, "inputs": None}
         return {**made.reply, "reused": reused, "inputs": self.dump(self.clone(made.pristine))}
 
     def _nbytes(self, trial: tuple[list[Any], list[Any]]) -> int:
@@ -613,6 +633,8 @@ class Runner:
         seed = int(msg["seed"])
         if msg.get("init") is not None:
             init = list(self.load(msg["init"]))
+            if self.own_inputs:  # the task's get_inputs, imported before any candidate code
+                self._import_task(msg["task_source"], msg["task_name"])
         else:
             init = self._init_inputs(self._import_task(msg["task_source"], msg["task_name"]), seed)
         self.watch.active = True  # from here on, this process runs candidate code
@@ -641,10 +663,24 @@ class Runner:
         self.model = self.backend.to_device(model)
         return {}
 
+    def _seeded(self, seed: int) -> tuple[list[Any], list[Any]]:
+        """The trial inputs for ``seed`` made here, as the reference makes them: on the
+        device, and a host copy to check them against after the call."""
+        raw = self._get_inputs(seed)
+        tensor = self.torch.Tensor
+        pristine = [v.detach().cpu().clone() if isinstance(v, tensor) else v for v in raw]
+        return [self.backend.to_device(v) for v in raw], pristine
+
     def op_run(self, msg: dict[str, Any]) -> dict[str, Any]:
+        from kf.evaluation.compare import compare_inputs
+
         torch = self.torch
         t0 = self.clock_ns()
-        self.inputs = [self.backend.to_device(v) for v in self.load(msg["inputs"])]
+        pristine: list[Any] | None = None
+        if msg.get("inputs") is None and msg.get("seed") is not None and self.own_inputs:
+            self.inputs, pristine = self._seeded(int(msg["seed"]))
+        else:
+            self.inputs = [self.backend.to_device(v) for v in self.load(msg["inputs"])]
         t1 = self.clock_ns()
         recorder = _OpRecorder(torch) if msg.get("trace") else None
         try:
@@ -660,11 +696,18 @@ class Runner:
         t2 = self.clock_ns()
         outs = _flatten(torch, out, "ModelNew.forward", "exception")
         ops = [] if recorder is None else [op for op in recorder.ops if op not in _DATA_OPS]
-        outputs, inputs_after = self.dump(self.host(outs)), self.dump(self.host(self.inputs))
+        outputs = self.dump(self.host(outs))
+        if pristine is None:
+            inputs_after: bytes | None = self.dump(self.host(self.inputs))
+            problem = None
+        else:  # checked here; this process's word, as inputs_after bytes would be
+            inputs_after = None
+            problem = compare_inputs(torch, pristine, self.inputs)
         return {
             "torch_ops": ops,
             "outputs": outputs,
             "inputs_after": inputs_after,
+            "inputs_problem": problem,
             # where the request's time went, for the grader's request log
             "phases_ns": {"inputs": t1 - t0, "forward": t2 - t1, "outputs": self.clock_ns() - t2},
         }
@@ -674,7 +717,7 @@ class Runner:
         large (a reference runner stays alive for the task's next candidate, and idle
         runners holding 25 GB each ran a GPU out of memory), then return cached blocks."""
         limit = int(msg.get("keep_bytes", _TRIM_ABOVE_BYTES))
-        held = sum(map(self._nbytes, self.trials.values())) + self._nbytes((self.inputs, []))
+        held = sum(map(self._nbytes, self.trials.values())) + self._nbytes((self._inputs or [], []))
         dropped = 0
         if held > limit:
             self.trials.clear()
@@ -710,7 +753,7 @@ class Runner:
         pristine, expected = self.trials[seed]
         try:
             got = self.load(msg["outputs"])
-            after = self.load(msg["inputs_after"])
+            after = None if msg.get("inputs_after") is None else self.load(msg["inputs_after"])
         except Exception as exc:
             return {
                 "ok": False,
@@ -719,7 +762,10 @@ class Runner:
             }
         verdict = compare_outputs(self.torch, expected, got)
         if verdict["ok"]:
-            problem = compare_inputs(self.torch, pristine, after)
+            if after is None:  # the candidate runner made and checked its own inputs
+                problem = msg.get("inputs_problem")
+            else:
+                problem = compare_inputs(self.torch, pristine, after)
             if problem is not None:
                 return {**verdict, "ok": False, "kind": "input_mutated", "reason": problem}
         return verdict
@@ -828,7 +874,10 @@ class Runner:
         """One timed call on each of several fresh input sets (a cache would miss here)."""
         torch = self.torch
         model, backend = self.model, self.backend
-        sets = [[backend.to_device(v) for v in self.load(data)] for data in msg["inputs"]]
+        if msg.get("seeds") is not None and self.own_inputs:
+            sets = [self._seeded(int(s))[0] for s in msg["seeds"]]
+        else:
+            sets = [[backend.to_device(v) for v in self.load(data)] for data in msg["inputs"]]
         samples: list[int] = []
         try:
             with torch.no_grad():

@@ -143,6 +143,8 @@ def _setup_fields(
         "file_bytes": limits.file_bytes,
         # GPU runners pass tensors as CUDA IPC handles (kf.evaluation.transport)
         "ipc": device.startswith("cuda") and _ipc_transport(handle),
+        # or a candidate runner makes its trial inputs from the seed itself
+        "own_inputs": not reference and _own_inputs(handle, device),
         # a reused reference keeps the input sets it made (the trial seeds repeat)
         "reference_cache_bytes": _reference_cache_bytes() if reference else 0,
     }
@@ -156,7 +158,29 @@ def _ipc_transport(handle: RunnerHandle) -> bool:
     chosen = os.environ.get("KF_TENSOR_TRANSPORT", "")
     if chosen in ("ipc", "bytes"):
         return chosen == "ipc"
-    return handle.sandbox != box.MODE_BWRAP
+    return handle.sandbox != box.MODE_BWRAP and chosen != "seed"
+
+
+def _own_inputs(handle: RunnerHandle, device: str) -> bool:
+    """Whether the candidate runner makes each trial's inputs from the trial's seed
+    itself, as the reference runner does (``$KF_TENSOR_TRANSPORT=seed``; by default for
+    boxed GPU runners, between which CUDA IPC does not work: legacy IPC handles do not
+    cross PID or network namespaces, as tried in ``bench/box_ipc_probe.py``). The grader
+    then moves only the candidate's outputs, not gigabytes of inputs and their copies
+    after the call; the candidate runner checks its inputs against a host copy itself,
+    which is no less trusted than the ``inputs_after`` bytes the same process would
+    send. Inputs of generalisation variants still travel (the reference chooses them)."""
+    chosen = os.environ.get("KF_TENSOR_TRANSPORT", "")
+    if chosen in ("ipc", "bytes", "seed"):
+        return chosen == "seed"
+    return device.startswith("cuda") and handle.sandbox == box.MODE_BWRAP
+
+
+def _given(cand: RunnerHandle, device: str, made: dict[str, Any], seed: int) -> dict[str, Any]:
+    """What a ``run`` request carries of a trial: its seed, or the reference's inputs."""
+    if _own_inputs(cand, device):
+        return {"seed": seed}
+    return {"inputs": made["inputs"]}
 
 
 def _reference_cache_bytes() -> int:
@@ -306,6 +330,8 @@ def _load_pair(
         source=source,
         seed=seed,
         init=init,
+        task_source=task.source,
+        task_name=task.name,
         what="construction of ModelNew",
     )
 
@@ -326,8 +352,11 @@ def _loaded_and_checked(
     candidate runner, and the problem is None when the output was right.
     """
     _load_pair(task, source, ref, cand, device, limits, deadline, seed)
-    made: dict[str, Any] = _reference(task, ref, "make_inputs", deadline, seed=seed)
-    problem = _run_and_check(task, ref, cand, inputs=made["inputs"], seed=seed, deadline=deadline)
+    made: dict[str, Any] = _reference(
+        task, ref, "make_inputs", deadline, seed=seed, send=not _own_inputs(cand, device)
+    )
+    given = _given(cand, device, made, seed)
+    problem = _run_and_check(task, ref, cand, given=given, seed=seed, deadline=deadline)
     return made, problem
 
 
@@ -342,7 +371,8 @@ def _judge(
         deadline,
         seed=seed,
         outputs=ran["outputs"],
-        inputs_after=ran["inputs_after"],
+        inputs_after=ran.get("inputs_after"),
+        inputs_problem=ran.get("inputs_problem"),
     )["verdict"]
     return verdict
 
@@ -560,7 +590,14 @@ def _verify(
         try:
             _load_pair(task, source, ref, cand, device, limits, deadline, seed)
             for i, trial_seed in enumerate(_seed_trials(seed, trials)):
-                made = _reference(task, ref, "make_inputs", deadline, seed=trial_seed)
+                made = _reference(
+                    task,
+                    ref,
+                    "make_inputs",
+                    deadline,
+                    seed=trial_seed,
+                    send=not _own_inputs(cand, device),
+                )
                 if (
                     big is None
                     and device.startswith("cuda")
@@ -574,7 +611,7 @@ def _verify(
                     cand,
                     "run",
                     deadline,
-                    inputs=made["inputs"],
+                    **_given(cand, device, made, trial_seed),
                     trace=i == 0,
                     what=f"forward (trial {i + 1})",
                 )
@@ -942,19 +979,33 @@ def _profile(
                 ]
 
             if (
-                _run_and_check(task, ref, cand, inputs=made["inputs"], seed=seed, deadline=deadline)
+                _run_and_check(
+                    task,
+                    ref,
+                    cand,
+                    given=_given(cand, device, made, seed),
+                    seed=seed,
+                    deadline=deadline,
+                )
                 is not None
             ):
                 flags.append(f"{OUTPUT_CHANGED}: the timed inputs' output is wrong after timing")
 
             # Fresh inputs after timing: stale buffers and result caches show up here.
             fresh = [
-                _reference(task, ref, "make_inputs", deadline, seed=fs)
+                _reference(
+                    task, ref, "make_inputs", deadline, seed=fs, send=not _own_inputs(cand, device)
+                )
                 for fs in _seed_trials(seed ^ 0xF4E5, _FRESH_SETS)
             ]
             fresh_seed = _seed_trials(seed ^ 0xF4E5, _FRESH_SETS)[0]
             problem = _run_and_check(
-                task, ref, cand, inputs=fresh[0]["inputs"], seed=fresh_seed, deadline=deadline
+                task,
+                ref,
+                cand,
+                given=_given(cand, device, fresh[0], fresh_seed),
+                seed=fresh_seed,
+                deadline=deadline,
             )
             if problem is not None:
                 return ProfileReport(
@@ -970,7 +1021,11 @@ def _profile(
                 cand,
                 "time_inputs",
                 deadline,
-                inputs=[f["inputs"] for f in fresh],
+                **(
+                    {"seeds": _seed_trials(seed ^ 0xF4E5, _FRESH_SETS)}
+                    if _own_inputs(cand, device)
+                    else {"inputs": [f["inputs"] for f in fresh]}
+                ),
                 what="timing fresh inputs",
             )
             fresh_ms = statistics.median([ns / 1e6 for ns in reply["samples_ns"]] or [0.0])
@@ -1225,12 +1280,13 @@ def _run_and_check(
     ref: RunnerHandle,
     cand: RunnerHandle,
     *,
-    inputs: bytes,
+    given: dict[str, Any],
     seed: int,
     deadline: _Deadline,
 ) -> tuple[str, str] | None:
-    """Run the candidate once and have the reference judge it: None, or (kind, reason)."""
-    ran = _candidate(task, cand, "run", deadline, inputs=inputs, what="forward")
+    """Run the candidate once on ``given`` (:func:`_given`) and have the reference judge
+    it: None, or (kind, reason)."""
+    ran = _candidate(task, cand, "run", deadline, **given, what="forward")
     verdict = _judge(task, ref, ran, seed, deadline)
     return None if verdict["ok"] else (str(verdict["kind"]), str(verdict["reason"]))
 
