@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -105,3 +106,138 @@ def _compile(
     os.chmod(out, 0o644)
     os.replace(out, lib)
     return {"ok": True, "path": str(lib), "cached": False}
+
+
+#: What runs in the build box for a ``load_inline`` extension: kf's own content-addressed
+#: ``load_inline``, into the build's private cache folder (``$KF_CACHE_DIR``).
+_INLINE_SCRIPT = """
+import json, sys
+from kf.cuda import inline
+inline.load_inline(**json.loads(sys.stdin.read()))
+"""
+
+_ARCH = re.compile(r"[0-9]+\.[0-9]+(\+PTX)?([ ;][0-9]+\.[0-9]+(\+PTX)?)*")
+
+
+def _own_toolchain() -> dict[str, Any]:
+    """What :func:`kf.cuda.inline._environment` gives in this process, without touching
+    the GPU (the architecture is the runner's to say; it is checked, then used)."""
+    import torch
+
+    return {
+        "torch": str(torch.__version__),
+        "cuda": str(torch.version.cuda),
+        "python": sys.version.split()[0],
+        "cxx": os.environ.get("CXX", "c++"),
+    }
+
+
+def build_inline(
+    arguments: dict[str, Any], environment: dict[str, Any], timeout_s: float
+) -> dict[str, Any]:
+    """Build a boxed runner's ``load_inline`` extension into the grader's cache:
+    ``{"ok": True, "path": <folder>}`` or ``{"ok": False, "error": ..., "log": ...}``.
+
+    The key is computed here from the arguments and the toolchain the runner reported;
+    the toolchain must be this process's own (the same interpreter and PyTorch) and the
+    architecture a plain list of versions, and the build box is given exactly those, so
+    whatever the build does can only land under the key of the inputs it was given.
+    """
+    from kf.cuda import inline
+
+    own = _own_toolchain()
+    theirs = {k: environment.get(k) for k in own}
+    if theirs != own:
+        return _failed(f"the runner's toolchain {theirs} is not the grader's {own}")
+    arch = environment.get("arch")
+    if not isinstance(arch, str) or not _ARCH.fullmatch(arch):
+        return _failed(f"malformed CUDA architecture {arch!r}")
+    if "name" not in arguments or set(arguments) & {"build_directory", "verbose"}:
+        return _failed("malformed load_inline arguments")
+    import inspect
+
+    import torch.utils.cpp_extension as ext
+
+    try:  # the runner keys the call with PyTorch's defaults filled in: so does this
+        bound = inspect.signature(inline._original or ext.load_inline).bind(**arguments)
+    except TypeError as exc:
+        return _failed(f"malformed load_inline arguments: {exc}")
+    bound.apply_defaults()
+    arguments = inline._jsonable(
+        {k: v for k, v in bound.arguments.items() if k not in inline._IGNORED}
+    )
+    env = {**own, "arch": arch}
+    key = inline.cache_key(arguments, env)
+    module_name = inline._module_name(str(arguments["name"]), inline.binding_key(arguments, env))
+    root = inline.cache_dir()
+    final = root / key
+    if (final / f"{module_name}.so").exists():
+        return {"ok": True, "path": str(final), "cached": True, "log": ""}
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / f"{module_name}.so").exists():
+            return {"ok": True, "path": str(final), "cached": True, "log": ""}
+        work = Path(tempfile.mkdtemp(dir=root, prefix=f"{key}.build-"))
+        try:
+            return _build_inline(arguments, arch, work, final, key, module_name, timeout_s)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _build_inline(
+    arguments: dict[str, Any],
+    arch: str,
+    work: Path,
+    final: Path,
+    key: str,
+    module_name: str,
+    timeout_s: float,
+) -> dict[str, Any]:
+    import json
+
+    scratch = Path(tempfile.gettempdir()) / "kf-build"  # inside the box only (a tmpfs)
+    extra = {
+        "KF_CACHE_DIR": str(work),
+        "TORCH_EXTENSIONS_DIR": str(work / "torch_extensions"),
+        "TORCH_CUDA_ARCH_LIST": arch,
+        "CXX": os.environ.get("CXX", "c++"),
+        "KF_CACHE_SHARED": "",
+    }
+    prefix = box.command(
+        python=sys.executable,
+        scratch=scratch,
+        log_path=None,
+        env=box.environment(os.environ, scratch, extra),
+        rw_paths=(str(work),),
+    )
+    try:
+        done = subprocess.run(
+            [*prefix, "--", sys.executable, "-P", "-c", _INLINE_SCRIPT],
+            input=json.dumps(arguments),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+            env={"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"},
+        )
+    except subprocess.TimeoutExpired:
+        return _failed(f"the load_inline build timed out after {timeout_s:.0f}s")
+    log = done.stderr + done.stdout
+    if done.returncode != 0:
+        return _failed(f"the load_inline build exited with status {done.returncode}", log)
+    built = work / "cuda_ext" / key
+    if not (built / f"{module_name}.so").is_file():
+        left = sorted(p.name for p in (work / "cuda_ext").glob("*"))
+        return _failed(
+            f"the load_inline build left no {module_name}.so under its key {key} (it left {left})",
+            log,
+        )
+    for path in built.rglob("*"):
+        mode = os.lstat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            return _failed(f"the build left {path.name}, which is not a plain file", log)
+    for path in (built, *built.rglob("*")):
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(built, final)
+    return {"ok": True, "path": str(final), "cached": False, "log": log[-_LOG:]}

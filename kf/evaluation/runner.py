@@ -950,6 +950,34 @@ def _remote_build(
     return str(reply["path"])
 
 
+def _remote_inline_build(
+    send: Callable[[bytes], None],
+    recv: Callable[[], bytes],
+    encode: Callable[[Any], bytes],
+    decode: Callable[[bytes], Any],
+    arguments: dict[str, Any],
+    environment: dict[str, Any],
+    timeout_s: float,
+) -> str:
+    """:data:`kf.cuda.inline.remote_builder` in the box: the grader builds the
+    ``load_inline`` extension in a build box and answers with its folder in the
+    read-only shared cache (kf.evaluation.builds.build_inline)."""
+    from kf.native import NativeCompileError
+
+    send(encode({"op": "build", "kind": "cuda_inline", "arguments": arguments,
+                 "environment": environment, "timeout_s": timeout_s}))  # fmt: skip
+    reply = decode(recv())
+    if not isinstance(reply, dict) or reply.get("op") != "built":
+        raise RuntimeError("the grader did not answer the build request")
+    log = str(reply.get("log") or "")
+    if log:  # the build's own report (kf.cuda.objcache verdicts) for the compile log
+        sys.stderr.write(log if log.endswith("\n") else log + "\n")
+        sys.stderr.flush()
+    if not reply.get("ok"):
+        raise NativeCompileError(str(reply.get("error")), log)
+    return str(reply["path"])
+
+
 def _warm(torch: Any, device: str) -> None:
     """Start-up work that a GPU stage would otherwise wait for (``$KF_RUNNER_WARM``).
 
@@ -1021,6 +1049,11 @@ def main(argv: list[str]) -> int:
         import kf.native
 
         kf.native.remote_builder = functools.partial(_remote_build, send, recv, encode, decode)
+        import kf.cuda.inline
+
+        kf.cuda.inline.remote_builder = functools.partial(
+            _remote_inline_build, send, recv, encode, decode
+        )
     runner = Runner(clock_ns, watch)
     if os.environ.get("KF_RUNNER_WARM"):
         _warm(runner.torch, os.environ["KF_RUNNER_WARM"])

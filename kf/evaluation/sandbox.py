@@ -282,7 +282,7 @@ class RunnerHandle:
 
     def _serve_build(self, msg: dict[str, Any], left_s: float) -> None:
         """Build a boxed runner's ``kf.native`` library (:mod:`kf.evaluation.builds`)."""
-        from kf.evaluation.builds import MAX_BUILDS_PER_RUNNER, build_native
+        from kf.evaluation.builds import MAX_BUILDS_PER_RUNNER, build_inline, build_native
 
         self.builds += 1
         try:
@@ -291,6 +291,12 @@ class RunnerHandle:
                     "ok": False,
                     "error": f"more than {MAX_BUILDS_PER_RUNNER} builds asked for by one runner",
                 }
+            elif msg.get("kind") == "cuda_inline":
+                reply = build_inline(
+                    dict(msg["arguments"]),
+                    dict(msg["environment"]),
+                    min(float(msg.get("timeout_s") or 1200.0), left_s),
+                )
             else:
                 reply = build_native(
                     str(msg["source"]),
