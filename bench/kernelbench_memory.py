@@ -1,0 +1,154 @@
+"""Peak GPU memory of `kf eval` beside KernelBench's own protocol, on the same task files.
+
+For each KernelBench task file given, the candidate is the reference itself rewritten as
+``ModelNew`` (``class ModelNew(Model): pass``: correct by construction, so the run shows
+the harness and not a kernel). Two evaluations, one after the other on an idle GPU:
+
+1. **KernelBench's protocol**, in one process as KernelBench's ``eval_kernel_against_ref``
+   does it: seed, ``Model(*get_init_inputs())`` and ``ModelNew(...)`` on the GPU, then 5
+   correctness trials (fresh ``get_inputs()`` on the GPU, both models called, outputs
+   compared with ``torch.allclose(atol=rtol=1e-2)``) and 100 timed calls of ``ModelNew``.
+2. **`kf eval TASK CANDIDATE --device cuda:0 --json`** as a user runs it (boxed runners;
+   compile, 5 verification trials, the generalisation gate, the profile).
+
+The device's used memory (``nvidia-smi --query-gpu=memory.used``, every 0.1 s, minus the
+idle figure measured just before) is sampled during each; the peak is what is reported,
+as both count every process and the CUDA contexts alike.
+
+    python bench/kernelbench_memory.py ../shared/kernelbench/level1/23_Softmax.py ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+KERNELBENCH_PROTOCOL = r"""
+import importlib.util, sys, time, torch
+spec = importlib.util.spec_from_file_location("task", sys.argv[1])
+m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+class ModelNew(m.Model):
+    pass
+torch.manual_seed(42)
+init = [x.cuda() if isinstance(x, torch.Tensor) else x for x in m.get_init_inputs()]
+model = m.Model(*init).cuda()
+torch.manual_seed(42)
+new = ModelNew(*init).cuda()
+ok = True
+with torch.no_grad():
+    for trial in range(5):
+        torch.manual_seed(trial)
+        inputs = [x.cuda() if isinstance(x, torch.Tensor) else x for x in m.get_inputs()]
+        out = model(*inputs)
+        got = new(*inputs)
+        ok = ok and torch.allclose(out, got, atol=1e-2, rtol=1e-2)
+        del out, got
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(100):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); new(*inputs); b.record(); torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+print("correct", ok, "mean_ms", sum(times) / len(times),
+      "max_reserved_gb", torch.cuda.max_memory_reserved() / 1e9)
+"""
+
+
+def used_mb() -> float:
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return float(out.stdout.strip().splitlines()[0])
+
+
+def sampled(cmd: list[str], timeout: float, env: dict[str, str]) -> tuple[float, float, str, int]:
+    """(peak MB above idle, seconds, stdout, exit code) of one command."""
+    idle = used_mb()
+    peak = [idle]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], used_mb())
+            time.sleep(0.1)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    start = time.monotonic()
+    try:
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env, check=False
+        )
+        out, rc = done.stdout + done.stderr[-3000:], done.returncode
+    except subprocess.TimeoutExpired as exc:
+        out, rc = f"timed out after {timeout:.0f} s: {str(exc.stdout or '')[-2000:]}", 124
+    seconds = time.monotonic() - start
+    stop.set()
+    t.join()
+    return peak[0] - idle, seconds, out, rc
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("tasks", nargs="+", type=Path)
+    ap.add_argument("--timeout", type=float, default=300.0, help="per evaluation")
+    ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    rows = []
+    for task in args.tasks:
+        kb_mb, kb_s, kb_out, kb_rc = sampled(
+            [sys.executable, "-c", KERNELBENCH_PROTOCOL, str(task)], args.timeout, env
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            cand = Path(tmp) / "candidate.py"
+            cand.write_text(task.read_text() + "\n\nclass ModelNew(Model):\n    pass\n")
+            kf_mb, kf_s, kf_out, kf_rc = sampled(
+                [sys.executable, "-m", "kf.cli", "eval", str(task), str(cand), "--device",
+                 "cuda:0", "--json"],
+                args.timeout, env,
+            )  # fmt: skip
+        verdict = "?"
+        try:
+            result = json.loads(kf_out[kf_out.index("{") : kf_out.rindex("}") + 1])
+            verdict = "passed" if result.get("passed") else f"failed: {result.get('failure_kind')}"
+            verdict += f" (sandbox {result.get('sandbox', '?')})"
+        except (ValueError, KeyError):
+            verdict = f"exit {kf_rc}: {kf_out.strip().splitlines()[-1:]}"
+        row = {
+            "task": task.stem,
+            "kernelbench_peak_gb": kb_mb / 1024,
+            "kernelbench_s": kb_s,
+            "kernelbench": kb_out.strip().splitlines()[-1:] if kb_out.strip() else [kb_rc],
+            "kf_peak_gb": kf_mb / 1024,
+            "kf_s": kf_s,
+            "ratio": kf_mb / kb_mb if kb_mb > 0 else None,
+            "kf": verdict,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("\n| task | KernelBench protocol peak GB | kf eval peak GB | ratio | kf verdict | kf s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] else "?"
+        print(
+            f"| {r['task']} | {r['kernelbench_peak_gb']:.1f} | {r['kf_peak_gb']:.1f} | {ratio} | "
+            f"{r['kf']} | {r['kf_s']:.0f} |"
+        )
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
