@@ -121,7 +121,9 @@ def main() -> int:
         verdict = "?"
         try:
             result = json.loads(kf_out[kf_out.index("{") : kf_out.rindex("}") + 1])
-            verdict = "passed" if result.get("passed") else f"failed: {result.get('failure_kind')}"
+            verdict = "correct" if result["correct"] else f"failed: {result['failure_kind']}"
+            if result.get("speedup"):
+                verdict += f", {result['speedup']:.2f}x vs eager"
             verdict += f" (sandbox {result.get('sandbox', '?')})"
         except (ValueError, KeyError):
             verdict = f"exit {kf_rc}: {kf_out.strip().splitlines()[-1:]}"
