@@ -70,9 +70,13 @@ def test_llm_gpu_first_generation_reaches_the_gpu_in_both_languages(gpu_run: Any
     assert {assigned[c.candidate_id].backend for c in proposed} == {"cuda-load-inline", "triton"}
     assert all(assigned[c.candidate_id].device_id.endswith("cuda:0") for c in proposed)
     profiled = {p.candidate_id: p for p in _events(db, "kernel.candidate_profiled")}
+    failed = {f.candidate_id: f for f in _events(db, "kernel.candidate_failed")}
     for c in proposed:
         assert c.mutator == f"llm: scripted via {url}"
-        assert c.candidate_id in profiled, f"{c.candidate_id} was not profiled"
+        assert c.candidate_id in profiled, (
+            f"{c.candidate_id} ({assigned[c.candidate_id].backend}) was not profiled: "
+            f"{failed.get(c.candidate_id)}"
+        )
         assert profiled[c.candidate_id].report.ok and profiled[c.candidate_id].report.device
     (task,) = report["tasks"]
     assert task["best_speedup"] is not None

@@ -119,3 +119,21 @@ def test_evaluation_with_seeded_inputs_gives_the_default_verdicts(
         assert (kind_or_flag or "") in flags if kind_or_flag else result.flags == (), flags
     else:
         assert result.failure_kind == kind_or_flag, result.error
+
+
+def test_payloads_over_the_piece_size_travel_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """msgpack cannot carry one bytes object over 4 GiB (a 6.4 GB KernelBench output
+    crashed the runner on the H200): longer payloads go as a list of pieces, through the
+    real message encoding, and are judged as before."""
+    from kf.evaluation import runner as runner_module
+    from kf.evaluation.protocol import decode, encode
+
+    monkeypatch.setattr(runner_module, "PAYLOAD_PIECE", 4096)
+    ref, cand = _pair((FIXTURES / "honest_cpp.py").read_text())
+    ref.op_make_inputs({"seed": 21, "send": False})
+    ran = decode(encode(cand.op_run({"seed": 21})))
+    assert isinstance(ran["outputs"], list) and len(ran["outputs"]) > 1
+    assert all(len(piece) <= 4096 for piece in ran["outputs"])
+    assert ref.op_check({"seed": 21, **ran})["verdict"]["ok"]
+    wrong = decode(encode(cand.op_run({"seed": 22})))
+    assert not ref.op_check({"seed": 21, **wrong})["verdict"]["ok"]

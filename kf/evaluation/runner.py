@@ -302,6 +302,10 @@ class _Made(NamedTuple):
     nbytes: int = 0
 
 
+#: The longest single bytes object a payload is sent as (see :meth:`Runner.dump`).
+PAYLOAD_PIECE = 1 << 30
+
+
 class Runner:
     """Request handlers; ``self.model`` is either the task's Model or the candidate's ModelNew."""
 
@@ -348,14 +352,23 @@ class Runner:
         self._inputs, self._inputs_from = values, []
 
     # -- serialisation -------------------------------------------------------------
-    def dump(self, value: Any) -> bytes:
+    def dump(self, value: Any) -> bytes | list[memoryview]:
+        """``value`` as a payload: IPC handles, or ``torch.save`` bytes, split into pieces
+        of at most :data:`PAYLOAD_PIECE` bytes when longer (msgpack, which carries
+        every message, cannot hold one bytes object over 4 GiB, and one output of
+        KernelBench's level-1 tasks is 6.4 GB)."""
         if self.ipc and isinstance(value, list):
             return pack(self.torch, value, self.exports)
         buf = io.BytesIO()
         self.torch.save(value, buf)
-        return buf.getvalue()
+        if buf.tell() <= PAYLOAD_PIECE:
+            return buf.getvalue()
+        view = buf.getbuffer()
+        return [view[i : i + PAYLOAD_PIECE] for i in range(0, len(view), PAYLOAD_PIECE)]
 
-    def load(self, data: bytes) -> Any:
+    def load(self, data: bytes | list[bytes]) -> Any:
+        if isinstance(data, list):  # a payload in pieces (dump)
+            data = b"".join(data)
         if is_ipc(data):
             return unpack(self.torch, data)
         return self.torch.load(io.BytesIO(data), weights_only=True)
@@ -698,7 +711,7 @@ class Runner:
         ops = [] if recorder is None else [op for op in recorder.ops if op not in _DATA_OPS]
         outputs = self.dump(self.host(outs))
         if pristine is None:
-            inputs_after: bytes | None = self.dump(self.host(self.inputs))
+            inputs_after: bytes | list[memoryview] | None = self.dump(self.host(self.inputs))
             problem = None
         else:  # checked here; this process's word, as inputs_after bytes would be
             inputs_after = None
