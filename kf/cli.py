@@ -222,6 +222,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         # in a folder, a broken task is skipped with its reason and the others run
         tasks, skipped = load_tasks_skipping(args.tasks)
+        if args.select is not None:  # --tasks 1,19,23-26,Softmax (kf.task_select)
+            from kf.task_select import SelectionError, select_loaded
+
+            if not args.tasks.is_dir():
+                raise TaskError(f"--tasks chooses tasks of a folder; {args.tasks} is a file")
+            try:
+                tasks, skipped = select_loaded(tasks, skipped, args.select, lambda t: t.name)
+            except SelectionError as exc:
+                raise TaskError(f"{args.tasks}: {exc}") from exc
         if not args.join:  # a joined deployment's workers check on their own devices
             if not args.no_worker:
                 from kf.orchestra import prepare_worker
@@ -263,6 +272,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     if skipped:
         opts.extra["skipped_tasks"] = dict(skipped)  # recorded in the run's first event
+    if args.select is not None:
+        opts.extra["task_selection"] = args.select
     if llm:
         opts.llm_url = args.llm_url
         opts.extra.update(llm)
@@ -382,7 +393,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     except LogError as exc:
         print(f"kf report: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    if args.csv:
+        from kf.kernelbench import rows_to_csv
+
+        print(rows_to_csv(report["kernelbench"]["rows"]), end="")
+    else:
+        print(json.dumps(report, indent=2) if args.json else format_table(report))
     if args.html:
         from kf.dashboard import write_report
 
@@ -517,6 +533,13 @@ def build_parser() -> argparse.ArgumentParser:
     rn = sub.add_parser("run", help="evolve kernels for a task file or a folder of tasks")
     rn.add_argument("tasks", type=Path, help="a KernelBench-format task file, or a folder of them")
     rn.add_argument("--budget", type=int, default=20, help="candidates per task (seeds included)")
+    rn.add_argument(
+        "--tasks",
+        dest="select",
+        metavar="SELECTION",
+        help="of a folder, only these tasks: KernelBench ids, A-B ranges and name "
+        "substrings, comma-separated (1,19,23-26,Softmax)",
+    )
     rn.add_argument("--seed", type=int, default=0, help="the run's seed (selection, mutation)")
     rn.add_argument(
         "--db",
@@ -594,6 +617,12 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="summarise a run from its log")
     rp.add_argument("db", type=Path)
     rp.add_argument("--json", action="store_true")
+    rp.add_argument(
+        "--csv",
+        action="store_true",
+        help="one row per task in KernelBench's terms (problem_id, compiled, correctness, "
+        "runtime, ref_runtime, speedups against eager, torch.compile and the better)",
+    )
     rp.add_argument(
         "--ignore-integrity",
         action="store_true",

@@ -132,6 +132,8 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
     n = len(state.tasks)
     total_cells = n * state.config.islands * CELLS_PER_ISLAND
     mutators = sorted({c.mutator for c in state.candidates.values()})
+    from kf.kernelbench import kernelbench_section
+
     return {
         "run_id": state.run_id,
         "seed": state.seed,
@@ -169,6 +171,8 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
             and getattr(getattr(decode_event(e), "report", None), "sandbox", "")
             == "unsafe-no-sandbox"
         ),
+        # one row per task in KernelBench's terms, and scores per level (kf.kernelbench)
+        "kernelbench": kernelbench_section(tasks, envelopes),
     }
 
 
@@ -291,6 +295,11 @@ def format_table(report: dict[str, Any]) -> str:
                 else ""
             )
         )
+    kb = report.get("kernelbench") or {}
+    if any(r["level"] is not None for r in kb.get("rows", [])):
+        from kf.kernelbench import format_levels
+
+        lines += format_levels(kb)
     a = report["archive"]
     lines.append(
         f"archive: {a['filled_cells']} of {a['total_cells']} cells filled; "
