@@ -112,6 +112,8 @@ OUTCOMES: dict[str, Any] = {
     "level2/5_Conv_Add.py": _profile(0.5, 1.0, 2.0),  # 0.5x eager, 2x compile, 0.5x best
 }
 SKIPPED = {"/kb/level1/7_Broken.py": "/kb/level1/7_Broken.py: syntax error at line 3"}
+CONFIG = {"budget": 1, "islands": 1, "max_in_flight": 1, "search_version": 2}
+CONFIG |= {"skipped_tasks": SKIPPED, "task_selection": "1-30"}
 
 
 def _write_log(db: Path) -> None:
@@ -150,10 +152,7 @@ def _write_log(db: Path) -> None:
         RunStarted(
             run_id="kb",
             seed=1,
-            config={
-                "budget": 1, "islands": 1, "max_in_flight": 1, "search_version": 2,
-                "skipped_tasks": SKIPPED, "task_selection": "1-30",
-            },  # fmt: skip
+            config=CONFIG,
             tasks=tuple(
                 TaskSpec(name=n, source="x", sha256="h", path=f"/kb/{f}", seeds=(("s", SEED),))
                 for f, n in names.items()
