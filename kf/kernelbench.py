@@ -51,6 +51,7 @@ __all__ = [
     "level_of",
     "level_scores",
     "rows_to_csv",
+    "task_windows",
 ]
 
 #: KernelBench's thresholds (``benchmark_eval_analysis.py``)
@@ -140,29 +141,30 @@ def level_scores(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _per_task(envelopes: list[Envelope]) -> tuple[dict[str, float], dict[str, float]]:
-    """Each task's seconds from its first to its last candidate event, and the largest
+def task_windows(envelopes: Iterable[Envelope]) -> dict[str, tuple[float, float]]:
+    """Each task's span of evaluation work (producer clocks): from the earliest stage's
+    start (its event's time less the stage's ``duration_s``) to the last stage's end.
+    Time a candidate spent queued behind other tasks' is outside it."""
+    return {t: (w[0], w[1]) for t, w in _scan(envelopes)[0].items()}
+
+
+def _scan(envelopes: Iterable[Envelope]) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Per task: ``[start, end]`` of its stages (:func:`task_windows`), and the largest
     ``peak_device_mb`` its stage reports state (reports that carry one)."""
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
+    window: dict[str, list[float]] = {}
     peak: dict[str, float] = {}
-    task_of: dict[str, str] = {}
     for env in envelopes:
-        if env.type == "kernel.candidate_proposed":
+        if env.type in _STAGES:
             ev = decode_event(env)
-            task_of[ev.candidate_id] = ev.task  # type: ignore[attr-defined]
-            first.setdefault(ev.task, env.time)  # type: ignore[attr-defined]
-        elif env.type in _STAGES:
-            ev = decode_event(env)
-            task = getattr(ev, "task", None) or task_of.get(getattr(ev, "candidate_id", ""))
-            if not task:
-                continue
-            last[task] = max(last.get(task, env.time), env.time)
-            mb = getattr(getattr(ev, "report", None), "peak_device_mb", None)
+            task = str(getattr(ev, "task", ""))
+            report = getattr(ev, "report", None)
+            began = env.time - float(getattr(report, "duration_s", 0.0) or 0.0)
+            w = window.setdefault(task, [began, env.time])
+            w[0], w[1] = min(w[0], began), max(w[1], env.time)
+            mb = getattr(report, "peak_device_mb", None)
             if isinstance(mb, int | float) and mb > 0:
                 peak[task] = max(peak.get(task, 0.0), float(mb))
-    times = {t: max(0.0, last[t] - first[t]) for t in last if t in first}
-    return times, peak
+    return window, peak
 
 
 def kernelbench_section(tasks: list[dict[str, Any]], envelopes: list[Envelope]) -> dict[str, Any]:
@@ -172,7 +174,8 @@ def kernelbench_section(tasks: list[dict[str, Any]], envelopes: list[Envelope]) 
     specs = {t.name: t for t in getattr(started, "tasks", ())}
     config: dict[str, Any] = dict(getattr(started, "config", {}) or {})
     compile_mode = str(config.get("compile_mode") or "default")
-    times, peaks = _per_task(envelopes)
+    windows, peaks = _scan(envelopes)
+    times = {t: max(0.0, w[1] - w[0]) for t, w in windows.items()}
     rows: list[dict[str, Any]] = []
     for t in tasks:
         name = t["task"]

@@ -173,7 +173,7 @@ def _write_log(db: Path) -> None:
             )
         )  # fmt: skip
         at: dict[str, Any] = {"candidate_id": cid, "task": task, "device_id": "d", "attempt": 1}
-        feed(CandidateCompiled(report=CompileReport(ok=True), **at))
+        feed(CandidateCompiled(report=CompileReport(ok=True, duration_s=5.0), **at))
         if outcome == "mismatch":
             bad = VerifyReport(correct=False, failure_kind="mismatch", error="off by 1", trials=1)
             feed(CandidateRejected(report=bad, **at))
@@ -214,7 +214,8 @@ def test_report_rows_and_fast_p_follow_kernelbench(kb_log: Path) -> None:
     assert (mm["speedup"], mm["speedup_vs_compile"], mm["speedup_vs_best"]) == (4.0, 2.0, 2.0)
     assert mm["runtime_stats"] == {"mean": 1.0, "std": 0.01}
     assert mm["candidate_id"] == "c-1_Square_matrix_multiplication_"
-    assert mm["time_s"] == pytest.approx(40.0)  # proposed -> profiled, producer clocks
+    # from the compile's start (its event less its 5 s) to the profile: 5 + 2 events × 10 s
+    assert mm["time_s"] == pytest.approx(25.0)
     soft = rows["23_Softmax.py"]
     assert soft["compiled"] is True and soft["correctness"] is False
     assert soft["runtime"] == -1.0 and soft["speedup"] is None  # KernelBench's "no result"
