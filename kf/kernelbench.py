@@ -301,7 +301,7 @@ def format_levels(section: dict[str, Any]) -> list[str]:
             lines.append(
                 f"  {label:>17}: "
                 + ", ".join(f"{k} = {v:.2f}" for k, v in fp.items())
-                + f"; geomean over correct {gm:.2f}×"
+                + (f"; geomean over correct {gm:.2f}×" if gm else "; geomean: no correct task")
             )
         if s.get("tasks_without_compile_baseline"):
             lines.append(

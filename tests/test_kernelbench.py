@@ -288,3 +288,40 @@ def test_hand_made_log_replays(kb_log: Path) -> None:
     with EventLog(kb_log, readonly=True) as elog:
         result = check(elog, deciding_agent_types(None))
     assert result.ok, result.difference
+
+
+def test_bench_checks_the_harness_on_a_folder(tmp_path: Path) -> None:
+    """bench/kernelbench.py without an LLM: each selected reference, as its own ModelNew,
+    goes through `kf run` and comes out correct; the broken task file is a row that is
+    neither compiled nor correct; the log replays. (The compile baseline is off here to
+    keep CI short; tests/test_compile_baseline.py covers it.)"""
+    import os
+    import subprocess
+    import sys
+
+    from kf.events import decode_event
+    from kf.log import EventLog
+    from kf.replay import check, deciding_agent_types
+
+    out = tmp_path / "out"
+    env = dict(os.environ, KF_COMPILE_BASELINE="0", KF_EVAL_THREADS="1", KF_LOG_LEVEL="WARNING")
+    proc = subprocess.run(
+        [sys.executable, "bench/kernelbench.py", "tests/fixtures/kernelbench/level1",
+         "--tasks", "7,ReLU", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "level1: 2 task(s), compiled 1/2, correct 1/2" in proc.stdout
+    lines = list(csv.DictReader(io.StringIO((out / "kernelbench.csv").read_text())))
+    assert [(r["problem_id"], r["compiled"], r["correctness"]) for r in lines] == [
+        ("7", "False", "False"),
+        ("19", "True", "True"),
+    ]
+    assert float(lines[1]["speedup"]) > 0 and float(lines[1]["time_s"]) > 0
+    assert "get_inputs() raised RuntimeError" in json.loads(lines[0]["metadata"])["skipped"]
+    saved = json.loads((out / "kernelbench.json").read_text())
+    assert saved["rows"][1]["peak_device_mb"] is None  # a CPU has no device memory to state
+    with EventLog(out / "kernelbench.db", readonly=True) as elog:
+        proposed = [decode_event(e) for e in elog.read() if e.type == "kernel.candidate_proposed"]
+        assert check(elog, deciding_agent_types(None)).ok
+    assert len(proposed) == 1 and "class ModelNew(Model):" in proposed[0].source  # type: ignore[attr-defined]
