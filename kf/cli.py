@@ -274,6 +274,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         opts.extra["skipped_tasks"] = dict(skipped)  # recorded in the run's first event
     if args.select is not None:
         opts.extra["task_selection"] = args.select
+    # the baselines' settings (kf.evaluation.baseline_settings): the local worker's grader
+    # reads them from the environment; recorded as asked, and each profile says what ran
+    if args.compile_mode:
+        os.environ["KF_COMPILE_MODE"] = args.compile_mode
+    if args.tf32:
+        os.environ["KF_TF32"] = args.tf32
+    opts.extra["compile_mode"] = os.environ.get("KF_COMPILE_MODE") or "default"
+    opts.extra["tf32"] = os.environ.get("KF_TF32") or "off"
     if llm:
         opts.llm_url = args.llm_url
         opts.extra.update(llm)
@@ -570,6 +578,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds per candidate stage before it is killed",
     )
     rn.add_argument("--json", action="store_true", help="print the final report as JSON")
+    from kf.evaluation.baseline_settings import COMPILE_MODES, TF32_SETTINGS
+
+    rn.add_argument(
+        "--compile-mode",
+        choices=COMPILE_MODES,
+        help="torch.compile mode of the compiled baseline (default: default; or $KF_COMPILE_MODE)",
+    )
+    rn.add_argument(
+        "--tf32",
+        choices=TF32_SETTINGS,
+        help="TF32 in every runner, the reference's included (default off; or $KF_TF32)",
+    )
     rn.add_argument(
         "--unsafe-no-sandbox",
         action="store_true",

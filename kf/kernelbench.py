@@ -84,6 +84,7 @@ CSV_COLUMNS = (
     "speedup_vs_compile",
     "speedup_vs_best",
     "compile_mode",
+    "tf32",
     "candidates",
     "peak_device_mb",
     "time_s",
@@ -215,7 +216,8 @@ def kernelbench_section(tasks: list[dict[str, Any]], envelopes: list[Envelope]) 
                 "speedup_vs_best": (vs_best if vs_best is not None else t["best_speedup"])
                 if correct
                 else None,
-                "compile_mode": compile_mode,
+                "compile_mode": t.get("compile_mode") or compile_mode,
+                "tf32": t.get("tf32") or str(config.get("tf32") or ""),
                 "candidates": t.get("candidates", 0),
                 "peak_device_mb": peaks.get(name),
                 "time_s": times.get(name),
@@ -241,6 +243,7 @@ def kernelbench_section(tasks: list[dict[str, Any]], envelopes: list[Envelope]) 
                 "speedup_vs_compile": None,
                 "speedup_vs_best": None,
                 "compile_mode": compile_mode,
+                "tf32": str(config.get("tf32") or ""),
                 "candidates": 0,
                 "peak_device_mb": None,
                 "time_s": None,

@@ -217,6 +217,9 @@ def _baseline_entry(
         # the longest compile of the task's reference a profile paid (0: all reused)
         "compile_baseline_s": max((r.compile_baseline_s for r in compiled), default=None),
         "compile_baseline_error": errors[-1] if errors and not compiled else None,
+        # the baselines' settings, as the best kernel's profile recorded them ("" in old logs)
+        "compile_mode": last.compile_mode if last is not None else "",
+        "tf32": last.tf32 if last is not None else "",
     }
 
 
@@ -316,6 +319,14 @@ def format_table(report: dict[str, Any]) -> str:
             "outside kf's box (--unsafe-no-sandbox): candidates could read kf's secrets and "
             "files and forge results"
         )
+    settings = sorted(
+        {
+            (t.get("compile_mode") or "—", t.get("tf32") or "—")
+            for t in report["tasks"]
+            if t.get("tf32")
+        }
+    )
+    lines += [f"baselines: torch.compile mode {m}, TF32 {tf}" for m, tf in settings]
     lines += notes
     lines += format_run_stats(report.get("run_stats") or {})
     integrity = report.get("integrity")
