@@ -444,12 +444,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write the best kernel of a task as a module defining ``ModelNew``."""
     from agents.archive import best_candidate
     from kf.log import EventLog, LogError
-    from kf.report import fold_archive
+    from kf.report import best_baselines, fold_archive
 
     try:
         with EventLog(args.db, readonly=True) as elog:
             state = fold_archive(elog, ignore_integrity=args.ignore_integrity)
             integrity = elog.verify()
+            envelopes = list(elog.read())
     except LogError as exc:
         print(f"kf export: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -462,10 +463,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     if best is None:
         print(f"kf export: task {task} has no correct, profiled kernel", file=sys.stderr)
         return EXIT_FAILED
+    vs = best_baselines(envelopes, task, best.id)
+    compiled = (
+        f"{vs['best_speedup_vs_compiled']:.2f}x over torch.compile ({vs['compiled_ms']:.4f} ms, "
+        f"mode {vs.get('compile_mode') or 'default'}), {vs['best_speedup_vs_best']:.2f}x over "
+        "the better of the two"
+        if vs["best_speedup_vs_compiled"] is not None and vs["compiled_ms"]
+        else "no torch.compile time"
+    )
     header = (
         f"# kf export: best kernel for task {task} from run {state.run_id}\n"
         f"# candidate {best.id}: {best.speedup:.2f}x over PyTorch eager "
         f"({best.runtime_ms:.4f} ms vs {best.ref_ms:.4f} ms), config {best.config}\n"
+        f"# {compiled}\n"
     )
     if not integrity.ok:
         header = (

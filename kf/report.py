@@ -26,6 +26,7 @@ from kf.run_stats import format_run_stats, run_stats
 
 __all__ = [
     "FAST_P",
+    "best_baselines",
     "build_report",
     "build_report_from",
     "fold_archive",
@@ -195,6 +196,13 @@ def _profiles(envelopes: Iterable[Envelope]) -> dict[str, list[Any]]:
             if ev.report.ok:  # type: ignore[attr-defined]
                 out.setdefault(ev.task, []).append(ev)  # type: ignore[attr-defined]
     return out
+
+
+def best_baselines(envelopes: Iterable[Envelope], task: str, best_id: str | None) -> dict[str, Any]:
+    """A task's best kernel against ``torch.compile`` and the better of eager and compile
+    (``best_speedup_vs_compiled``, ``best_speedup_vs_best``, ``compiled_ms``, …), from its
+    last profile in these envelopes; None throughout for logs from before the baseline."""
+    return _baseline_entry(_profiles(envelopes), task, best_id)
 
 
 def _baseline_entry(

@@ -325,3 +325,23 @@ def test_bench_checks_the_harness_on_a_folder(tmp_path: Path) -> None:
         proposed = [decode_event(e) for e in elog.read() if e.type == "kernel.candidate_proposed"]
         assert check(elog, deciding_agent_types(None)).ok
     assert len(proposed) == 1 and "class ModelNew(Model):" in proposed[0].source  # type: ignore[attr-defined]
+
+
+def test_export_states_every_baseline(kb_log: Path, tmp_path: Path) -> None:
+    """`kf export` heads the module with the speed-up against eager, torch.compile and the
+    better of the two; a task without a compiled time says so."""
+    from kf.cli import main
+
+    out = tmp_path / "mm.py"
+    assert (
+        main(["export", str(kb_log), "--task", "1_Square_matrix_multiplication_", "-o", str(out)])
+        == 0
+    )
+    head = out.read_text().splitlines()[:3]
+    assert "4.00x over PyTorch eager" in head[1]
+    assert (
+        head[2]
+        == "# 2.00x over torch.compile (2.0000 ms, mode default), 2.00x over the better of the two"
+    )
+    assert main(["export", str(kb_log), "--task", "24_LogSoftmax", "-o", str(out)]) == 0
+    assert out.read_text().splitlines()[2] == "# no torch.compile time"
