@@ -222,6 +222,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         # in a folder, a broken task is skipped with its reason and the others run
         tasks, skipped = load_tasks_skipping(args.tasks)
+        if args.select is not None:  # --tasks 1,19,23-26,Softmax (kf.task_select)
+            from kf.task_select import SelectionError, select_loaded
+
+            if not args.tasks.is_dir():
+                raise TaskError(f"--tasks chooses tasks of a folder; {args.tasks} is a file")
+            try:
+                tasks, skipped = select_loaded(tasks, skipped, args.select, lambda t: t.name)
+            except SelectionError as exc:
+                raise TaskError(f"{args.tasks}: {exc}") from exc
         if not args.join:  # a joined deployment's workers check on their own devices
             if not args.no_worker:
                 from kf.orchestra import prepare_worker
@@ -263,6 +272,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     if skipped:
         opts.extra["skipped_tasks"] = dict(skipped)  # recorded in the run's first event
+    if args.select is not None:
+        opts.extra["task_selection"] = args.select
+    # the baselines' settings (kf.evaluation.baseline_settings): the local worker's grader
+    # reads them from the environment; recorded as asked, and each profile says what ran
+    if args.compile_mode:
+        os.environ["KF_COMPILE_MODE"] = args.compile_mode
+    if args.tf32:
+        os.environ["KF_TF32"] = args.tf32
+    opts.extra["compile_mode"] = os.environ.get("KF_COMPILE_MODE") or "default"
+    opts.extra["tf32"] = os.environ.get("KF_TF32") or "off"
     if llm:
         opts.llm_url = args.llm_url
         opts.extra.update(llm)
@@ -382,7 +401,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     except LogError as exc:
         print(f"kf report: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    if args.csv:
+        from kf.kernelbench import rows_to_csv
+
+        print(rows_to_csv(report["kernelbench"]["rows"]), end="")
+    else:
+        print(json.dumps(report, indent=2) if args.json else format_table(report))
     if args.html:
         from kf.dashboard import write_report
 
@@ -420,12 +444,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write the best kernel of a task as a module defining ``ModelNew``."""
     from agents.archive import best_candidate
     from kf.log import EventLog, LogError
-    from kf.report import fold_archive
+    from kf.report import best_baselines, fold_archive
 
     try:
         with EventLog(args.db, readonly=True) as elog:
             state = fold_archive(elog, ignore_integrity=args.ignore_integrity)
             integrity = elog.verify()
+            envelopes = list(elog.read())
     except LogError as exc:
         print(f"kf export: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -438,10 +463,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     if best is None:
         print(f"kf export: task {task} has no correct, profiled kernel", file=sys.stderr)
         return EXIT_FAILED
+    vs = best_baselines(envelopes, task, best.id)
+    compiled = (
+        f"{vs['best_speedup_vs_compiled']:.2f}x over torch.compile ({vs['compiled_ms']:.4f} ms, "
+        f"mode {vs.get('compile_mode') or 'default'}), {vs['best_speedup_vs_best']:.2f}x over "
+        "the better of the two"
+        if vs["best_speedup_vs_compiled"] is not None and vs["compiled_ms"]
+        else "no torch.compile time"
+    )
     header = (
         f"# kf export: best kernel for task {task} from run {state.run_id}\n"
         f"# candidate {best.id}: {best.speedup:.2f}x over PyTorch eager "
         f"({best.runtime_ms:.4f} ms vs {best.ref_ms:.4f} ms), config {best.config}\n"
+        f"# {compiled}\n"
     )
     if not integrity.ok:
         header = (
@@ -517,6 +551,13 @@ def build_parser() -> argparse.ArgumentParser:
     rn = sub.add_parser("run", help="evolve kernels for a task file or a folder of tasks")
     rn.add_argument("tasks", type=Path, help="a KernelBench-format task file, or a folder of them")
     rn.add_argument("--budget", type=int, default=20, help="candidates per task (seeds included)")
+    rn.add_argument(
+        "--tasks",
+        dest="select",
+        metavar="SELECTION",
+        help="of a folder, only these tasks: KernelBench ids, A-B ranges and name "
+        "substrings, comma-separated (1,19,23-26,Softmax)",
+    )
     rn.add_argument("--seed", type=int, default=0, help="the run's seed (selection, mutation)")
     rn.add_argument(
         "--db",
@@ -547,6 +588,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds per candidate stage before it is killed",
     )
     rn.add_argument("--json", action="store_true", help="print the final report as JSON")
+    from kf.evaluation.baseline_settings import COMPILE_MODES, TF32_SETTINGS
+
+    rn.add_argument(
+        "--compile-mode",
+        choices=COMPILE_MODES,
+        help="torch.compile mode of the compiled baseline (default: default; or $KF_COMPILE_MODE)",
+    )
+    rn.add_argument(
+        "--tf32",
+        choices=TF32_SETTINGS,
+        help="TF32 in every runner, the reference's included (default off; or $KF_TF32)",
+    )
     rn.add_argument(
         "--unsafe-no-sandbox",
         action="store_true",
@@ -594,6 +647,12 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="summarise a run from its log")
     rp.add_argument("db", type=Path)
     rp.add_argument("--json", action="store_true")
+    rp.add_argument(
+        "--csv",
+        action="store_true",
+        help="one row per task in KernelBench's terms (problem_id, compiled, correctness, "
+        "runtime, ref_runtime, speedups against eager, torch.compile and the better)",
+    )
     rp.add_argument(
         "--ignore-integrity",
         action="store_true",

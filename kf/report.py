@@ -26,6 +26,7 @@ from kf.run_stats import format_run_stats, run_stats
 
 __all__ = [
     "FAST_P",
+    "best_baselines",
     "build_report",
     "build_report_from",
     "fold_archive",
@@ -132,6 +133,8 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
     n = len(state.tasks)
     total_cells = n * state.config.islands * CELLS_PER_ISLAND
     mutators = sorted({c.mutator for c in state.candidates.values()})
+    from kf.kernelbench import kernelbench_section
+
     return {
         "run_id": state.run_id,
         "seed": state.seed,
@@ -169,6 +172,8 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
             and getattr(getattr(decode_event(e), "report", None), "sandbox", "")
             == "unsafe-no-sandbox"
         ),
+        # one row per task in KernelBench's terms, and scores per level (kf.kernelbench)
+        "kernelbench": kernelbench_section(tasks, envelopes),
     }
 
 
@@ -193,6 +198,13 @@ def _profiles(envelopes: Iterable[Envelope]) -> dict[str, list[Any]]:
     return out
 
 
+def best_baselines(envelopes: Iterable[Envelope], task: str, best_id: str | None) -> dict[str, Any]:
+    """A task's best kernel against ``torch.compile`` and the better of eager and compile
+    (``best_speedup_vs_compiled``, ``best_speedup_vs_best``, ``compiled_ms``, …), from its
+    last profile in these envelopes; None throughout for logs from before the baseline."""
+    return _baseline_entry(_profiles(envelopes), task, best_id)
+
+
 def _baseline_entry(
     profiles: dict[str, list[Any]], task: str, best_id: str | None
 ) -> dict[str, Any]:
@@ -213,6 +225,9 @@ def _baseline_entry(
         # the longest compile of the task's reference a profile paid (0: all reused)
         "compile_baseline_s": max((r.compile_baseline_s for r in compiled), default=None),
         "compile_baseline_error": errors[-1] if errors and not compiled else None,
+        # the baselines' settings, as the best kernel's profile recorded them ("" in old logs)
+        "compile_mode": last.compile_mode if last is not None else "",
+        "tf32": last.tf32 if last is not None else "",
     }
 
 
@@ -291,6 +306,11 @@ def format_table(report: dict[str, Any]) -> str:
                 else ""
             )
         )
+    kb = report.get("kernelbench") or {}
+    if any(r["level"] is not None for r in kb.get("rows", [])):
+        from kf.kernelbench import format_levels
+
+        lines += format_levels(kb)
     a = report["archive"]
     lines.append(
         f"archive: {a['filled_cells']} of {a['total_cells']} cells filled; "
@@ -307,6 +327,14 @@ def format_table(report: dict[str, Any]) -> str:
             "outside kf's box (--unsafe-no-sandbox): candidates could read kf's secrets and "
             "files and forge results"
         )
+    settings = sorted(
+        {
+            (t.get("compile_mode") or "—", t.get("tf32") or "—")
+            for t in report["tasks"]
+            if t.get("tf32")
+        }
+    )
+    lines += [f"baselines: torch.compile mode {m}, TF32 {tf}" for m, tf in settings]
     lines += notes
     lines += format_run_stats(report.get("run_stats") or {})
     integrity = report.get("integrity")

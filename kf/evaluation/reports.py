@@ -179,6 +179,10 @@ class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
     speedup_vs_compiled: float | None = None
     speedup_vs_best: float | None = None
     sandbox: str = ""  # "bwrap" or "unsafe-no-sandbox" (see above); "" in older logs
+    # the baselines' settings as the reference runner stated them
+    # (kf.evaluation.baseline_settings); "" in older logs
+    compile_mode: str = ""  # torch.compile mode of the compiled time ("": none measured)
+    tf32: str = ""  # "off", "on", or "pytorch-default" (matmul off, cuDNN on)
 
 
 class CountersReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 import structlog
 
-from kf.evaluation import box
+from kf.evaluation import baseline_settings, box
 from kf.evaluation.device import parse_device
 from kf.evaluation.reports import (
     FAILURE_KINDS,
@@ -147,6 +147,8 @@ def _setup_fields(
         "own_inputs": not reference and _own_inputs(handle, device),
         # a reused reference keeps the input sets it made (the trial seeds repeat)
         "reference_cache_bytes": _reference_cache_bytes() if reference else 0,
+        # TF32 set explicitly, the same in every runner (kf.evaluation.baseline_settings)
+        "tf32": baseline_settings.tf32_setting(),
     }
 
 
@@ -309,13 +311,14 @@ def _load_pair(
     limits: Limits,
     deadline: _Deadline,
     seed: int,
-) -> None:
-    """Set both runners up, load the task in the reference and ``ModelNew`` in the candidate.
+) -> dict[str, Any]:
+    """Set both runners up, load the task in the reference and ``ModelNew`` in the candidate;
+    the reference runner's answer to its set-up (``precision``: its TF32 settings).
 
     The reference's ``init`` (the constructor arguments, made after seeding) goes to the
     candidate so both modules are built from the same inputs and parameters.
     """
-    _reference(
+    setup: dict[str, Any] = _reference(
         task, ref, "setup", deadline, **_setup_fields(ref, device, limits, deadline, reference=True)
     )
     _setup(cand, device, limits, deadline)
@@ -334,6 +337,7 @@ def _load_pair(
         task_name=task.name,
         what="construction of ModelNew",
     )
+    return setup
 
 
 def _loaded_and_checked(
@@ -351,10 +355,11 @@ def _loaded_and_checked(
     What profiling and the counters do before measuring: the inputs stay in the
     candidate runner, and the problem is None when the output was right.
     """
-    _load_pair(task, source, ref, cand, device, limits, deadline, seed)
+    setup = _load_pair(task, source, ref, cand, device, limits, deadline, seed)
     made: dict[str, Any] = _reference(
         task, ref, "make_inputs", deadline, seed=seed, send=not _own_inputs(cand, device)
     )
+    made["precision"] = setup.get("precision")  # what the reference runner said it set
     given = _given(cand, device, made, seed)
     problem = _run_and_check(task, ref, cand, given=given, seed=seed, deadline=deadline)
     return made, problem
@@ -831,6 +836,7 @@ def _compile_baseline(
             "compile_baseline",
             _compile_timeout_s(),
             cache_dir=_inductor_cache_dir(),
+            mode=baseline_settings.compile_mode(),
             what="torch.compile of the reference",
         )
     except (RunnerTimeout, RunnerCrashed) as exc:
@@ -1088,6 +1094,10 @@ def _profile(
         else str(compiled["error"] or "no sample of the compiled reference"),
         speedup_vs_compiled=kc["mean"] / c["mean"] if kc is not None and c["mean"] > 0 else None,
         speedup_vs_best=best_ref / c["mean"] if best_ref is not None and c["mean"] > 0 else None,
+        # what the reference runner said: a runner that does not say compiles the default
+        # mode and leaves TF32 as PyTorch starts (kf.evaluation.baseline_settings)
+        compile_mode=str(baseline.get("mode") or "default") if kc is not None else "",
+        tf32=baseline_settings.tf32_summary(made.get("precision")) or "pytorch-default",
     )
     log.info(
         "candidate_profiled",

@@ -1,0 +1,112 @@
+"""How the baselines are run: the ``torch.compile`` mode of the compiled reference, and the
+TF32 setting every runner (the reference's above all) computes under.
+
+The grader reads both from its environment and sends them to its runners; the runners
+apply them with :func:`apply_tf32` and :func:`compile_kwargs` and say back what they did,
+and the profile records what the runners said (``ProfileReport.compile_mode``,
+``ProfileReport.tf32``), never merely what was asked.
+
+- ``$KF_COMPILE_MODE`` (``kf run --compile-mode``): ``default`` (inductor's default mode,
+  what ``torch.compile(model)`` gives and KernelBench's ``torch_compile_inductor_default``
+  baseline), or ``max-autotune``, ``max-autotune-no-cudagraphs``, ``reduce-overhead``.
+  Compiling, and max-autotune's autotuning, happen in the first call, which is not timed;
+  the warm-up calls after it (CUDA graph recording for the cudagraph modes) are not
+  timed either.
+- ``$KF_TF32`` (``kf run --tf32``): ``off`` (the default: fp32 matmuls and convolutions in
+  full fp32, ``torch.backends.cuda.matmul.allow_tf32 = False``,
+  ``torch.backends.cudnn.allow_tf32 = False``, ``float32_matmul_precision = "highest"``)
+  or ``on`` (TF32 for both, precision ``"high"``). PyTorch's own default is mixed — matmul
+  off, cuDNN convolutions on — so kf sets both explicitly, the same in the reference's
+  runner and the candidate's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = [
+    "COMPILE_MODES",
+    "TF32_SETTINGS",
+    "BaselineSettingError",
+    "apply_tf32",
+    "compile_kwargs",
+    "compile_mode",
+    "describe_compile",
+    "read_tf32",
+    "tf32_setting",
+    "tf32_summary",
+]
+
+COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
+TF32_SETTINGS = ("off", "on")
+
+
+class BaselineSettingError(ValueError):
+    """``$KF_COMPILE_MODE`` or ``$KF_TF32`` holds a value kf does not know."""
+
+
+def compile_mode() -> str:
+    """``$KF_COMPILE_MODE`` (default ``default``); raises :class:`BaselineSettingError`."""
+    mode = os.environ.get("KF_COMPILE_MODE", "").strip() or "default"
+    if mode not in COMPILE_MODES:
+        raise BaselineSettingError(
+            f"KF_COMPILE_MODE={mode!r}: not a torch.compile mode kf knows "
+            f"({', '.join(COMPILE_MODES)})"
+        )
+    return mode
+
+
+def tf32_setting() -> str:
+    """``$KF_TF32`` (default ``off``); raises :class:`BaselineSettingError`."""
+    value = os.environ.get("KF_TF32", "").strip().lower() or "off"
+    if value not in TF32_SETTINGS:
+        raise BaselineSettingError(f"KF_TF32={value!r}: expected off or on")
+    return value
+
+
+def compile_kwargs(mode: str) -> dict[str, Any]:
+    """``torch.compile``'s keyword arguments for a baseline in ``mode`` (inductor, static
+    shapes; ``mode`` left out for the default, as a plain ``torch.compile`` call does)."""
+    if mode not in COMPILE_MODES:
+        raise BaselineSettingError(f"compile mode {mode!r}: expected one of {COMPILE_MODES}")
+    kw: dict[str, Any] = {"backend": "inductor", "dynamic": False}
+    if mode != "default":
+        kw["mode"] = mode
+    return kw
+
+
+def describe_compile(mode: str, torch_version: str) -> str:
+    """How the compiled reference was made, for ``ProfileReport.compile_baseline``."""
+    return f"torch.compile(mode {mode}, backend inductor, dynamic=False), torch {torch_version}"
+
+
+def read_tf32(torch: Any) -> dict[str, Any]:
+    """The TF32 settings this process computes under, as torch reports them."""
+    return {
+        "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+        "float32_matmul_precision": str(torch.get_float32_matmul_precision()),
+    }
+
+
+def apply_tf32(torch: Any, setting: str | None) -> dict[str, Any]:
+    """Set TF32 ``on`` or ``off`` in this process (a runner, before any task or candidate
+    code runs) and return the settings read back, with ``tf32``: the setting, or
+    ``"pytorch-default"`` when ``setting`` is None (nothing changed)."""
+    if setting is not None:
+        if setting not in TF32_SETTINGS:
+            raise BaselineSettingError(f"tf32 {setting!r}: expected off or on")
+        on = setting == "on"
+        torch.backends.cuda.matmul.allow_tf32 = on
+        torch.backends.cudnn.allow_tf32 = on
+        torch.set_float32_matmul_precision("high" if on else "highest")
+    return {"tf32": setting or "pytorch-default", **read_tf32(torch)}
+
+
+def tf32_summary(precision: dict[str, Any] | None) -> str:
+    """One word for a report: ``off``, ``on``, or ``pytorch-default`` (what PyTorch starts
+    with: matmul off, cuDNN on), ``""`` when a runner did not say."""
+    if not precision:
+        return ""
+    return str(precision.get("tf32") or "")
