@@ -253,7 +253,7 @@ async def run_cli_episode(spec: CliSpec, tool: ToolFn) -> EpisodeResult:
             except ResponseError as exc:
                 ended = "no_answer"
                 cause = (cause + "; " if cause else "") + f"model_new.py is unusable: {exc}"
-    files = _files(folder) if folder.exists() else ()
+    files = _files(folder)
     if source is not None and hashlib.sha256(source.encode()).hexdigest() in spec.seen:
         reason, source = "the agent's candidate duplicates one already proposed", None
     elif source is None:

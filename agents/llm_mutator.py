@@ -485,7 +485,7 @@ class LlmMutator(Agent[LlmMutatorState]):
         cand_id = derived_id("candidate", event_id)
         if ev.agent:
             events, edit, why, label, what = await self._episode(
-                state, ev, event_id, cand_id, prompt, parent, info.outcome or info.failure
+                state, ev, event_id, cand_id, prompt, parent, info.outcome or info.failure or ""
             )
             if edit is None:
                 return [*events, failed_as(label, why)]

@@ -192,7 +192,7 @@ async def run_episode(spec: EpisodeSpec, call: CallFn, tool: ToolFn) -> EpisodeR
             except ResponseError as exc:
                 ended, cause = "no_answer", f"unusable LLM response: {exc}"
                 break
-            answer = (edit.source, edit.kind, edit.notes)
+            answer = (edit.source, edit.kind, tuple(edit.notes))
             ended = "answered"
             break
         conv.append(
@@ -241,7 +241,8 @@ async def run_episode(spec: EpisodeSpec, call: CallFn, tool: ToolFn) -> EpisodeR
         ended, cause = "limit", f"turns: all {lim.turns} taken"
 
     source: str | None = None
-    kind, notes, reason = "rewrite", (), ""
+    kind, reason = "rewrite", ""
+    notes: tuple[str, ...] = ()
     if answer is not None:
         source, kind, notes = answer
     elif last_checked is not None:
