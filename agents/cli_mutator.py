@@ -242,17 +242,21 @@ async def run_cli_episode(spec: CliSpec, tool: ToolFn) -> EpisodeResult:
     notes: tuple[str, ...] = ()
     if ended != "crash":
         text = result_file.read_text(errors="replace") if result_file.is_file() else None
+        why = ""
         if text is None:
-            ended, cause = "no_answer", (cause + "; " if cause else "") + "no model_new.py left"
+            why = "no model_new.py left"
         elif spec.parent is not None and text == spec.parent:
-            ended, cause = "no_answer", (cause + "; " if cause else "") + "model_new.py unchanged"
+            why = "model_new.py unchanged"
         else:
             try:
                 edit = parse_edit(text, None)
                 source, notes = edit.source, tuple(edit.notes)
             except ResponseError as exc:
-                ended = "no_answer"
-                cause = (cause + "; " if cause else "") + f"model_new.py is unusable: {exc}"
+                why = f"model_new.py is unusable: {exc}"
+        if why:
+            # a limit stays the cause of an episode cut short; otherwise there was no answer
+            ended = "no_answer" if ended == "answered" else ended
+            cause = (cause + "; " if cause else "") + why
     files = _files(folder)
     if source is not None and hashlib.sha256(source.encode()).hexdigest() in spec.seen:
         reason, source = "the agent's candidate duplicates one already proposed", None

@@ -163,6 +163,13 @@ class BusTools:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        if not msg.data:  # the server's "no responders" status: no worker serves that device
+            return ToolReply(
+                ok=False,
+                text=f"no worker serves tools for device {device_id}",
+                error="no responders",
+                ran_on=device_id,
+            )
         try:
             # the reply subject is the device's own (kf.auth): it speaks for that device
             return dataclasses.replace(ToolReply.from_wire(_DEC.decode(msg.data)), ran_on=device_id)

@@ -22,6 +22,7 @@ from typing import Any
 from kf.agent import AgentContext
 from kf.events import Envelope, Record, decode_event
 from kf.log import EventLog, check_integrity
+from kf.mutator_stats import format_mutator_stats, mutator_stats
 from kf.run_stats import format_run_stats, run_stats
 
 __all__ = [
@@ -132,7 +133,9 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
     n = len(state.tasks)
     total_cells = n * state.config.islands * CELLS_PER_ISLAND
     mutators = sorted({c.mutator for c in state.candidates.values()})
+    compared = mutator_stats(envelopes)  # a mixed population's kinds, side by side
     return {
+        **({"mutators": compared} if compared else {}),
         "run_id": state.run_id,
         "seed": state.seed,
         "events": events,
@@ -309,6 +312,7 @@ def format_table(report: dict[str, Any]) -> str:
         )
     lines += notes
     lines += format_run_stats(report.get("run_stats") or {})
+    lines += format_mutator_stats(report.get("mutators") or {})
     integrity = report.get("integrity")
     if integrity is not None:
         if integrity["status"] == "broken":

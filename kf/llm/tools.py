@@ -212,6 +212,16 @@ def run_device_tool(
                 text = compile_outcome(c)
             reply = ToolReply(ok=c.ok, text=text, summary={"compiled": c.ok})
         elif tool == "check":
+            # built first, so a module that does not build gets the compiler's own lines
+            c = compile_candidate(task, source, device=device, timeout_s=timeout_s)
+            if not c.ok:
+                return ToolReply(
+                    ok=False,
+                    text=compile_outcome(c),
+                    summary={"correct": False, "failure_kind": c.failure_kind or "compile_error"},
+                    ran_on=device_id or device,
+                    latency_s=time.monotonic() - t0,
+                )
             v = verify_candidate(task, source, device=device, seed=s, timeout_s=timeout_s)
             if v.correct:
                 text = (
