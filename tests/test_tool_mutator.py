@@ -319,7 +319,7 @@ def mixed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     db = tmp_path_factory.mktemp("mixed") / "run.db"
     with ScriptedServer(responder=ToolEpisodeResponder()) as server:
         proc = run_kf(
-            "run", str(TASK), "--llm-url", server.url, "--model", "scripted", "--budget", "5",
+            "run", str(TASK), "--llm-url", server.url, "--model", "scripted", "--budget", "3",
             "--init", "3", "--seed", "1", "--db", str(db), "--json", "--max-in-flight", "2",
             "--mutators", "single=1,tools=1,cli=1", "--agent-cmd", FAKE_AGENT,
             timeout=500,
