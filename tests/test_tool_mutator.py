@@ -370,3 +370,39 @@ def test_mixed_population_run_compares_its_mutators_and_replays_without_the_serv
     assert "check: ok" in check.stdout
     table = run_kf("report", str(db))
     assert "mutators (per selection's recorded choice):" in table.stdout
+
+
+# -- on a GPU -----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_device_tools_on_a_gpu_compile_check_time_and_counters() -> None:
+    """The tools an episode gets on a GPU run the NVRTC seed on cuda:0: it compiles, is
+    correct, is timed against eager, and (with ncu) has counters; a broken copy's
+    compile shows the compiler's error."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU and a CUDA build of PyTorch (CI has neither)")
+    from kf.cuda import ncu
+
+    task = ROOT / "examples/cuda_tasks/gelu_residual.py"
+    seed = (ROOT / "examples/cuda_tasks/seeds/gelu_residual.py").read_text()
+
+    def run(tool: str, source: str) -> ToolReply:
+        return run_device_tool(
+            tool, "gelu_residual", task.read_text(), source, device="cuda:0", seed=0
+        )
+
+    assert [t["function"]["name"] for t in tool_specs(gpu=True)] == [
+        "compile", "check", "time", "counters", "show_elite",
+    ]  # fmt: skip
+    assert run("compile", seed).ok
+    checked = run("check", seed)
+    assert checked.ok and checked.text.startswith("correct"), checked.text
+    timed = run("time", seed)
+    assert timed.ok and timed.summary["speedup"] > 0, timed.text
+    broken = run("compile", seed.replace("__global__", "__global__ not_a_type", 1))
+    assert not broken.ok and "failed to build" in broken.text
+    if ncu.find_ncu() is not None:
+        counted = run("counters", seed)
+        assert counted.ok and counted.summary, counted.text
