@@ -26,11 +26,14 @@ from typing import Any
 
 import msgspec
 
+from agents.cli_mutator import CliSpec, agent_label, run_cli_episode
+from agents.tool_mutator import Elite, EpisodeResult, EpisodeSpec, ToolFn, run_episode
+from agents.tool_server import BusTools
 from kf import params
 from kf.agent import Agent, AgentContext
-from kf.backends import backend_of, language_of
+from kf.backends import backend_of, device_kind, language_of
 from kf.events import Event, Record, derived_id
-from kf.facts import DeviceAnnounced, RunStarted
+from kf.facts import DeviceAnnounced, DeviceLeft, DeviceLost, RunStarted
 from kf.llm.budget import Budget, Pricing, Usage
 from kf.llm.client import CallOutcome, ClientSettings, LlmClient, api_key_from_env
 from kf.llm.evidence import compile_outcome, profile_outcome, verify_outcome
@@ -47,11 +50,13 @@ from kf.llm.prompts import (
     prompt_hash,
     rewrite_messages,
 )
+from kf.llm.tools import ToolLimits, ToolReply, tool_specs
 from kf.llm_facts import (
     LlmAttempt,
     LlmBudgetExhausted,
     LlmCalled,
     LlmMessage,
+    LlmToolCall,
     PromptChosen,
     PromptRewriteFailed,
     PromptRewriteRequested,
@@ -100,6 +105,7 @@ class LlmMutatorState(msgspec.Struct, kw_only=True):
     """Tasks, candidates, elites, device capabilities, prompts and LLM usage, from the log."""
 
     run_id: str = ""
+    seed: int = 0
     islands: int = 1
     device: str = "cpu"
     base_url: str = ""
@@ -112,6 +118,8 @@ class LlmMutatorState(msgspec.Struct, kw_only=True):
     elites: dict[str, dict[str, str]] = {}  # task → cell key → candidate id
     child_failures: dict[str, list[str]] = {}  # parent id → recent failures of its children
     device_caps: dict[str, Any] = {}
+    live: dict[str, tuple[str, ...]] = {}  # live device id → the backends it announced
+    live_kind: dict[str, str] = {}  # device id → cpu | cuda
     prompts: dict[str, dict[str, str]] = {}
     seen: dict[str, set[str]] = {}
     usage: Usage = msgspec.field(default_factory=Usage)
@@ -147,6 +155,8 @@ class LlmMutator(Agent[LlmMutatorState]):
     listens = (
         RunStarted,
         DeviceAnnounced,
+        DeviceLeft,
+        DeviceLost,
         CandidateProposed,
         CandidateCompiled,
         CandidateRejected,
@@ -168,6 +178,12 @@ class LlmMutator(Agent[LlmMutatorState]):
         self._in_flight = 0
         self._unfolded: dict[str, tuple[int, int, float]] = {}
         self._announced = False
+        self._nc: Any = None  # the bus, for tool requests to the run's devices
+        self._tool_load: dict[str, int] = {}
+
+    def bind_bus(self, nc: Any) -> None:
+        """The runner's connection: episodes send tool requests to devices over it."""
+        self._nc = nc
 
     def initial_state(self) -> LlmMutatorState:
         return LlmMutatorState()
@@ -214,6 +230,7 @@ class LlmMutator(Agent[LlmMutatorState]):
         ev = rec.event
         if isinstance(ev, RunStarted):
             state.run_id = ev.run_id
+            state.seed = ev.seed
             state.islands = int(ev.config.get("islands", 1)) or 1
             state.device = str(ev.config.get("device", "cpu"))
             state.base_url = str(ev.config.get("llm_url", ""))
@@ -223,6 +240,11 @@ class LlmMutator(Agent[LlmMutatorState]):
             state.seeds = {t.name: list(t.seeds) for t in ev.tasks}
         elif isinstance(ev, DeviceAnnounced):
             state.device_caps = dict(ev.capabilities)
+            backends = ev.capabilities.get("backends", ()) or ()
+            state.live[ev.device_id] = tuple(str(b) for b in backends)
+            state.live_kind[ev.device_id] = ev.kind
+        elif isinstance(ev, (DeviceLeft, DeviceLost)):
+            state.live.pop(ev.device_id, None)
         elif isinstance(ev, CandidateProposed):
             state.sources[ev.candidate_id] = ev.source
             state.seen.setdefault(ev.task, set()).add(_digest(ev.source))
@@ -341,18 +363,22 @@ class LlmMutator(Agent[LlmMutatorState]):
         call_id: str,
         purpose: str,
         model: str,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         *,
         task: str = "",
         selection: int | None = None,
         prompt_id: str = "",
         prompt: Prompt | None = None,
         language: str = "",
+        tools: list[dict[str, Any]] | None = None,
+        record: list[dict[str, Any]] | None = None,
+        episode: str = "",
+        turn: int = 0,
     ) -> tuple[LlmCalled, CallOutcome]:
         client = self.client(state.config)
         self._in_flight += 1
         try:
-            out = await client.chat(model, messages)
+            out = await client.chat(model, messages, tools)
         finally:
             self._in_flight -= 1
         self._unfolded[call_id] = (out.prompt_tokens, out.completion_tokens, out.cost_usd)
@@ -363,7 +389,14 @@ class LlmMutator(Agent[LlmMutatorState]):
             base_url=client.settings.base_url,
             parameters=client.parameters,
             prompt_hash=prompt_hash(messages),
-            messages=tuple(LlmMessage(role=m["role"], content=m["content"]) for m in messages),
+            messages=tuple(
+                LlmMessage(
+                    role=str(m["role"]),
+                    content=str(m.get("content") or ""),
+                    tool_call_id=str(m.get("tool_call_id", "")),
+                )
+                for m in (messages if record is None else record)
+            ),
             response=out.response,
             finish_reason=out.finish_reason,
             prompt_tokens=out.prompt_tokens,
@@ -379,10 +412,13 @@ class LlmMutator(Agent[LlmMutatorState]):
             prompt_tokens_estimated=(
                 prompt.tokens
                 if prompt is not None
-                else sum(estimate_tokens(m["content"]) for m in messages)
+                else sum(estimate_tokens(str(m.get("content") or "")) for m in messages)
             ),
             truncated=prompt.truncated if prompt is not None else (),
             queued_s=out.queued_s,
+            episode=episode,
+            turn=turn,
+            tool_calls=tuple(LlmToolCall(id=i, name=n, arguments=a) for i, n, a in out.tool_calls),
         )
         return called, out
 
@@ -409,15 +445,14 @@ class LlmMutator(Agent[LlmMutatorState]):
         ]
 
     async def _mutate(self, state: LlmMutatorState, ev: PromptChosen, event_id: str) -> list[Event]:
-        label = llm_label(ev.model, state.base_url)
+        def failed_as(who: str, reason: str) -> MutationFailed:
+            return MutationFailed(task=ev.task, selection=ev.selection, reason=reason, mutator=who)
 
         def failed(reason: str) -> MutationFailed:
-            return MutationFailed(
-                task=ev.task, selection=ev.selection, reason=reason, mutator=label
-            )
+            return failed_as(self._label(state, ev), reason)
 
         if ev.operator == "init":
-            return await self._draft(state, ev, event_id, label, failed)
+            return await self._draft(state, ev, event_id, failed_as)
         parent = state.sources.get(ev.parent_id)
         if parent is None:
             return [failed(f"parent {ev.parent_id} was never proposed in this run")]
@@ -447,15 +482,24 @@ class LlmMutator(Agent[LlmMutatorState]):
         )
         prompt = mutation_prompt(ctx, self._prompt_budget(state))
         call_id = derived_id("llm-call", event_id)
-        called, edit, why = await self._answer(state, ev, call_id, "mutate", prompt, parent)
-        if edit is None:
-            return [called, failed(why)]
+        cand_id = derived_id("candidate", event_id)
+        if ev.agent:
+            events, edit, why, label, what = await self._episode(
+                state, ev, event_id, cand_id, prompt, parent, info.outcome or info.failure or ""
+            )
+            if edit is None:
+                return [*events, failed_as(label, why)]
+        else:
+            called, edit, why = await self._answer(state, ev, call_id, "mutate", prompt, parent)
+            if edit is None:
+                return [called, failed(why)]
+            events, what, label = [called], f"llm call {call_id}", self._label(state, ev)
         parsed = _params(edit.source)
         crossed = ev.operator == "crossover" and ev.second_parent_id is not None
         return [
-            called,
+            *events,
             CandidateProposed(
-                candidate_id=derived_id("candidate", event_id),
+                candidate_id=cand_id,
                 task=ev.task,
                 source=edit.source,
                 operator=edit.kind,
@@ -468,13 +512,161 @@ class LlmMutator(Agent[LlmMutatorState]):
                 family=params.family(edit.source),
                 config=dict(parsed[1]) if parsed else {},
                 note=(
-                    f"prompt {ev.prompt_id}; llm call {call_id}; {edit.kind} "
+                    f"prompt {ev.prompt_id}; {what}; {edit.kind} "
                     f"({edit.blocks} block{'s' if edit.blocks != 1 else ''})"
                     + ("; crossover" if crossed else "")
                     + "".join(f"; {n}" for n in edit.notes)
                 ),
             ),
         ]
+
+    def _label(self, state: LlmMutatorState, ev: PromptChosen) -> str:
+        """Who answers ``ev``, honestly: the model (with tools), or the agent command."""
+        if ev.agent == "cli":
+            return agent_label(str(state.config.get("agent_cmd", "")))
+        if ev.agent == "tools":
+            return f"llm+tools: {ev.model} via {state.base_url}"
+        return llm_label(ev.model, state.base_url)
+
+    def _tool_fn(self, state: LlmMutatorState, task: str) -> ToolFn:
+        """Runs a device tool on a live device of the run that serves the module's backend
+        (the least busy with this mutator's tools), over the bus."""
+        limits = ToolLimits.of(state.config)
+
+        async def run(tool: str, source: str) -> ToolReply:
+            backend = backend_of(source, state.device)
+            kind = device_kind(state.device)
+            devices = sorted(
+                d
+                for d, backends in state.live.items()
+                if state.live_kind.get(d) == kind and (not backends or backend in backends)
+            )
+            if not devices:
+                return ToolReply(
+                    ok=False,
+                    text=f"no live {kind} device of this run runs backend {backend} now",
+                    error="no device",
+                )
+            if self._nc is None:
+                return ToolReply(ok=False, text="this mutator has no bus", error="no bus")
+            dev = min(devices, key=lambda d: (self._tool_load.get(d, 0), d))
+            self._tool_load[dev] = self._tool_load.get(dev, 0) + 1
+            try:
+                return await BusTools(self._nc, state.run_id).run(
+                    dev,
+                    tool,
+                    task,
+                    state.references.get(task, ""),
+                    source,
+                    seed=state.seed,
+                    timeout_s=limits.tool_timeout_s,
+                )
+            finally:
+                self._tool_load[dev] -= 1
+
+        return run
+
+    async def _episode(
+        self,
+        state: LlmMutatorState,
+        ev: PromptChosen,
+        event_id: str,
+        cand_id: str,
+        prompt: Prompt,
+        parent: str | None,
+        evidence: str,
+    ) -> tuple[list[Event], Edit | None, str, str, str]:
+        """A tool-using or coding-agent episode: ``(events, edit or None, why not, label,
+        what the note says)``."""
+        label = self._label(state, ev)
+        episode = derived_id("episode", event_id)
+        limits = ToolLimits.of(state.config)
+        tool = self._tool_fn(state, ev.task)
+        seen = state.seen.get(ev.task, set())
+        result: EpisodeResult
+        if ev.agent == "cli":
+            result = await run_cli_episode(
+                CliSpec(
+                    episode=episode,
+                    task=ev.task,
+                    selection=ev.selection,
+                    template=str(state.config.get("agent_cmd", "")),
+                    timeout_s=float(state.config.get("agent_timeout_s", 600.0)),
+                    prompt=prompt,
+                    reference=state.references.get(ev.task, ""),
+                    parent=parent,
+                    evidence=evidence,
+                    tool_calls=limits.tool_calls,
+                    seen=seen,
+                ),
+                tool,
+            )
+        else:
+
+            async def call(
+                conv: list[dict[str, Any]],
+                new: list[dict[str, Any]],
+                turn: int,
+                tools: list[dict[str, Any]] | None,
+            ) -> tuple[LlmCalled, CallOutcome]:
+                return await self._call(
+                    state,
+                    derived_id("llm-call", event_id, "turn", turn),
+                    "init" if ev.operator == "init" else "mutate",
+                    ev.model,
+                    conv,
+                    task=ev.task,
+                    selection=ev.selection,
+                    prompt_id=ev.prompt_id,
+                    prompt=prompt if turn == 0 else None,
+                    language=ev.language,
+                    tools=tools,
+                    record=new,
+                    episode=episode,
+                    turn=turn,
+                )
+
+            elites = {
+                cid: Elite(
+                    id=cid,
+                    source=state.sources[cid],
+                    speedup=state.cands[cid].speedup,
+                    cell=state.cands[cid].cell,
+                    island=state.cands[cid].island,
+                )
+                for cid in sorted(set(state.elites.get(ev.task, {}).values()))
+                if cid in state.sources and cid in state.cands
+            }
+            result = await run_episode(
+                EpisodeSpec(
+                    episode=episode,
+                    task=ev.task,
+                    selection=ev.selection,
+                    model=ev.model,
+                    prompt=prompt,
+                    parent=parent,
+                    limits=limits,
+                    tools=tool_specs(gpu=device_kind(state.device) == "cuda"),
+                    elites=elites,
+                    seen=seen,
+                    budget_left=lambda: self._budget_left(state),
+                ),
+                call,
+                tool,
+            )
+        end = result.ended
+        events: list[Event] = list(result.events)
+        if end is not None:
+            if result.source is not None:
+                end = msgspec.structs.replace(end, candidate_id=cand_id)
+            events.append(end)
+        if result.source is None:
+            return events, None, result.reason, label, ""
+        edit = Edit(result.source, result.kind, notes=list(result.notes))
+        what = f"{'agent command' if ev.agent == 'cli' else 'tool'} episode {episode}"
+        if end is not None:
+            what += f" ({end.turns} turns, {end.tool_calls} tool calls, {end.ended})"
+        return events, edit, "", label, what
 
     async def _answer(
         self,
@@ -521,14 +713,14 @@ class LlmMutator(Agent[LlmMutatorState]):
         state: LlmMutatorState,
         ev: PromptChosen,
         event_id: str,
-        label: str,
-        failed: Any,
+        failed_as: Any,
     ) -> list[Event]:
         """A first-generation candidate: the model writes a kernel from the reference alone
         (in a retry round, with the evidence of the failed first attempts)."""
+        label = self._label(state, ev)
         reason = self._budget_left(state)
         if reason is not None:
-            return [*self._exhausted(state, reason), failed(reason)]
+            return [*self._exhausted(state, reason), failed_as(label, reason)]
         attempts = [
             Attempt(
                 candidate_id=cid,
@@ -549,15 +741,25 @@ class LlmMutator(Agent[LlmMutatorState]):
             self._prompt_budget(state),
         )
         call_id = derived_id("llm-call", event_id)
-        called, edit, why = await self._answer(state, ev, call_id, "init", prompt, None)
-        if edit is None:
-            return [called, failed(why)]
+        cand_id = derived_id("candidate", event_id)
+        if ev.agent:
+            evidence = "\n\n".join(f"{a.candidate_id}: {a.outcome}" for a in attempts)
+            events, edit, why, label, what = await self._episode(
+                state, ev, event_id, cand_id, prompt, None, evidence
+            )
+            if edit is None:
+                return [*events, failed_as(label, why)]
+        else:
+            called, edit, why = await self._answer(state, ev, call_id, "init", prompt, None)
+            if edit is None:
+                return [called, failed_as(label, why)]
+            events, what = [called], f"llm call {call_id}"
         parsed = _params(edit.source)
         shown = f"; shown {len(attempts)} failed attempt(s)" if attempts else ""
         return [
-            called,
+            *events,
             CandidateProposed(
-                candidate_id=derived_id("candidate", event_id),
+                candidate_id=cand_id,
                 task=ev.task,
                 source=edit.source,
                 operator="init",
@@ -569,8 +771,7 @@ class LlmMutator(Agent[LlmMutatorState]):
                 config=dict(parsed[1]) if parsed else {},
                 note=(
                     f"first generation in {ev.language or 'any language'}; prompt "
-                    f"{ev.prompt_id}; llm call {call_id}{shown}"
-                    + "".join(f"; {n}" for n in edit.notes)
+                    f"{ev.prompt_id}; {what}{shown}" + "".join(f"; {n}" for n in edit.notes)
                 ),
             ),
         ]

@@ -8,7 +8,9 @@ fold computes the decisions and applies their effect at once; ``react`` returns 
   answer it (``PromptChosen``), seeded by sha256 of the run seed, the task and the
   selection number: a prompt never tried goes first; otherwise, with probability
   ``prompt_explore`` a uniformly drawn prompt, else the fittest. The model is drawn by
-  weight from the same generator.
+  weight from the same generator. With ``mutator_weights`` in the run config it also
+  draws, from a generator of its own, which mutator answers (``agent``: the single-shot
+  call, a tool-using episode or the coding-agent CLI).
 - A prompt's fitness is the mean score of the kernels written with it (speedup when
   profiled correct, 0 when failed), with one pseudo-observation of ``PRIOR``.
 - Every ``prompt_evolve_every`` finished kernels it asks for one region of a prompt (the
@@ -61,6 +63,9 @@ class EvolverConfig(msgspec.Struct, frozen=True, kw_only=True):
     prompt_evolve_every: int = 2
     max_prompts: int = 6
     prompt_explore: float = 0.25
+    # which mutator answers a selection, by weight: "single" (one LLM call), "tools" (a
+    # tool-using episode), "cli" (the --agent-cmd agent); empty: single-shot only
+    mutator_weights: list[tuple[str, float]] = []
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> EvolverConfig:
@@ -233,6 +238,13 @@ class PromptEvolver(Agent[EvolverState]):
             chosen = max(prompts, key=lambda p: (p.fitness, -prompts.index(p)))
         chosen.chosen += 1
         model = _pick_model(rng, cfg.llm_models)
+        agent = ""
+        if cfg.mutator_weights:
+            # its own generator, so runs without mutator_weights decide as they always did
+            picked = _pick_model(
+                _rng(state.seed, "agent", ev.task, ev.selection), cfg.mutator_weights
+            )
+            agent = "" if picked in ("single", "default") else picked
         state.selection_prompt[f"{ev.task}:{ev.selection}"] = chosen.id
         return PromptChosen(
             task=ev.task,
@@ -246,6 +258,7 @@ class PromptEvolver(Agent[EvolverState]):
             rng_seed=ev.rng_seed,
             language=ev.language,
             evidence=ev.evidence,
+            agent=agent,
         )
 
     def _finish(

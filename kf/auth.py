@@ -81,16 +81,18 @@ def permissions(run_id: str, role: str, device_id: str | None = None) -> dict[st
             "subscribe": {"allow": [*bus.intake_subjects(run_id), fetch, *read]},
         }
     if role == "proposer":
+        # tool requests to any device, and their answers (agents.tool_server)
         return {
-            "publish": {"allow": [bus.inbound_subject(run_id), fetch]},
-            "subscribe": {"allow": read},
+            "publish": {"allow": [bus.inbound_subject(run_id), fetch, f"kf.{run_id}.tool.*"]},
+            "subscribe": {"allow": [*read, f"kf.{run_id}.toolreply.>"]},
         }
     if role == "worker":
         if device_id is None:
             raise ValueError("a worker's permissions are for one device: give its device id")
+        answers = bus.tool_reply_subject(run_id, device_id, ">")
         return {
-            "publish": {"allow": [bus.device_inbound_subject(run_id, device_id), fetch]},
-            "subscribe": {"allow": read},
+            "publish": {"allow": [bus.device_inbound_subject(run_id, device_id), fetch, answers]},
+            "subscribe": {"allow": [*read, bus.tool_subject(run_id, device_id)]},
         }
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
 

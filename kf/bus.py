@@ -145,6 +145,18 @@ def intake_device(run_id: str, subject: str) -> tuple[bool, str | None]:
     return False, None
 
 
+def tool_subject(run_id: str, device_id: str) -> str:
+    """Where a mutator asks the worker of ``device_id`` to run a tool (``agents.tool_server``)."""
+    return f"kf.{run_id}.tool.{device_token(device_id)}"
+
+
+def tool_reply_subject(run_id: str, device_id: str, nonce: str) -> str:
+    """Where the worker of ``device_id`` answers one tool request: only that worker may
+    publish under its device's reply subjects (kf.auth), so an answer cannot be forged by
+    another device."""
+    return f"kf.{run_id}.toolreply.{device_token(device_id)}.{nonce}"
+
+
 def log_subject(run_id: str) -> str:
     """Where committed envelopes are published."""
     return f"kf.{run_id}.log"

@@ -17,15 +17,18 @@ from kf.events import Decision, Observation, event
 
 __all__ = [
     "ConfigTuned",
+    "EpisodeEnded",
     "LlmAttempt",
     "LlmBudgetExhausted",
     "LlmCalled",
     "LlmMessage",
+    "LlmToolCall",
     "PromptChosen",
     "PromptRewriteFailed",
     "PromptRewriteRequested",
     "PromptRewritten",
     "PromptSeeded",
+    "ToolCalled",
     "TuningTrial",
 ]
 
@@ -35,6 +38,15 @@ class LlmMessage(msgspec.Struct, frozen=True, kw_only=True):
 
     role: str
     content: str
+    tool_call_id: str = ""  # a tool result (role "tool"): the call it answers
+
+
+class LlmToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """One tool call a model asked for: its id, the tool's name and the arguments verbatim."""
+
+    id: str
+    name: str
+    arguments: str = ""  # the JSON text the model wrote (maybe malformed)
 
 
 class LlmAttempt(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,6 +83,12 @@ class LlmCalled(Observation, frozen=True, kw_only=True):
     prompt_tokens_estimated: int = 0  # kf's estimate before sending (for --llm-max-context)
     truncated: tuple[str, ...] = ()  # what was cut from the prompt to fit, and how much
     queued_s: float = 0.0  # seconds waiting for a --llm-concurrency slot (not in latency_s)
+    # a turn of a tool-using episode: its id and turn number, and the tools the model
+    # called; ``messages`` then holds only what was added since the previous turn (the
+    # tool results and notes; the model's own message is the previous turn's response)
+    episode: str = ""
+    turn: int = 0
+    tool_calls: tuple[LlmToolCall, ...] = ()
 
 
 @event("llm.budget_exhausted")
@@ -106,6 +124,9 @@ class PromptChosen(Decision, frozen=True, kw_only=True):
     rng_seed: int = 0
     language: str = ""  # the kernel language the selection asked for ("": any)
     evidence: tuple[str, ...] = ()  # failed candidates whose evidence the prompt carries
+    # which mutator answers: "" the single-shot LLM call, "tools" a tool-using episode,
+    # "cli" a coding-agent CLI (drawn by the run config's ``mutator_weights``)
+    agent: str = ""
 
 
 @event("prompt.rewrite_requested")
@@ -174,3 +195,55 @@ class ConfigTuned(Observation, frozen=True, kw_only=True):
     baseline_ms: float | None = None
     trials: tuple[TuningTrial, ...] = ()
     note: str = ""
+
+
+@event("episode.tool_called")
+class ToolCalled(Observation, frozen=True, kw_only=True):
+    """A mutator's episode ran one tool for its model or agent; never enters the archive.
+
+    ``result`` is what the model was shown; ``ran_on`` the device whose sandboxed runners
+    ran it ("" for tools answered from the log, such as ``show_elite``).
+    """
+
+    episode: str
+    tool: str
+    task: str = ""
+    selection: int | None = None
+    turn: int = 0
+    index: int = 0  # the episode's n-th tool call
+    call_id: str = ""  # the model's id of the call
+    arguments: str = ""  # verbatim
+    ok: bool = False
+    result: str = ""
+    summary: dict[str, Any] = {}
+    error: str | None = None  # the tool could not run (no device, timeout, malformed call)
+    ran_on: str = ""
+    latency_s: float = 0.0
+
+
+@event("episode.ended")
+class EpisodeEnded(Observation, frozen=True, kw_only=True):
+    """A tool-using or coding-agent episode ended: how (``ended``), why, and what it cost.
+
+    ``ended`` is ``answered`` (the model or agent gave a candidate), ``limit`` (turns, tool
+    calls, tokens or wall time ran out), ``malformed`` (a tool call kf could not run),
+    ``crash`` (the model call, a tool or the agent failed) or ``no_answer``.
+    """
+
+    episode: str
+    kind: str  # tools | cli
+    task: str
+    selection: int | None = None
+    model: str = ""
+    ended: str = "answered"
+    cause: str = ""
+    candidate_id: str = ""
+    turns: int = 0
+    tool_calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+    command: str = ""  # cli: the command run
+    exit_code: int | None = None  # cli
+    transcript: str = ""  # cli: the command's output, trimmed
+    files: tuple[str, ...] = ()  # cli: what the agent left in its folder

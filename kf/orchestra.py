@@ -139,8 +139,24 @@ async def run_worker(
                 tg.create_task(
                     supervise(_runner_factory(cls, run_id, nc, opt), stop, name=cls.kind)
                 )
+            tg.create_task(_tool_server(nc, run_id, opt).run(stop))
     finally:
         await bus.close(nc)
+
+
+def _tool_server(nc: Any, run_id: str, opt: dict[str, Any]) -> Any:
+    """The worker's answerer of mutators' tool requests (``agents.tool_server``)."""
+    from agents.tool_server import ToolServer
+    from kf.evaluation import parse_device
+
+    device = parse_device(str(opt["device"]))
+    return ToolServer(
+        nc,
+        run_id,
+        device,
+        str(opt.get("device_id", device)),
+        timeout_s=float(opt.get("timeout_s", 300.0)),
+    )
 
 
 @dataclass
@@ -326,6 +342,9 @@ async def run_search(
                         )
                     )
                 )
+            agent_tasks.append(
+                asyncio.create_task(_tool_server(rb.worker, run_id, opt).run(stop_agents))
+            )
         if o.serve is not None and db.exists():
             from kf.dashboard import start_dashboard
 

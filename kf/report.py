@@ -22,6 +22,7 @@ from typing import Any
 from kf.agent import AgentContext
 from kf.events import Envelope, Record, decode_event
 from kf.log import EventLog, check_integrity
+from kf.mutator_stats import format_mutator_stats, mutator_stats
 from kf.run_stats import format_run_stats, run_stats
 
 __all__ = [
@@ -135,7 +136,9 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
     mutators = sorted({c.mutator for c in state.candidates.values()})
     from kf.kernelbench import kernelbench_section
 
+    compared = mutator_stats(envelopes)  # a mixed population's kinds, side by side
     return {
+        **({"mutators": compared} if compared else {}),
         "run_id": state.run_id,
         "seed": state.seed,
         "events": events,
@@ -337,6 +340,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines += [f"baselines: torch.compile mode {m}, TF32 {tf}" for m, tf in settings]
     lines += notes
     lines += format_run_stats(report.get("run_stats") or {})
+    lines += format_mutator_stats(report.get("mutators") or {})
     integrity = report.get("integrity")
     if integrity is not None:
         if integrity["status"] == "broken":

@@ -338,6 +338,10 @@ class AgentRunner:
         self._reactions: set[asyncio.Task[None]] = set()
         self.ctx.emit = self._emit_spontaneous
         self.log = self.ctx.log
+        # an agent that talks on the bus itself (a mutator asking devices to run tools)
+        bind = getattr(agent, "bind_bus", None)
+        if callable(bind):
+            bind(nc)
 
     # -- emitting --------------------------------------------------------------------
 

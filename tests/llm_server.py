@@ -6,7 +6,10 @@ next scripted action, or by a responder function once the script is used up. Act
 ``{"hang": seconds}`` (answers after that long, past a client's timeout),
 ``{"garbage": str}`` (a 200 whose body is not a completion). A completion may carry
 ``"finish_reason"`` (e.g. ``"length"``, an answer cut off at the token limit) and
-``"delay"`` (seconds to wait before answering, for a slow model). It runs in a thread with its
+``"delay"`` (seconds to wait before answering, for a slow model). ``{"tool_calls": [{"name":
+str, "arguments": dict | str}, ...]}`` answers with OpenAI tool calls (``finish_reason``
+``tool_calls``; a str ``arguments`` is sent as is, so malformed JSON can be scripted), with
+``"content"`` optional beside them. It runs in a thread with its
 own event loop, so synchronous tests (driving ``kf run`` in a subprocess) can use it too.
 """
 
@@ -75,9 +78,31 @@ class ScriptedServer:
             finally:
                 with self._lock:
                     self.in_flight -= 1
-        content = str(action["content"])
-        prompt_tokens = sum(len(m.get("content", "").split()) for m in body.get("messages", []))
-        completion_tokens = len(content.split())
+        calls = [
+            {
+                "id": f"call-{len(self.requests)}-{i}",
+                "type": "function",
+                "function": {
+                    "name": c["name"],
+                    "arguments": c["arguments"]
+                    if isinstance(c.get("arguments"), str)
+                    else json.dumps(c.get("arguments", {})),
+                },
+            }
+            for i, c in enumerate(action.get("tool_calls", ()))
+        ]
+        content = action.get("content")
+        if content is None and not calls:
+            content = ""
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        prompt_tokens = sum(
+            len(str(m.get("content") or "").split()) for m in body.get("messages", [])
+        )
+        completion_tokens = len(str(content or "").split()) + sum(
+            len(c["function"]["arguments"].split()) for c in calls
+        )
         return web.json_response(
             {
                 "id": f"scripted-{len(self.requests)}",
@@ -87,8 +112,10 @@ class ScriptedServer:
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": content},
-                        "finish_reason": action.get("finish_reason", "stop"),
+                        "message": message,
+                        "finish_reason": action.get(
+                            "finish_reason", "tool_calls" if calls else "stop"
+                        ),
                     }
                 ],
                 "usage": {
@@ -160,6 +187,13 @@ def user_text(body: dict[str, Any]) -> str:
     """The last user message of a request."""
     msgs = [m for m in body.get("messages", []) if m.get("role") == "user"]
     return str(msgs[-1]["content"]) if msgs else ""
+
+
+def tool_results(body: dict[str, Any]) -> list[str]:
+    """The contents of the tool results (role ``tool``) a request carries, in order."""
+    return [
+        str(m.get("content") or "") for m in body.get("messages", []) if m.get("role") == "tool"
+    ]
 
 
 def dumps(obj: Any) -> str:

@@ -472,3 +472,85 @@ class GpuResponder:
                 f'{cfg.group(0)}\n=======\nCONFIG = {{"BLOCK": {new}}}\n>>>>>>> REPLACE\n'
             )
         }
+
+
+# -- tool-using episodes and coding agents (tests/test_tool_mutator.py) -------------------
+
+CHUNKS = (16, 32, 48, 64, 96, 128, 192, 256)
+
+
+def cpp_variant(chunk: int, broken: bool = False) -> str:
+    """The scale_relu module with ``CHUNK`` = ``chunk`` (its space lists every CHUNKS value)."""
+    return (
+        cpp_module(broken=broken)
+        .replace('SPACE = {"CHUNK": [16, 64, 256]}', f'SPACE = {{"CHUNK": {list(CHUNKS)}}}')
+        .replace('CONFIG = {"CHUNK": 64}', f'CONFIG = {{"CHUNK": {chunk}}}')
+    )
+
+
+class ToolEpisodeResponder:
+    """Plays a tool-using episode for every request that offers tools: it calls
+    ``compile`` on a module that does not compile; once the tool's result shows the
+    compiler's error it calls ``check`` on the fixed module; once ``check`` says correct it
+    answers with that module. Requests without tools (single-shot calls, prompt rewrites)
+    get a whole module at once. Each answer uses a fresh CHUNK, so none is a duplicate."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.n = 0
+        self.episodes: list[list[str]] = []  # per episode: the tool results seen, in order
+        self.single = 0
+
+    def _chunk(self, body: dict[str, Any]) -> int:
+        """A fresh CHUNK on an episode's first turn; later turns read it back from the
+        module the episode's earlier tool call carried."""
+        for m in reversed(body["messages"]):
+            for call in m.get("tool_calls") or ():
+                found = re.search(
+                    r'CONFIG = \{\\?"CHUNK\\?": (\d+)\}', call["function"]["arguments"]
+                )
+                if found:
+                    return int(found.group(1))
+        with self.lock:
+            self.n += 1
+            return CHUNKS[self.n % len(CHUNKS)]
+
+    def __call__(self, body: dict[str, Any]) -> dict[str, Any]:
+        from tests.llm_server import tool_results
+
+        text = user_text(body)
+        if "Rewrite ONE region" in text:
+            return {"content": "```\nFuse, then vectorise.\n```"}
+        if not body.get("tools") and not tool_results(body):
+            with self.lock:
+                self.single += 1
+                self.n += 1
+                n = self.n
+            return {"content": "```python\n" + cpp_variant(CHUNKS[n % len(CHUNKS)]) + "```\n"}
+        chunk = self._chunk(body)
+        seen = tool_results(body)
+        with self.lock:
+            if not seen:
+                self.episodes.append([])
+            else:
+                self.episodes.append(list(seen))
+        if not seen:
+            return {
+                "content": "Let me build it first.",
+                "tool_calls": [
+                    {"name": "compile", "arguments": {"source": cpp_variant(chunk, True)}}
+                ],
+            }
+        last = seen[-1]
+        if "failed to build" in last:
+            return {"tool_calls": [{"name": "check", "arguments": {"source": cpp_variant(chunk)}}]}
+        if last.startswith("correct"):
+            return {"content": "Checked and correct:\n```python\n" + cpp_variant(chunk) + "```\n"}
+        return {"content": "I could not make it work."}
+
+
+def hash_text(text: str) -> int:
+    """A stable hash of a text (Python's own is salted per process)."""
+    import zlib
+
+    return zlib.crc32(text.encode())

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["add_llm_options", "llm_config", "parse_models"]
+__all__ = [
+    "MUTATOR_KINDS",
+    "add_agent_options",
+    "add_llm_options",
+    "agent_config",
+    "llm_config",
+    "parse_models",
+    "parse_mutators",
+]
 
 
 def add_llm_options(p: argparse.ArgumentParser) -> None:
@@ -68,6 +76,89 @@ def add_llm_options(p: argparse.ArgumentParser) -> None:
         metavar=("IN", "OUT"),
         help="price per million prompt and completion tokens (for cost and --llm-budget-usd)",
     )
+    add_agent_options(p)
+
+
+def add_agent_options(p: argparse.ArgumentParser) -> None:
+    """``--mutators``, ``--agent-cmd`` and the per-episode limits of tool-using mutators."""
+    p.add_argument(
+        "--mutators",
+        metavar="KIND=W,...",
+        help="which mutator answers each selection, drawn by weight: single (one LLM call), "
+        "tools (the model calls compile/check/time before it answers), cli (--agent-cmd); "
+        "e.g. single=2,tools=1,cli=1 (default: single only, or cli with --agent-cmd)",
+    )
+    p.add_argument(
+        "--agent-cmd",
+        metavar="TEMPLATE",
+        help="a coding-agent command run in a scratch folder with TASK.md, the parent and a "
+        "./check script; it leaves its kernel in model_new.py. {dir}, {task_file}, {prompt}, "
+        "{model_file}, {check} are replaced (shell-quoted)",
+    )
+    p.add_argument(
+        "--agent-timeout", type=float, default=600.0, metavar="S", help="seconds per agent run"
+    )
+    p.add_argument("--tool-turns", type=int, default=8, help="model turns per tool episode")
+    p.add_argument("--tool-calls", type=int, default=12, help="tool calls per episode")
+    p.add_argument("--tool-tokens", type=int, default=200_000, help="tokens per tool episode")
+    p.add_argument(
+        "--tool-seconds", type=float, default=900.0, help="wall seconds per tool episode"
+    )
+
+
+MUTATOR_KINDS = ("single", "tools", "cli")
+
+
+def parse_mutators(spec: str) -> list[tuple[str, float]]:
+    """``"single=2,tools=1"`` → ``[("single", 2.0), ("tools", 1.0)]``; ValueError if bad."""
+    out: list[tuple[str, float]] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        name, sep, weight = part.partition("=")
+        if name not in MUTATOR_KINDS:
+            raise ValueError(
+                f"--mutators: unknown kind {name!r} (known: {', '.join(MUTATOR_KINDS)})"
+            )
+        try:
+            w = float(weight) if sep else 1.0
+        except ValueError:
+            raise ValueError(f"--mutators {part!r}: the weight must be a number") from None
+        if w < 0:
+            raise ValueError(f"--mutators {part!r}: the weight must be ≥ 0")
+        out.append((name, w))
+    if not any(w > 0 for _, w in out):
+        raise ValueError("--mutators needs at least one kind with a positive weight")
+    return out
+
+
+def agent_config(args: argparse.Namespace) -> dict[str, Any] | str:
+    """The run-config keys of ``--mutators``/``--agent-cmd`` (empty when neither), or an error."""
+    spec = getattr(args, "mutators", None)
+    cmd = getattr(args, "agent_cmd", None)
+    if not spec and not cmd:
+        return {}
+    try:
+        weights = parse_mutators(spec) if spec else [("cli", 1.0)]
+    except ValueError as exc:
+        return str(exc)
+    if any(n == "cli" and w > 0 for n, w in weights) and not cmd:
+        return "--mutators cli=… needs --agent-cmd 'TEMPLATE'"
+    if min(args.tool_turns, args.tool_calls, args.tool_tokens) < 1 or args.tool_seconds <= 0:
+        return "--tool-turns, --tool-calls, --tool-tokens and --tool-seconds must be positive"
+    if args.agent_timeout <= 0:
+        return "--agent-timeout must be positive"
+    cfg: dict[str, Any] = {
+        "mutator_weights": [[n, w] for n, w in weights],
+        "tool_turns": args.tool_turns,
+        "tool_calls": args.tool_calls,
+        "tool_tokens": args.tool_tokens,
+        "tool_seconds": args.tool_seconds,
+    }
+    if cmd:
+        cfg["agent_cmd"] = cmd
+        cfg["agent_timeout_s"] = args.agent_timeout
+    return cfg
 
 
 def parse_models(specs: list[str]) -> list[tuple[str, float]]:
@@ -90,6 +181,11 @@ def llm_config(args: argparse.Namespace) -> dict[str, Any] | str:
     if not args.llm_url:
         if args.model:
             return "--model needs --llm-url"
+        if getattr(args, "mutators", None) or getattr(args, "agent_cmd", None):
+            return (
+                "--mutators and --agent-cmd need --llm-url and --model (the model also "
+                "writes prompt rewrites)"
+            )
         return {}
     if not args.model:
         return "--llm-url needs at least one --model NAME[=WEIGHT]"
@@ -126,6 +222,21 @@ def llm_config(args: argparse.Namespace) -> dict[str, Any] | str:
         "llm_usd_per_mtok_out": args.llm_usd_per_mtok[1],
     }
     cfg["languages"] = languages
+    agents = agent_config(args)
+    if isinstance(agents, str):
+        return agents
+    cfg.update(agents)
+    kinds = {n for n, w in agents.get("mutator_weights", ()) if w > 0}
+    if kinds - {"single"}:
+        cfg["mutator"] = "; ".join(
+            label
+            for kind, label in (
+                ("single", f"llm: {names} via {args.llm_url}"),
+                ("tools", f"llm+tools: {names} via {args.llm_url}"),
+                ("cli", f"agent-cmd: {agents.get('agent_cmd', '')}"),
+            )
+            if kind in kinds
+        )
     for key, value in (
         ("llm_budget_tokens", args.llm_budget_tokens),
         ("llm_budget_calls", args.llm_budget_calls),

@@ -60,6 +60,7 @@ class CallOutcome:
     attempts: tuple[tuple[int | None, str | None, float], ...]
     error: str | None
     queued_s: float = 0.0  # waiting for one of the --llm-concurrency slots
+    tool_calls: tuple[tuple[str, str, str], ...] = ()  # (id, name, arguments) asked for
 
     @property
     def ok(self) -> bool:
@@ -95,8 +96,19 @@ class LlmClient:
         """Close the HTTP connections."""
         await self._client.close()
 
-    async def chat(self, model: str, messages: Sequence[dict[str, str]]) -> CallOutcome:
-        """One logical call: retried on 429/5xx/timeouts with backoff; never raises for HTTP."""
+    async def chat(
+        self,
+        model: str,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> CallOutcome:
+        """One logical call: retried on 429/5xx/timeouts with backoff; never raises for HTTP.
+
+        With ``tools`` (OpenAI function tools), the answer may be tool calls instead of
+        text: they come back in ``tool_calls`` and ``response`` is then the text beside
+        them ("" when none).
+        """
+        extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
         s = self.settings
         attempts: list[tuple[int | None, str | None, float]] = []
         queued = time.monotonic()
@@ -114,6 +126,7 @@ class LlmClient:
                         messages=list(messages),  # type: ignore[arg-type]
                         temperature=s.temperature,
                         max_tokens=s.max_tokens,
+                        **extra,
                     )
                 except openai.APIStatusError as exc:
                     error = f"HTTP {exc.status_code}: {_short(exc.message)}"
@@ -136,6 +149,9 @@ class LlmClient:
                 took = time.monotonic() - t0
                 choice = resp.choices[0] if getattr(resp, "choices", None) else None
                 text = choice.message.content if choice is not None else None
+                calls = _tool_calls(choice.message) if choice is not None and tools else ()
+                if calls and text is None:
+                    text = ""
                 if choice is None or not isinstance(text, str):
                     error = "malformed response: no choices[0].message.content"
                     attempts.append((200, error, took))
@@ -154,6 +170,7 @@ class LlmClient:
                     attempts=tuple(attempts),
                     error=None,
                     queued_s=start - queued,
+                    tool_calls=calls,
                 )
         if error is not None and len(attempts) > s.max_retries:
             error = f"gave up after {len(attempts)} attempts; last: {error}"
@@ -168,6 +185,21 @@ class LlmClient:
             error=error or "no attempt made",
             queued_s=start - queued,
         )
+
+
+def _tool_calls(message: Any) -> tuple[tuple[str, str, str], ...]:
+    """``(id, name, arguments)`` of each function call in a response message."""
+    out: list[tuple[str, str, str]] = []
+    for call in getattr(message, "tool_calls", None) or ():
+        fn = getattr(call, "function", None)
+        out.append(
+            (
+                str(getattr(call, "id", "") or ""),
+                str(getattr(fn, "name", "") or ""),
+                str(getattr(fn, "arguments", "") or ""),
+            )
+        )
+    return tuple(out)
 
 
 def _short(text: str, limit: int = 500) -> str:

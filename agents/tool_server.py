@@ -1,0 +1,179 @@
+"""Where a mutator's tools run: on the worker that hosts a device, over NATS request/reply.
+
+A tool-using episode (``agents.tool_mutator``) or a coding agent's ``check`` script
+(``agents.cli_mutator``) must run candidates where a device of the run is, in that
+device's sandboxed runners, beside the pipeline's own work. Each worker (``kf worker``,
+or the local worker of ``kf run``) therefore serves tool requests for its device on
+``kf.<run>.tool.<device>`` (:class:`ToolServer`); a mutator anywhere sends requests with
+:class:`BusTools` and gets the answer on ``kf.<run>.toolreply.<device>.<nonce>``, a
+subject only that device's worker may publish on (:mod:`kf.auth`). Compiling and checking
+share the device with the pipeline's builds and verifications; timing and counters wait
+for the device to themselves (the worker's :class:`~agents.evaluator.DeviceGate`).
+
+The server is not an agent: it folds nothing and records nothing (the mutator records
+every tool result as ``episode.tool_called``). A request carries the task's source, so
+the server needs no copy of the log; the task runs, like the candidate, only in the box.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import secrets
+from typing import Any
+
+import msgspec
+import structlog
+
+from kf import bus
+from kf.llm.tools import DEVICE_TOOLS, ToolReply, run_device_tool
+
+__all__ = ["BusTools", "ToolServer"]
+
+log = structlog.get_logger("kf.tools")
+
+_ENC = msgspec.msgpack.Encoder()
+_DEC = msgspec.msgpack.Decoder(dict[str, Any])
+
+
+class ToolServer:
+    """Answers tool requests for one device of a run until ``stop``."""
+
+    def __init__(
+        self,
+        nc: Any,
+        run_id: str,
+        device: str,
+        device_id: str,
+        *,
+        concurrency: int = 4,
+        timeout_s: float = 300.0,
+    ) -> None:
+        self.nc = nc
+        self.run_id = run_id
+        self.device = device
+        self.device_id = device_id
+        self.timeout_s = timeout_s
+        self.served = 0
+        self._slots = asyncio.Semaphore(max(1, concurrency))
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
+        """Subscribe, serve, and on ``stop`` finish the requests being served."""
+        sub = await self.nc.subscribe(bus.tool_subject(self.run_id, self.device_id), cb=self._on)
+        await self.nc.flush()
+        if ready is not None:
+            ready.set()
+        try:
+            await stop.wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _on(self, msg: Any) -> None:
+        t = asyncio.create_task(self._serve(msg))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, msg: Any) -> None:
+        prefix = bus.tool_reply_subject(self.run_id, self.device_id, "")
+        if not msg.reply or not msg.reply.startswith(prefix):
+            log.warning("tool_request_without_valid_reply", reply=msg.reply)
+            return
+        try:
+            req = _DEC.decode(msg.data)
+            tool = str(req["tool"])
+            if tool not in DEVICE_TOOLS:
+                raise ValueError(f"unknown tool {tool!r}")
+            args = (str(req["task"]), str(req["task_source"]), str(req["source"]))
+            seed = int(req.get("seed", 0))
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+            reply = ToolReply(ok=False, text=f"bad tool request: {exc}", error=str(exc))
+            await self.nc.publish(msg.reply, _ENC.encode(reply.wire()))
+            return
+        from agents.evaluator import gate_for
+
+        async with self._slots:
+            gate = gate_for(self.device)
+            hold = await (gate.exclusive() if tool in ("time", "counters") else gate.shared())
+            async with hold:
+                reply = await asyncio.to_thread(
+                    run_device_tool,
+                    tool,
+                    *args,
+                    device=self.device,
+                    seed=seed,
+                    timeout_s=min(self.timeout_s, float(req.get("timeout_s", self.timeout_s))),
+                    device_id=self.device_id,
+                )
+        self.served += 1
+        with contextlib.suppress(Exception):
+            await self.nc.publish(msg.reply, _ENC.encode(reply.wire()))
+
+
+class BusTools:
+    """Asks a device's :class:`ToolServer` to run a tool; the answer or a reply saying
+    why there is none (no answer within the timeout, a garbled answer)."""
+
+    def __init__(self, nc: Any, run_id: str) -> None:
+        self.nc = nc
+        self.run_id = run_id
+
+    async def run(
+        self,
+        device_id: str,
+        tool: str,
+        task: str,
+        task_source: str,
+        source: str,
+        *,
+        seed: int,
+        timeout_s: float,
+    ) -> ToolReply:
+        """One request/reply to ``device_id``'s worker."""
+        reply_to = bus.tool_reply_subject(self.run_id, device_id, secrets.token_hex(8))
+        sub = await self.nc.subscribe(reply_to, max_msgs=1)
+        try:
+            await self.nc.publish(
+                bus.tool_subject(self.run_id, device_id),
+                _ENC.encode(
+                    {
+                        "tool": tool,
+                        "task": task,
+                        "task_source": task_source,
+                        "source": source,
+                        "seed": seed,
+                        "timeout_s": timeout_s,
+                    }
+                ),
+                reply=reply_to,
+            )
+            # the worker may queue it behind the device's timing; allow for that
+            msg = await sub.next_msg(timeout=timeout_s * 2 + 30)
+        except TimeoutError:
+            return ToolReply(
+                ok=False,
+                text=f"the tool got no answer from device {device_id} in time",
+                error="no answer",
+                ran_on=device_id,
+            )
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if not msg.data:  # the server's "no responders" status: no worker serves that device
+            return ToolReply(
+                ok=False,
+                text=f"no worker serves tools for device {device_id}",
+                error="no responders",
+                ran_on=device_id,
+            )
+        try:
+            # the reply subject is the device's own (kf.auth): it speaks for that device
+            return dataclasses.replace(ToolReply.from_wire(_DEC.decode(msg.data)), ran_on=device_id)
+        except (msgspec.DecodeError, TypeError, ValueError) as exc:
+            return ToolReply(
+                ok=False, text="the tool's answer was garbled", error=str(exc), ran_on=device_id
+            )
