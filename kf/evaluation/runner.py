@@ -531,6 +531,13 @@ class Runner:
         finally:
             self._trim_device_cache()
 
+    def _device_memory(self) -> dict[str, int]:
+        """The device's free and total bytes now (CUDA), for the grader's admission."""
+        if self.backend.name != "cuda":
+            return {}
+        free, total = self.torch.cuda.mem_get_info()
+        return {"device_free_bytes": int(free), "device_total_bytes": int(total)}
+
     def _op_make_inputs(self, msg: dict[str, Any]) -> dict[str, Any]:
         seed = int(msg["seed"])
         variant = msg.get("variant")
@@ -544,6 +551,7 @@ class Runner:
             self.made.move_to_end(key)
         if made.pristine is None:
             return {**made.reply, "reused": reused}
+        made.reply.update(self._device_memory())
         self._inputs, self._inputs_from = None, made.pristine
         # a check follows its own trial's inputs; keeping every trial's inputs and outputs
         # would hold tens of GB at KernelBench's sizes

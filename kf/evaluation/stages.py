@@ -282,6 +282,27 @@ def _footprint(made: dict[str, Any]) -> int:
     return total
 
 
+def too_large(made: dict[str, Any], device: str) -> str | None:
+    """Why a task cannot be evaluated on ``device`` at all, from its first ``make_inputs``
+    reply, or None. A GPU evaluation holds the task's inputs and outputs twice (the
+    reference's set, the candidate's own), measured on the H200 at 2.05× their size
+    (bench/kernelbench_memory.py); past the device's whole memory no schedule can fit it,
+    so the candidate is refused before any trial with the estimate and the reason."""
+    total = int(made.get("device_total_bytes") or 0)
+    if not device.startswith("cuda") or total <= 0:
+        return None
+    footprint = _footprint(made)
+    need = 2 * footprint
+    if need <= total:
+        return None
+    gb = 1e9
+    return (
+        f"the task needs about {need / gb:.1f} GB of device memory (its inputs and outputs, "
+        f"{footprint / gb:.1f} GB, held by the reference runner and by the candidate's) and "
+        f"{device} has {total / gb:.1f} GB"
+    )
+
+
 def _trim(ref: RunnerHandle) -> None:
     """Ask a reference runner to drop large per-stage tensors before it idles."""
     with contextlib.suppress(RunnerError):
@@ -603,6 +624,10 @@ def _verify(
                     seed=trial_seed,
                     send=not _own_inputs(cand, device),
                 )
+                refused = too_large(made, device) if i == 0 else None
+                if refused is not None:
+                    log.info("candidate_rejected", task=task.name, kind="too_large")
+                    return report(correct=False, failure_kind="too_large", error=refused)
                 if (
                     big is None
                     and device.startswith("cuda")
