@@ -42,6 +42,7 @@ class Verifier(EvaluatorAgent):
                 device=self.device,
                 seed=state.seed,
                 timeout_s=self.timeout_s,
+                tolerance=state.tolerance,
             )
         cls = CandidateVerified if report.correct else CandidateRejected
         gate: list[Event] = []

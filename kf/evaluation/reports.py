@@ -107,6 +107,7 @@ class TrialEvidence(msgspec.Struct, frozen=True, kw_only=True):
     max_rel_err: float = 0.0
     reason: str | None = None
     label: str = ""  # for a generalisation variant: which input shapes
+    min_tol: float = 0.0  # the smallest atol = rtol at which this trial passes (0.0: older logs)
 
 
 class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,6 +127,12 @@ class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
     flags: tuple[str, ...] = ()
     phases: dict[str, float] = {}  # seconds per runner request op (see above)
     sandbox: str = ""  # "bwrap" or "unsafe-no-sandbox" (see above); "" in older logs
+    # the smallest atol = rtol that every trial run would have passed at, and where the
+    # tolerance used came from (kf.evaluation.tolerance); 0.0 and "" in older logs
+    min_tolerance: float = 0.0
+    tolerance_source: str = ""
+    # the hidden input distributions: the task's inputs scaled by 3, 0.01 and -1
+    distribution_evidence: tuple[TrialEvidence, ...] = ()
 
 
 class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):

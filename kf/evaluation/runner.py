@@ -717,7 +717,7 @@ class Runner:
                 "kind": "exception",
                 "reason": f"unreadable output: {_describe(exc)}",
             }
-        verdict = compare_outputs(self.torch, expected, got)
+        verdict = compare_outputs(self.torch, expected, got, msg.get("tol"))
         if verdict["ok"]:
             problem = compare_inputs(self.torch, pristine, after)
             if problem is not None:

@@ -42,6 +42,7 @@ from kf.evaluation.sandbox import (
     RunnerTimeout,
     default_pool,
 )
+from kf.evaluation.tolerance import Tolerance, for_dtype, resolve
 from kf.static_checks import check_source
 from kf.tasks import Task, TaskError, TaskInfo
 
@@ -319,6 +320,7 @@ def _loaded_and_checked(
     limits: Limits,
     deadline: _Deadline,
     seed: int,
+    tol: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], tuple[str, str] | None]:
     """:func:`_load_pair`, then one checked call on ``seed``'s inputs: (inputs, problem).
 
@@ -327,14 +329,28 @@ def _loaded_and_checked(
     """
     _load_pair(task, source, ref, cand, device, limits, deadline, seed)
     made: dict[str, Any] = _reference(task, ref, "make_inputs", deadline, seed=seed)
-    problem = _run_and_check(task, ref, cand, inputs=made["inputs"], seed=seed, deadline=deadline)
+    problem = _run_and_check(
+        task, ref, cand, inputs=made["inputs"], seed=seed, deadline=deadline, tol=tol
+    )
     return made, problem
 
 
+def _tol(task: Task, tolerance: Tolerance | None) -> dict[str, Any]:
+    """The tolerance ``task``'s outputs are judged at, as the ``check`` request carries it."""
+    chosen, _ = resolve(tolerance, task.source)
+    return msgspec.to_builtins(chosen)  # type: ignore[no-any-return]
+
+
 def _judge(
-    task: Task, ref: RunnerHandle, ran: dict[str, Any], seed: int, deadline: _Deadline
+    task: Task,
+    ref: RunnerHandle,
+    ran: dict[str, Any],
+    seed: int,
+    deadline: _Deadline,
+    tol: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The reference runner's verdict on what the candidate returned for ``seed``'s inputs."""
+    """The reference runner's verdict on what the candidate returned for ``seed``'s inputs,
+    at ``tol`` (None: the task's own or KernelBench's tolerance)."""
     verdict: dict[str, Any] = _reference(
         task,
         ref,
@@ -343,6 +359,7 @@ def _judge(
         seed=seed,
         outputs=ran["outputs"],
         inputs_after=ran["inputs_after"],
+        tol=tol if tol is not None else _tol(task, None),
     )["verdict"]
     return verdict
 
@@ -356,6 +373,7 @@ def _evidence(seed: int, verdict: dict[str, Any], label: str = "") -> TrialEvide
         max_rel_err=float(verdict.get("max_rel_err") or 0.0),
         reason=verdict.get("reason"),
         label=label,
+        min_tol=float(verdict.get("min_tol") or 0.0),
     )
 
 
@@ -403,19 +421,32 @@ def compile_candidate(
     source: str,
     *,
     device: str = "cpu",
-    timeout_s: float = 180.0,
+    timeout_s: float | None = None,
     limits: Limits | None = None,
     pool: RunnerPool | None = None,
 ) -> CompileReport:
     """Import the candidate and construct ``ModelNew(*get_init_inputs())`` in a sandbox.
 
-    Raises :class:`TaskError` when the task itself is broken.
+    ``timeout_s`` is the build limit (None: :func:`kf.evaluation.buildlimits.build_timeout_s`,
+    600 s by default); it starts once the build holds one of the process's build slots,
+    and the wait for one is the report's ``build_queue`` phase. Raises
+    :class:`TaskError` when the task itself is broken.
     """
+    from kf.evaluation.buildlimits import build_slot, build_timeout_s
+
     leased: list[RunnerHandle] = []
-    report = _compile(
-        task, source, leased, device=device, timeout_s=timeout_s, limits=limits, pool=pool
-    )
-    return _sandboxed(report, leased)
+    with build_slot() as queued_s:
+        report = _compile(
+            task,
+            source,
+            leased,
+            device=device,
+            timeout_s=build_timeout_s(timeout_s),
+            limits=limits,
+            pool=pool,
+        )
+    phases = {**report.phases, "build_queue": round(queued_s, 4)}
+    return _sandboxed(msgspec.structs.replace(report, phases=phases), leased)
 
 
 def _compile(
@@ -489,6 +520,7 @@ def verify_candidate(
     limits: Limits | None = None,
     pool: RunnerPool | None = None,
     generalise: bool = True,
+    tolerance: Tolerance | None = None,
 ) -> VerifyReport:
     """Check the candidate against the reference on ``trials`` fresh seeded inputs (KernelBench).
 
@@ -510,6 +542,7 @@ def verify_candidate(
         limits=limits,
         pool=pool,
         generalise=generalise,
+        tolerance=tolerance,
     )
     return _sandboxed(report, leased)
 
@@ -526,6 +559,7 @@ def _verify(
     limits: Limits | None,
     pool: RunnerPool | None,
     generalise: bool,
+    tolerance: Tolerance | None = None,
 ) -> VerifyReport:
     """:func:`verify_candidate`; the runners it leases are added to ``leased``."""
     device = parse_device(device)
@@ -534,7 +568,9 @@ def _verify(
     evidence: list[TrialEvidence] = []
     variants: list[TrialEvidence] = []
     flags: list[str] = []
-    atol = 0.0
+    atol = rtol = 0.0
+    chosen, chosen_from = resolve(tolerance, task.source)
+    tol = _tol(task, tolerance)
     since = time.monotonic()
     with pool.reference_lease(_ref_key(task, device)) as ref, pool.lease() as cand:
         leased += [ref, cand]
@@ -548,7 +584,9 @@ def _verify(
                 max_rel_err=max((e.max_rel_err for e in evidence), default=0.0),
                 evidence=tuple(evidence),
                 atol=atol,
-                rtol=atol,
+                rtol=rtol,
+                min_tolerance=max((e.min_tol for e in evidence), default=0.0),
+                tolerance_source=chosen_from,
                 duration_s=time.monotonic() - start,
                 variant_evidence=tuple(variants),
                 flags=tuple(flags) + tuple(f for f in cand.findings if f not in flags),
@@ -568,7 +606,9 @@ def _verify(
                 ):
                     big = _BIG_LOCKS.setdefault(device, threading.Lock())
                     big.acquire()
-                atol = max([_tol(d) for d in made["output_dtypes"]], default=1e-4)
+                pairs = [for_dtype(chosen, d) for d in made["output_dtypes"]]
+                atol = max((a for a, _ in pairs), default=for_dtype(chosen, "float32")[0])
+                rtol = max((r for _, r in pairs), default=for_dtype(chosen, "float32")[1])
                 ran = _candidate(
                     task,
                     cand,
@@ -581,7 +621,7 @@ def _verify(
                 if ran.get("torch_ops"):
                     ops = ", ".join(f"aten.{op}" for op in ran["torch_ops"][:8])
                     flags.append(f"torch_compute: forward dispatched PyTorch ops {ops}")
-                verdict = _judge(task, ref, ran, trial_seed, deadline)
+                verdict = _judge(task, ref, ran, trial_seed, deadline, tol)
                 evidence.append(_evidence(trial_seed, verdict))
                 if not verdict["ok"]:
                     log.info("candidate_rejected", task=task.name, kind=verdict["kind"])
@@ -591,7 +631,9 @@ def _verify(
                         error=f"trial {i + 1}/{trials} (seed {trial_seed}): {verdict['reason']}",
                     )
             if generalise:
-                failed = _generalisation_gate(task, ref, cand, seed, deadline, variants, device)
+                failed = _generalisation_gate(
+                    task, ref, cand, seed, deadline, variants, device, tol
+                )
                 if failed is not None:
                     log.info("candidate_rejected", task=task.name, kind="generalisation_failed")
                     return report(correct=False, failure_kind="generalisation_failed", error=failed)
@@ -618,6 +660,7 @@ def _generalisation_gate(
     deadline: _Deadline,
     evidence: list[TrialEvidence],
     device: str,
+    tol: dict[str, Any] | None = None,
 ) -> str | None:
     """Run the candidate on input shapes it never saw; None, or why it failed."""
     for variant, trial_seed in enumerate(_seed_trials(seed ^ 0x6E4E, 4)):
@@ -633,7 +676,7 @@ def _generalisation_gate(
             _after_candidate_failure(ref, exc, device)
             evidence.append(TrialEvidence(seed=trial_seed, ok=False, reason=exc.error, label=label))
             return f"generalisation gate, {label} (never seen before): {exc.kind}: {exc.error}"
-        verdict = _judge(task, ref, ran, trial_seed, deadline)
+        verdict = _judge(task, ref, ran, trial_seed, deadline, tol)
         evidence.append(_evidence(trial_seed, verdict, label))
         if not verdict["ok"]:
             return (
@@ -641,12 +684,6 @@ def _generalisation_gate(
                 f"{verdict['kind']}: {verdict['reason']}"
             )
     return None
-
-
-def _tol(dtype: str) -> float:
-    from kf.evaluation.compare import tolerance
-
-    return tolerance(dtype)
 
 
 def timing_stats(samples_ms: list[float]) -> dict[str, float]:
@@ -740,6 +777,7 @@ def profile_candidate(
     limits: Limits | None = None,
     pool: RunnerPool | None = None,
     compile_baseline: bool | None = None,
+    tolerance: Tolerance | None = None,
 ) -> ProfileReport:
     """Time the candidate, PyTorch eager and the reference under ``torch.compile``
     alternately, in separate runners (eager and compiled share the candidate-free one),
@@ -764,6 +802,7 @@ def profile_candidate(
         "timeout_s": timeout_s,
         "limits": limits,
         "pool": pool,
+        "tolerance": tolerance,
     }
     try:
         report = _profile(task, source, leased, compile_baseline=want, **kw)
@@ -825,6 +864,7 @@ def _profile(
     limits: Limits | None,
     pool: RunnerPool | None,
     compile_baseline: bool,
+    tolerance: Tolerance | None = None,
 ) -> ProfileReport:
     """:func:`profile_candidate`; the runners it leases are added to ``leased``.
 
@@ -834,6 +874,7 @@ def _profile(
     device = parse_device(device)
     pool = pool or default_pool()
     limits = limits or Limits()
+    tol = _tol(task, tolerance)
     with (
         _device_lock(device),
         _trimmed(pool.reference_lease(_ref_key(task, device))) as ref,
@@ -848,7 +889,7 @@ def _profile(
         deadline = _Deadline(timeout_s)
         try:
             made, problem = _loaded_and_checked(
-                task, source, ref, cand, device, limits, deadline, seed
+                task, source, ref, cand, device, limits, deadline, seed, tol
             )
             if problem is not None:
                 return ProfileReport(
@@ -942,7 +983,9 @@ def _profile(
                 ]
 
             if (
-                _run_and_check(task, ref, cand, inputs=made["inputs"], seed=seed, deadline=deadline)
+                _run_and_check(
+                    task, ref, cand, inputs=made["inputs"], seed=seed, deadline=deadline, tol=tol
+                )
                 is not None
             ):
                 flags.append(f"{OUTPUT_CHANGED}: the timed inputs' output is wrong after timing")
@@ -954,7 +997,13 @@ def _profile(
             ]
             fresh_seed = _seed_trials(seed ^ 0xF4E5, _FRESH_SETS)[0]
             problem = _run_and_check(
-                task, ref, cand, inputs=fresh[0]["inputs"], seed=fresh_seed, deadline=deadline
+                task,
+                ref,
+                cand,
+                inputs=fresh[0]["inputs"],
+                seed=fresh_seed,
+                deadline=deadline,
+                tol=tol,
             )
             if problem is not None:
                 return ProfileReport(
@@ -1184,6 +1233,7 @@ def reverify_fast(
     seed: int = 0,
     timeout_s: float = 120.0,
     pool: RunnerPool | None = None,
+    tolerance: Tolerance | None = None,
 ) -> ProfileReport:
     """Re-verify a speed-up above :data:`REVERIFY_ABOVE` on fresh seeds and shapes, and flag it.
 
@@ -1194,7 +1244,13 @@ def reverify_fast(
     if not report.ok or report.speedup <= REVERIFY_ABOVE:
         return report
     again = verify_candidate(
-        task, source, device=device, seed=seed + 1, timeout_s=timeout_s, pool=pool
+        task,
+        source,
+        device=device,
+        seed=seed + 1,
+        timeout_s=timeout_s,
+        pool=pool,
+        tolerance=tolerance,
     )
     note = (
         f"speedup_over_10x: {report.speedup:.1f}× re-verified on {again.trials} fresh inputs "
@@ -1228,10 +1284,11 @@ def _run_and_check(
     inputs: bytes,
     seed: int,
     deadline: _Deadline,
+    tol: dict[str, Any] | None = None,
 ) -> tuple[str, str] | None:
     """Run the candidate once and have the reference judge it: None, or (kind, reason)."""
     ran = _candidate(task, cand, "run", deadline, inputs=inputs, what="forward")
-    verdict = _judge(task, ref, ran, seed, deadline)
+    verdict = _judge(task, ref, ran, seed, deadline, tol)
     return None if verdict["ok"] else (str(verdict["kind"]), str(verdict["reason"]))
 
 
@@ -1247,20 +1304,32 @@ def evaluate(
     profile_options: dict[str, Any] | None = None,
     profile: bool = True,
     counters: bool = False,
+    tolerance: Tolerance | None = None,
+    build_timeout_s: float | None = None,
 ) -> EvalResult:
     """Compile, verify (with the generalisation gate), and when correct profile; ``kf eval``.
 
     A speed-up above :data:`REVERIFY_ABOVE` is re-verified before it is reported; with
     ``counters``, a profiled candidate is run once more under ncu (:func:`collect_counters`).
     ``profile_options`` go to :func:`profile_candidate` (``min_time_s``, ``warmup``…).
+    ``timeout_s`` limits verification and profiling; ``build_timeout_s`` the build (None:
+    ``$KF_BUILD_TIMEOUT_S`` or 600 s); ``tolerance`` is the run's (None: the task's own,
+    else KernelBench's).
     """
     compiled = compile_candidate(
-        task, source, device=device, pool=pool, limits=limits, timeout_s=timeout_s
+        task, source, device=device, pool=pool, limits=limits, timeout_s=build_timeout_s
     )
     if not compiled.ok:
         return EvalResult(task=task.name, compile=compiled, device=device, seed=seed)
     verified = verify_candidate(
-        task, source, device=device, seed=seed, pool=pool, limits=limits, timeout_s=timeout_s
+        task,
+        source,
+        device=device,
+        seed=seed,
+        pool=pool,
+        limits=limits,
+        timeout_s=timeout_s,
+        tolerance=tolerance,
     )
     if not verified.correct or not profile:
         return EvalResult(
@@ -1274,10 +1343,18 @@ def evaluate(
         pool=pool,
         limits=limits,
         timeout_s=timeout_s,
+        tolerance=tolerance,
         **(profile_options or {}),
     )
     profiled = reverify_fast(
-        task, source, profiled, device=device, seed=seed, pool=pool, timeout_s=timeout_s
+        task,
+        source,
+        profiled,
+        device=device,
+        seed=seed,
+        pool=pool,
+        timeout_s=timeout_s,
+        tolerance=tolerance,
     )
     measured = (
         collect_counters(task, source, device=device, seed=seed, pool=pool, limits=limits)
