@@ -235,6 +235,8 @@ def _forward_checks(tree: ast.Module, aliases: _Aliases) -> Iterator[str]:
             ):
                 layers.update(_dotted(t).removeprefix("self.") for t in node.targets if _dotted(t))
     compute: list[tuple[str, ast.AST]] = []
+    calls = analyse(tree)
+    kernels = set(calls.names) if calls is not None else set()
     for fn in body:
         for node in ast.walk(fn):
             if isinstance(node, ast.Try) and node.handlers:
@@ -252,6 +254,7 @@ def _forward_checks(tree: ast.Module, aliases: _Aliases) -> Iterator[str]:
                 isinstance(node.func, ast.Attribute)
                 and node.func.attr in _COMPUTE_METHODS
                 and not callee.startswith("self.")
+                and parts[0] not in kernels  # lib.mm(...): the candidate's own kernel
             ):
                 compute.append((f".{node.func.attr}()", node))
             elif callee.startswith("self.") and len(parts) == 2 and parts[1] in layers:
@@ -259,7 +262,6 @@ def _forward_checks(tree: ast.Module, aliases: _Aliases) -> Iterator[str]:
     if compute:
         names = ", ".join(dict.fromkeys(name for name, _ in compute))
         yield _warn("torch_compute", f"ModelNew.forward calls {names}", compute[0][1])
-    calls = analyse(tree)
     if calls is None:
         return
     if not calls.built:

@@ -63,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _human(result: EvalResult) -> str:
     lines = [f"task {result.task} on {result.device}"]
+    if result.audit is not None and result.audit.degenerate:
+        lines.append(
+            f"DEGENERATE task: its outputs do not depend on its inputs ({result.audit.reason})"
+        )
     if result.sandbox == "unsafe-no-sandbox":
         lines.append("UNSANDBOXED: the candidate ran outside kf's box (--unsafe-no-sandbox)")
     c, v, p = result.compile, result.verify, result.profile
@@ -176,6 +180,7 @@ def main(argv: list[str]) -> int:
             counters=args.counters,
             tolerance=tolerance,
             build_timeout_s=args.build_timeout,
+            audit=True,
         )
     except (TaskError, DeviceError, RunnerStartError, SandboxUnavailable) as exc:
         print(f"kf eval: {exc}", file=sys.stderr)

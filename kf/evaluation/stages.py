@@ -69,6 +69,7 @@ TIMER_DISAGREEMENT = "timer_disagreement"
 OUTPUT_CHANGED = "output_changed_after_timing"
 CACHE_SUSPECTED = "cache_suspected"
 REVERIFY_ABOVE = 10.0  # a speed-up above this is re-verified and flagged
+DISTRIBUTION_FAILED = "distribution_failed"  # wrong on the task's inputs scaled or negated
 _FRESH_SETS = 3
 _OFF = frozenset({"0", "false", "no", "off"})
 _device_locks: dict[str, threading.Lock] = {}
@@ -567,6 +568,7 @@ def _verify(
     limits = limits or Limits()
     evidence: list[TrialEvidence] = []
     variants: list[TrialEvidence] = []
+    hidden: list[TrialEvidence] = []
     flags: list[str] = []
     atol = rtol = 0.0
     chosen, chosen_from = resolve(tolerance, task.source)
@@ -589,6 +591,7 @@ def _verify(
                 tolerance_source=chosen_from,
                 duration_s=time.monotonic() - start,
                 variant_evidence=tuple(variants),
+                distribution_evidence=tuple(hidden),
                 flags=tuple(flags) + tuple(f for f in cand.findings if f not in flags),
                 phases=_phases(since, ref, cand),
                 **kw,
@@ -637,6 +640,10 @@ def _verify(
                 if failed is not None:
                     log.info("candidate_rejected", task=task.name, kind="generalisation_failed")
                     return report(correct=False, failure_kind="generalisation_failed", error=failed)
+                failed = _hidden_distributions(task, ref, cand, seed, deadline, hidden, device, tol)
+                if failed is not None:
+                    log.info("candidate_rejected", task=task.name, kind=DISTRIBUTION_FAILED)
+                    return report(correct=False, failure_kind=DISTRIBUTION_FAILED, error=failed)
         except _CandidateFailed as exc:
             _after_candidate_failure(ref, exc, device)
             log.info("candidate_rejected", task=task.name, kind=exc.kind)
@@ -650,6 +657,42 @@ def _verify(
                 big.release()
     log.info("candidate_verified", task=task.name, trials=len(evidence))
     return report(correct=True)
+
+
+def _hidden_distributions(
+    task: Task,
+    ref: RunnerHandle,
+    cand: RunnerHandle,
+    seed: int,
+    deadline: _Deadline,
+    evidence: list[TrialEvidence],
+    device: str,
+    tol: dict[str, Any] | None = None,
+) -> str | None:
+    """Run the candidate on the task's inputs scaled by each of
+    :data:`kf.evaluation.variants.SCALES` (never seen before); None, or why it failed.
+
+    A distribution the reference rejects, or a task with no floating-point input, is
+    skipped."""
+    from kf.evaluation.variants import SCALES
+
+    for scale, trial_seed in zip(SCALES, _seed_trials(seed ^ 0xD157, len(SCALES)), strict=True):
+        made = _reference(task, ref, "make_inputs", deadline, seed=trial_seed, scale=scale)
+        if made.get("inputs") is None:
+            continue
+        label = f"inputs ×{scale:g}"
+        try:
+            ran = _candidate(task, cand, "run", deadline, inputs=made["inputs"], what=label)
+        except _CandidateFailed as exc:
+            _after_candidate_failure(ref, exc, device)
+            evidence.append(TrialEvidence(seed=trial_seed, ok=False, reason=exc.error, label=label))
+            return f"hidden inputs, {label} (never seen before): {exc.kind}: {exc.error}"
+        verdict = _judge(task, ref, ran, trial_seed, deadline, tol)
+        evidence.append(_evidence(trial_seed, verdict, label))
+        if not verdict["ok"]:
+            why = f"{verdict['kind']}: {verdict['reason']}"
+            return f"hidden inputs, {label} (never seen before): {why}"
+    return None
 
 
 def _generalisation_gate(
@@ -1306,6 +1349,7 @@ def evaluate(
     counters: bool = False,
     tolerance: Tolerance | None = None,
     build_timeout_s: float | None = None,
+    audit: bool = False,
 ) -> EvalResult:
     """Compile, verify (with the generalisation gate), and when correct profile; ``kf eval``.
 
@@ -1314,13 +1358,21 @@ def evaluate(
     ``profile_options`` go to :func:`profile_candidate` (``min_time_s``, ``warmup``…).
     ``timeout_s`` limits verification and profiling; ``build_timeout_s`` the build (None:
     ``$KF_BUILD_TIMEOUT_S`` or 600 s); ``tolerance`` is the run's (None: the task's own,
-    else KernelBench's).
+    else KernelBench's). With ``audit``, the task is audited too (is it degenerate?
+    :mod:`kf.evaluation.audit`).
     """
+    from kf.evaluation.audit import audit_task
+
+    audited = (
+        audit_task(task, device=device, seed=seed, pool=pool, tolerance=tolerance)
+        if audit
+        else None
+    )
     compiled = compile_candidate(
         task, source, device=device, pool=pool, limits=limits, timeout_s=build_timeout_s
     )
     if not compiled.ok:
-        return EvalResult(task=task.name, compile=compiled, device=device, seed=seed)
+        return EvalResult(task=task.name, compile=compiled, device=device, seed=seed, audit=audited)
     verified = verify_candidate(
         task,
         source,
@@ -1333,7 +1385,12 @@ def evaluate(
     )
     if not verified.correct or not profile:
         return EvalResult(
-            task=task.name, compile=compiled, verify=verified, device=device, seed=seed
+            task=task.name,
+            compile=compiled,
+            verify=verified,
+            device=device,
+            seed=seed,
+            audit=audited,
         )
     profiled = profile_candidate(
         task,
@@ -1369,4 +1426,5 @@ def evaluate(
         device=device,
         seed=seed,
         counters=measured,
+        audit=audited,
     )
