@@ -190,6 +190,9 @@ class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
     speedup_vs_compiled: float | None = None
     speedup_vs_best: float | None = None
     sandbox: str = ""  # "bwrap" or "unsafe-no-sandbox" (see above); "" in older logs
+    # the grader's wall ms of one call that does nothing in the same timing loop, from the
+    # candidate-free runner: subtracted before the wall clock is compared with the samples
+    empty_call_ms: float | None = None
 
 
 class CountersReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -824,6 +824,8 @@ class Runner:
             if known is None or known.fn is None:
                 raise _Failure("protocol", "no compiled reference for these inputs")
             model = known.fn
+        elif msg.get("empty"):  # the timing loop's own cost: a call that does nothing
+            model = _nothing
         samples: list[int] = []
         try:
             with torch.no_grad():
@@ -842,20 +844,24 @@ class Runner:
         model, backend = self.model, self.backend
         sets = [[backend.to_device(v) for v in self.load(data)] for data in msg["inputs"]]
         samples: list[int] = []
+        repeated: list[int] = []  # with "paired": the last inputs, timed the same way after each
         try:
             with torch.no_grad():
                 for inputs in sets:
-                    # Read every input once so fresh data is as warm as repeated data.
-                    for v in inputs:
-                        if isinstance(v, torch.Tensor) and v.is_floating_point():
-                            float(v.sum())
-                    backend.flush_cache()
-                    samples.append(backend.time_call_ns(functools.partial(model, *inputs)))
+                    for which, into in ((inputs, samples), (self.inputs, repeated)):
+                        if into is repeated and not msg.get("paired"):
+                            continue
+                        # Read every input once so fresh data is as warm as repeated data.
+                        for v in which:
+                            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                                float(v.sum())
+                        backend.flush_cache()
+                        into.append(backend.time_call_ns(functools.partial(model, *which)))
         except BaseException as exc:
             raise _Failure(
                 "exception", f"forward raised {_describe(exc)} on fresh inputs", _tb()
             ) from exc
-        return {"samples_ns": samples}
+        return {"samples_ns": samples, "repeated_ns": repeated}
 
     def op_counters(self, msg: dict[str, Any]) -> dict[str, Any]:
         """One warm-up call, then one call between cudaProfilerStart and Stop (for ncu)."""
@@ -935,6 +941,10 @@ def _warm(torch: Any, device: str) -> None:
         print(
             f"kf runner: warmed up for {device} in {time.perf_counter() - start:.2f}s", flush=True
         )
+
+
+def _nothing(*_: Any) -> None:
+    """What ``time`` calls with ``empty``: nothing, to measure the loop around a call."""
 
 
 def _dynamo_graphs(torch: Any) -> int:

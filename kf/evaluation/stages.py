@@ -42,6 +42,7 @@ from kf.evaluation.sandbox import (
     RunnerTimeout,
     default_pool,
 )
+from kf.evaluation.timing_checks import cache_suspected, timer_disagreement
 from kf.evaluation.tolerance import Tolerance, for_dtype, resolve
 from kf.static_checks import check_source
 from kf.tasks import Task, TaskError, TaskInfo
@@ -953,7 +954,8 @@ def _profile(
             rtt_ns = min(_round_trip_ns(task, cand, deadline) for _ in range(3))
             # The grader's own wall clock around every timing request of the candidate:
             # samples forged or shrunk in-process cannot add up to it.
-            wall = {"ns": 0, "calls": 0, "sampled_ms": 0.0}
+            # Per request: (calls, wall ms less the round trip, sum of the samples in ms).
+            batches: list[tuple[int, float, float]] = []
 
             def timed(handle: RunnerHandle, n: int, is_candidate: bool) -> list[float]:
                 call = _candidate if is_candidate else _reference
@@ -961,9 +963,8 @@ def _profile(
                 reply = call(task, handle, "time", deadline, n=n, what=f"timing {n} calls")
                 samples = [ns / 1e6 for ns in reply["samples_ns"]]
                 if is_candidate:
-                    wall["ns"] += max(0, time.perf_counter_ns() - t0 - rtt_ns)
-                    wall["calls"] += len(samples)
-                    wall["sampled_ms"] += sum(samples)
+                    spent = max(0, time.perf_counter_ns() - t0 - rtt_ns) / 1e6
+                    batches.append((len(samples), spent, sum(samples)))
                 return samples
 
             def timed_compiled(n: int) -> list[float]:
@@ -984,6 +985,7 @@ def _profile(
                 return [ns / 1e6 for ns in reply["samples_ns"]]
 
             est_c = statistics.median(timed(cand, warmup, True) or [1.0])
+            batches.clear()  # warm-up calls (first launches, caches) are not compared
             est_r = statistics.median(timed(ref, warmup, False) or [1.0])
             est_k = statistics.median(timed_compiled(warmup) or [0.0])
             round_s = max(min_time_s / 10, 0.01)
@@ -1010,14 +1012,11 @@ def _profile(
             inside_ms = int(batch["total_ns"]) / 1e6 / k
             # Same K calls seen by both clocks: machine noise cancels, a tampered clock does not.
             flags = list(cross_check_flags(inside_ms, outside_ms))
-            per_call_wall = wall["ns"] / 1e6 / max(1, int(wall["calls"]))
-            per_call_sampled = float(wall["sampled_ms"]) / max(1, int(wall["calls"]))
-            # Loose on purpose: on a loaded machine the gaps between samples grow too.
-            if not flags and per_call_sampled * 5 < per_call_wall - 0.01:
-                flags.append(
-                    f"{TIMER_DISAGREEMENT}: timing samples add up to {per_call_sampled:.4f} ms "
-                    f"a call but the grader's wall clock saw {per_call_wall:.4f} ms"
-                )
+            # the timing loop's own cost, from the candidate-free runner (timing_checks)
+            empty = _empty_call(task, ref, deadline, per_round)
+            disagree = timer_disagreement(batches, empty[0])
+            if not flags and disagree is not None:
+                flags.append(f"{TIMER_DISAGREEMENT}: {disagree}")
             elif flags:
                 flags = [
                     f"{TIMER_DISAGREEMENT}: in-process {inside_ms:.4f} ms a call, the grader's "
@@ -1063,14 +1062,16 @@ def _profile(
                 "time_inputs",
                 deadline,
                 inputs=[f["inputs"] for f in fresh],
+                paired=True,
                 what="timing fresh inputs",
             )
-            fresh_ms = statistics.median([ns / 1e6 for ns in reply["samples_ns"]] or [0.0])
-            if fresh_ms > 5 * c["median"] and fresh_ms - c["median"] > 0.02:
-                flags.append(
-                    f"{CACHE_SUSPECTED}: {c['median']:.4f} ms a call on repeated inputs but "
-                    f"{fresh_ms:.4f} ms on fresh ones"
-                )
+            fresh_samples = [ns / 1e6 for ns in reply["samples_ns"]]
+            fresh_ms = statistics.median(fresh_samples or [0.0])
+            # older runners answer without the paired calls: compare with the timed median
+            repeated = [ns / 1e6 for ns in reply.get("repeated_ns") or []] or [c["median"]]
+            cached = cache_suspected(fresh_samples, repeated, empty[1])
+            if cached is not None:
+                flags.append(f"{CACHE_SUSPECTED}: {cached}")
             flags += [f for f in cand.findings if f not in flags]
         except _CandidateFailed as exc:
             _after_candidate_failure(ref, exc, device)
@@ -1107,6 +1108,7 @@ def _profile(
         timer=timer,
         outside_wall_ms=outside_ms,
         outside_calls=k,
+        empty_call_ms=empty[0],
         flags=tuple(flags),
         device=device,
         threads=cand.threads,
@@ -1311,6 +1313,24 @@ def reverify_fast(
         flags=(*report.flags, note),
         reverify=again,
     )
+
+
+def _empty_call(task: Task, ref: RunnerHandle, deadline: _Deadline, n: int) -> tuple[float, float]:
+    """The timing loop's cost per call around a call that does nothing, in the
+    candidate-free runner: (the grader's wall ms less the request's round trip, the
+    in-process sample in ms), each the smaller of two measurements."""
+    n = max(20, n)
+    walls: list[float] = []
+    inside: list[float] = []
+    for _ in range(2):
+        t0 = time.perf_counter_ns()
+        _reference(task, ref, "ping", deadline)
+        rtt = time.perf_counter_ns() - t0
+        t0 = time.perf_counter_ns()
+        reply = _reference(task, ref, "time", deadline, n=n, empty=True, what="an empty call")
+        walls.append(max(0, time.perf_counter_ns() - t0 - rtt) / 1e6 / n)
+        inside.append(statistics.median([ns / 1e6 for ns in reply["samples_ns"]] or [0.0]))
+    return min(walls), min(inside)
 
 
 def _round_trip_ns(task: Task, handle: RunnerHandle, deadline: _Deadline) -> int:
