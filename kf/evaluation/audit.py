@@ -18,6 +18,7 @@ to their size: max |out_i − out_0| / max |out_0|.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -37,6 +38,11 @@ class TaskAudit(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None  # the audit could not run (the task is not judged degenerate)
 
 
+def _num(t: Any) -> Any:
+    """A tensor that subtraction works on (bool outputs become float)."""
+    return t if t.is_floating_point() or t.is_complex() else t.float()
+
+
 def audit_reference(runner: Any, msg: dict[str, Any]) -> dict[str, Any]:
     """The reference runner's side (``op_audit``): run ``Model`` on each seed's inputs
     and scaled copies of the first, and judge whether a constant would pass."""
@@ -47,58 +53,66 @@ def audit_reference(runner: Any, msg: dict[str, Any]) -> dict[str, Any]:
     seeds = [int(s) for s in msg["seeds"]]
     scales = [float(s) for s in msg.get("scales", [])]
     tol = msg.get("tol")
-    sets: list[list[Any]] = [runner._get_inputs(s) for s in seeds]
-    for factor in scales:
-        scaled = scale_inputs(torch, runner._get_inputs(seeds[0]), factor)
-        if scaled is not None:
-            sets.append(scaled)
-    outs: list[list[Any]] = []
-    for raw in sets:
-        inputs = [runner.backend.to_device(v) for v in raw]
-        try:
-            with torch.no_grad():
-                out = runner.model(*inputs)
-        except Exception:  # a distribution the reference rejects is not part of the audit
-            continue
-        flat = [out] if isinstance(out, torch.Tensor) else list(out)
-        outs.append([o.detach() for o in flat if isinstance(o, torch.Tensor)])
-    if len(outs) < 2:
-        return {"degenerate": False, "input_sets": len(outs), "reason": "too few input sets"}
-    first = outs[0]
+
+    def sets() -> Iterator[list[Any]]:
+        """The input sets, one at a time (at KernelBench's sizes a set is gigabytes)."""
+        for s in seeds:
+            yield runner._get_inputs(s)
+        for factor in scales:
+            scaled = scale_inputs(torch, runner._get_inputs(seeds[0]), factor)
+            if scaled is not None:
+                yield scaled
 
     def zeros_pass(expected: list[Any]) -> bool:
         return bool(
             compare_outputs(torch, expected, [torch.zeros_like(o) for o in expected], tol)["ok"]
         )
 
-    constant_all = True  # the first set's output, returned whatever the inputs
-    zeros_all = zeros_pass(first)  # all zeros
-    passes = 0
-    spread = 0.0
-    scale = max((float(o.abs().max()) for o in first if o.numel()), default=0.0)
-    for other in outs[1:]:
+    first: list[Any] | None = None
+    used = passes = 0
+    constant_all = zeros_all = True  # the first set's output as a constant; all zeros
+    spread = scale = 0.0
+    for raw in sets():
+        inputs = [runner.backend.to_device(v) for v in raw]
+        try:
+            with torch.no_grad():
+                out = runner.model(*inputs)
+        except Exception:  # a distribution the reference rejects is not part of the audit
+            continue
+        del inputs, raw
+        flat = [out] if isinstance(out, torch.Tensor) else list(out)
+        other = [o.detach() for o in flat if isinstance(o, torch.Tensor)]
+        del out, flat
+        used += 1
+        zeros_all = zeros_all and zeros_pass(other)
+        if first is None:
+            first = other
+            scale = max((float(o.abs().max()) for o in first if o.numel()), default=0.0)
+            continue
         same_shape = [tuple(a.shape) for a in first] == [tuple(b.shape) for b in other]
         constant = same_shape and bool(compare_outputs(torch, other, first, tol)["ok"])
-        zeros = zeros_pass(other)
-        constant_all, zeros_all = constant_all and constant, zeros_all and zeros
+        constant_all = constant_all and constant
         passes += int(constant)
         if same_shape:
             gap = max(
                 (
-                    float((a.double() - b.double()).abs().max())
+                    float((_num(a) - _num(b)).abs().max())
                     for a, b in zip(first, other, strict=True)
                     if a.numel()
                 ),
                 default=0.0,
             )
             spread = max(spread, gap / scale if scale > 0 else (0.0 if gap == 0 else float("inf")))
+        del other
+    if used < 2:
+        return {"degenerate": False, "input_sets": used, "reason": "too few input sets"}
     degenerate = constant_all or zeros_all
     if zeros_all:
-        answer = f"all zeros pass on all {len(outs)} input sets"
+        answer = f"all zeros pass on all {used} input sets"
     elif constant_all:
-        answer = f"the first set's output, returned as a constant, passes on all {len(outs)}"
+        answer = f"the first set's output, returned as a constant, passes on all {used}"
     else:
-        answer = f"a constant answer passes on {passes + 1} of {len(outs)} input sets"
+        answer = f"a constant answer passes on {passes + 1} of {used} input sets"
     reason = (
         f"{answer} (trial seeds, and inputs scaled by {', '.join(f'{s:g}' for s in scales)}); "
         f"outputs move by at most {spread:.3g} of their size between sets"
@@ -106,7 +120,7 @@ def audit_reference(runner: Any, msg: dict[str, Any]) -> dict[str, Any]:
     return {
         "degenerate": degenerate,
         "reason": reason,
-        "input_sets": len(outs),
+        "input_sets": used,
         "spread": spread,
         "constant_passes": passes + 1,
     }
