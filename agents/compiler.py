@@ -45,5 +45,5 @@ class Compiler(EvaluatorAgent):
         """Compile in a sandbox, sharing the device with verification (timing waits)."""
         async with await gate_for(self.device).shared():
             return await asyncio.to_thread(
-                compile_candidate, task, source, device=self.device, timeout_s=self.timeout_s
+                compile_candidate, task, source, device=self.device, timeout_s=self.build_timeout_s
             )

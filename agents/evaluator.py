@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from kf.agent import Agent, AgentContext
+from kf.evaluation.tolerance import Tolerance
 from kf.events import Event, Record
 from kf.facts import RunStarted
 from kf.search_facts import CandidateProposed
@@ -92,6 +93,7 @@ class EvaluatorState(msgspec.Struct, kw_only=True):
     seed: int = 0
     tasks: dict[str, Any] = {}  # name → Task (not serialised: rebuilt from the log)
     sources: dict[str, str] = {}
+    tolerance: Tolerance = Tolerance()  # the run's (config atol, rtol, tolerance)
 
 
 class EvaluatorAgent(Agent[EvaluatorState]):
@@ -105,6 +107,9 @@ class EvaluatorAgent(Agent[EvaluatorState]):
         self.device = str(ctx.options.get("device", "cpu"))
         self.device_id = str(ctx.options.get("device_id", self.device))
         self.timeout_s = float(ctx.options.get("timeout_s", 180.0))
+        # the compile stage's own limit (None: $KF_BUILD_TIMEOUT_S, default 600 s)
+        build = ctx.options.get("build_timeout_s")
+        self.build_timeout_s = float(build) if build else None
 
     def initial_state(self) -> EvaluatorState:
         return EvaluatorState()
@@ -113,6 +118,7 @@ class EvaluatorAgent(Agent[EvaluatorState]):
         ev = rec.event
         if isinstance(ev, RunStarted):
             state.seed = ev.seed
+            state.tolerance = Tolerance.of(ev.config)
             state.tasks = {
                 t.name: Task.from_source(
                     t.name,

@@ -151,7 +151,12 @@ class Profiler(EvaluatorAgent):
         return out
 
     def _profile(self, state: ProfilerState, task: Task, cid: str, source: str) -> ProfileReport:
-        kw = {"device": self.device, "seed": state.seed, "timeout_s": self.timeout_s}
+        kw = {
+            "device": self.device,
+            "seed": state.seed,
+            "timeout_s": self.timeout_s,
+            "tolerance": state.tolerance,
+        }
         report = profile_candidate(task, source, **kw)  # type: ignore[arg-type]
         report = reverify_fast(task, source, report, **kw)  # type: ignore[arg-type]
         report = self._against_usual_eager(state, task.name, report)

@@ -1,4 +1,10 @@
-"""The verifier: KernelBench's correctness protocol on every compiled candidate."""
+"""The verifier: KernelBench's correctness protocol on every compiled candidate.
+
+Before it verifies a task's first candidate, it audits the task (is its reference output
+input-independent? :mod:`kf.evaluation.audit`) and records ``kernel.task_audited`` under
+an id derived from the run and the task, so the log holds one audit per task however
+many workers ran it.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,10 @@ import asyncio
 from collections.abc import Sequence
 
 from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
+from kf.agent import AgentContext
 from kf.evaluation import verify_candidate
-from kf.events import Event, Record
+from kf.evaluation.audit import audit_task
+from kf.events import Event, Record, derived_id
 from kf.facts import RunStarted
 from kf.search_facts import (
     CandidateCompiled,
@@ -15,7 +23,9 @@ from kf.search_facts import (
     CandidateRejected,
     CandidateVerified,
     GeneralisationFailed,
+    TaskAudited,
 )
+from kf.tasks import Task
 
 __all__ = ["Verifier"]
 
@@ -24,7 +34,33 @@ class Verifier(EvaluatorAgent):
     """Five seeded trials against the reference, in separate processes; evidence recorded."""
 
     kind = "verifier"
-    listens = (RunStarted, CandidateProposed, CandidateCompiled)
+    listens = (RunStarted, CandidateProposed, CandidateCompiled, TaskAudited)
+
+    def __init__(self, ctx: AgentContext) -> None:
+        super().__init__(ctx)
+        self._audited: set[str] = set()  # tasks audited (or being audited) by this agent
+
+    def evolve(self, state: EvaluatorState, rec: Record) -> EvaluatorState:
+        state = super().evolve(state, rec)
+        if isinstance(rec.event, TaskAudited):
+            self._audited.add(rec.event.task)
+        return state
+
+    async def _audit(self, state: EvaluatorState, task: Task) -> None:
+        """Audit ``task`` once (see the module doc); the event id makes it once per run."""
+        if task.name in self._audited:
+            return
+        self._audited.add(task.name)
+        audit = await asyncio.to_thread(
+            audit_task,
+            task,
+            device=self.device,
+            seed=state.seed,
+            timeout_s=self.timeout_s,
+            tolerance=state.tolerance,
+        )
+        ev = TaskAudited(task=task.name, device_id=self.device_id, audit=audit)
+        self.emit(ev, event_id=derived_id("kernel.task_audited", self.ctx.run_id, task.name))
 
     async def react(self, state: EvaluatorState, rec: Record) -> Sequence[Event]:  # type: ignore[override]
         ev = rec.event
@@ -35,6 +71,7 @@ class Verifier(EvaluatorAgent):
             return ()
         task, source = found
         async with await gate_for(self.device).shared():
+            await self._audit(state, task)
             report = await asyncio.to_thread(
                 verify_candidate,
                 task,
@@ -42,6 +79,7 @@ class Verifier(EvaluatorAgent):
                 device=self.device,
                 seed=state.seed,
                 timeout_s=self.timeout_s,
+                tolerance=state.tolerance,
             )
         cls = CandidateVerified if report.correct else CandidateRejected
         gate: list[Event] = []

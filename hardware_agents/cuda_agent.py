@@ -68,7 +68,7 @@ class CudaCompiler(Compiler):
     async def build(self, task: Task, source: str) -> CompileReport:
         """Compile without the device gate: the GPU is not what a build uses."""
         return await asyncio.to_thread(
-            compile_candidate, task, source, device=self.device, timeout_s=self.timeout_s
+            compile_candidate, task, source, device=self.device, timeout_s=self.build_timeout_s
         )
 
 

@@ -202,6 +202,7 @@ def _summary(snap: Any) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     """Evolve kernels for the given tasks on this machine."""
     from kf.evaluation.device import DeviceError
+    from kf.evaluation.tolerance import tolerance_from_args
     from kf.llm.cli import llm_config
     from kf.orchestra import RunOptions, run_search
     from kf.report import build_report_from, format_table
@@ -210,6 +211,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     llm = llm_config(args)
     if isinstance(llm, str):
         print(f"kf run: {llm}", file=sys.stderr)
+        return EXIT_USAGE
+    tolerance = tolerance_from_args(args)
+    if isinstance(tolerance, str):
+        print(f"kf run: {tolerance}", file=sys.stderr)
         return EXIT_USAGE
     if args.budget < 1:
         print("kf run: --budget must be at least 1", file=sys.stderr)
@@ -262,6 +267,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         islands=args.islands,
         max_in_flight=args.max_in_flight,
         timeout_s=args.timeout,
+        build_timeout_s=args.build_timeout,
         serve=(args.serve_host, args.serve_port) if args.serve else None,
         run_id=args.run,
         join=args.join,
@@ -270,6 +276,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout,
         resume=args.resume,
     )
+    opts.extra.update(tolerance.config())  # the run's tolerance, if not the default
     if skipped:
         opts.extra["skipped_tasks"] = dict(skipped)  # recorded in the run's first event
     if args.select is not None:
@@ -377,7 +384,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if refused:
         print(f"kf worker: {refused}", file=sys.stderr)
         return EXIT_USAGE
-    options: dict[str, Any] = {"timeout_s": args.timeout, "heartbeat_s": args.heartbeat}
+    options: dict[str, Any] = {
+        "timeout_s": args.timeout,
+        "heartbeat_s": args.heartbeat,
+        "build_timeout_s": args.build_timeout,
+    }
     if args.name:
         options["device_id"] = args.name
     try:
@@ -585,8 +596,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout",
         type=float,
         default=180.0,
-        help="seconds per candidate stage before it is killed",
+        help="seconds per verification or profiling stage before it is killed",
     )
+    from kf.evaluation.tolerance import add_options as add_check_options
+
+    add_check_options(rn)
     rn.add_argument("--json", action="store_true", help="print the final report as JSON")
     from kf.evaluation.baseline_settings import COMPILE_MODES, TF32_SETTINGS
 
@@ -633,6 +647,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--device", default="cpu")
     w.add_argument("--run", required=True, metavar="RUN_ID")
     w.add_argument("--timeout", type=float, default=180.0)
+    add_check_options(w, tolerance=False)
     w.add_argument("--name", help="device id to announce (default <host>/<device>)")
     w.add_argument("--heartbeat", type=float, default=10.0, help="heartbeat seconds")
     w.add_argument(

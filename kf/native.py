@@ -113,11 +113,12 @@ def build(
     *,
     flags: Sequence[str] = (),
     defines: Mapping[str, object] | None = None,
-    timeout_s: float = 120.0,
+    timeout_s: float | None = None,
 ) -> ctypes.CDLL:
     """Compile ``source`` into a shared library (or reuse the cached one) and load it.
 
     ``defines`` become ``-DNAME=VALUE``; ``flags`` are appended after the defaults.
+    ``timeout_s`` None is the build limit (``$KF_BUILD_TIMEOUT_S``, default 600 s).
     Raises :class:`NativeCompileError` with the compiler's output when it fails.
     """
     return ctypes.CDLL(str(build_path(source, flags=flags, defines=defines, timeout_s=timeout_s)))
@@ -128,9 +129,12 @@ def build_path(
     *,
     flags: Sequence[str] = (),
     defines: Mapping[str, object] | None = None,
-    timeout_s: float = 120.0,
+    timeout_s: float | None = None,
 ) -> Path:
     """Like :func:`build` but return the library's path without loading it."""
+    from kf.evaluation.buildlimits import build_timeout_s
+
+    timeout_s = build_timeout_s(timeout_s)
     key, cxx, argv = build_key(source, flags=flags, defines=defines)
     shared = shared_cache("native")
     if shared is not None and (shared / f"{key}.so").exists():

@@ -46,6 +46,7 @@ class RunOptions:
     max_in_flight: int = 2
     llm_url: str | None = None
     timeout_s: float = 180.0
+    build_timeout_s: float | None = None  # the compile stage's limit (None: 600 s or $KF_...)
     measure_device: bool = True
     run_id: str | None = None
     join: bool = False  # only start the run and follow it: archivist and agents run elsewhere
@@ -331,6 +332,7 @@ async def run_search(
                 "device": o.device,
                 "device_id": device_id,
                 "timeout_s": o.timeout_s,
+                "build_timeout_s": o.build_timeout_s,
                 "measure": o.measure_device,
                 "heartbeat_s": o.heartbeat_s,
             }

@@ -19,6 +19,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kf.agent import AgentContext
 from kf.events import Envelope, Record, decode_event
 from kf.log import EventLog, check_integrity
@@ -91,6 +93,7 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
     speedups: dict[str, float] = {}
     vs_best: dict[str, float] = {}
     profiles = _profiles(envelopes)
+    audits = _audits(envelopes)
     filled = 0
     for name, t in state.tasks.items():
         best = best_candidate(state, name)
@@ -126,6 +129,16 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
             ],
         }
         entry.update(_baseline_entry(profiles, name, best.id if best else None))
+        audit = audits.get(name)
+        # a degenerate task (outputs independent of inputs): its speed-ups mean nothing
+        entry["degenerate"] = bool(audit is not None and audit.degenerate)
+        entry["audit"] = None if audit is None else msgspec.to_builtins(audit)
+        if entry["degenerate"] and best is not None:
+            entry["best_flags"] = [
+                *entry["best_flags"],
+                f"degenerate_task: the task's outputs do not depend on its inputs, so this "
+                f"speed-up means nothing ({audit.reason})",  # type: ignore[union-attr]
+            ]
         tasks.append(entry)
         if best is not None and best.speedup is not None:
             speedups[name] = best.speedup
@@ -164,6 +177,7 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
         "tasks_without_compiled_baseline": sum(
             1 for t in tasks if t["best_speedup"] is not None and t["best_speedup_vs_best"] is None
         ),
+        "degenerate_tasks": sorted(t["task"] for t in tasks if t["degenerate"]),
         "mutator": mutators[0] if len(mutators) == 1 else mutators,
         "devices": devices,
         "run_stats": run_stats(envelopes),
@@ -188,6 +202,16 @@ def _failures(state: Any, task: str) -> dict[str, int]:
             kind = c.failure or "failed"
             out[kind] = out.get(kind, 0) + 1
     return dict(sorted(out.items()))
+
+
+def _audits(envelopes: Iterable[Envelope]) -> dict[str, Any]:
+    """Each task's audit (``kernel.task_audited``; the first one, as it is recorded once)."""
+    out: dict[str, Any] = {}
+    for env in envelopes:
+        if env.type == "kernel.task_audited":
+            ev = decode_event(env)
+            out.setdefault(ev.task, ev.audit)  # type: ignore[attr-defined]
+    return out
 
 
 def _profiles(envelopes: Iterable[Envelope]) -> dict[str, list[Any]]:
@@ -261,7 +285,9 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{t['ref_ms']:.3f}" if t["ref_ms"] else "—",
                 f"{t['compiled_ms']:.3f}" if t.get("compiled_ms") else "—",
                 f"{t['best_ms']:.3f}" if t["best_ms"] else "—",
-                f"{t['best_speedup']:.2f}×" if t["best_speedup"] else "—",
+                (f"{t['best_speedup']:.2f}×" + ("*" if t.get("degenerate") else ""))
+                if t["best_speedup"]
+                else "—",
                 f"{t['best_speedup_vs_compiled']:.2f}×"
                 if t.get("best_speedup_vs_compiled")
                 else "—",
@@ -271,6 +297,11 @@ def format_table(report: dict[str, Any]) -> str:
         )
     notes: list[str] = []
     for t in report["tasks"]:
+        if t.get("degenerate"):
+            notes.append(
+                f"{t['task']}: DEGENERATE task: its outputs do not depend on its inputs "
+                f"({(t.get('audit') or {}).get('reason', '')}); its speed-ups are flagged"
+            )
         if t.get("compile_baseline_error"):
             notes.append(f"{t['task']}: no torch.compile baseline: {t['compile_baseline_error']}")
         notes += [f"{t['task']}: best flagged: {f}" for f in t.get("best_flags", [])]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kf.evaluation.audit import TaskAudit
 from kf.evaluation.reports import CompileReport, CountersReport, ProfileReport, VerifyReport
 from kf.events import Decision, Observation, event
 
@@ -22,6 +23,7 @@ __all__ = [
     "GeneralisationFailed",
     "MutationFailed",
     "ParentSelected",
+    "TaskAudited",
     "TaskSkipped",
 ]
 
@@ -141,6 +143,16 @@ class GeneralisationFailed(Observation, frozen=True, kw_only=True):
     device_id: str
     reason: str
     stage: str = "verify"  # verify (the gate) | reverify (a speed-up above 10x)
+
+
+@event("kernel.task_audited")
+class TaskAudited(Observation, frozen=True, kw_only=True):
+    """A task's reference was run on several input sets to see whether its outputs depend
+    on its inputs; a degenerate task's speed-ups mean nothing (a constant passes it)."""
+
+    task: str
+    device_id: str
+    audit: TaskAudit
 
 
 @event("search.parent_selected")

@@ -8,7 +8,9 @@ out-of-process reference and the timers are). The codes:
 ``torch_compute``      a PyTorch compute call (``torch.*``, ``F.*``, a tensor method such as
                        ``.matmul``, the ``@`` operator, an ``nn`` layer) inside ``ModelNew.forward``
 ``no_custom_kernel``   the candidate builds no native kernel at all
-``kernel_never_called`` it builds a kernel but ``forward`` never calls into it
+``kernel_never_called`` it builds a kernel but ``forward`` never calls into it (followed through
+                       attributes, aliases and the module's functions and classes,
+                       :mod:`kf.kernel_calls`; not raised where a call cannot be followed)
 ``try_fallback``       ``forward`` catches exceptions (a fallback to PyTorch hides a broken kernel)
 ``stream``             CUDA streams or events are created (work can escape the timer)
 ``thread``             threads or processes are started (work can escape the timer)
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+
+from kf.kernel_calls import analyse
 
 __all__ = ["CODES", "check_source"]
 
@@ -100,7 +104,6 @@ _COMPUTE_METHODS = frozenset(
         "linear",
     }
 )
-_NATIVE_BUILDERS = frozenset({"build", "load_inline", "load", "CDLL", "cdll", "compile_kernel"})
 _THREAD_NAMES = frozenset(
     {"threading", "_thread", "multiprocessing", "concurrent", "ThreadPoolExecutor", "Thread"}
 )
@@ -211,57 +214,6 @@ def _reachable(cls: ast.ClassDef, start: str) -> list[ast.FunctionDef]:
     return [methods[n] for n in seen]
 
 
-def _native_attrs(tree: ast.Module) -> tuple[bool, set[str]]:
-    """Whether a native kernel is built or loaded, and the names it is bound to.
-
-    A module-level function that builds one is a builder too; ``self.fn = lib.kernel``
-    binds a kernel as well.
-    """
-    builders = set(_NATIVE_BUILDERS)
-    for top in tree.body:
-        if isinstance(top, ast.FunctionDef) and any(
-            isinstance(n, ast.Call) and _is_builder(_dotted(n.func), _NATIVE_BUILDERS)
-            for n in ast.walk(top)
-        ):
-            builders.add(top.name)
-    built = False
-    names: set[str] = set()
-    for top in tree.body:  # Triton kernels: @triton.jit functions
-        if isinstance(top, ast.FunctionDef) and any(
-            _dotted(d.func if isinstance(d, ast.Call) else d).endswith("jit")
-            for d in top.decorator_list
-        ):
-            built = True
-            names.add(top.name)
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Assign | ast.AnnAssign) or node.value is None:
-            continue
-        value = node.value
-        native = False
-        if isinstance(value, ast.Call):
-            # the builder may sit inside a chain: kf.cuda.compile(SRC).function("k")
-            native = any(
-                isinstance(n, ast.Call) and _is_builder(_dotted(n.func), builders)
-                for n in ast.walk(value)
-            )
-            built = built or native
-        elif isinstance(value, ast.Attribute):
-            head = _dotted(value).removeprefix("self.").split(".")[0]
-            native = head in names
-        if native:
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            for t in targets:
-                dotted = _dotted(t)
-                if dotted:
-                    names.add(dotted.removeprefix("self.").split(".")[0])
-    return built, names
-
-
-def _is_builder(dotted: str, builders: set[str] | frozenset[str]) -> bool:
-    """A call that builds or loads native code (``kf.cuda.compile`` too, not ``torch.compile``)."""
-    return dotted.rsplit(".", 1)[-1] in builders or dotted.endswith("cuda.compile")
-
-
 def _warn(code: str, detail: str, node: ast.AST | None) -> str:
     line = getattr(node, "lineno", None)
     return f"{code}: {detail}" + (f" (line {line})" if line else "")
@@ -283,8 +235,8 @@ def _forward_checks(tree: ast.Module, aliases: _Aliases) -> Iterator[str]:
             ):
                 layers.update(_dotted(t).removeprefix("self.") for t in node.targets if _dotted(t))
     compute: list[tuple[str, ast.AST]] = []
-    kernel_calls = 0
-    built, native = _native_attrs(tree)
+    calls = analyse(tree)
+    kernels = set(calls.names) if calls is not None else set()
     for fn in body:
         for node in ast.walk(fn):
             if isinstance(node, ast.Try) and node.handlers:
@@ -302,22 +254,25 @@ def _forward_checks(tree: ast.Module, aliases: _Aliases) -> Iterator[str]:
                 isinstance(node.func, ast.Attribute)
                 and node.func.attr in _COMPUTE_METHODS
                 and not callee.startswith("self.")
+                and parts[0] not in kernels  # lib.mm(...): the candidate's own kernel
             ):
                 compute.append((f".{node.func.attr}()", node))
             elif callee.startswith("self.") and len(parts) == 2 and parts[1] in layers:
                 compute.append((callee, node))
-            bound = parts[1:] if parts[0] == "self" else parts
-            if bound and bound[0] in native:
-                kernel_calls += 1
     if compute:
         names = ", ".join(dict.fromkeys(name for name, _ in compute))
         yield _warn("torch_compute", f"ModelNew.forward calls {names}", compute[0][1])
-    if not built:
+    if calls is None:
+        return
+    if not calls.built:
         yield _warn("no_custom_kernel", "the candidate builds or loads no native kernel", None)
-    elif native and kernel_calls == 0:
+    elif not calls.reached and calls.certain:
+        # only when every call forward makes was followed: where kf cannot tell, no warning
+        held = f" ({', '.join(calls.names)})" if calls.names else ""
         yield _warn(
             "kernel_never_called",
-            f"a kernel is built ({', '.join(sorted(native))}) but forward never calls it",
+            f"a kernel is built{held} but forward never calls it, directly or through "
+            "the module's functions, attributes and classes",
             None,
         )
 

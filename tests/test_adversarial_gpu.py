@@ -34,3 +34,31 @@ def test_adversarial_gpu_side_stream_is_flagged_and_timed() -> None:
     )
     assert any(f.startswith("stream:") for f in result.flags)
     assert result.profile is None or result.profile.speedup < 10 or not result.profile.ok
+
+
+def test_adversarial_gpu_microsecond_kernel_not_suspect_side_stream_still_is() -> None:
+    """An honest Triton kernel of a few µs a call (64 × 1024) is not suspect, although the
+    grader's wall clock sees the launch, synchronisation and L2 flush of every sample; the
+    side-stream cheat on a task big enough to matter still is (timer_disagreement)."""
+    quick = {"min_time_s": 0.05, "warmup": 2, "min_trials": 10}
+    honest = evaluate(
+        load_task(FIXTURES / "task_gelu.py"),
+        (FIXTURES.parent / "honest" / "triton_wrapper.py").read_text(),
+        device="cuda:0",
+        profile_options=quick,
+    )
+    assert honest.passed, honest.error
+    assert honest.profile is not None
+    assert not honest.suspect, (
+        honest.profile.runtime_ms,
+        honest.profile.empty_call_ms,
+        honest.flags,
+    )
+    cheat = evaluate(
+        load_task(FIXTURES / "task_gelu_big.py"),
+        (FIXTURES / "side_stream.py").read_text(),
+        device="cuda:0",
+        profile_options=quick,
+    )
+    assert cheat.suspect, cheat.flags
+    assert any(f.startswith("timer_disagreement:") for f in cheat.flags), cheat.flags

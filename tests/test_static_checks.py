@@ -95,3 +95,64 @@ def test_gpu_backends_count_as_native_kernels() -> None:
         root / "cuda_candidates" / "gelu_residual_load_inline.py",
     ):
         assert check_source(path.read_text()) == (), path.name
+
+
+HONEST = Path(__file__).parent / "fixtures" / "honest"
+IMPORT_F = "import torch.nn.functional as F"
+
+
+@pytest.mark.parametrize("path", sorted(HONEST.glob("*.py")), ids=lambda p: p.stem)
+def test_static_checks_honest_idioms_are_clean(path: Path) -> None:
+    """Kernels kept as attributes, aliased, launched from wrappers, autograd Functions,
+    sub-modules and lazy builds (CPU, Triton and load_inline) draw no warning."""
+    assert check_source(path.read_text()) == ()
+
+
+def test_static_checks_never_names_local_variables() -> None:
+    """A built-but-unused Triton kernel is reported by its own name, never by the
+    kernel's locals (``a``, ``b``, ``vals``, loaded with ``tl.load``)."""
+    source = (HONEST / "triton_wrapper.py").read_text()
+    cheat = source.replace("return fused(x, self.bias)", "return F.gelu(x + self.bias)")
+    cheat = cheat.replace(
+        "from torch import nn", "from torch import nn\nimport torch.nn.functional as F"
+    )
+    found = [w for w in check_source(cheat) if w.startswith("kernel_never_called")]
+    assert len(found) == 1
+    assert "gelu_bias_kernel" in found[0]
+    for local in ("a,", "b,", "vals", "(a", "out"):
+        assert local not in found[0].split("(", 1)[1].split(")")[0]
+
+
+@pytest.mark.parametrize(
+    "forward",
+    [
+        "return F.gelu(x + self.bias)",  # the kernel sits on self.op, unused
+        "y = torch.empty_like(x)\n        _unused(x)\n        return F.gelu(x + self.bias)",
+    ],
+)
+def test_static_checks_module_attribute_cheat_still_caught(forward: str) -> None:
+    """A library kept as ``self.op`` (or reached only by a function forward never calls)
+    and a forward that computes with PyTorch instead is still ``kernel_never_called``."""
+    source = (HONEST / "module_attr.py").read_text()
+    head, _, _ = source.partition("    def forward")
+    cheat = (
+        head.replace(
+            "from torch import nn", "from torch import nn\nimport torch.nn.functional as F"
+        )
+        + "    def forward(self, x):\n        "
+        + forward
+        + "\n\n\ndef _never(x):\n    return gelu_lib.gelu_bias(x)\n"
+        + "\n\ndef _unused(x):\n    return x\n"
+    )
+    assert "kernel_never_called" in codes(cheat)
+
+
+def test_static_checks_uncertain_call_is_no_warning() -> None:
+    """Where forward calls something kf cannot follow (``getattr(...)``, a callable passed
+    in), it does not claim the kernel is never called."""
+    source = (HONEST / "module_attr.py").read_text()
+    dynamic = source.replace(
+        "self.op.gelu_bias(x.data_ptr()", 'getattr(self, "o" + "p").gelu_bias(x.data_ptr()'
+    )
+    assert "kernel_never_called" not in codes(dynamic)
+    assert check_source(source) == ()

@@ -88,6 +88,7 @@ ALLOWED_ENV = frozenset(
         "NVCC_APPEND_FLAGS",
         "NVCC_CCBIN",
         "MAX_JOBS",
+        "KF_BUILD_TIMEOUT_S",
         # CUDA and PyTorch
         "CUDA_HOME",
         "CUDA_PATH",

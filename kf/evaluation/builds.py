@@ -51,7 +51,9 @@ def build_native(
     """Build a ``kf.native`` library into the grader's cache: ``{"ok": True, "path": ...}``
     or ``{"ok": False, "error": ..., "log": ...}`` (the compiler's output)."""
     from kf import native
+    from kf.evaluation.buildlimits import build_timeout_s
 
+    timeout_s = min(float(timeout_s), build_timeout_s())  # the runner asks; kf's limit caps
     try:
         key, cxx, argv = native.build_key(source, flags=flags, defines=defines)
     except native.NativeCompileError as exc:

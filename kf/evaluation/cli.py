@@ -20,6 +20,7 @@ from kf.evaluation.device import DeviceError, parse_device
 from kf.evaluation.reports import FLAG_REASONS, EvalResult, ProfileReport
 from kf.evaluation.sandbox import RunnerStartError
 from kf.evaluation.stages import evaluate
+from kf.evaluation.tolerance import describe, tolerance_from_args
 from kf.tasks import TaskError, load_task
 
 __all__ = ["main"]
@@ -48,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="on a GPU, also read hardware counters with Nsight Compute (ncu)",
     )
+    from kf.evaluation.tolerance import add_options
+
+    add_options(p)
     p.add_argument(
         "--unsafe-no-sandbox",
         action="store_true",
@@ -59,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _human(result: EvalResult) -> str:
     lines = [f"task {result.task} on {result.device}"]
+    if result.audit is not None and result.audit.degenerate:
+        lines.append(
+            f"DEGENERATE task: its outputs do not depend on its inputs ({result.audit.reason})"
+        )
     if result.sandbox == "unsafe-no-sandbox":
         lines.append("UNSANDBOXED: the candidate ran outside kf's box (--unsafe-no-sandbox)")
     c, v, p = result.compile, result.verify, result.profile
@@ -69,13 +77,25 @@ def _human(result: EvalResult) -> str:
             lines.append("  " + c.log[-2000:].replace("\n", "\n  "))
     if v is not None:
         status = "correct" if v.correct else f"REJECTED ({v.failure_kind})"
-        lines.append(f"verify: {status}, {v.trials} trials, max abs err {v.max_abs_err:.3g}")
+        lines.append(
+            f"verify: {status}, {v.trials} trials, max abs err {v.max_abs_err:.3g}, "
+            f"max rel err {v.max_rel_err:.3g}"
+        )
+        if v.atol:
+            lines.append(
+                f"  tolerance {describe(v.atol, v.rtol)} ({v.tolerance_source or 'default'}); "
+                f"the smallest atol=rtol that would pass: {v.min_tolerance:.2g}"
+            )
         if not v.correct:
             lines.append(f"  {v.error}")
     if v is not None and v.variant_evidence:
         passed = sum(1 for e in v.variant_evidence if e.ok)
         total = len(v.variant_evidence)
         lines.append(f"generalisation gate: {passed}/{total} unseen shapes passed")
+    if v is not None and v.distribution_evidence:
+        passed = sum(1 for e in v.distribution_evidence if e.ok)
+        total = len(v.distribution_evidence)
+        lines.append(f"hidden inputs: {passed}/{total} input distributions passed")
     if p is not None:
         if p.ok:
             lines.append(
@@ -134,6 +154,10 @@ def main(argv: list[str]) -> int:
         return 2
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
+    tolerance = tolerance_from_args(args)
+    if isinstance(tolerance, str):
+        print(f"kf eval: {tolerance}", file=sys.stderr)
+        return 2
     if args.unsafe_no_sandbox:
         os.environ["KF_UNSAFE_NO_SANDBOX"] = "1"  # kf.evaluation.box reads it
     try:
@@ -148,7 +172,16 @@ def main(argv: list[str]) -> int:
             print(f"kf eval: {candidate}: cannot read candidate: {exc}", file=sys.stderr)
             return 2
         require()
-        result = evaluate(task, source, device=device, seed=args.seed, counters=args.counters)
+        result = evaluate(
+            task,
+            source,
+            device=device,
+            seed=args.seed,
+            counters=args.counters,
+            tolerance=tolerance,
+            build_timeout_s=args.build_timeout,
+            audit=True,
+        )
     except (TaskError, DeviceError, RunnerStartError, SandboxUnavailable) as exc:
         print(f"kf eval: {exc}", file=sys.stderr)
         return 2

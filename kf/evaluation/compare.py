@@ -26,14 +26,22 @@ def _name(torch: Any, dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def compare_outputs(torch: Any, expected: list[Any], got: Any) -> dict[str, Any]:
-    """A verdict ``{ok, kind, reason, max_abs_err, max_rel_err}`` for one trial's outputs."""
+def compare_outputs(
+    torch: Any, expected: list[Any], got: Any, tol: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A verdict ``{ok, kind, reason, max_abs_err, max_rel_err, min_tol}`` for one trial's
+    outputs; ``tol`` is a :class:`kf.evaluation.tolerance.Tolerance` as a dict (None:
+    KernelBench's). ``min_tol`` is the smallest atol = rtol at which the outputs pass."""
+    from kf.evaluation.tolerance import Tolerance, describe, for_dtype
+
+    choice = Tolerance(**tol) if tol else Tolerance()
     verdict: dict[str, Any] = {
         "ok": True,
         "kind": None,
         "reason": None,
         "max_abs_err": 0.0,
         "max_rel_err": 0.0,
+        "min_tol": 0.0,
     }
 
     def fail(kind: str, reason: str) -> dict[str, Any]:
@@ -67,11 +75,11 @@ def compare_outputs(torch: Any, expected: list[Any], got: Any) -> dict[str, Any]
             continue
         # in float64, a chunk at a time: at KernelBench's sizes (1.6e9 elements) a whole
         # float64 copy of both tensors would take 26 GB on top of them
-        tol = tolerance(_name(torch, want.dtype))
+        atol, rtol = for_dtype(choice, _name(torch, want.dtype))
         flat_have, flat_want = have.reshape(-1), want_c.reshape(-1)
         total = flat_want.numel()
         over_count = nonfinite = 0
-        abs_err = rel_err = 0.0
+        abs_err = rel_err = min_tol = 0.0
         for start in range(0, total, _CHUNK):
             have64 = flat_have[start : start + _CHUNK].double()
             want64 = flat_want[start : start + _CHUNK].double()
@@ -88,7 +96,8 @@ def compare_outputs(torch: Any, expected: list[Any], got: Any) -> dict[str, Any]
             if diff.numel():
                 abs_err = max(abs_err, float(diff.max()))
                 rel_err = max(rel_err, float((diff / ref.clamp_min(1e-12)).max()))
-                over_count += int((diff > tol + tol * ref).sum())
+                over_count += int((diff > atol + rtol * ref).sum())
+                min_tol = max(min_tol, float((diff / (1.0 + ref)).max()))
             del have64, want64, finite, diff, ref
         if nonfinite:
             return fail(
@@ -97,11 +106,13 @@ def compare_outputs(torch: Any, expected: list[Any], got: Any) -> dict[str, Any]
             )
         verdict["max_abs_err"] = max(verdict["max_abs_err"], abs_err)
         verdict["max_rel_err"] = max(verdict["max_rel_err"], rel_err)
+        verdict["min_tol"] = max(verdict["min_tol"], min_tol)
         if over_count:
             return fail(
                 "mismatch",
                 f"{label}: {over_count} of {total} elements outside "
-                f"atol=rtol={tol:g} (max abs err {abs_err:.3g})",
+                f"{describe(atol, rtol)} (max abs err {abs_err:.3g}, max rel err "
+                f"{rel_err:.3g}; would pass at atol=rtol={min_tol:.2g})",
             )
     return verdict
 

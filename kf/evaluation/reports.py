@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from kf.evaluation.audit import TaskAudit
+
 __all__ = [
     "FAILURE_KINDS",
     "FLAG_REASONS",
@@ -38,6 +40,7 @@ FailureKind = Literal[
     "generalisation_failed",
     "stale_output",
     "reverify_failed",
+    "distribution_failed",
 ]
 FAILURE_KINDS: tuple[str, ...] = FailureKind.__args__  # type: ignore[attr-defined]
 
@@ -54,6 +57,7 @@ FLAG_REASONS: dict[str, str] = {
     "speedup_over_10x": "a speed-up above 10x: re-verified on fresh inputs and shapes",
     "eager_outlier": "eager was unusually slow this session: speed-up against earlier median",
     "unsandboxed": "outside the box a candidate can read kf's secrets and files and forge results",
+    "degenerate_task": "the task's outputs do not depend on its inputs: a constant passes it",
     # static checks (kf.static_checks)
     "no_custom_kernel": "no native kernel is built or loaded",
     "kernel_never_called": "a kernel is built but forward never calls it",
@@ -107,6 +111,7 @@ class TrialEvidence(msgspec.Struct, frozen=True, kw_only=True):
     max_rel_err: float = 0.0
     reason: str | None = None
     label: str = ""  # for a generalisation variant: which input shapes
+    min_tol: float = 0.0  # the smallest atol = rtol at which this trial passes (0.0: older logs)
 
 
 class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,6 +131,12 @@ class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
     flags: tuple[str, ...] = ()
     phases: dict[str, float] = {}  # seconds per runner request op (see above)
     sandbox: str = ""  # "bwrap" or "unsafe-no-sandbox" (see above); "" in older logs
+    # the smallest atol = rtol that every trial run would have passed at, and where the
+    # tolerance used came from (kf.evaluation.tolerance); 0.0 and "" in older logs
+    min_tolerance: float = 0.0
+    tolerance_source: str = ""
+    # the hidden input distributions: the task's inputs scaled by 3, 0.01 and -1
+    distribution_evidence: tuple[TrialEvidence, ...] = ()
 
 
 class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -183,6 +194,9 @@ class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
     # (kf.evaluation.baseline_settings); "" in older logs
     compile_mode: str = ""  # torch.compile mode of the compiled time ("": none measured)
     tf32: str = ""  # "off", "on", or "pytorch-default" (matmul off, cuDNN on)
+    # the grader's wall ms of one call that does nothing in the same timing loop, from the
+    # candidate-free runner: subtracted before the wall clock is compared with the samples
+    empty_call_ms: float | None = None
 
 
 class CountersReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -209,6 +223,7 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "cpu"
     seed: int = 0
     counters: CountersReport | None = None
+    audit: TaskAudit | None = None  # the task's audit (kf eval; kf.evaluation.audit)
 
     @property
     def correct(self) -> bool:
@@ -232,6 +247,8 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
         parts = [self.compile.warnings]
         parts += [self.verify.flags] if self.verify is not None else []
         parts += [self.profile.flags] if self.profile is not None else []
+        if self.audit is not None and self.audit.degenerate:
+            parts.append((f"degenerate_task: {self.audit.reason}",))
         for part in parts:
             found += [f for f in part if f not in found]
         return tuple(found)
@@ -295,4 +312,6 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
             "profile": msgspec.to_builtins(p) if p is not None else None,
             "counters": msgspec.to_builtins(self.counters) if self.counters is not None else None,
             "sandbox": self.sandbox,
+            "degenerate_task": self.audit.degenerate if self.audit is not None else None,
+            "audit": msgspec.to_builtins(self.audit) if self.audit is not None else None,
         }

@@ -332,7 +332,8 @@ class Runner:
         # then moves only outputs: kf.evaluation.stages._seeded_inputs)
         self.own_inputs = False
         # a reused reference runner keeps the inputs and outputs it made, per seed
-        self.made: OrderedDict[tuple[int, int, int | None], _Made] = OrderedDict()
+        self.made: OrderedDict[tuple[int, int, int | None, float | None], _Made] = OrderedDict()
+        self.trial_scale: dict[int, float | None] = {}  # hidden distributions (variants.SCALES)
         self.made_budget = 0
         self.model_seed = 0
         # a reused reference runner keeps its torch.compile'd reference, per model seed
@@ -487,9 +488,8 @@ class Runner:
     def _variant_candidates(self, seed: int, variant: int) -> list[tuple[str, list[Any]]]:
         """Input sets for generalisation variant ``variant``, most preferred first.
 
-        The task's own ``get_extra_inputs()`` when it defines one; otherwise the
-        leading (batch) dimension of ``get_inputs()`` is rescaled (to about half, then
-        one and a half times, both odd) by slicing or extending with a second draw.
+        The task's own ``get_extra_inputs()`` when it defines one; otherwise shapes the
+        task can make itself (:func:`kf.evaluation.variants.derived_shapes`).
         """
         torch = self.torch
         extra = getattr(self.task_module, "get_extra_inputs", None)
@@ -502,28 +502,9 @@ class Runner:
                     "task_error", f"get_extra_inputs() raised {_describe(exc)}", _tb()
                 ) from exc
             return [("get_extra_inputs()", list(sets[variant]))] if variant < len(sets) else []
-        if variant > 1:
-            return []
-        base, more = self._get_inputs(seed), self._get_inputs(seed ^ 0x5EED)
-        tensors = [i for i, v in enumerate(base) if isinstance(v, torch.Tensor) and v.dim() > 0]
-        if not tensors:
-            return []
-        lead = int(base[tensors[0]].shape[0])
-        size = lead // 2 + 1 if variant == 0 else lead + lead // 2 + 1
-        size += 1 - size % 2  # odd sizes catch kernels that assume a multiple of 2, 4, 8…
+        from kf.evaluation.variants import derived_shapes
 
-        def scaled(which: list[int]) -> list[Any]:
-            out = list(base)
-            for i in which:
-                both = torch.cat([base[i], more[i]]) if size > lead else base[i]
-                out[i] = both[:size].clone()
-            return out
-
-        same = [i for i in tensors if int(base[i].shape[0]) == lead]
-        options = [("leading dimension", scaled(same))]
-        if same != tensors[:1]:
-            options.append(("first input's leading dimension", scaled(tensors[:1])))
-        return options if size != lead else []
+        return derived_shapes(torch, self.task_module, self._get_inputs, seed, variant)
 
     def op_make_inputs(self, msg: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -541,11 +522,12 @@ class Runner:
     def _op_make_inputs(self, msg: dict[str, Any]) -> dict[str, Any]:
         seed = int(msg["seed"])
         variant = msg.get("variant")
-        key = (self.model_seed, seed, None if variant is None else int(variant))
+        scale = None if msg.get("scale") is None else float(msg["scale"])
+        key = (self.model_seed, seed, None if variant is None else int(variant), scale)
         made = self.made.get(key)
         reused = made is not None
         if made is None:
-            made = self._make_inputs(seed, variant)
+            made = self._make_inputs(seed, variant, scale)
             self._remember(key, made)
         else:
             self.made.move_to_end(key)
@@ -558,6 +540,7 @@ class Runner:
         self.trials.pop(seed, None)
         self.trials[seed] = (made.pristine, made.expected)
         self.trial_variant[seed] = None if variant is None else int(variant)
+        self.trial_scale[seed] = scale
         while len(self.trials) > 1 and (
             len(self.trials) > _TRIALS_KEPT
             or sum(map(self._nbytes, self.trials.values())) > max(self.made_budget, 1 << 30)
@@ -575,7 +558,7 @@ class Runner:
             if isinstance(v, torch.Tensor)
         )
 
-    def _remember(self, key: tuple[int, int, int | None], made: _Made) -> None:
+    def _remember(self, key: tuple[int, int, int | None, float | None], made: _Made) -> None:
         """Keep what was made for later candidates, within ``made_budget`` bytes."""
         if made.nbytes > self.made_budget:
             return
@@ -583,9 +566,19 @@ class Runner:
         while sum(m.nbytes for m in self.made.values()) > self.made_budget:
             self.made.popitem(last=False)
 
-    def _make_inputs(self, seed: int, variant: Any) -> _Made:
+    def _make_inputs(
+        self,
+        seed: int,
+        variant: Any,
+        scale: float | None = None,
+        options: list[tuple[str, list[Any]]] | None = None,
+    ) -> _Made:
         torch = self.torch
-        if variant is None:
+        if scale is not None:  # a hidden input distribution (kf.evaluation.variants)
+            return self._scaled_inputs(seed, scale)
+        if options is not None:
+            pass
+        elif variant is None:
             options = [("", self._get_inputs(seed))]
         else:
             options = self._variant_candidates(seed, int(variant))
@@ -650,6 +643,19 @@ class Runner:
         )
         return _Made(reply, pristine, expected, nbytes)
 
+    def _scaled_inputs(self, seed: int, scale: float) -> _Made:
+        """The task's inputs for ``seed`` with floating-point tensors scaled: none when
+        there are none, or when the reference rejects them."""
+        from kf.evaluation.variants import scale_inputs
+
+        raw = scale_inputs(self.torch, self._get_inputs(seed), scale)
+        if raw is None:
+            return _Made({"inputs": None, "variant": "the task has no floating-point inputs"})
+        made = self._make_inputs(seed, 0, options=[(f"inputs ×{scale:g}", raw)])
+        if made.pristine is None:
+            return _Made({"inputs": None, "variant": f"the reference rejects inputs ×{scale:g}"})
+        return made
+
     def op_load_candidate(self, msg: dict[str, Any]) -> dict[str, Any]:
         from kf.native import NativeCompileError
         from kf.tasks import import_source
@@ -687,10 +693,15 @@ class Runner:
         self.model = self.backend.to_device(model)
         return {}
 
-    def _seeded(self, seed: int) -> tuple[list[Any], list[Any]]:
-        """The trial inputs for ``seed`` made here, as the reference makes them: on the
-        device, and a host copy to check them against after the call."""
+    def _seeded(self, seed: int, scale: float | None = None) -> tuple[list[Any], list[Any]]:
+        """The trial inputs for ``seed`` (scaled by ``scale``, a hidden distribution) made
+        here, as the reference makes them: on the device, and a host copy to check them
+        against after the call."""
         raw = self._get_inputs(seed)
+        if scale is not None:
+            from kf.evaluation.variants import scale_inputs
+
+            raw = scale_inputs(self.torch, raw, scale) or raw
         tensor = self.torch.Tensor
         pristine = [v.detach().cpu().clone() if isinstance(v, tensor) else v for v in raw]
         return [self.backend.to_device(v) for v in raw], pristine
@@ -702,7 +713,8 @@ class Runner:
         t0 = self.clock_ns()
         pristine: list[Any] | None = None
         if msg.get("inputs") is None and msg.get("seed") is not None and self.own_inputs:
-            self.inputs, pristine = self._seeded(int(msg["seed"]))
+            scale = None if msg.get("scale") is None else float(msg["scale"])
+            self.inputs, pristine = self._seeded(int(msg["seed"]), scale)
         else:
             self.inputs = [self.backend.to_device(v) for v in self.load(msg["inputs"])]
         t1 = self.clock_ns()
@@ -750,6 +762,12 @@ class Runner:
         self._trim_device_cache()
         return {"dropped_bytes": dropped}
 
+    def op_audit(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Whether the reference's outputs depend on its inputs (kf.evaluation.audit)."""
+        from kf.evaluation.audit import audit_reference
+
+        return audit_reference(self, msg)
+
     def op_check(self, msg: dict[str, Any]) -> dict[str, Any]:
         try:
             return {"verdict": self._check(msg)}
@@ -772,7 +790,7 @@ class Runner:
         seed = int(msg["seed"])
         if seed not in self.trials:
             # evicted to bound memory: the inputs and outputs are a pure function of the seed
-            made = self._make_inputs(seed, self.trial_variant.get(seed))
+            made = self._make_inputs(seed, self.trial_variant.get(seed), self.trial_scale.get(seed))
             self.trials[seed] = (made.pristine or [], made.expected or [])
         pristine, expected = self.trials[seed]
         try:
@@ -784,7 +802,7 @@ class Runner:
                 "kind": "exception",
                 "reason": f"unreadable output: {_describe(exc)}",
             }
-        verdict = compare_outputs(self.torch, expected, got)
+        verdict = compare_outputs(self.torch, expected, got, msg.get("tol"))
         if verdict["ok"]:
             if after is None:  # the candidate runner made and checked its own inputs
                 problem = msg.get("inputs_problem")
@@ -882,6 +900,8 @@ class Runner:
             if known is None or known.fn is None:
                 raise _Failure("protocol", "no compiled reference for these inputs")
             model = known.fn
+        elif msg.get("empty"):  # the timing loop's own cost: a call that does nothing
+            model = _nothing
         samples: list[int] = []
         try:
             with torch.no_grad():
@@ -903,20 +923,24 @@ class Runner:
         else:
             sets = [[backend.to_device(v) for v in self.load(data)] for data in msg["inputs"]]
         samples: list[int] = []
+        repeated: list[int] = []  # with "paired": the last inputs, timed the same way after each
         try:
             with torch.no_grad():
                 for inputs in sets:
-                    # Read every input once so fresh data is as warm as repeated data.
-                    for v in inputs:
-                        if isinstance(v, torch.Tensor) and v.is_floating_point():
-                            float(v.sum())
-                    backend.flush_cache()
-                    samples.append(backend.time_call_ns(functools.partial(model, *inputs)))
+                    for which, into in ((inputs, samples), (self.inputs, repeated)):
+                        if into is repeated and not msg.get("paired"):
+                            continue
+                        # Read every input once so fresh data is as warm as repeated data.
+                        for v in which:
+                            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                                float(v.sum())
+                        backend.flush_cache()
+                        into.append(backend.time_call_ns(functools.partial(model, *which)))
         except BaseException as exc:
             raise _Failure(
                 "exception", f"forward raised {_describe(exc)} on fresh inputs", _tb()
             ) from exc
-        return {"samples_ns": samples}
+        return {"samples_ns": samples, "repeated_ns": repeated}
 
     def op_counters(self, msg: dict[str, Any]) -> dict[str, Any]:
         """One warm-up call, then one call between cudaProfilerStart and Stop (for ncu)."""
@@ -1024,6 +1048,10 @@ def _warm(torch: Any, device: str) -> None:
         print(
             f"kf runner: warmed up for {device} in {time.perf_counter() - start:.2f}s", flush=True
         )
+
+
+def _nothing(*_: Any) -> None:
+    """What ``time`` calls with ``empty``: nothing, to measure the loop around a call."""
 
 
 def _dynamo_graphs(torch: Any) -> int:

@@ -42,6 +42,8 @@ from kf.evaluation.sandbox import (
     RunnerTimeout,
     default_pool,
 )
+from kf.evaluation.timing_checks import cache_suspected, timer_disagreement
+from kf.evaluation.tolerance import Tolerance, for_dtype, resolve
 from kf.static_checks import check_source
 from kf.tasks import Task, TaskError, TaskInfo
 
@@ -68,6 +70,7 @@ TIMER_DISAGREEMENT = "timer_disagreement"
 OUTPUT_CHANGED = "output_changed_after_timing"
 CACHE_SUSPECTED = "cache_suspected"
 REVERIFY_ABOVE = 10.0  # a speed-up above this is re-verified and flagged
+DISTRIBUTION_FAILED = "distribution_failed"  # wrong on the task's inputs scaled or negated
 _FRESH_SETS = 3
 _OFF = frozenset({"0", "false", "no", "off"})
 _device_locks: dict[str, threading.Lock] = {}
@@ -370,6 +373,7 @@ def _loaded_and_checked(
     limits: Limits,
     deadline: _Deadline,
     seed: int,
+    tol: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], tuple[str, str] | None]:
     """:func:`_load_pair`, then one checked call on ``seed``'s inputs: (inputs, problem).
 
@@ -382,14 +386,26 @@ def _loaded_and_checked(
     )
     made["precision"] = setup.get("precision")  # what the reference runner said it set
     given = _given(cand, device, made, seed)
-    problem = _run_and_check(task, ref, cand, given=given, seed=seed, deadline=deadline)
+    problem = _run_and_check(task, ref, cand, given=given, seed=seed, deadline=deadline, tol=tol)
     return made, problem
 
 
+def _tol(task: Task, tolerance: Tolerance | None) -> dict[str, Any]:
+    """The tolerance ``task``'s outputs are judged at, as the ``check`` request carries it."""
+    chosen, _ = resolve(tolerance, task.source)
+    return msgspec.to_builtins(chosen)  # type: ignore[no-any-return]
+
+
 def _judge(
-    task: Task, ref: RunnerHandle, ran: dict[str, Any], seed: int, deadline: _Deadline
+    task: Task,
+    ref: RunnerHandle,
+    ran: dict[str, Any],
+    seed: int,
+    deadline: _Deadline,
+    tol: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The reference runner's verdict on what the candidate returned for ``seed``'s inputs."""
+    """The reference runner's verdict on what the candidate returned for ``seed``'s inputs,
+    at ``tol`` (None: the task's own or KernelBench's tolerance)."""
     verdict: dict[str, Any] = _reference(
         task,
         ref,
@@ -399,6 +415,7 @@ def _judge(
         outputs=ran["outputs"],
         inputs_after=ran.get("inputs_after"),
         inputs_problem=ran.get("inputs_problem"),
+        tol=tol if tol is not None else _tol(task, None),
     )["verdict"]
     return verdict
 
@@ -412,6 +429,7 @@ def _evidence(seed: int, verdict: dict[str, Any], label: str = "") -> TrialEvide
         max_rel_err=float(verdict.get("max_rel_err") or 0.0),
         reason=verdict.get("reason"),
         label=label,
+        min_tol=float(verdict.get("min_tol") or 0.0),
     )
 
 
@@ -459,19 +477,32 @@ def compile_candidate(
     source: str,
     *,
     device: str = "cpu",
-    timeout_s: float = 180.0,
+    timeout_s: float | None = None,
     limits: Limits | None = None,
     pool: RunnerPool | None = None,
 ) -> CompileReport:
     """Import the candidate and construct ``ModelNew(*get_init_inputs())`` in a sandbox.
 
-    Raises :class:`TaskError` when the task itself is broken.
+    ``timeout_s`` is the build limit (None: :func:`kf.evaluation.buildlimits.build_timeout_s`,
+    600 s by default); it starts once the build holds one of the process's build slots,
+    and the wait for one is the report's ``build_queue`` phase. Raises
+    :class:`TaskError` when the task itself is broken.
     """
+    from kf.evaluation.buildlimits import build_slot, build_timeout_s
+
     leased: list[RunnerHandle] = []
-    report = _compile(
-        task, source, leased, device=device, timeout_s=timeout_s, limits=limits, pool=pool
-    )
-    return _sandboxed(report, leased)
+    with build_slot() as queued_s:
+        report = _compile(
+            task,
+            source,
+            leased,
+            device=device,
+            timeout_s=build_timeout_s(timeout_s),
+            limits=limits,
+            pool=pool,
+        )
+    phases = {**report.phases, "build_queue": round(queued_s, 4)}
+    return _sandboxed(msgspec.structs.replace(report, phases=phases), leased)
 
 
 def _compile(
@@ -545,6 +576,7 @@ def verify_candidate(
     limits: Limits | None = None,
     pool: RunnerPool | None = None,
     generalise: bool = True,
+    tolerance: Tolerance | None = None,
 ) -> VerifyReport:
     """Check the candidate against the reference on ``trials`` fresh seeded inputs (KernelBench).
 
@@ -566,6 +598,7 @@ def verify_candidate(
         limits=limits,
         pool=pool,
         generalise=generalise,
+        tolerance=tolerance,
     )
     return _sandboxed(report, leased)
 
@@ -582,6 +615,7 @@ def _verify(
     limits: Limits | None,
     pool: RunnerPool | None,
     generalise: bool,
+    tolerance: Tolerance | None = None,
 ) -> VerifyReport:
     """:func:`verify_candidate`; the runners it leases are added to ``leased``."""
     device = parse_device(device)
@@ -589,8 +623,11 @@ def _verify(
     limits = limits or Limits()
     evidence: list[TrialEvidence] = []
     variants: list[TrialEvidence] = []
+    hidden: list[TrialEvidence] = []
     flags: list[str] = []
-    atol = 0.0
+    atol = rtol = 0.0
+    chosen, chosen_from = resolve(tolerance, task.source)
+    tol = _tol(task, tolerance)
     since = time.monotonic()
     with pool.reference_lease(_ref_key(task, device)) as ref, pool.lease() as cand:
         leased += [ref, cand]
@@ -604,9 +641,12 @@ def _verify(
                 max_rel_err=max((e.max_rel_err for e in evidence), default=0.0),
                 evidence=tuple(evidence),
                 atol=atol,
-                rtol=atol,
+                rtol=rtol,
+                min_tolerance=max((e.min_tol for e in evidence), default=0.0),
+                tolerance_source=chosen_from,
                 duration_s=time.monotonic() - start,
                 variant_evidence=tuple(variants),
+                distribution_evidence=tuple(hidden),
                 flags=tuple(flags) + tuple(f for f in cand.findings if f not in flags),
                 phases=_phases(since, ref, cand),
                 **kw,
@@ -635,7 +675,9 @@ def _verify(
                 ):
                     big = _BIG_LOCKS.setdefault(device, threading.Lock())
                     big.acquire()
-                atol = max([_tol(d) for d in made["output_dtypes"]], default=1e-4)
+                pairs = [for_dtype(chosen, d) for d in made["output_dtypes"]]
+                atol = max((a for a, _ in pairs), default=for_dtype(chosen, "float32")[0])
+                rtol = max((r for _, r in pairs), default=for_dtype(chosen, "float32")[1])
                 ran = _candidate(
                     task,
                     cand,
@@ -648,7 +690,7 @@ def _verify(
                 if ran.get("torch_ops"):
                     ops = ", ".join(f"aten.{op}" for op in ran["torch_ops"][:8])
                     flags.append(f"torch_compute: forward dispatched PyTorch ops {ops}")
-                verdict = _judge(task, ref, ran, trial_seed, deadline)
+                verdict = _judge(task, ref, ran, trial_seed, deadline, tol)
                 evidence.append(_evidence(trial_seed, verdict))
                 if not verdict["ok"]:
                     log.info("candidate_rejected", task=task.name, kind=verdict["kind"])
@@ -658,10 +700,16 @@ def _verify(
                         error=f"trial {i + 1}/{trials} (seed {trial_seed}): {verdict['reason']}",
                     )
             if generalise:
-                failed = _generalisation_gate(task, ref, cand, seed, deadline, variants, device)
+                failed = _generalisation_gate(
+                    task, ref, cand, seed, deadline, variants, device, tol
+                )
                 if failed is not None:
                     log.info("candidate_rejected", task=task.name, kind="generalisation_failed")
                     return report(correct=False, failure_kind="generalisation_failed", error=failed)
+                failed = _hidden_distributions(task, ref, cand, seed, deadline, hidden, device, tol)
+                if failed is not None:
+                    log.info("candidate_rejected", task=task.name, kind=DISTRIBUTION_FAILED)
+                    return report(correct=False, failure_kind=DISTRIBUTION_FAILED, error=failed)
         except _CandidateFailed as exc:
             _after_candidate_failure(ref, exc, device)
             log.info("candidate_rejected", task=task.name, kind=exc.kind)
@@ -677,6 +725,46 @@ def _verify(
     return report(correct=True)
 
 
+def _hidden_distributions(
+    task: Task,
+    ref: RunnerHandle,
+    cand: RunnerHandle,
+    seed: int,
+    deadline: _Deadline,
+    evidence: list[TrialEvidence],
+    device: str,
+    tol: dict[str, Any] | None = None,
+) -> str | None:
+    """Run the candidate on the task's inputs scaled by each of
+    :data:`kf.evaluation.variants.SCALES` (never seen before); None, or why it failed.
+
+    A distribution the reference rejects, or a task with no floating-point input, is
+    skipped."""
+    from kf.evaluation.variants import SCALES
+
+    for scale, trial_seed in zip(SCALES, _seed_trials(seed ^ 0xD157, len(SCALES)), strict=True):
+        own = _own_inputs(cand, device)
+        made = _reference(
+            task, ref, "make_inputs", deadline, seed=trial_seed, scale=scale, send=not own
+        )
+        if "input_shapes" not in made:  # the reference rejects them
+            continue
+        label = f"inputs ×{scale:g}"
+        given = {"seed": trial_seed, "scale": scale} if own else {"inputs": made["inputs"]}
+        try:
+            ran = _candidate(task, cand, "run", deadline, **given, what=label)
+        except _CandidateFailed as exc:
+            _after_candidate_failure(ref, exc, device)
+            evidence.append(TrialEvidence(seed=trial_seed, ok=False, reason=exc.error, label=label))
+            return f"hidden inputs, {label} (never seen before): {exc.kind}: {exc.error}"
+        verdict = _judge(task, ref, ran, trial_seed, deadline, tol)
+        evidence.append(_evidence(trial_seed, verdict, label))
+        if not verdict["ok"]:
+            why = f"{verdict['kind']}: {verdict['reason']}"
+            return f"hidden inputs, {label} (never seen before): {why}"
+    return None
+
+
 def _generalisation_gate(
     task: Task,
     ref: RunnerHandle,
@@ -685,6 +773,7 @@ def _generalisation_gate(
     deadline: _Deadline,
     evidence: list[TrialEvidence],
     device: str,
+    tol: dict[str, Any] | None = None,
 ) -> str | None:
     """Run the candidate on input shapes it never saw; None, or why it failed."""
     for variant, trial_seed in enumerate(_seed_trials(seed ^ 0x6E4E, 4)):
@@ -700,7 +789,7 @@ def _generalisation_gate(
             _after_candidate_failure(ref, exc, device)
             evidence.append(TrialEvidence(seed=trial_seed, ok=False, reason=exc.error, label=label))
             return f"generalisation gate, {label} (never seen before): {exc.kind}: {exc.error}"
-        verdict = _judge(task, ref, ran, trial_seed, deadline)
+        verdict = _judge(task, ref, ran, trial_seed, deadline, tol)
         evidence.append(_evidence(trial_seed, verdict, label))
         if not verdict["ok"]:
             return (
@@ -708,12 +797,6 @@ def _generalisation_gate(
                 f"{verdict['kind']}: {verdict['reason']}"
             )
     return None
-
-
-def _tol(dtype: str) -> float:
-    from kf.evaluation.compare import tolerance
-
-    return tolerance(dtype)
 
 
 def timing_stats(samples_ms: list[float]) -> dict[str, float]:
@@ -807,6 +890,7 @@ def profile_candidate(
     limits: Limits | None = None,
     pool: RunnerPool | None = None,
     compile_baseline: bool | None = None,
+    tolerance: Tolerance | None = None,
 ) -> ProfileReport:
     """Time the candidate, PyTorch eager and the reference under ``torch.compile``
     alternately, in separate runners (eager and compiled share the candidate-free one),
@@ -831,6 +915,7 @@ def profile_candidate(
         "timeout_s": timeout_s,
         "limits": limits,
         "pool": pool,
+        "tolerance": tolerance,
     }
     try:
         report = _profile(task, source, leased, compile_baseline=want, **kw)
@@ -893,6 +978,7 @@ def _profile(
     limits: Limits | None,
     pool: RunnerPool | None,
     compile_baseline: bool,
+    tolerance: Tolerance | None = None,
 ) -> ProfileReport:
     """:func:`profile_candidate`; the runners it leases are added to ``leased``.
 
@@ -902,6 +988,7 @@ def _profile(
     device = parse_device(device)
     pool = pool or default_pool()
     limits = limits or Limits()
+    tol = _tol(task, tolerance)
     with (
         _device_lock(device),
         _trimmed(pool.reference_lease(_ref_key(task, device))) as ref,
@@ -916,7 +1003,7 @@ def _profile(
         deadline = _Deadline(timeout_s)
         try:
             made, problem = _loaded_and_checked(
-                task, source, ref, cand, device, limits, deadline, seed
+                task, source, ref, cand, device, limits, deadline, seed, tol
             )
             if problem is not None:
                 return ProfileReport(
@@ -937,7 +1024,8 @@ def _profile(
             rtt_ns = min(_round_trip_ns(task, cand, deadline) for _ in range(3))
             # The grader's own wall clock around every timing request of the candidate:
             # samples forged or shrunk in-process cannot add up to it.
-            wall = {"ns": 0, "calls": 0, "sampled_ms": 0.0}
+            # Per request: (calls, wall ms less the round trip, sum of the samples in ms).
+            batches: list[tuple[int, float, float]] = []
 
             def timed(handle: RunnerHandle, n: int, is_candidate: bool) -> list[float]:
                 call = _candidate if is_candidate else _reference
@@ -945,9 +1033,8 @@ def _profile(
                 reply = call(task, handle, "time", deadline, n=n, what=f"timing {n} calls")
                 samples = [ns / 1e6 for ns in reply["samples_ns"]]
                 if is_candidate:
-                    wall["ns"] += max(0, time.perf_counter_ns() - t0 - rtt_ns)
-                    wall["calls"] += len(samples)
-                    wall["sampled_ms"] += sum(samples)
+                    spent = max(0, time.perf_counter_ns() - t0 - rtt_ns) / 1e6
+                    batches.append((len(samples), spent, sum(samples)))
                 return samples
 
             def timed_compiled(n: int) -> list[float]:
@@ -968,6 +1055,7 @@ def _profile(
                 return [ns / 1e6 for ns in reply["samples_ns"]]
 
             est_c = statistics.median(timed(cand, warmup, True) or [1.0])
+            batches.clear()  # warm-up calls (first launches, caches) are not compared
             est_r = statistics.median(timed(ref, warmup, False) or [1.0])
             est_k = statistics.median(timed_compiled(warmup) or [0.0])
             round_s = max(min_time_s / 10, 0.01)
@@ -994,14 +1082,11 @@ def _profile(
             inside_ms = int(batch["total_ns"]) / 1e6 / k
             # Same K calls seen by both clocks: machine noise cancels, a tampered clock does not.
             flags = list(cross_check_flags(inside_ms, outside_ms))
-            per_call_wall = wall["ns"] / 1e6 / max(1, int(wall["calls"]))
-            per_call_sampled = float(wall["sampled_ms"]) / max(1, int(wall["calls"]))
-            # Loose on purpose: on a loaded machine the gaps between samples grow too.
-            if not flags and per_call_sampled * 5 < per_call_wall - 0.01:
-                flags.append(
-                    f"{TIMER_DISAGREEMENT}: timing samples add up to {per_call_sampled:.4f} ms "
-                    f"a call but the grader's wall clock saw {per_call_wall:.4f} ms"
-                )
+            # the timing loop's own cost, from the candidate-free runner (timing_checks)
+            empty = _empty_call(task, ref, deadline, per_round)
+            disagree = timer_disagreement(batches, empty[0])
+            if not flags and disagree is not None:
+                flags.append(f"{TIMER_DISAGREEMENT}: {disagree}")
             elif flags:
                 flags = [
                     f"{TIMER_DISAGREEMENT}: in-process {inside_ms:.4f} ms a call, the grader's "
@@ -1017,6 +1102,7 @@ def _profile(
                     given=_given(cand, device, made, seed),
                     seed=seed,
                     deadline=deadline,
+                    tol=tol,
                 )
                 is not None
             ):
@@ -1037,6 +1123,7 @@ def _profile(
                 given=_given(cand, device, fresh[0], fresh_seed),
                 seed=fresh_seed,
                 deadline=deadline,
+                tol=tol,
             )
             if problem is not None:
                 return ProfileReport(
@@ -1057,14 +1144,16 @@ def _profile(
                     if _own_inputs(cand, device)
                     else {"inputs": [f["inputs"] for f in fresh]}
                 ),
+                paired=True,
                 what="timing fresh inputs",
             )
-            fresh_ms = statistics.median([ns / 1e6 for ns in reply["samples_ns"]] or [0.0])
-            if fresh_ms > 5 * c["median"] and fresh_ms - c["median"] > 0.02:
-                flags.append(
-                    f"{CACHE_SUSPECTED}: {c['median']:.4f} ms a call on repeated inputs but "
-                    f"{fresh_ms:.4f} ms on fresh ones"
-                )
+            fresh_samples = [ns / 1e6 for ns in reply["samples_ns"]]
+            fresh_ms = statistics.median(fresh_samples or [0.0])
+            # older runners answer without the paired calls: compare with the timed median
+            repeated = [ns / 1e6 for ns in reply.get("repeated_ns") or []] or [c["median"]]
+            cached = cache_suspected(fresh_samples, repeated, empty[1])
+            if cached is not None:
+                flags.append(f"{CACHE_SUSPECTED}: {cached}")
             flags += [f for f in cand.findings if f not in flags]
         except _CandidateFailed as exc:
             _after_candidate_failure(ref, exc, device)
@@ -1101,6 +1190,7 @@ def _profile(
         timer=timer,
         outside_wall_ms=outside_ms,
         outside_calls=k,
+        empty_call_ms=empty[0],
         flags=tuple(flags),
         device=device,
         threads=cand.threads,
@@ -1274,6 +1364,7 @@ def reverify_fast(
     seed: int = 0,
     timeout_s: float = 120.0,
     pool: RunnerPool | None = None,
+    tolerance: Tolerance | None = None,
 ) -> ProfileReport:
     """Re-verify a speed-up above :data:`REVERIFY_ABOVE` on fresh seeds and shapes, and flag it.
 
@@ -1284,7 +1375,13 @@ def reverify_fast(
     if not report.ok or report.speedup <= REVERIFY_ABOVE:
         return report
     again = verify_candidate(
-        task, source, device=device, seed=seed + 1, timeout_s=timeout_s, pool=pool
+        task,
+        source,
+        device=device,
+        seed=seed + 1,
+        timeout_s=timeout_s,
+        pool=pool,
+        tolerance=tolerance,
     )
     note = (
         f"speedup_over_10x: {report.speedup:.1f}× re-verified on {again.trials} fresh inputs "
@@ -1304,6 +1401,24 @@ def reverify_fast(
     )
 
 
+def _empty_call(task: Task, ref: RunnerHandle, deadline: _Deadline, n: int) -> tuple[float, float]:
+    """The timing loop's cost per call around a call that does nothing, in the
+    candidate-free runner: (the grader's wall ms less the request's round trip, the
+    in-process sample in ms), each the smaller of two measurements."""
+    n = max(20, n)
+    walls: list[float] = []
+    inside: list[float] = []
+    for _ in range(2):
+        t0 = time.perf_counter_ns()
+        _reference(task, ref, "ping", deadline)
+        rtt = time.perf_counter_ns() - t0
+        t0 = time.perf_counter_ns()
+        reply = _reference(task, ref, "time", deadline, n=n, empty=True, what="an empty call")
+        walls.append(max(0, time.perf_counter_ns() - t0 - rtt) / 1e6 / n)
+        inside.append(statistics.median([ns / 1e6 for ns in reply["samples_ns"]] or [0.0]))
+    return min(walls), min(inside)
+
+
 def _round_trip_ns(task: Task, handle: RunnerHandle, deadline: _Deadline) -> int:
     t0 = time.perf_counter_ns()
     _candidate(task, handle, "ping", deadline)
@@ -1318,11 +1433,12 @@ def _run_and_check(
     given: dict[str, Any],
     seed: int,
     deadline: _Deadline,
+    tol: dict[str, Any] | None = None,
 ) -> tuple[str, str] | None:
     """Run the candidate once on ``given`` (:func:`_given`) and have the reference judge
     it: None, or (kind, reason)."""
     ran = _candidate(task, cand, "run", deadline, **given, what="forward")
-    verdict = _judge(task, ref, ran, seed, deadline)
+    verdict = _judge(task, ref, ran, seed, deadline, tol)
     return None if verdict["ok"] else (str(verdict["kind"]), str(verdict["reason"]))
 
 
@@ -1338,24 +1454,50 @@ def evaluate(
     profile_options: dict[str, Any] | None = None,
     profile: bool = True,
     counters: bool = False,
+    tolerance: Tolerance | None = None,
+    build_timeout_s: float | None = None,
+    audit: bool = False,
 ) -> EvalResult:
     """Compile, verify (with the generalisation gate), and when correct profile; ``kf eval``.
 
     A speed-up above :data:`REVERIFY_ABOVE` is re-verified before it is reported; with
     ``counters``, a profiled candidate is run once more under ncu (:func:`collect_counters`).
     ``profile_options`` go to :func:`profile_candidate` (``min_time_s``, ``warmup``…).
+    ``timeout_s`` limits verification and profiling; ``build_timeout_s`` the build (None:
+    ``$KF_BUILD_TIMEOUT_S`` or 600 s); ``tolerance`` is the run's (None: the task's own,
+    else KernelBench's). With ``audit``, the task is audited too (is it degenerate?
+    :mod:`kf.evaluation.audit`).
     """
+    from kf.evaluation.audit import audit_task
+
+    audited = (
+        audit_task(task, device=device, seed=seed, pool=pool, tolerance=tolerance)
+        if audit
+        else None
+    )
     compiled = compile_candidate(
-        task, source, device=device, pool=pool, limits=limits, timeout_s=timeout_s
+        task, source, device=device, pool=pool, limits=limits, timeout_s=build_timeout_s
     )
     if not compiled.ok:
-        return EvalResult(task=task.name, compile=compiled, device=device, seed=seed)
+        return EvalResult(task=task.name, compile=compiled, device=device, seed=seed, audit=audited)
     verified = verify_candidate(
-        task, source, device=device, seed=seed, pool=pool, limits=limits, timeout_s=timeout_s
+        task,
+        source,
+        device=device,
+        seed=seed,
+        pool=pool,
+        limits=limits,
+        timeout_s=timeout_s,
+        tolerance=tolerance,
     )
     if not verified.correct or not profile:
         return EvalResult(
-            task=task.name, compile=compiled, verify=verified, device=device, seed=seed
+            task=task.name,
+            compile=compiled,
+            verify=verified,
+            device=device,
+            seed=seed,
+            audit=audited,
         )
     profiled = profile_candidate(
         task,
@@ -1365,10 +1507,18 @@ def evaluate(
         pool=pool,
         limits=limits,
         timeout_s=timeout_s,
+        tolerance=tolerance,
         **(profile_options or {}),
     )
     profiled = reverify_fast(
-        task, source, profiled, device=device, seed=seed, pool=pool, timeout_s=timeout_s
+        task,
+        source,
+        profiled,
+        device=device,
+        seed=seed,
+        pool=pool,
+        timeout_s=timeout_s,
+        tolerance=tolerance,
     )
     measured = (
         collect_counters(task, source, device=device, seed=seed, pool=pool, limits=limits)
@@ -1383,4 +1533,5 @@ def evaluate(
         device=device,
         seed=seed,
         counters=measured,
+        audit=audited,
     )

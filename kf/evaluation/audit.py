@@ -1,0 +1,176 @@
+"""The task audit: is a task's reference output (nearly) independent of its inputs?
+
+Some KernelBench tasks compute outputs that do not depend on their inputs (level 2's 23,
+80 and 83 among others: a reduction followed by subtracting its own mean, a norm over a
+dimension of size one…); a "kernel" that returns a constant passes them, and its
+speed-up means nothing. So kf audits each task once per run, in a candidate-free
+reference runner: the reference's outputs on the verification's trial seeds and on the
+first trial's inputs scaled as the hidden distributions are (:mod:`kf.evaluation.variants`).
+The task is **degenerate** when a constant answer would pass every one of those input
+sets at the run's tolerance: the first set's output as a constant, or all zeros.
+
+The run records a ``kernel.task_audited`` event per task (:class:`TaskAudit`);
+``kf report`` marks a degenerate task and flags its best speed-up, and ``kf eval``
+prints the audit. ``spread`` is how far the outputs move between input sets, relative
+to their size: max |out_i − out_0| / max |out_0|.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+
+__all__ = ["TaskAudit", "audit_reference", "audit_task"]
+
+
+class TaskAudit(msgspec.Struct, frozen=True, kw_only=True):
+    """Whether a task's reference outputs depend on its inputs (see the module doc)."""
+
+    degenerate: bool
+    reason: str = ""
+    input_sets: int = 0  # input sets the reference was run on
+    spread: float = 0.0  # max |out_i - out_0| / max |out_0| over the sets
+    constant_passes: int = 0  # sets on which a constant answer would pass
+    duration_s: float = 0.0
+    error: str | None = None  # the audit could not run (the task is not judged degenerate)
+
+
+def _num(t: Any) -> Any:
+    """A tensor that subtraction works on (bool outputs become float)."""
+    return t if t.is_floating_point() or t.is_complex() else t.float()
+
+
+def audit_reference(runner: Any, msg: dict[str, Any]) -> dict[str, Any]:
+    """The reference runner's side (``op_audit``): run ``Model`` on each seed's inputs
+    and scaled copies of the first, and judge whether a constant would pass."""
+    from kf.evaluation.compare import compare_outputs
+    from kf.evaluation.variants import scale_inputs
+
+    torch = runner.torch
+    seeds = [int(s) for s in msg["seeds"]]
+    scales = [float(s) for s in msg.get("scales", [])]
+    tol = msg.get("tol")
+
+    def sets() -> Iterator[list[Any]]:
+        """The input sets, one at a time (at KernelBench's sizes a set is gigabytes)."""
+        for s in seeds:
+            yield runner._get_inputs(s)
+        for factor in scales:
+            scaled = scale_inputs(torch, runner._get_inputs(seeds[0]), factor)
+            if scaled is not None:
+                yield scaled
+
+    def zeros_pass(expected: list[Any]) -> bool:
+        return bool(
+            compare_outputs(torch, expected, [torch.zeros_like(o) for o in expected], tol)["ok"]
+        )
+
+    first: list[Any] | None = None
+    used = passes = 0
+    constant_all = zeros_all = True  # the first set's output as a constant; all zeros
+    spread = scale = 0.0
+    for raw in sets():
+        inputs = [runner.backend.to_device(v) for v in raw]
+        try:
+            with torch.no_grad():
+                out = runner.model(*inputs)
+        except Exception:  # a distribution the reference rejects is not part of the audit
+            continue
+        del inputs, raw
+        flat = [out] if isinstance(out, torch.Tensor) else list(out)
+        other = [o.detach() for o in flat if isinstance(o, torch.Tensor)]
+        del out, flat
+        used += 1
+        zeros_all = zeros_all and zeros_pass(other)
+        if first is None:
+            first = other
+            scale = max((float(o.abs().max()) for o in first if o.numel()), default=0.0)
+            continue
+        same_shape = [tuple(a.shape) for a in first] == [tuple(b.shape) for b in other]
+        constant = same_shape and bool(compare_outputs(torch, other, first, tol)["ok"])
+        constant_all = constant_all and constant
+        passes += int(constant)
+        if same_shape:
+            gap = max(
+                (
+                    float((_num(a) - _num(b)).abs().max())
+                    for a, b in zip(first, other, strict=True)
+                    if a.numel()
+                ),
+                default=0.0,
+            )
+            spread = max(spread, gap / scale if scale > 0 else (0.0 if gap == 0 else float("inf")))
+        del other
+    if used < 2:
+        return {"degenerate": False, "input_sets": used, "reason": "too few input sets"}
+    degenerate = constant_all or zeros_all
+    if zeros_all:
+        answer = f"all zeros pass on all {used} input sets"
+    elif constant_all:
+        answer = f"the first set's output, returned as a constant, passes on all {used}"
+    else:
+        answer = f"a constant answer passes on {passes + 1} of {used} input sets"
+    reason = (
+        f"{answer} (trial seeds, and inputs scaled by {', '.join(f'{s:g}' for s in scales)}); "
+        f"outputs move by at most {spread:.3g} of their size between sets"
+    )
+    return {
+        "degenerate": degenerate,
+        "reason": reason,
+        "input_sets": used,
+        "spread": spread,
+        "constant_passes": passes + 1,
+    }
+
+
+def audit_task(
+    task: Any,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    trials: int = 5,
+    timeout_s: float = 120.0,
+    pool: Any = None,
+    tolerance: Any = None,
+) -> TaskAudit:
+    """Audit ``task`` in a (reused) reference runner; a failure is recorded, not raised."""
+    from kf.evaluation import stages
+    from kf.evaluation.device import parse_device
+    from kf.evaluation.sandbox import Limits, RunnerError, default_pool
+    from kf.evaluation.variants import SCALES
+    from kf.tasks import TaskError
+
+    device = parse_device(device)
+    pool = pool or default_pool()
+    limits = Limits()
+    start = time.monotonic()
+    deadline = stages._Deadline(timeout_s)
+    try:
+        with stages._trimmed(pool.reference_lease(stages._ref_key(task, device))) as ref:
+            fields = stages._setup_fields(ref, device, limits, deadline, reference=True)
+            stages._reference(task, ref, "setup", deadline, **fields)
+            stages._reference(
+                task, ref, "load_task", deadline, source=task.source, name=task.name, seed=seed
+            )
+            reply = stages._reference(
+                task,
+                ref,
+                "audit",
+                deadline,
+                seeds=stages._seed_trials(seed, trials),
+                scales=[s for s in SCALES if s > 0],
+                tol=stages._tol(task, tolerance),
+            )
+    except (TaskError, RunnerError) as exc:
+        return TaskAudit(degenerate=False, error=str(exc), duration_s=time.monotonic() - start)
+    return TaskAudit(
+        degenerate=bool(reply["degenerate"]),
+        reason=str(reply.get("reason", "")),
+        input_sets=int(reply.get("input_sets", 0)),
+        spread=float(reply.get("spread", 0.0)),
+        constant_passes=int(reply.get("constant_passes", 0)),
+        duration_s=time.monotonic() - start,
+    )
