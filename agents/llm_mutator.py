@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from agents.tuned import tuned_candidate
 from kf import params
 from kf.agent import Agent, AgentContext
 from kf.backends import backend_of, language_of
@@ -67,6 +68,7 @@ from kf.search_facts import (
     CountersMeasured,
     EliteAdmitted,
     MutationFailed,
+    TunedChosen,
 )
 
 __all__ = ["CandInfo", "LlmMutator", "LlmMutatorState", "llm_label"]
@@ -160,6 +162,7 @@ class LlmMutator(Agent[LlmMutatorState]):
         PromptRewritten,
         PromptChosen,
         PromptRewriteRequested,
+        TunedChosen,
     )
 
     def __init__(self, ctx: AgentContext) -> None:
@@ -294,6 +297,8 @@ class LlmMutator(Agent[LlmMutatorState]):
             return await self._mutate(state, ev, rec.event_id)
         if isinstance(ev, PromptRewriteRequested):
             return await self._rewrite(state, ev, rec.event_id)
+        if isinstance(ev, TunedChosen):  # a tuner's configuration: no model involved
+            return [tuned_candidate(state.sources, ev, rec.event_id, island=0, device=state.device)]
         return ()
 
     def _seeds(self, state: LlmMutatorState, rec: Record) -> list[Event]:

@@ -211,6 +211,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if isinstance(llm, str):
         print(f"kf run: {llm}", file=sys.stderr)
         return EXIT_USAGE
+    from kf.tuning import tuning_config
+
+    tune = tuning_config(args)
+    if isinstance(tune, str):
+        print(f"kf run: {tune}", file=sys.stderr)
+        return EXIT_USAGE
     if args.budget < 1:
         print("kf run: --budget must be at least 1", file=sys.stderr)
         return EXIT_USAGE
@@ -261,6 +267,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout,
         resume=args.resume,
     )
+    opts.tune_budget = tune["tune_budget"]
     if skipped:
         opts.extra["skipped_tasks"] = dict(skipped)  # recorded in the run's first event
     if llm:
@@ -426,6 +433,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         with EventLog(args.db, readonly=True) as elog:
             state = fold_archive(elog, ignore_integrity=args.ignore_integrity)
             integrity = elog.verify()
+            envelopes = list(elog.read())
     except LogError as exc:
         print(f"kf export: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -449,8 +457,15 @@ def cmd_export(args: argparse.Namespace) -> int:
             "# exported with --ignore-integrity: this kernel and its figures prove nothing\n"
         ) + header
         print(f"kf export: WARNING: {integrity.message()}", file=sys.stderr)
-    args.output.write_text(header + best.source)
-    print(f"wrote {args.output} ({task}, {best.speedup:.2f}× over eager)")
+    from kf.export import dispatch_module, tuned_choices
+
+    choices = tuned_choices(state, envelopes, task)
+    text, left_out = dispatch_module(header, best.source, choices) if choices else ("", [])
+    for why in left_out:
+        print(f"kf export: a tuned configuration left out: {why}", file=sys.stderr)
+    args.output.write_text(text or header + best.source)
+    tuned = f"; {len(choices) - len(left_out)} shape(s) dispatched to tuned configurations"
+    print(f"wrote {args.output} ({task}, {best.speedup:.2f}× over eager{tuned if text else ''})")
     return EXIT_OK
 
 
@@ -540,6 +555,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kf.llm.cli import add_llm_options
 
     add_llm_options(rn)
+    from kf.tuning import add_tuning_options
+
+    add_tuning_options(rn)
     rn.add_argument(
         "--timeout",
         type=float,
