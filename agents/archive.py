@@ -53,7 +53,6 @@ from kf.search_facts import (
     MutationFailed,
     ParentSelected,
     TaskSkipped,
-    TunedChosen,
     TuningRequested,
 )
 
@@ -369,17 +368,12 @@ class ArchiveAgent(Agent[ArchiveState]):
                 and (not state.devices[d].backends or c.backend in state.devices[d].backends)
                 and (not c.tuned_on or d == c.tuned_on)
             )
-            if not fits and c.tuned_on:
-                reason = f"the device it was tuned on ({c.tuned_on}) is not live"
-                self._fail(state, c, "unroutable", reason)
-                plan.append(
-                    CandidateUnroutable(
-                        candidate_id=c.id, task=c.task, backend=c.backend, reason=reason
-                    )
-                )
-                continue
             if not fits:
-                reason = self._unroutable(state, c)
+                reason = (
+                    f"the device it was tuned on ({c.tuned_on}) is not live"
+                    if c.tuned_on
+                    else self._unroutable(state, c)
+                )
                 if reason is None:
                     waiting.append(cid)
                     continue

@@ -38,6 +38,7 @@ __all__ = [
     "open_count",
     "proposed",
     "request",
+    "summary",
 ]
 
 
@@ -209,6 +210,45 @@ def failed(state: Any, rec: Record) -> bool:
             tuning.ended = f"the tuner failed: {ev.error[:500]}"
             return True
     return False
+
+
+def summary(state: Any, task: str) -> list[dict[str, Any]]:
+    """Per device and shape set of ``task``: what the tuner found and the tuned candidate's
+    measured outcome (for reports and the dashboard)."""
+    out: list[dict[str, Any]] = []
+    for tuning in state.tuning.values():
+        if tuning.task != task:
+            continue
+        if not tuning.shapes:
+            why = tuning.ended or ("tuning" if tuning.open else "no shape set tuned")
+            out.append(
+                {"device_id": tuning.device_id, "candidate_id": tuning.candidate_id, "note": why}
+            )
+        for s in tuning.shapes:
+            tuned = next(
+                (
+                    c
+                    for c in state.candidates.values()
+                    if c.task == task
+                    and c.operator == "tune"
+                    and c.tuned_on == tuning.device_id
+                    and c.shape_index == s["shape_index"]
+                ),
+                None,
+            )
+            out.append(
+                {
+                    "device_id": tuning.device_id,
+                    "candidate_id": tuning.candidate_id,
+                    **s,
+                    "tuned_candidate_id": tuned.id if tuned else None,
+                    "tuned_status": tuned.status if tuned else None,
+                    "tuned_speedup": tuned.speedup if tuned else None,
+                    "tuned_ms": tuned.runtime_ms if tuned else None,
+                    "tuned_ref_ms": tuned.ref_ms if tuned else None,
+                }
+            )
+    return out
 
 
 def device_gone(state: Any, device_id: str) -> None:

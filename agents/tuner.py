@@ -174,8 +174,10 @@ class Tuner(EvaluatorAgent):
         ok = [t for t in timed.values() if t.ok]
         best = min(ok, key=lambda t: t.runtime_ms) if ok else None
         improved, how = False, "no configuration other than the kernel's own was faster"
-        if best is not None and base.ok and params.config_key(best.config) != params.config_key(
-            config
+        if (
+            best is not None
+            and base.ok
+            and params.config_key(best.config) != params.config_key(config)
         ):
             again_base = await time(dict(config))
             again_best = await time(dict(best.config))

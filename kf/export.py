@@ -84,6 +84,13 @@ def tuned_choices(state: Any, envelopes: Iterable[Envelope], task: str) -> list[
     return [best[k] for k in sorted(best)]
 
 
+def _literal(source: str) -> str:
+    """``source`` as a readable Python string literal (raw, triple-quoted when it can be)."""
+    if "'''" not in source and not source.endswith("\\") and "\r" not in source:
+        return "r'''" + source + "'''"
+    return repr(source)
+
+
 def _comment(text: str) -> str:
     return " ".join(text.split())
 
@@ -129,7 +136,7 @@ DISPATCH: dict[tuple[str, tuple[tuple[int, ...], ...]], dict[str, Any]] = {{
 {table}
 }}
 
-TEMPLATE = {default_source!r}
+TEMPLATE = {_literal(default_source)}
 
 _default = import_source(__name__ + ".default", TEMPLATE)
 
@@ -141,7 +148,8 @@ def _key(inputs: tuple[Any, ...]) -> tuple[str, tuple[tuple[int, ...], ...]]:
 
 def _tie(variant: torch.nn.Module, owner: torch.nn.Module) -> None:
     """Make ``variant`` use ``owner``'s parameters and buffers (same names, same template)."""
-    for table, named in (("_parameters", owner.named_parameters), ("_buffers", owner.named_buffers)):
+    pairs = (("_parameters", owner.named_parameters), ("_buffers", owner.named_buffers))
+    for table, named in pairs:
         mine = dict(named(remove_duplicate=False))
         theirs = getattr(variant, "named" + table)(remove_duplicate=False)
         for name, _ in list(theirs):
