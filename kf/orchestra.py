@@ -54,7 +54,7 @@ class RunOptions:
     heartbeat_timeout_s: float = 30.0
     serve: tuple[str, int] | None = None  # (host, port): the dashboard beside the run
     resume: bool = False  # continue a log's run even when the settings asked for differ
-    tune_budget: int = 8  # configurations tuned per task and device (kf.tuning; 0: off)
+    tune_budget: int = 12  # configurations tuned per task and device (kf.tuning; 0: off)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

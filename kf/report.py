@@ -136,7 +136,8 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
             vs_best[name] = better if better is not None else best.speedup
     n = len(state.tasks)
     total_cells = n * state.config.islands * CELLS_PER_ISLAND
-    mutators = sorted({c.mutator for c in state.candidates.values()})
+    # the search's mutators (tuned candidates are counted per task, as tuned_candidates)
+    mutators = sorted({c.mutator for c in state.candidates.values() if c.operator != "tune"})
     return {
         "run_id": state.run_id,
         "seed": state.seed,

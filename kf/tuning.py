@@ -27,7 +27,7 @@ __all__ = [
     "tuning_config",
 ]
 
-DEFAULT_TUNE_BUDGET = 8
+DEFAULT_TUNE_BUDGET = 12
 
 
 def has_tuning_inputs(task: Task) -> bool:
