@@ -10,11 +10,13 @@
    sandboxed session of :func:`kf.evaluation.profile_candidate` (kf's own timing: warm-up,
    many trials, mean and 95% interval), bound to that shape set.
 
-Noise: per configuration, the spread of its ``--rounds`` session means (sample standard
-deviation) and the largest 95% interval kf reported within one session, both relative;
-the comparison's noise is the larger of the two combined (root sum of squares) for the
-two configurations. "beats" means the tuned mean is lower than the untuned one by more
-than that noise. Prints a Markdown table.
+Noise: each round times the two configurations back to back, so a round gives one paired
+ratio (tuned / untuned session means). The ratio reported is the geometric mean over the
+rounds with its 95% interval (Student's t on the log-ratios); the noise is the larger of
+that interval's half-width and kf's own within-session 95% intervals (the largest of
+each configuration's, combined), both relative. "beats" means the tuned configuration is
+faster by more than that noise. The spread of each configuration's session means is shown
+too (a busy machine shows up there). Prints a Markdown table.
 
     .venv/bin/python bench/tuning.py                       # run, then measure
     .venv/bin/python bench/tuning.py --db runs/bench-tuning.db --measure-only
@@ -38,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 FUSION = ("gelu_bias", "linear_bias_relu", "rmsnorm_silu")
+T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
 def run_search(db: Path, budget: int, tune_budget: int, seed: int) -> float:
@@ -109,15 +112,19 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=6)
     ap.add_argument("--tune-budget", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--measure-only", action="store_true", help="use an existing --db")
     args = ap.parse_args()
     os.environ.setdefault("KF_COMPILE_BASELINE", "0")  # eager-only sessions: shorter
+    os.environ.setdefault("KF_LOG_LEVEL", "WARNING")
     wall = (
         None if args.measure_only else run_search(args.db, args.budget, args.tune_budget, args.seed)
     )
 
+    from kf.logs import configure
     from kf.tasks import load_task
+
+    configure("WARNING")
     from kf.tuning import bind_shape
 
     found = from_log(args.db)
@@ -128,7 +135,8 @@ def main() -> None:
         f"{args.rounds} alternating rounds per configuration, each a fresh kf profiling session\n"
     )
     print(
-        "| task | shape (set) | untuned elite ms | tuned ms | tuned / untuned | noise | beats? "
+        "| task | shape (set) | untuned elite ms ± spread | tuned ms ± spread "
+        "| tuned / untuned (paired) | noise | beats? "
         "| tuned configuration (what changed) |"
     )
     print("|---|---|---|---|---|---|---|---|")
@@ -144,6 +152,8 @@ def main() -> None:
             best = dict(ev.best_config) if ev.best_config else own
             changed = {k: v for k, v in best.items() if own.get(k) != v}
             where = f"{ev.shape} ({ev.shape_index}{', own' if ev.shape_index == 0 else ''})"
+            if ev.shape_index == 0:  # the task's own shape: a tuned candidate ranked there
+                continue
             if not changed:
                 print(f"| {name} | {where} | | | | | — | the elite's own (tuner: {ev.note[:60]}) |")
                 continue
@@ -151,14 +161,18 @@ def main() -> None:
             u, x = measure(task, t["source"], args.rounds, [own, best])
             um, usd, uci = summary(u)
             xm, xsd, xci = summary(x)
-            noise = max(math.hypot(usd, xsd), math.hypot(uci, xci))
-            margin = (um - xm) / um
+            logs = [math.log(b.runtime_ms / a.runtime_ms) for a, b in zip(u, x, strict=True)]
+            ratio = math.exp(statistics.fmean(logs))
+            half = T975.get(len(logs) - 1, 2.0) * statistics.stdev(logs) / math.sqrt(len(logs))
+            paired = math.exp(half) - 1  # relative half-width of the ratio's 95% interval
+            noise = max(paired, math.hypot(uci, xci))
+            margin = 1 - ratio
             wins = margin > noise
             if wins and ev.shape_index > 0:
                 beaten.add(name)
             print(
                 f"| {name} | {where} | {um:.4f} ± {usd * 100:.1f}% | {xm:.4f} ± {xsd * 100:.1f}% "
-                f"| {xm / um:.3f} ({-margin * 100:+.1f}%) | {noise * 100:.1f}% "
+                f"| {ratio:.3f} ({-margin * 100:+.1f}%) | {noise * 100:.1f}% "
                 f"| {'yes' if wins else 'no'} | {changed} |"
             )
     print(
