@@ -13,10 +13,10 @@
 Noise: each round times the two configurations back to back, so a round gives one paired
 ratio (tuned / untuned session means). The ratio reported is the geometric mean over the
 rounds with its 95% interval (Student's t on the log-ratios); the noise is the larger of
-that interval's half-width and kf's own within-session 95% intervals (the largest of
-each configuration's, combined), both relative. "beats" means the tuned configuration is
-faster by more than that noise. The spread of each configuration's session means is shown
-too (a busy machine shows up there). Prints a Markdown table.
+that interval's half-width and kf's own within-session 95% interval (each
+configuration's mean relative interval over its sessions, the two combined). "beats"
+means the tuned configuration is faster by more than that noise. The spread of each
+configuration's session means is shown too (a busy machine shows up there). Prints a Markdown table.
 
     .venv/bin/python bench/tuning.py                       # run, then measure
     .venv/bin/python bench/tuning.py --db runs/bench-tuning.db --measure-only
@@ -98,11 +98,11 @@ def measure(task: Any, source: str, rounds: int, configs: list[dict[str, Any]]) 
 
 
 def summary(reports: list[Any]) -> tuple[float, float, float]:
-    """Mean of the session means, their relative spread, the largest relative 95% CI."""
+    """Mean of the session means, their relative spread, the mean relative 95% CI."""
     means = [r.runtime_ms for r in reports]
     mean = statistics.fmean(means)
     sd = statistics.stdev(means) / mean if len(means) > 1 else 0.0
-    ci = max(r.runtime_ci95_ms / r.runtime_ms for r in reports)
+    ci = statistics.fmean(r.runtime_ci95_ms / r.runtime_ms for r in reports)
     return mean, sd, ci
 
 
@@ -172,7 +172,8 @@ def main() -> None:
                 beaten.add(name)
             print(
                 f"| {name} | {where} | {um:.4f} ± {usd * 100:.1f}% | {xm:.4f} ± {xsd * 100:.1f}% "
-                f"| {ratio:.3f} ({-margin * 100:+.1f}%) | {noise * 100:.1f}% "
+                f"| {ratio:.3f} ({-margin * 100:+.1f}% ± {paired * 100:.1f}%) "
+                f"| {noise * 100:.1f}% (kf: {math.hypot(uci, xci) * 100:.1f}%) "
                 f"| {'yes' if wins else 'no'} | {changed} |"
             )
     print(
