@@ -23,6 +23,8 @@ from typing import Any
 
 import msgspec
 
+from agents import archive_tuning
+from agents.tuned import TUNER_LABEL
 from kf.agent import Agent
 from kf.backends import backend_of, device_kind, language_of, languages_for
 from kf.behaviour import describe
@@ -36,7 +38,7 @@ from kf.facts import (
     RunFinished,
     RunStarted,
 )
-from kf.llm_facts import LlmBudgetExhausted
+from kf.llm_facts import ConfigTuned, LlmBudgetExhausted
 from kf.params import family as param_family
 from kf.search_facts import (
     CandidateAssigned,
@@ -51,6 +53,7 @@ from kf.search_facts import (
     MutationFailed,
     ParentSelected,
     TaskSkipped,
+    TuningRequested,
 )
 
 __all__ = ["ArchiveAgent", "ArchiveState", "Cand", "SearchConfig", "TaskArchive", "cell_key"]
@@ -77,6 +80,9 @@ class SearchConfig(msgspec.Struct, frozen=True, kw_only=True):
     init_with_seeds: bool = False  # also for tasks that have seeds
     languages: list[str] = []  # languages asked for ([]: every language the device runs)
     llm_lookahead: int = 0  # selections beyond max_in_flight while the model answers
+    # 3: a task's best kernel is tuned per shape set and device once its search budget is
+    # spent, and the tuners' best configurations become candidates (agents/archive_tuning.py)
+    tune_budget: int = 0  # configurations per task and device (0: no tuning)
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> SearchConfig:
@@ -113,6 +119,8 @@ class Cand(msgspec.Struct, kw_only=True):
     target: str = "cpu"
     device_id: str | None = None  # current assignment
     attempt: int = 0
+    shape_index: int = 0  # a tuned candidate's shape set (>0: never an elite or best)
+    tuned_on: str = ""  # a tuned candidate runs on the device it was tuned on
 
     @property
     def in_flight(self) -> bool:
@@ -168,6 +176,7 @@ class ArchiveState(msgspec.Struct, kw_only=True):
     devices: dict[str, DeviceSlot] = {}
     queue: list[str] = []  # in-flight candidates waiting for a device, in proposal order
     plan: tuple[str, list[Event]] = ("", [])  # decisions planned by the last folded event
+    tuning: dict[str, archive_tuning.Tuning] = {}  # "task|device" → request (version 3)
 
     def summary(self) -> str:
         """A few lines per task: progress, best kernel, filled cells."""
@@ -205,6 +214,8 @@ class ArchiveAgent(Agent[ArchiveState]):
         DeviceLost,
         CandidateAssigned,
         LlmBudgetExhausted,
+        TuningRequested,
+        ConfigTuned,
     )
 
     def initial_state(self) -> ArchiveState:
@@ -226,6 +237,8 @@ class ArchiveAgent(Agent[ArchiveState]):
             self._start(state, ev, plan)
         elif isinstance(ev, CandidateProposed):
             self._proposed(state, ev, rec.event_id)
+        elif isinstance(ev, MutationFailed) and ev.mutator == TUNER_LABEL:
+            archive_tuning.proposed(state, ev.task, "", -1)
         elif isinstance(ev, MutationFailed):
             t = state.tasks.get(ev.task)
             if t is not None and ev.selection in t.pending:
@@ -268,6 +281,10 @@ class ArchiveAgent(Agent[ArchiveState]):
                     )
         elif isinstance(ev, GeneralisationFailed):
             self._generalisation_failed(state, ev)
+        elif isinstance(ev, (TuningRequested, ConfigTuned)):
+            archive_tuning.fold(state, rec, plan)
+        elif isinstance(ev, ReactionFailed) and archive_tuning.failed(state, rec):
+            pass
         elif isinstance(ev, ReactionFailed):
             cid = state.event_candidate.get(rec.envelope.caused_by or "")
             c = state.candidates.get(cid or "")
@@ -316,6 +333,7 @@ class ArchiveAgent(Agent[ArchiveState]):
         slot = state.devices.get(device_id)
         if slot is not None:
             slot.live = False
+        archive_tuning.device_gone(state, device_id)
         orphans = [
             c.id for c in state.candidates.values() if c.in_flight and c.device_id == device_id
         ]
@@ -348,9 +366,14 @@ class ArchiveAgent(Agent[ArchiveState]):
                 for d, n in load.items()
                 if state.devices[d].kind == kind
                 and (not state.devices[d].backends or c.backend in state.devices[d].backends)
+                and (not c.tuned_on or d == c.tuned_on)
             )
             if not fits:
-                reason = self._unroutable(state, c)
+                reason = (
+                    f"the device it was tuned on ({c.tuned_on}) is not live"
+                    if c.tuned_on
+                    else self._unroutable(state, c)
+                )
                 if reason is None:
                     waiting.append(cid)
                     continue
@@ -414,7 +437,11 @@ class ArchiveAgent(Agent[ArchiveState]):
                 backend_of(ev.source, ev.device) if state.config.search_version >= 2 else ev.backend
             ),
             target=ev.device,
+            shape_index=ev.shape_index,
+            tuned_on=ev.tuned_on,
         )
+        if ev.tuned_on:
+            archive_tuning.proposed(state, ev.task, ev.tuned_on, ev.shape_index)
         state.queue.append(ev.candidate_id)
         state.event_candidate[event_id] = ev.candidate_id
         t.proposed += 1
@@ -445,7 +472,7 @@ class ArchiveAgent(Agent[ArchiveState]):
         c.suspect = is_suspect(r.flags)
         t = state.tasks[c.task]
         t.profiled += 1
-        if not c.suspect:
+        if not c.suspect and c.shape_index == 0:  # a speed-up at another shape ranks nowhere
             self._admit(state, t, c, c.island, plan, migrated_from=None)
 
     def _generalisation_failed(self, state: ArchiveState, ev: GeneralisationFailed) -> None:
@@ -581,6 +608,8 @@ class ArchiveAgent(Agent[ArchiveState]):
                 t.exhausted = True
                 t.skipped = "no correct candidate to start from: every seed failed"
                 plan.append(TaskSkipped(task=t.name, reason=t.skipped))
+        if state.config.search_version >= 3:
+            in_flight += archive_tuning.request(state, plan)
         if (
             in_flight == 0
             and all(
@@ -705,6 +734,7 @@ def best_candidate(state: ArchiveState, task: str) -> Cand | None:
     for c in state.candidates.values():
         if (
             c.task == task
+            and c.shape_index == 0
             and c.status == "profiled"
             and c.speedup is not None
             and not c.suspect

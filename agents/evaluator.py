@@ -21,6 +21,7 @@ from kf.events import Event, Record
 from kf.facts import RunStarted
 from kf.search_facts import CandidateProposed
 from kf.tasks import Seed, Task
+from kf.tuning import bind_shape
 
 __all__ = ["DeviceGate", "EvaluatorAgent", "EvaluatorState", "gate_for"]
 
@@ -94,6 +95,7 @@ class EvaluatorState(msgspec.Struct, kw_only=True):
     tasks: dict[str, Any] = {}  # name → Task (not serialised: rebuilt from the log)
     sources: dict[str, str] = {}
     tolerance: Tolerance = Tolerance()  # the run's (config atol, rtol, tolerance)
+    shapes: dict[str, int] = {}  # tuned candidate id → its shape set (kf.tuning), when not 0
 
 
 class EvaluatorAgent(Agent[EvaluatorState]):
@@ -130,6 +132,8 @@ class EvaluatorAgent(Agent[EvaluatorState]):
             }
         elif isinstance(ev, CandidateProposed):
             state.sources[ev.candidate_id] = ev.source
+            if ev.shape_index:
+                state.shapes[ev.candidate_id] = ev.shape_index
         return state
 
     def mine(self, device_id: str) -> bool:
@@ -140,10 +144,14 @@ class EvaluatorAgent(Agent[EvaluatorState]):
         return {"tasks": sorted(state.tasks), "candidates": len(state.sources)}
 
     def lookup(self, state: EvaluatorState, task: str, cid: str) -> tuple[Task, str] | None:
-        """The task and source of a candidate this agent serves, or None."""
+        """The task and source of a candidate this agent serves, or None. A tuned candidate
+        gets the task bound to its shape set, so every stage runs at those shapes."""
         t = state.tasks.get(task)
         src = state.sources.get(cid)
-        return (t, src) if t is not None and src is not None else None
+        if t is None or src is None:
+            return None
+        index = state.shapes.get(cid, 0)
+        return (bind_shape(t, index) if index else t), src
 
     def react(self, state: EvaluatorState, rec: Record) -> Sequence[Event]:
         return ()

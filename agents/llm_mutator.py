@@ -29,6 +29,7 @@ import msgspec
 from agents.cli_mutator import CliSpec, agent_label, run_cli_episode
 from agents.tool_mutator import Elite, EpisodeResult, EpisodeSpec, ToolFn, run_episode
 from agents.tool_server import BusTools
+from agents.tuned import tuned_candidate
 from kf import params
 from kf.agent import Agent, AgentContext
 from kf.backends import backend_of, device_kind, language_of
@@ -72,6 +73,7 @@ from kf.search_facts import (
     CountersMeasured,
     EliteAdmitted,
     MutationFailed,
+    TunedChosen,
 )
 
 __all__ = ["CandInfo", "LlmMutator", "LlmMutatorState", "llm_label"]
@@ -170,6 +172,7 @@ class LlmMutator(Agent[LlmMutatorState]):
         PromptRewritten,
         PromptChosen,
         PromptRewriteRequested,
+        TunedChosen,
     )
 
     def __init__(self, ctx: AgentContext) -> None:
@@ -316,6 +319,8 @@ class LlmMutator(Agent[LlmMutatorState]):
             return await self._mutate(state, ev, rec.event_id)
         if isinstance(ev, PromptRewriteRequested):
             return await self._rewrite(state, ev, rec.event_id)
+        if isinstance(ev, TunedChosen):  # a tuner's configuration: no model involved
+            return [tuned_candidate(state.sources, ev, rec.event_id, island=0, device=state.device)]
         return ()
 
     def _seeds(self, state: LlmMutatorState, rec: Record) -> list[Event]:

@@ -17,11 +17,12 @@ from typing import Any
 
 import msgspec
 
+from agents.tuned import tuned_candidate
 from kf import params
 from kf.agent import Agent
 from kf.events import Event, Record, derived_id
 from kf.facts import RunStarted
-from kf.search_facts import CandidateProposed, MutationFailed, ParentSelected
+from kf.search_facts import CandidateProposed, MutationFailed, ParentSelected, TunedChosen
 
 __all__ = ["OFFLINE_MUTATOR", "MutatorState", "OfflineMutator"]
 
@@ -49,7 +50,7 @@ class OfflineMutator(Agent[MutatorState]):
     """Proposes seeds, then tunes and recombines template parameters of selected parents."""
 
     kind = "mutator"
-    listens = (RunStarted, CandidateProposed, ParentSelected)
+    listens = (RunStarted, CandidateProposed, ParentSelected, TunedChosen)
 
     def initial_state(self) -> MutatorState:
         return MutatorState()
@@ -72,6 +73,8 @@ class OfflineMutator(Agent[MutatorState]):
             return self._seeds(state, rec)
         if isinstance(ev, ParentSelected):
             return [self._child(state, ev, rec.event_id)]
+        if isinstance(ev, TunedChosen):
+            return [tuned_candidate(state.sources, ev, rec.event_id, island=0, device=state.device)]
         return ()
 
     def _seeds(self, state: MutatorState, rec: Record) -> list[Event]:

@@ -109,7 +109,8 @@ class Profiler(EvaluatorAgent):
         if isinstance(ev, CandidateProfiled) and ev.report.ok:
             state.timings[ev.candidate_id] = (ev.report.speedup, relative_noise(ev.report))
             if ev.report.ref_runtime_ms > 0:
-                key = f"{ev.task}@{ev.device_id}"
+                index = state.shapes.get(ev.candidate_id, 0)
+                key = f"{ev.task}@{ev.device_id}" + (f"#{index}" if index else "")
                 state.eager_ms.setdefault(key, []).append(ev.report.ref_runtime_ms)
         elif isinstance(ev, EliteAdmitted):
             current = state.timings.get(state.best.get(ev.task, ""), (0.0, 0.0))[0]
@@ -159,9 +160,11 @@ class Profiler(EvaluatorAgent):
         }
         report = profile_candidate(task, source, **kw)  # type: ignore[arg-type]
         report = reverify_fast(task, source, report, **kw)  # type: ignore[arg-type]
-        report = self._against_usual_eager(state, task.name, report)
+        index = state.shapes.get(cid, 0)
+        report = self._against_usual_eager(state, task.name, report, index)
         incumbent = state.best.get(task.name)
-        if not report.ok or incumbent is None or incumbent == cid:
+        # a tuned candidate at another shape set ranks nowhere: no pairing with the elite
+        if not report.ok or incumbent is None or incumbent == cid or index:
             return report
         inc_speedup, inc_noise = state.timings.get(incumbent, (0.0, 0.0))
         inc_source = state.sources.get(incumbent)
@@ -172,12 +175,14 @@ class Profiler(EvaluatorAgent):
         return self._retime(task, report, source, incumbent, inc_source, inc_speedup, kw)
 
     def _against_usual_eager(
-        self, state: ProfilerState, task: str, report: ProfileReport
+        self, state: ProfilerState, task: str, report: ProfileReport, index: int = 0
     ) -> ProfileReport:
-        """State the speed-up against the usual eager time if this session's was an outlier."""
+        """State the speed-up against the usual eager time if this session's was an outlier
+        (the usual one at the same shape set)."""
         if not report.ok or report.runtime_ms <= 0:
             return report
-        history = state.eager_ms.get(f"{task}@{self.device_id}", [])
+        shape = f"#{index}" if index else ""
+        history = state.eager_ms.get(f"{task}@{self.device_id}{shape}", [])
         usual = eager_median_if_outlier(history, report.ref_runtime_ms)
         if usual is None:
             return report

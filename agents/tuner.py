@@ -1,23 +1,29 @@
-"""The tuner: template parameters tuned per input shape and per device.
+"""The tuner: a kernel's template parameters tuned per input shape set on this device.
 
-When a candidate that declares a parameter space (a ``kf:params`` block) becomes an
-elite, the tuner times its configuration and its neighbours (one step in one
-parameter's list, in ``SPACE`` order) on this worker's device, for each input shape set
-the task defines, and records per shape the configurations timed and the best one
-(``ConfigTuned``). Measurements use :func:`kf.evaluation.profile_candidate` under the
-device's exclusive timing gate, so they never overlap the profiler's.
+It answers the archive's ``search.tuning_requested`` for this worker's device (search
+version 3; see :mod:`agents.archive_tuning`): for the requested kernel, which declares a
+parameter space (a ``kf:params`` block), and for each shape set of the task
+(:mod:`kf.tuning`: set 0 is the task's own ``get_inputs()``, then its
+``get_tuning_inputs()``), it climbs the space from the kernel's own configuration: time
+the configurations one step away in one parameter (in a seeded order), move to the
+fastest, repeat until no neighbour is faster or the shape set's share of the budget is
+spent. The fastest configuration found and the kernel's own are then timed once more
+each, and the best counts as ``improved`` only if it beat the kernel's own in both
+rounds by more than the timings' noise (no 95% interval of it reaches any of the
+kernel's own; :func:`improvement`). One ``tuning.config_tuned`` per shape set records every trial.
 
-Shapes: a task may define ``get_tuning_inputs()`` returning a list of input lists (each
-like ``get_inputs()``, all valid for the same ``get_init_inputs()``); the tuner then
-tunes each of the first ``tune_shapes`` of them. Without it, the one shape of
-``get_inputs()`` is tuned. Budget (run config): ``tune_per_task`` elites tuned per task
-(default 1), ``tune_evals`` configurations per shape (default 4, the incumbent
-included), ``tune_shapes`` shape sets (default 3).
+Budget (run config): ``tune_budget`` configurations timed per request, over all shape
+sets (each gets an equal share, at least 4: two for the climb, two for the final check;
+shape sets beyond what the budget affords are not tuned), at most ``tune_shapes`` (4)
+shape sets. Measurements use :func:`kf.evaluation.profile_candidate` under the device's
+exclusive timing gate, so they never overlap another stage's timing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,37 +35,46 @@ from kf.evaluation import profile_candidate
 from kf.events import Event, Record
 from kf.facts import RunStarted
 from kf.llm_facts import ConfigTuned, TuningTrial
-from kf.search_facts import CandidateProposed, EliteAdmitted
-from kf.tasks import Task, TaskError, check_task
+from kf.search_facts import CandidateProposed, TuningRequested
+from kf.tasks import Task, TaskError, TaskInfo, check_task
+from kf.tuning import shape_sets
 
-__all__ = ["Tuner", "TunerState", "shape_tasks"]
+__all__ = ["MIN_PER_SHAPE", "Tuner", "TunerState", "improvement"]
+
+MIN_PER_SHAPE = 4
 
 
 class TunerState(EvaluatorState, kw_only=True):
-    """Sources and tasks (as every evaluator), plus what was chosen for tuning."""
+    """Sources and tasks (as every evaluator), plus the run config and what was tuned."""
 
     config: dict[str, Any] = {}
-    tuned: dict[str, int] = {}  # task → elites chosen for tuning
-    todo: dict[str, str] = {}  # EliteAdmitted event id → candidate id
-    chosen: set[str] = set()
+    tuned: dict[str, str] = {}  # task → candidate id tuned on this device
 
 
-def shape_tasks(task: Task, limit: int) -> list[tuple[int, Task]]:
-    """The task once per tuning shape set: ``get_inputs`` rebound to the i-th set."""
-    if "def get_tuning_inputs" not in task.source:
-        return [(0, task)]
-    out = []
-    for i in range(limit):
-        src = f"{task.source}\n\ndef get_inputs():\n    return list(get_tuning_inputs()[{i}])\n"
-        out.append((i, Task.from_source(task.name, src, path=task.path)))
-    return out
+def improvement(base: Sequence[TuningTrial], best: Sequence[TuningTrial]) -> tuple[bool, str]:
+    """Whether ``best`` beat ``base`` by more than the noise, and how: in every round, and
+    with the slowest of ``best``'s 95% intervals' upper ends below the fastest of
+    ``base``'s lower ends (the intervals of the two never overlap)."""
+    if not base or not best or not all(t.ok and t.runtime_ms > 0 for t in (*base, *best)):
+        return False, "a timing failed"
+    b = sum(t.runtime_ms for t in base) / len(base)
+    x = sum(t.runtime_ms for t in best) / len(best)
+    b_low = min(t.runtime_ms - t.runtime_ci95_ms for t in base)
+    x_high = max(t.runtime_ms + t.runtime_ci95_ms for t in best)
+    wins = all(y.runtime_ms < a.runtime_ms for a, y in zip(base, best, strict=False))
+    ok = wins and x_high < b_low
+    return ok, (
+        f"{x:.4f} ms (at most {x_high:.4f}) vs {b:.4f} ms (at least {b_low:.4f}) for the "
+        f"kernel's own configuration over {len(base)} rounds, {b / x:.2f}x: "
+        + ("improved beyond the noise" if ok else "not beyond the noise")
+    )
 
 
 class Tuner(EvaluatorAgent):
-    """Times an elite's configuration and its neighbours per input shape on this device."""
+    """Climbs a kernel's parameter space per input shape set on this device."""
 
     kind = "tuner"
-    listens = (RunStarted, CandidateProposed, EliteAdmitted)
+    listens = (RunStarted, CandidateProposed, TuningRequested)
 
     def initial_state(self) -> TunerState:
         return TunerState()
@@ -70,81 +85,137 @@ class Tuner(EvaluatorAgent):
         ev = rec.event
         if isinstance(ev, RunStarted):
             state.config = dict(ev.config)
-        elif isinstance(ev, EliteAdmitted) and ev.migrated_from is None:
-            src = state.sources.get(ev.candidate_id, "")
-            limit = int(state.config.get("tune_per_task", 1))
-            if (
-                ev.candidate_id not in state.chosen
-                and state.tuned.get(ev.task, 0) < limit
-                and "kf:params" in src
-            ):
-                state.tuned[ev.task] = state.tuned.get(ev.task, 0) + 1
-                state.chosen.add(ev.candidate_id)
-                state.todo[rec.event_id] = ev.candidate_id
+        elif isinstance(ev, TuningRequested) and self.mine(ev.device_id):
+            state.tuned[ev.task] = ev.candidate_id
         return state
 
     async def react(self, state: EvaluatorState, rec: Record) -> Sequence[Event]:  # type: ignore[override]
         assert isinstance(state, TunerState)
-        cid = state.todo.pop(rec.event_id, None)
         ev = rec.event
-        if cid is None or not isinstance(ev, EliteAdmitted):
+        if not isinstance(ev, TuningRequested) or not self.mine(ev.device_id):
             return ()
+        cid = ev.candidate_id
         found = self.lookup(state, ev.task, cid)
         if found is None:
-            return ()
+            return [self._ended(ev, "", {}, f"candidate {cid} was never proposed in this run")]
         task, source = found
         try:
             parsed = params.parse(source)
-        except params.ParamsError:
-            return ()
+        except params.ParamsError as exc:
+            return [self._ended(ev, source, {}, f"its kf:params block is invalid: {exc}")]
         if parsed is None:
-            return ()
+            return [self._ended(ev, source, {}, "it declares no template parameters")]
         space, config = parsed
-        evals = max(1, int(state.config.get("tune_evals", 4)))
-        configs = [dict(config), *params.neighbours(space, config)][:evals]
-        out: list[Event] = []
-        for index, shaped in shape_tasks(task, int(state.config.get("tune_shapes", 3))):
+        limit = max(1, int(state.config.get("tune_shapes", 4)))
+        shapes: list[tuple[int, Task, TaskInfo]] = []
+        for index, shaped in shape_sets(task, limit):
             try:
                 info = await asyncio.to_thread(
                     check_task, shaped, device=self.device, timeout_s=self.timeout_s
                 )
             except TaskError as exc:
                 if index == 0:
-                    out.append(self._skipped(ev, cid, source, config, index, str(exc)))
+                    return [self._ended(ev, source, config, f"the task failed: {exc}")]
                 break  # no more tuning shape sets
-            trials = [await self._time(shaped, source, cfg, state.seed) for cfg in configs]
-            ok = [t for t in trials if t.ok]
-            best = min(ok, key=lambda t: t.runtime_ms) if ok else None
+            shapes.append((index, shaped, info))
+        affordable = max(1, ev.budget // MIN_PER_SHAPE)
+        shapes = shapes[:affordable]
+        share = max(2, ev.budget // len(shapes))
+        out: list[ConfigTuned] = []
+        for index, shaped, info in shapes:
+            rng = random.Random(_seed(state.seed, ev.task, self.device_id, index))
             out.append(
-                ConfigTuned(
-                    task=ev.task,
-                    candidate_id=cid,
-                    device_id=self.device_id,
-                    family=params.family(source),
-                    shape_index=index,
-                    shape=str(info.input_shapes),
-                    baseline_config=dict(config),
-                    best_config=dict(best.config) if best else None,
-                    best_ms=best.runtime_ms if best else None,
-                    baseline_ms=trials[0].runtime_ms if trials[0].ok else None,
-                    trials=tuple(trials),
-                    note=f"{len(trials)} of {params.size(space)} configurations timed",
-                )
+                await self._tune_shape(ev, source, space, config, index, shaped, info, share, rng)
             )
+        out[-1] = msgspec.structs.replace(out[-1], last=True)
         return out
 
-    def _skipped(
-        self, ev: EliteAdmitted, cid: str, source: str, config: dict[str, Any], i: int, why: str
+    async def _tune_shape(
+        self,
+        ev: TuningRequested,
+        source: str,
+        space: params.ParamSpace,
+        config: params.Config,
+        index: int,
+        task: Task,
+        info: TaskInfo,
+        share: int,
+        rng: random.Random,
+    ) -> ConfigTuned:
+        seed = _seed(0, ev.task, index, "timing") % (2**31)
+        climb = max(1, share - 2)
+        timed: dict[str, TuningTrial] = {}
+        trials: list[TuningTrial] = []
+
+        async def time(cfg: params.Config) -> TuningTrial:
+            trial = await self._time(task, source, cfg, seed)
+            trials.append(trial)
+            timed[params.config_key(cfg)] = trial
+            return trial
+
+        base = await time(dict(config))
+        current: params.Config = dict(config)
+        while len(trials) < climb:
+            around = [
+                n for n in params.neighbours(space, current) if params.config_key(n) not in timed
+            ]
+            rng.shuffle(around)
+            if not around:
+                break
+            for cfg in around[: climb - len(trials)]:
+                await time(cfg)
+            ok = [t for t in timed.values() if t.ok]
+            if not ok:
+                break
+            fastest = min(ok, key=lambda t: t.runtime_ms)
+            if params.config_key(fastest.config) == params.config_key(current):
+                break  # a local optimum
+            current = dict(fastest.config)
+        ok = [t for t in timed.values() if t.ok]
+        best = min(ok, key=lambda t: t.runtime_ms) if ok else None
+        improved, how = False, "no configuration other than the kernel's own was faster"
+        if (
+            best is not None
+            and base.ok
+            and params.config_key(best.config) != params.config_key(config)
+        ):
+            again_base = await time(dict(config))
+            again_best = await time(dict(best.config))
+            improved, how = improvement([base, again_base], [best, again_best])
+        elif not base.ok:
+            how = f"the kernel's own configuration failed at this shape: {base.error or ''}"
+        return ConfigTuned(
+            task=ev.task,
+            candidate_id=ev.candidate_id,
+            device_id=self.device_id,
+            family=params.family(source),
+            shape_index=index,
+            shape=str(info.input_shapes),
+            baseline_config=dict(config),
+            best_config=dict(best.config) if best else None,
+            best_ms=best.runtime_ms if best else None,
+            baseline_ms=base.runtime_ms if base.ok else None,
+            trials=tuple(trials),
+            note=f"{len(trials)} timings of {len(timed)} of {params.size(space)} "
+            f"configurations; {how}",
+            requested=True,
+            improved=improved,
+        )
+
+    def _ended(
+        self, ev: TuningRequested, source: str, config: dict[str, Any], why: str
     ) -> ConfigTuned:
         return ConfigTuned(
             task=ev.task,
-            candidate_id=cid,
+            candidate_id=ev.candidate_id,
             device_id=self.device_id,
             family=params.family(source),
-            shape_index=i,
+            shape_index=0,
             shape="",
             baseline_config=dict(config),
-            note=f"not tuned: the task's shape set {i} failed: {why[:500]}",
+            note=f"not tuned: {why[:500]}",
+            requested=True,
+            last=True,
         )
 
     async def _time(
@@ -170,8 +241,14 @@ class Tuner(EvaluatorAgent):
             runtime_std_ms=report.runtime_std_ms,
             ref_runtime_ms=report.ref_runtime_ms,
             error=report.error,
+            runtime_ci95_ms=report.runtime_ci95_ms,
         )
 
     def snapshot(self, state: EvaluatorState) -> Any:
         assert isinstance(state, TunerState)
         return msgspec.to_builtins({"tuned": state.tuned})
+
+
+def _seed(*parts: object) -> int:
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big")

@@ -216,6 +216,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if isinstance(tolerance, str):
         print(f"kf run: {tolerance}", file=sys.stderr)
         return EXIT_USAGE
+    from kf.tuning import tuning_config
+
+    tune = tuning_config(args)
+    if isinstance(tune, str):
+        print(f"kf run: {tune}", file=sys.stderr)
+        return EXIT_USAGE
     if args.budget < 1:
         print("kf run: --budget must be at least 1", file=sys.stderr)
         return EXIT_USAGE
@@ -277,6 +283,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         resume=args.resume,
     )
     opts.extra.update(tolerance.config())  # the run's tolerance, if not the default
+    opts.tune_budget = tune["tune_budget"]
     if skipped:
         opts.extra["skipped_tasks"] = dict(skipped)  # recorded in the run's first event
     if args.select is not None:
@@ -494,8 +501,15 @@ def cmd_export(args: argparse.Namespace) -> int:
             "# exported with --ignore-integrity: this kernel and its figures prove nothing\n"
         ) + header
         print(f"kf export: WARNING: {integrity.message()}", file=sys.stderr)
-    args.output.write_text(header + best.source)
-    print(f"wrote {args.output} ({task}, {best.speedup:.2f}× over eager)")
+    from kf.export import dispatch_module, tuned_choices
+
+    choices = tuned_choices(state, envelopes, task)
+    text, left_out = dispatch_module(header, best.source, choices) if choices else ("", [])
+    for why in left_out:
+        print(f"kf export: a tuned configuration left out: {why}", file=sys.stderr)
+    args.output.write_text(text or header + best.source)
+    tuned = f"; {len(choices) - len(left_out)} shape(s) dispatched to tuned configurations"
+    print(f"wrote {args.output} ({task}, {best.speedup:.2f}× over eager{tuned if text else ''})")
     return EXIT_OK
 
 
@@ -592,6 +606,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kf.llm.cli import add_llm_options
 
     add_llm_options(rn)
+    from kf.tuning import add_tuning_options
+
+    add_tuning_options(rn)
     rn.add_argument(
         "--timeout",
         type=float,

@@ -177,6 +177,7 @@ class TuningTrial(msgspec.Struct, frozen=True, kw_only=True):
     runtime_std_ms: float = 0.0
     ref_runtime_ms: float = 0.0
     error: str | None = None
+    runtime_ci95_ms: float = 0.0
 
 
 @event("tuning.config_tuned")
@@ -195,6 +196,11 @@ class ConfigTuned(Observation, frozen=True, kw_only=True):
     baseline_ms: float | None = None
     trials: tuple[TuningTrial, ...] = ()
     note: str = ""
+    # search version 3: the answer to a ``search.tuning_requested`` (``last`` marks the
+    # final shape set of the request); shape set 0 is then the task's own ``get_inputs()``
+    requested: bool = False
+    last: bool = False
+    improved: bool = False  # best beat the baseline by more than the two timings' noise
 
 
 @event("episode.tool_called")

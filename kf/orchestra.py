@@ -55,6 +55,7 @@ class RunOptions:
     heartbeat_timeout_s: float = 30.0
     serve: tuple[str, int] | None = None  # (host, port): the dashboard beside the run
     resume: bool = False  # continue a log's run even when the settings asked for differ
+    tune_budget: int = 12  # configurations tuned per task and device (kf.tuning; 0: off)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -72,6 +73,7 @@ def worker_agents(device: str = "cpu") -> list[type[Agent[Any]]]:
     """
     from agents.compiler import Compiler
     from agents.profiler import Profiler
+    from agents.tuner import Tuner
     from agents.verifier import Verifier
 
     if device.startswith("cuda"):
@@ -89,10 +91,10 @@ def worker_agents(device: str = "cpu") -> list[type[Agent[Any]]]:
         os.environ.setdefault("KF_RUNNER_WARM", device)
         # `kf run` checked its tasks first, which made the process's pool with neither
         reconfigure_default_pool()
-        return [CudaHardwareAgent, CudaCompiler, CudaVerifier, Profiler, CounterCollector]
+        return [CudaHardwareAgent, CudaCompiler, CudaVerifier, Profiler, CounterCollector, Tuner]
     from hardware_agents.cpu_agent import CpuHardwareAgent
 
-    return [CpuHardwareAgent, Compiler, Verifier, Profiler]
+    return [CpuHardwareAgent, Compiler, Verifier, Profiler, Tuner]
 
 
 def prepare_worker(device: str) -> None:
@@ -409,7 +411,8 @@ async def _publish_start(
             "device": o.device,
             "llm": bool(o.llm_url),
             "mutator": mutator,
-            "search_version": 2,
+            "search_version": 3,
+            "tune_budget": o.tune_budget,
             **o.extra,
         },
         tasks=tuple(

@@ -78,6 +78,7 @@ def build_report(db: str | Path, *, ignore_integrity: bool = False) -> dict[str,
 def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
     """The JSON report from committed envelopes (a log file, or a run followed over NATS)."""
     from agents.archive import CELLS_PER_ISLAND, best_candidate, geomean
+    from agents.archive_tuning import summary as tuning_summary
 
     state = fold_envelopes(envelopes)
     devices = sorted(
@@ -122,6 +123,10 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
                 if c.task == name and c.suspect
             ],
             "failures": _failures(state, name),
+            "tuning": tuning_summary(state, name),
+            "tuned_candidates": sum(
+                1 for c in state.candidates.values() if c.task == name and c.operator == "tune"
+            ),
             "generalisation_failed": [
                 {"candidate_id": c.id, "reason": c.generalisation}
                 for c in state.candidates.values()
@@ -146,7 +151,8 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
             vs_best[name] = better if better is not None else best.speedup
     n = len(state.tasks)
     total_cells = n * state.config.islands * CELLS_PER_ISLAND
-    mutators = sorted({c.mutator for c in state.candidates.values()})
+    # the search's mutators (tuned candidates are counted per task, as tuned_candidates)
+    mutators = sorted({c.mutator for c in state.candidates.values() if c.operator != "tune"})
     from kf.kernelbench import kernelbench_section
 
     compared = mutator_stats(envelopes)  # a mixed population's kinds, side by side
@@ -258,6 +264,25 @@ def _baseline_entry(
     }
 
 
+def _tuning_line(task: str, s: dict[str, Any]) -> str:
+    """One line per tuned shape set: what the tuner found and how the candidate fared."""
+    where = f"{task} tuned on {s['device_id']}"
+    if "shape" not in s:
+        return f"{where}: {s.get('note', '')}"
+    found = (
+        f"{s['best_config']} {s['best_ms']:.4f} ms vs own {s['baseline_ms']:.4f} ms"
+        if s.get("best_ms") is not None and s.get("baseline_ms") is not None
+        else "nothing timed"
+    )
+    tuned = (
+        f"; candidate {s['tuned_candidate_id'][:12]} {s['tuned_status']}"
+        + (f" {s['tuned_speedup']:.2f}× over eager" if s.get("tuned_speedup") else "")
+        if s.get("tuned_candidate_id")
+        else ("" if s.get("improved") else "; not beyond the noise: no candidate")
+    )
+    return f"{where} at {s['shape']}: {found}{tuned}"
+
+
 def format_table(report: dict[str, Any]) -> str:
     """A plain-text table of the report."""
     rows = [
@@ -314,6 +339,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{t['task']}: {g['candidate_id'][:12]} failed the generalisation gate: {g['reason']}"
             for g in t.get("generalisation_failed", [])
         ]
+        notes += [_tuning_line(t["task"], s) for s in t.get("tuning", [])]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

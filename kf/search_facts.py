@@ -25,6 +25,8 @@ __all__ = [
     "ParentSelected",
     "TaskAudited",
     "TaskSkipped",
+    "TunedChosen",
+    "TuningRequested",
 ]
 
 
@@ -46,6 +48,12 @@ class CandidateProposed(Observation, frozen=True, kw_only=True):
     family: str = ""
     config: dict[str, Any] = {}
     note: str = ""
+    # a tuned candidate (operator "tune"): the tuning shape set it is evaluated at (0: the
+    # task's own ``get_inputs()``; i: ``get_tuning_inputs()[i - 1]``), those shapes, and the
+    # device whose tuner chose its configuration (it is evaluated there)
+    shape_index: int = 0
+    shape: str = ""
+    tuned_on: str = ""
 
 
 @event("kernel.mutation_failed")
@@ -194,3 +202,30 @@ class TaskSkipped(Decision, frozen=True, kw_only=True):
 
     task: str
     reason: str
+
+
+@event("search.tuning_requested")
+class TuningRequested(Decision, frozen=True, kw_only=True):
+    """The archive asked a device's tuner to tune a kernel's template parameters per input
+    shape (search version 3): the task's best kernel, once its search budget is spent."""
+
+    task: str
+    candidate_id: str
+    device_id: str
+    budget: int  # configurations to time, over all shape sets together
+
+
+@event("search.tuned_chosen")
+class TunedChosen(Decision, frozen=True, kw_only=True):
+    """The archive made a tuner's best configuration for one shape set and device a
+    candidate; the mutator proposes it (operator ``tune``) and it is evaluated like any
+    other, at that shape set, on that device."""
+
+    task: str
+    parent_id: str
+    device_id: str
+    shape_index: int
+    shape: str
+    config: dict[str, Any]
+    baseline_ms: float | None = None  # the tuner's times at that shape: the parent's config
+    best_ms: float | None = None  # and this one

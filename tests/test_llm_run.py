@@ -86,7 +86,9 @@ def test_llm_run_labels_candidates_with_model_and_url(llm_run: tuple[Path, dict,
     """Every model-written candidate says which model and endpoint produced it."""
     db, report, url = llm_run
     assert report["finished"] is True
-    proposed = [c for c in _events(db, "kernel.candidate_proposed") if c.operator != "seed"]
+    proposed = [
+        c for c in _events(db, "kernel.candidate_proposed") if c.operator not in ("seed", "tune")
+    ]
     assert proposed, "no model-written candidate"
     assert {c.mutator for c in proposed} == {f"llm: scripted via {url}"}
     assert {c.operator for c in proposed} <= {"rewrite", "diff"}

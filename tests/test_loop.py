@@ -33,7 +33,7 @@ def test_loop_finds_a_correct_kernel_with_a_speedup(run_db: tuple[Path, dict]) -
     """The search ends with a verified, profiled kernel and its measured speedup."""
     _, report = run_db
     task = next(t for t in report["tasks"] if t["task"] == "scale_relu")
-    assert task["candidates"] == 4
+    assert task["candidates"] - task["tuned_candidates"] == 4  # tuned ones come on top
     assert task["correct"] >= 1
     assert task["best_speedup"] > 0 and task["ref_ms"] > 0 and task["best_ms"] > 0
     assert task["best_candidate_id"]
@@ -41,6 +41,20 @@ def test_loop_finds_a_correct_kernel_with_a_speedup(run_db: tuple[Path, dict]) -
     assert set(report["fast_p"]) == {"fast_0", "fast_1", "fast_1.5", "fast_2"}
     assert report["archive"]["filled_cells"] >= 1
     assert "offline" in report["mutator"] and "no LLM" in report["mutator"]
+
+
+def test_loop_tunes_the_seed_template_offline(run_db: tuple[Path, dict]) -> None:
+    """Without an LLM the task's best kernel is tuned once its budget is spent: the archive
+    asked, the device's tuner answered for the task's shape, and the report says so."""
+    db, report = run_db
+    with EventLog(db, readonly=True) as elog:
+        asked = [decode_event(e) for e in elog.read(types=["search.tuning_requested"])]
+        tuned = [decode_event(e) for e in elog.read(types=["tuning.config_tuned"])]
+    assert [a.task for a in asked] == ["scale_relu"]  # type: ignore[attr-defined]
+    assert tuned and tuned[-1].last and tuned[0].shape == "[[64, 256]]"  # type: ignore[attr-defined]
+    assert len(tuned[0].trials) >= 2  # type: ignore[attr-defined]
+    task = next(t for t in report["tasks"] if t["task"] == "scale_relu")
+    assert task["tuning"] and task["tuning"][0]["device_id"] in report["devices"]
 
 
 def test_loop_records_a_crashing_kernel_and_carries_on(run_db: tuple[Path, dict]) -> None:

@@ -28,5 +28,10 @@ def get_inputs() -> list[torch.Tensor]:
     return [torch.randn(BATCH, HIDDEN), torch.randn(BATCH, HIDDEN)]
 
 
+def get_tuning_inputs() -> list[list[torch.Tensor]]:
+    """Other batch sizes the same layer sees (kf tunes template parameters per shape)."""
+    return [[torch.randn(b, HIDDEN), torch.randn(b, HIDDEN)] for b in (8, 1024)]
+
+
 def get_init_inputs() -> list[int]:
     return [HIDDEN]

@@ -29,5 +29,10 @@ def get_inputs() -> list[torch.Tensor]:
     return [torch.randn(BATCH, IN_FEATURES)]
 
 
+def get_tuning_inputs() -> list[list[torch.Tensor]]:
+    """Other batch sizes the same layer sees (kf tunes template parameters per shape)."""
+    return [[torch.randn(b, IN_FEATURES)] for b in (32, 16384)]
+
+
 def get_init_inputs() -> list[int]:
     return [IN_FEATURES, OUT_FEATURES]

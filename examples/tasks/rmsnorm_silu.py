@@ -29,5 +29,10 @@ def get_inputs() -> list[torch.Tensor]:
     return [torch.randn(BATCH, DIM)]
 
 
+def get_tuning_inputs() -> list[list[torch.Tensor]]:
+    """Other batch sizes the same layer sees (kf tunes template parameters per shape)."""
+    return [[torch.randn(b, DIM)] for b in (8, 8192)]
+
+
 def get_init_inputs() -> list[float]:
     return [DIM, 1e-6]

@@ -325,6 +325,7 @@ def make_app(
     app.router.add_get("/api/progress", _view(RunView.progress))
     app.router.add_get("/api/devices", _view(RunView.devices_view))
     app.router.add_get("/api/prompts", _view(RunView.prompts_view))
+    app.router.add_get("/api/tuning", _view(RunView.tuning_view))
     app.router.add_get("/api/candidates", _view(RunView.candidates))
     app.router.add_get("/api/candidates/{cid}", _candidate)
     app.router.add_get("/api/stream", _stream)

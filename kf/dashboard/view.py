@@ -402,6 +402,18 @@ class RunView:
             "message": None if self.prompts else NO_PROMPTS,
         }
 
+    def tuning_view(self) -> dict[str, Any]:
+        """Per task, the configuration tuned per shape set and device, and how it fared
+        (search version 3; from the archive's own fold)."""
+        from agents.archive_tuning import summary
+
+        tasks = {name: summary(self.archive, name) for name in self.archive.tasks}
+        tasks = {name: rows for name, rows in tasks.items() if rows}
+        return {
+            "tasks": _builtins(tasks),
+            "message": None if tasks else "no template tuning in this run",
+        }
+
     def candidates(self) -> list[dict[str, Any]]:
         """Every candidate in proposal order, one line each."""
         return [self._line(c) for c in self.archive.candidates.values()]
@@ -475,5 +487,6 @@ class RunView:
             "progress": self.progress(),
             "devices": self.devices_view(),
             "prompts": self.prompts_view(),
+            "tuning": self.tuning_view(),
             "candidates": self.candidates(),
         }

@@ -54,6 +54,21 @@ _SYSTEM = (
     "operations. You answer with code only, in the format requested."
 )
 
+_PARAMS_FORMAT = (
+    "Template parameters (optional): a kernel may declare the choices it could be built with "
+    "(block sizes, unrolling, thread counts, schedules, vector widths...) in one block at "
+    "module level, as plain Python literals:\n"
+    "# --- kf:params ---\n"
+    'SPACE = {"BLOCK": [256, 512, 1024], "UNROLL": [1, 2, 4], "THREADS": [1, 2]}\n'
+    'CONFIG = {"BLOCK": 512, "UNROLL": 2, "THREADS": 2}\n'
+    "# --- kf:end ---\n"
+    "SPACE maps each parameter (a C identifier) to a list of values (int, float, str or bool); "
+    "CONFIG picks one value of each, on lines of its own. The module reads CONFIG when "
+    "it builds (for example kf.native.build(SOURCE, defines=CONFIG) turns each entry into a "
+    "-D define), and every CONFIG in SPACE must give a correct kernel. kf then tunes CONFIG "
+    "for each input shape and device, and uses the best per shape."
+)
+
 _FORMAT = (
     "Answer in ONE of two forms:\n"
     "1. the complete new module in a single ```python block; or\n"
@@ -61,8 +76,7 @@ _FORMAT = (
     "<<<<<<< SEARCH\n(exact lines of the parent)\n=======\n(replacement lines)\n"
     ">>>>>>> REPLACE\n"
     "The module must define class ModelNew with the same constructor and forward as the "
-    "reference Model. A kf:params block (SPACE and CONFIG dicts between '# --- kf:params ---' "
-    "and '# --- kf:end ---') declares template parameters kf will tune."
+    "reference Model.\n" + _PARAMS_FORMAT
 )
 
 
@@ -194,8 +208,7 @@ _INIT_FORMAT = (
     "Answer with the complete module in a single ```python block. It must define class "
     "ModelNew with the same constructor arguments and forward inputs and outputs as the "
     "reference Model, and compute forward with your own kernel (not with the PyTorch ops of "
-    "the reference). A kf:params block (SPACE and CONFIG dicts between '# --- kf:params ---' "
-    "and '# --- kf:end ---') may declare template parameters kf will tune."
+    "the reference).\n" + _PARAMS_FORMAT
 )
 
 

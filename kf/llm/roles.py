@@ -10,9 +10,9 @@ __all__ = ["llm_roles"]
 def llm_roles(llm: bool) -> tuple[list[Any], Any, list[Any]]:
     """``(hosted decision agents, the mutator, worker-side agents)`` for a run.
 
-    With an LLM: the prompt evolver (hosted by the archivist), the LLM mutator instead of
-    the offline one, and the template tuner next to the device. Without: nothing extra
-    and the offline mutator.
+    With an LLM: the prompt evolver (hosted by the archivist) and the LLM mutator instead
+    of the offline one. Without: nothing extra and the offline mutator. (The template
+    tuner is a worker agent in every run: :func:`kf.orchestra.worker_agents`.)
     """
     from agents.mutator import OfflineMutator
 
@@ -20,6 +20,5 @@ def llm_roles(llm: bool) -> tuple[list[Any], Any, list[Any]]:
         return [], OfflineMutator, []
     from agents.llm_mutator import LlmMutator
     from agents.prompt_evolver import PromptEvolver
-    from agents.tuner import Tuner
 
-    return [PromptEvolver], LlmMutator, [Tuner]
+    return [PromptEvolver], LlmMutator, []

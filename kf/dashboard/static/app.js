@@ -136,6 +136,7 @@
     renderDevices();
     renderCandidates();
     renderPrompts();
+    renderTuning();
   }
 
   function renderIntegrity() {
@@ -473,6 +474,33 @@
           return el("tr", { class: "prompt-event" }, el("td", { text: String(e.seq) }), el("td", { text: e.type }), el("td", { text: e.source }), el("td", { class: "mono", text: data }));
         }))))));
     box.replaceChildren(...kids);
+  }
+
+  function renderTuning() {
+    const box = document.getElementById("tuning");
+    const t = state.tuning || { tasks: {}, message: "no template tuning in this run" };
+    const names = Object.keys(t.tasks);
+    if (!names.length) {
+      box.replaceChildren(el("p", { class: "empty tuning-none", text: t.message }));
+      return;
+    }
+    const cfg = (c) => (c ? Object.entries(c).map(([k, v]) => `${k}=${v}`).join(" ") : "—");
+    box.replaceChildren(...names.map((name) => el("div", { class: "tuning-task", "data-task": name },
+      el("h3", { text: name }),
+      el("table", { class: "list" },
+        el("thead", {}, el("tr", {}, ...["device", "shapes", "tuned configuration", "tuner: tuned", "tuner: own", "beyond noise", "candidate", "speedup at shapes"].map((h) => el("th", { text: h })))),
+        el("tbody", {}, t.tasks[name].map((r) => el("tr", {
+            class: "tuning-row" + (r.tuned_candidate_id ? " cand-row " + (r.tuned_status || "") : ""),
+            "data-device": r.device_id, "data-shape": r.shape || "",
+            onclick: r.tuned_candidate_id ? () => openCandidate(r.tuned_candidate_id) : null },
+          el("td", { class: "mono", text: r.device_id }),
+          el("td", { class: "mono", text: r.shape || r.note || "—" }),
+          el("td", { class: "mono tuned-config", text: r.shape ? cfg(r.best_config) : "—" }),
+          el("td", { class: "num", text: fmtMs(r.best_ms) }),
+          el("td", { class: "num", text: fmtMs(r.baseline_ms) }),
+          el("td", { text: r.shape ? (r.improved ? "yes" : "no") : "—" }),
+          el("td", { class: "mono", text: r.tuned_candidate_id ? short(r.tuned_candidate_id) + " " + (r.tuned_status || "") : "—" }),
+          el("td", { class: "num", text: fmtX(r.tuned_speedup) }))))))));
   }
 
   // -- candidate detail ------------------------------------------------------------------

@@ -1,0 +1,279 @@
+"""Template tuning per shape and device, and its use: the archive's decisions as pure
+folds, then one real `kf run` (offline seed and an LLM-written template, through the
+scripted server) whose tuned configurations become candidates, replay, the exported
+module's dispatch by shape, and the dashboard's tuning table.
+
+The fixture template (tests/fixtures/tuning/seeds/rows_relu.py) is fast only for the row
+count its parameters name and repeats its pass 400 times otherwise, so which
+configuration is best at each shape is a property of the code, not of timing noise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from agents.mutator import OfflineMutator
+from agents.tuned import TUNER_LABEL
+from agents.tuner import improvement
+from kf.agent import AgentContext
+from kf.events import decode_event
+from kf.llm_facts import ConfigTuned, TuningTrial
+from kf.log import EventLog
+from kf.search_facts import (
+    CandidateProposed,
+    EliteAdmitted,
+    TunedChosen,
+    TuningRequested,
+)
+from kf.tasks import Task
+from kf.tuning import bind_shape, parse_shape
+from tests.harness import run_kf
+from tests.llm_server import ScriptedServer, user_text
+from tests.test_archive import SEED_SRC, Driver, announce, propose, rec, started
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests/fixtures/tuning"
+TEMPLATE = (FIXTURE / "seeds/rows_relu.py").read_text()
+
+
+# -- pure parts ------------------------------------------------------------------------------
+
+
+def test_shape_sets_bind_get_inputs_and_shapes_parse() -> None:
+    """Shape set 0 is the task itself; set i rebinds get_inputs to get_tuning_inputs()[i-1]."""
+    task = Task.from_source("rows_relu", (FIXTURE / "rows_relu.py").read_text())
+    assert bind_shape(task, 0) is task
+    bound = bind_shape(task, 1)
+    assert "return list(get_tuning_inputs()[0])" in bound.source and bound.sha256 != task.sha256
+    assert parse_shape("[[8, 256], []]") == ((8, 256), ())
+    assert parse_shape("not a shape") is None and parse_shape("[['a']]") is None
+
+
+def _trial(ms: float, ci: float) -> TuningTrial:
+    return TuningTrial(config={}, ok=True, runtime_ms=ms, runtime_ci95_ms=ci)
+
+
+def test_improvement_needs_a_margin_beyond_the_noise() -> None:
+    """Better in every round and with non-overlapping 95% intervals, or it is not better."""
+    assert improvement([_trial(1.0, 0.05), _trial(1.1, 0.05)], [_trial(0.5, 0.02)] * 2)[0]
+    overlapping = improvement([_trial(1.0, 0.3)] * 2, [_trial(0.8, 0.2)] * 2)
+    assert not overlapping[0] and "not beyond the noise" in overlapping[1]
+    assert not improvement([_trial(1.0, 0.0), _trial(0.4, 0.0)], [_trial(0.5, 0.0)] * 2)[0]
+
+
+def _tuned(index: int, best: dict[str, int], *, last: bool, improved: bool = True) -> ConfigTuned:
+    return ConfigTuned(
+        task="t",
+        candidate_id="s1",
+        device_id="d",
+        family="f",
+        shape_index=index,
+        shape=f"[[{64 if index == 0 else 8}, 256]]",
+        baseline_config={"UNROLL": 1, "CHUNK": 16, "SIMD": 0},
+        best_config=best,
+        best_ms=0.1,
+        baseline_ms=0.2,
+        requested=True,
+        last=last,
+        improved=improved,
+    )
+
+
+def test_archive_tunes_the_best_kernel_once_the_search_is_spent() -> None:
+    """Search version 3: a request per live device once the budget is spent; an improved
+    shape set becomes a tuned candidate pinned to the device; one at another shape set is
+    evaluated but never an elite or the best; the run ends after all of it."""
+    d = Driver()
+    d.feed(started(budget=1, search_version=3, tune_budget=8))
+    d.feed(propose("s1"))
+    out = d.finish("s1", speedup=1.5)
+    req = [x for x in out if isinstance(x, TuningRequested)]
+    assert [(r.candidate_id, r.device_id, r.budget) for r in req] == [("s1", "d", 8)]
+    assert not d.state.finished
+    d.feed(_tuned(0, {"UNROLL": 1, "CHUNK": 16, "SIMD": 0}, last=False))  # no better config
+    out = d.feed(_tuned(1, {"UNROLL": 4, "CHUNK": 16, "SIMD": 1}, last=True))
+    chosen = [x for x in out if isinstance(x, TunedChosen)]
+    assert [(c.shape_index, c.config["UNROLL"], c.device_id) for c in chosen] == [(1, 4, "d")]
+    assert not d.state.finished  # the chosen candidate is not yet proposed
+    m = OfflineMutator(AgentContext(run_id="r", agent_id="mutator@t"))
+    st = m.evolve(m.initial_state(), rec(propose("s1")))
+    proposal = m.react(st, rec(chosen[0], "chosen-1"))[0]
+    assert isinstance(proposal, CandidateProposed)
+    assert proposal.operator == "tune" and proposal.mutator == TUNER_LABEL
+    assert proposal.shape_index == 1 and proposal.tuned_on == "d"
+    assert "UNROLL': 4" in proposal.source or '"UNROLL": 4' in proposal.source
+    out = d.feed(announce("e"))  # a second device: it tunes too; the candidate stays on "d"
+    assert [(r.device_id, r.candidate_id) for r in out if isinstance(r, TuningRequested)] == [
+        ("e", "s1")
+    ]
+    d.feed(proposal)
+    assert d.state.candidates[proposal.candidate_id].device_id == "d"  # pinned, not "e"
+    out = d.finish(proposal.candidate_id, speedup=9.0)
+    assert not any(isinstance(x, EliteAdmitted) for x in out)
+    assert d.state.tasks["t"].elites and all(
+        cid == "s1" for cid in d.state.tasks["t"].elites.values()
+    )
+    assert not d.state.finished  # device "e" has not answered
+    d.feed(msgspec.structs.replace(_tuned(0, {}, last=True, improved=False), device_id="e"))
+    assert d.state.finished
+
+
+def test_logs_before_search_version_3_never_tune() -> None:
+    """A run config without search version 3 (an older log) decides as it always did."""
+    d = Driver()
+    d.feed(started(budget=1, search_version=2, tune_budget=8))
+    d.feed(propose("s1"))
+    out = d.finish("s1")
+    assert not any(isinstance(x, TuningRequested) for x in out)
+    assert d.state.finished
+    assert SEED_SRC  # the fixture template the driver proposes declares a space
+
+
+# -- one real run ----------------------------------------------------------------------------
+
+
+class TemplateResponder:
+    """Answers every request with the templated kernel (a reasoning preamble, then code),
+    and keeps the prompts it saw."""
+
+    def __init__(self) -> None:
+        self.prompts: list[str] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, body: dict[str, Any]) -> dict[str, Any]:
+        with self.lock:
+            self.prompts.append(user_text(body))
+        return {
+            "content": "Rows differ in cost, so I expose the fast path as parameters.\n\n"
+            f"```python\n{TEMPLATE}```\n"
+        }
+
+
+@pytest.fixture(scope="module")
+def tuned_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], Any]:
+    """`kf run` on a seedless copy of the task, whose kernel the scripted server writes (the
+    offline path, a seed tuned and proposed by the offline mutator, is the unit test above
+    and tests/test_loop.py's run)."""
+    tmp = tmp_path_factory.mktemp("tuning")
+    tasks = tmp / "tasks"
+    tasks.mkdir()
+    shutil.copy(FIXTURE / "rows_relu.py", tasks / "rows_llm.py")  # no seed: the LLM writes it
+    db = tmp / "run.db"
+    responder = TemplateResponder()
+    with ScriptedServer(responder=responder) as server:
+        proc = run_kf(
+            "run", str(tasks), "--llm-url", server.url, "--model", "scripted", "--budget", "1",
+            "--init", "1", "--tune-budget", "10", "--seed", "2", "--db", str(db), "--json",
+            timeout=500,
+        )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return db, json.loads(proc.stdout), responder
+
+
+def _events(db: Path, tag: str) -> list[Any]:
+    with EventLog(db, readonly=True) as elog:
+        return [decode_event(e) for e in elog.read(types=[tag])]
+
+
+def test_an_llm_written_template_is_tuned_per_shape_and_device(tuned_run: Any) -> None:
+    """A kernel the LLM wrote with a declared space is tuned like a seed: at the task's own
+    shape and at its tuning shape, on the run's device; the prompt explained kf:params."""
+    db, report, responder = tuned_run
+    assert any("kf then tunes CONFIG for each input shape" in p for p in responder.prompts)
+    proposed = {c.candidate_id: c for c in _events(db, "kernel.candidate_proposed")}
+    tuned = _events(db, "tuning.config_tuned")
+    devices = {d.device_id for d in _events(db, "device.announced")}
+    for task, operator in (("rows_llm", "init"),):
+        mine = [t for t in tuned if t.task == task]
+        assert sorted(t.shape for t in mine) == ["[[64, 256]]", "[[8, 256]]"], mine
+        assert {t.device_id for t in mine} <= devices and mine[-1].last
+        assert proposed[mine[0].candidate_id].operator == operator
+        best = {t.shape: t.best_config for t in mine}
+        assert best["[[8, 256]]"]["FAST_8"] == 1 and best["[[64, 256]]"]["FAST_64"] == 1
+    entry = next(t for t in report["tasks"] if t["task"] == "rows_llm")
+    rows = {r["shape"]: r for r in entry["tuning"]}
+    assert rows["[[8, 256]]"]["tuned_status"] == "profiled"
+
+
+def test_tuned_configurations_are_candidates_measured_like_any_other(tuned_run: Any) -> None:
+    """Each improved shape set's configuration was proposed (operator tune), compiled,
+    verified and profiled at its shapes on the device it was tuned on."""
+    db, _, _ = tuned_run
+    tunes = [c for c in _events(db, "kernel.candidate_proposed") if c.operator == "tune"]
+    assert {(c.task, c.shape_index) for c in tunes} == {("rows_llm", 0), ("rows_llm", 1)}
+    assigned = {a.candidate_id: a.device_id for a in _events(db, "search.candidate_assigned")}
+    profiled = {p.candidate_id: p for p in _events(db, "kernel.candidate_profiled")}
+    verified = {v.candidate_id for v in _events(db, "kernel.candidate_verified")}
+    for c in tunes:
+        assert assigned[c.candidate_id] == c.tuned_on
+        assert c.candidate_id in verified and profiled[c.candidate_id].report.ok
+    proc = run_kf("replay", str(db), "--check", "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check = json.loads(proc.stdout)["check"]
+    assert check["ok"] is True and check["decisions_checked"] > 0
+
+
+def test_export_dispatches_by_shape(tuned_run: Any, tmp_path: Path) -> None:
+    """The exported module names its choice per shape in its source, and a call at the
+    tuning shape runs the tuned configuration while the task's own shape runs the default;
+    both agree with the reference."""
+    db, _, _ = tuned_run
+    out = tmp_path / "fast_rows.py"
+    proc = run_kf("export", str(db), "-o", str(out), "--task", "rows_llm")
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert "('cpu', ((8, 256),)): {'FAST_8': 1" in text
+    spec = importlib.util.spec_from_file_location("fast_rows", out)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fast_rows"] = module
+    spec.loader.exec_module(module)
+    ref_spec = importlib.util.spec_from_file_location("rows_ref", FIXTURE / "rows_relu.py")
+    assert ref_spec is not None and ref_spec.loader is not None
+    ref_module = importlib.util.module_from_spec(ref_spec)
+    ref_spec.loader.exec_module(ref_module)
+    model, ref = module.ModelNew(256), ref_module.Model(256)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    model.load_state_dict(ref.state_dict())
+    small, own = torch.randn(8, 256), torch.randn(64, 256)
+    assert model.choose(small)["FAST_8"] == 1
+    assert model.choose(own) is None  # the default
+    for x in (small, own, torch.randn(3, 256)):
+        torch.testing.assert_close(model(x), ref(x))
+
+
+async def test_dashboard_shows_the_tuned_configuration_per_shape(
+    tuned_run: Any, tmp_path: Path
+) -> None:
+    """The dashboard's tuning table has a row per task, shape and device with the tuned
+    configuration (in a real headless Chromium)."""
+    from tests.test_dashboard import CHROMIUM, chromium, copy_log, dashboard
+
+    if CHROMIUM is None:
+        pytest.skip("Debian's chromium is not installed (scripts/bootstrap installs it)")
+    db = copy_log(tuned_run[0], tmp_path / "run.db")
+
+    async with dashboard(db) as url, chromium(tmp_path) as page:
+        await page.goto(url)
+        await page.wait_for("document.querySelectorAll('#tuning tr.tuning-row').length >= 2")
+        rows: list[list[str]] = await page.eval(
+            "[...document.querySelectorAll('#tuning tr.tuning-row')].map(r => ["
+            "r.closest('.tuning-task').dataset.task, r.dataset.device, r.dataset.shape, "
+            "r.querySelector('.tuned-config').textContent])"
+        )
+        await page.screenshot("tuning")
+        assert page.errors == []
+    small = {r[0]: r[3] for r in rows if r[2] == "[[8, 256]]"}
+    assert set(small) == {"rows_llm"}
+    assert all("FAST_8=1" in v for v in small.values())
+    assert all(r[1] for r in rows)  # every row names its device
