@@ -17,8 +17,8 @@ A device **fails** when a stage went wrong in a way a device can (a crashed or h
 runner, a CUDA error) and a fresh process then cannot use it either
 (:func:`probe_health`). The stage agent that found it records ``device.left`` with the
 reason; the archive re-dispatches the device's candidates to the other devices, and
-nothing more is sent to or done on it. ``$KF_DEVICE_FAULTS`` (``ID@N,…``: device id,
-then the number of stages it completes first) injects such a failure, for tests.
+nothing more is sent to or done on it. ``$KF_DEVICE_FAULTS`` (``ID@N,…``: the device
+with id ID fails at the end of its N-th stage) injects such a failure, for tests.
 """
 
 from __future__ import annotations
@@ -221,8 +221,8 @@ def looks_like_device_error(kind: str | None, text: str) -> bool:
 
 
 def _injected(device_id: str) -> str | None:
-    """The fault ``$KF_DEVICE_FAULTS`` arms for ``device_id`` once it completed its
-    stages (None: none armed, or not yet)."""
+    """The fault ``$KF_DEVICE_FAULTS`` arms for ``device_id`` from its N-th stage on
+    (None: none armed, or not yet)."""
     spec = os.environ.get("KF_DEVICE_FAULTS", "")
     for item in filter(None, (s.strip() for s in spec.split(","))):
         dev, _, after = item.rpartition("@")
