@@ -156,6 +156,9 @@ async def run_worker(
     device gets its own hardware agent, compiler, verifier and profiler (one connection
     serves them all). ``options["device_id"]`` (``--name``) names the one device, or
     prefixes the ids of several."""
+    from dataclasses import replace
+
+    from kf.auth import password_env, worker_user
     from kf.devices import parse_devices
 
     devices = parse_devices(device)  # a DeviceError (a ValueError) says what is available
@@ -163,20 +166,31 @@ async def run_worker(
     slots, agents = worker_plan(devices, options.pop("device_id", None))
     stop = stop or asyncio.Event()
     nc = await bus.connect(opts)
+    conns = {s.device_id: nc for s in slots}
     try:
+        if len(slots) > 1:
+            # against a role-separated server each device has its own worker user
+            # (docs/authorization.md): its password in $KF_NATS_WORKER_<ID>_PASSWORD
+            for s in slots:
+                password = os.environ.get(password_env("worker", s.device_id))
+                if password:
+                    conns[s.device_id] = await bus.connect(
+                        replace(opts, token=None, user=worker_user(s.device_id), password=password)
+                    )
         async with asyncio.TaskGroup() as tg:
             for slot in slots:
                 opt = {**options, "device": slot.device, "device_id": slot.device_id}
                 for cls in agents:
                     tg.create_task(
                         supervise(
-                            _runner_factory(cls, run_id, nc, opt),
+                            _runner_factory(cls, run_id, conns[slot.device_id], opt),
                             stop,
                             name=f"{cls.kind}@{slot.device_id}",
                         )
                     )
     finally:
-        await bus.close(nc)
+        for c in {id(c): c for c in conns.values()}.values():
+            await bus.close(c)
 
 
 @dataclass
