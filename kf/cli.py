@@ -261,8 +261,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         devices=devices if not args.no_worker else [],
         nats_url=args.nats,
         islands=args.islands,
-        # two candidates in flight per device unless told
-        max_in_flight=args.max_in_flight or 2 * max(1, len(devices) if not args.no_worker else 1),
+        # two candidates in flight per local device unless told
+        max_in_flight=args.max_in_flight
+        if args.max_in_flight is not None
+        else 2 * (len(devices) if devices and not args.no_worker else 1),
         timeout_s=args.timeout,
         serve=(args.serve_host, args.serve_port) if args.serve else None,
         run_id=args.run,
