@@ -160,7 +160,10 @@ class EvaluatorAgent(Agent[EvaluatorState]):
         try:
             report = await call()
         except Exception as exc:
-            gone = await self._device_check(True, "error", str(exc))
+            from kf.evaluation.sandbox import RunnerStartError
+
+            kind = "runner_start" if isinstance(exc, RunnerStartError) else "error"
+            gone = await self._device_check(True, kind, str(exc))
             if gone is not None:
                 return gone
             raise

@@ -34,8 +34,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kf.evaluation.device import DeviceError
-
 if TYPE_CHECKING:
     from kf.evaluation.sandbox import RunnerPool
 
@@ -77,6 +75,8 @@ def parse_devices(spec: str, *, cuda_count: Callable[[], int] | None = None) -> 
     a GPU listed twice, or CPUs and GPUs mixed. ``cuda_count`` replaces
     ``torch.cuda.device_count()`` (tests).
     """
+    from kf.evaluation.device import DeviceError
+
     count = cuda_count or _cuda_count
     parts = [p.strip().lower() for p in spec.split(",")]
     if not spec.strip() or any(not p for p in parts):

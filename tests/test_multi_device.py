@@ -275,3 +275,68 @@ def test_multi_device_worker_failed_device_is_recorded_and_its_work_redispatched
     ]  # fmt: skip
     assert late and failing not in late, "the failed device kept working"
     check_counted_once(db, 5)
+
+
+# -- on GPUs (the lead's machine; skipped here) -------------------------------------------------
+
+GPUS = _cuda_device_count()
+needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs an NVIDIA GPU and a CUDA build of PyTorch")
+needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs two NVIDIA GPUs on this host")
+CUDA_TASK = ROOT / "examples" / "cuda_tasks" / "gelu_residual.py"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_multi_device_gpu_all_expands_and_a_working_gpu_is_healthy() -> None:
+    assert parse_devices("cuda:all") == [f"cuda:{i}" for i in range(GPUS)]
+    assert probe_health("cuda:0") is None
+
+
+def _counted_once(db: Path) -> None:
+    """Every candidate ended once (a GPU task's mutations may propose fewer than the
+    budget), and replay --check passes."""
+    from kf.report import build_report
+
+    task = build_report(db)["tasks"][0]
+    assert task["candidates"] > 0
+    assert task["profiled"] + task["failed"] == task["candidates"]
+    chk = subprocess.run(
+        [sys.executable, "-m", "kf.cli", "replay", str(db), "--check"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert chk.returncode == 0, chk.stdout + chk.stderr
+
+
+def _gpu_run(tmp_path: Path, budget: int, **env: str) -> Path:
+    db = tmp_path / "run.db"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kf.cli", "run", str(CUDA_TASK), "--device", "cuda:0,cuda:1",
+         "--budget", str(budget), "--islands", "1", "--db", str(db), "--json"],
+        cwd=ROOT, env=dict(ENV, **env), capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return db
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_multi_device_two_gpus_both_profile_candidates(tmp_path: Path) -> None:
+    from hardware_agents.cpu import host_id
+
+    db = _gpu_run(tmp_path, 8)
+    ids = {f"{host_id()}/cuda:0", f"{host_id()}/cuda:1"}
+    assert {x.device_id for x in of_type(db, "device.announced")} == ids
+    assert {x.device_id for x in of_type(db, "kernel.candidate_profiled")} == ids
+    _counted_once(db)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_multi_device_two_gpus_one_fails_and_the_other_finishes(tmp_path: Path) -> None:
+    from hardware_agents.cpu import host_id
+
+    failing = f"{host_id()}/cuda:1"
+    db = _gpu_run(tmp_path, 6, KF_DEVICE_FAULTS=f"{failing}@2")
+    left = [x for x in of_type(db, "device.left") if x.device_id == failing]
+    assert len(left) == 1 and left[0].reason.startswith("device failed")
+    _counted_once(db)
