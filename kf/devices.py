@@ -75,7 +75,7 @@ def parse_devices(spec: str, *, cuda_count: Callable[[], int] | None = None) -> 
     a GPU listed twice, or CPUs and GPUs mixed. ``cuda_count`` replaces
     ``torch.cuda.device_count()`` (tests).
     """
-    from kf.evaluation.device import DeviceError
+    from kf.evaluation.device import DeviceError, parse_device
 
     count = cuda_count or _cuda_count
     parts = [p.strip().lower() for p in spec.split(",")]
@@ -100,6 +100,9 @@ def parse_devices(spec: str, *, cuda_count: Callable[[], int] | None = None) -> 
             )
         if part == "cpu":
             out.append("cpu")
+            continue
+        if cuda_count is None:  # the one-device check and its wording (kf eval's too)
+            out.append(parse_device(part))
             continue
         index = int(m.group(2) or 0)
         n = count()
