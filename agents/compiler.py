@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from agents.build_pool import build_pool
 from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
+from kf.devices import runner_pool
 from kf.evaluation import CompileReport, compile_candidate
 from kf.events import Event, Record
 from kf.facts import RunStarted
@@ -27,10 +29,21 @@ class Compiler(EvaluatorAgent):
         if not isinstance(ev, CandidateAssigned) or not self.mine(ev.device_id):
             return ()
         found = self.lookup(state, ev.task, ev.candidate_id)
-        if found is None:
+        if found is None or self.device_down():
             return ()
         task, source = found
-        report = await self.build(task, source)
+        # the host's build slots are shared by the compilers of all its devices
+        pool = build_pool(self.concurrency)
+
+        async def build() -> CompileReport:
+            async with pool.slot(self.device_id):
+                return await self.build(task, source)
+
+        report = await self.stage(build)
+        if isinstance(report, list):  # the device failed: its candidates go elsewhere
+            return report
+        if report.ok:
+            pool.add_built(self.device_id, ev.candidate_id)
         return [
             CandidateCompiled(
                 candidate_id=ev.candidate_id,
@@ -45,5 +58,10 @@ class Compiler(EvaluatorAgent):
         """Compile in a sandbox, sharing the device with verification (timing waits)."""
         async with await gate_for(self.device).shared():
             return await asyncio.to_thread(
-                compile_candidate, task, source, device=self.device, timeout_s=self.build_timeout_s
+                compile_candidate,
+                task,
+                source,
+                device=self.device,
+                timeout_s=self.build_timeout_s,
+                pool=runner_pool(self.device),
             )

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
 from kf.cuda.ncu import find_ncu
+from kf.devices import runner_pool
 from kf.evaluation.reports import is_suspect
 from kf.evaluation.stages import collect_counters
 from kf.events import Event, Record
@@ -76,6 +77,7 @@ class CounterCollector(EvaluatorAgent):
                 device=self.device,
                 seed=state.seed,
                 timeout_s=self.timeout_s,
+                pool=runner_pool(self.device),
             )
         return [
             CountersMeasured(

@@ -10,20 +10,22 @@ hosts them next to the device they serve. The blocking evaluation calls run in t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any, ClassVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
 from kf.agent import Agent, AgentContext
 from kf.evaluation.tolerance import Tolerance
 from kf.events import Event, Record
-from kf.facts import RunStarted
+from kf.facts import DeviceLeft, RunStarted
 from kf.search_facts import CandidateProposed
 from kf.tasks import Seed, Task
 from kf.tuning import bind_shape
 
 __all__ = ["DeviceGate", "EvaluatorAgent", "EvaluatorState", "gate_for"]
+
+_R = TypeVar("_R")
 
 
 class DeviceGate:
@@ -155,3 +157,49 @@ class EvaluatorAgent(Agent[EvaluatorState]):
 
     def react(self, state: EvaluatorState, rec: Record) -> Sequence[Event]:
         return ()
+
+    # -- a device that fails (kf.devices) ---------------------------------------------------
+
+    def device_down(self) -> bool:
+        """Whether this agent's device failed in this process: it takes no more work."""
+        from kf import devices
+
+        return devices.failure(self.device_id) is not None
+
+    async def stage(self, call: Callable[[], Awaitable[_R]]) -> _R | list[Event]:
+        """Run one stage; if it went wrong in a way the device can and a fresh process
+        cannot use the device either, the device failed: instead of the stage's result
+        (which would blame the candidate), ``device.left`` with the reason, once, and
+        the archive re-dispatches the device's candidates to the others."""
+        try:
+            report = await call()
+        except Exception as exc:
+            from kf.evaluation.sandbox import RunnerStartError
+
+            kind = "runner_start" if isinstance(exc, RunnerStartError) else "error"
+            gone = await self._device_check(True, kind, str(exc))
+            if gone is not None:
+                return gone
+            raise
+        failed = not bool(getattr(report, "ok", getattr(report, "correct", True)))
+        text = f"{getattr(report, 'error', '') or ''}\n{getattr(report, 'log', '') or ''}"
+        gone = await self._device_check(failed, getattr(report, "failure_kind", None), text)
+        if gone is not None:
+            return gone
+        return report
+
+    async def _device_check(self, failed: bool, kind: str | None, text: str) -> list[Event] | None:
+        from agents import build_pool
+        from kf import devices
+
+        injected = devices.record_stage(self.device_id)
+        why = devices.failure(self.device_id) or injected
+        if why is None and failed and devices.looks_like_device_error(kind, text):
+            why = await asyncio.to_thread(devices.probe_health, self.device)
+        if why is None:
+            return None
+        if not devices.mark_failed(self.device_id, why):
+            return []
+        self.ctx.log.error("device_failed", device=self.device_id, reason=why)
+        build_pool.forget(self.device_id)
+        return [DeviceLeft(device_id=self.device_id, reason=f"device failed: {why}")]

@@ -30,7 +30,9 @@ from collections.abc import Sequence
 
 import msgspec
 
+from agents.build_pool import consumed
 from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
+from kf.devices import runner_pool
 from kf.evaluation import ProfileReport, profile_candidate
 from kf.evaluation.stages import reverify_fast
 from kf.events import Event, Record
@@ -124,11 +126,18 @@ class Profiler(EvaluatorAgent):
             return ()
         assert isinstance(state, ProfilerState)
         found = self.lookup(state, ev.task, ev.candidate_id)
-        if found is None:
+        if found is None or self.device_down():
             return ()
         task, source = found
-        async with await gate_for(self.device).exclusive():
-            report = await asyncio.to_thread(self._profile, state, task, ev.candidate_id, source)
+
+        async def profile() -> ProfileReport:
+            async with await gate_for(self.device).exclusive():
+                return await asyncio.to_thread(self._profile, state, task, ev.candidate_id, source)
+
+        report = await self.stage(profile)
+        if isinstance(report, list):  # the device failed: its candidates go elsewhere
+            return report
+        consumed(ev.candidate_id)
         out: list[Event] = []
         if report.failure_kind == "reverify_failed":
             out.append(
@@ -157,6 +166,7 @@ class Profiler(EvaluatorAgent):
             "seed": state.seed,
             "timeout_s": self.timeout_s,
             "tolerance": state.tolerance,
+            "pool": runner_pool(self.device),
         }
         report = profile_candidate(task, source, **kw)  # type: ignore[arg-type]
         report = reverify_fast(task, source, report, **kw)  # type: ignore[arg-type]

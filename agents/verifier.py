@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from agents.build_pool import consumed
 from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
 from kf.agent import AgentContext
-from kf.evaluation import verify_candidate
+from kf.devices import runner_pool
+from kf.evaluation import VerifyReport, verify_candidate
 from kf.evaluation.audit import audit_task
 from kf.events import Event, Record, derived_id
 from kf.facts import RunStarted
@@ -67,20 +69,29 @@ class Verifier(EvaluatorAgent):
         if not isinstance(ev, CandidateCompiled) or not ev.report.ok or not self.mine(ev.device_id):
             return ()
         found = self.lookup(state, ev.task, ev.candidate_id)
-        if found is None:
+        if found is None or self.device_down():
             return ()
         task, source = found
-        async with await gate_for(self.device).shared():
-            await self._audit(state, task)
-            report = await asyncio.to_thread(
-                verify_candidate,
-                task,
-                source,
-                device=self.device,
-                seed=state.seed,
-                timeout_s=self.timeout_s,
-                tolerance=state.tolerance,
-            )
+
+        async def verify() -> VerifyReport:
+            async with await gate_for(self.device).shared():
+                await self._audit(state, task)
+                return await asyncio.to_thread(
+                    verify_candidate,
+                    task,
+                    source,
+                    device=self.device,
+                    seed=state.seed,
+                    timeout_s=self.timeout_s,
+                    tolerance=state.tolerance,
+                    pool=runner_pool(self.device),
+                )
+
+        report = await self.stage(verify)
+        if isinstance(report, list):  # the device failed: its candidates go elsewhere
+            return report
+        if not report.correct:
+            consumed(ev.candidate_id)
         cls = CandidateVerified if report.correct else CandidateRejected
         gate: list[Event] = []
         if report.failure_kind == "generalisation_failed":

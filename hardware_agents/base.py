@@ -82,12 +82,19 @@ class HardwareAgent(Agent[None]):
         self._announce(capabilities)
 
     async def _heartbeats(self) -> None:
+        from kf.devices import failure
+
         while True:
             await asyncio.sleep(self.heartbeat_s)
+            if failure(self.device_id) is not None:  # recorded as left, with the reason
+                return
             self.emit(DeviceHeartbeat(device_id=self.device_id))
 
     async def on_stop(self) -> None:
+        from kf.devices import failure
+
         for task in (self._measuring, self._beat):
             if task is not None:
                 await cancel_and_wait(task)
-        self.emit(DeviceLeft(device_id=self.device_id, reason="worker stopped"))
+        if failure(self.device_id) is None:
+            self.emit(DeviceLeft(device_id=self.device_id, reason="worker stopped"))

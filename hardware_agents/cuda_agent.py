@@ -19,6 +19,7 @@ from agents.compiler import Compiler
 from agents.verifier import Verifier
 from hardware_agents.base import HardwareAgent
 from hardware_agents.cuda import probe_in_subprocess, take_early_probe
+from kf.devices import runner_pool
 from kf.evaluation import CompileReport, compile_candidate
 from kf.tasks import Task
 
@@ -68,7 +69,12 @@ class CudaCompiler(Compiler):
     async def build(self, task: Task, source: str) -> CompileReport:
         """Compile without the device gate: the GPU is not what a build uses."""
         return await asyncio.to_thread(
-            compile_candidate, task, source, device=self.device, timeout_s=self.build_timeout_s
+            compile_candidate,
+            task,
+            source,
+            device=self.device,
+            timeout_s=self.build_timeout_s,
+            pool=runner_pool(self.device),
         )
 
 

@@ -305,7 +305,8 @@ class RunBus:
 
     proposer: Client
     archivist: Client | None = None
-    worker: Client | None = None
+    worker: Client | None = None  # the (first) worker's connection
+    workers: dict[str, Client] = field(default_factory=dict)  # device id → its connection
     server: bus.EmbeddedServer | None = None
     url: str = ""
     watcher: asyncio.Task[None] | None = None
@@ -330,15 +331,18 @@ class RunBus:
         device_id: str | None = None,
         join: bool = False,
         notify: Callable[[str], None] | None = None,
+        device_ids: Sequence[str] = (),
     ) -> RunBus:
         """Start the embedded server (``url`` None) or use ``url``, and connect the roles
         this process hosts: the proposer always, the archivist unless ``join``, the worker
-        of ``device_id`` when given."""
+        of ``device_id`` (or of each of ``device_ids``: one connection per device, each
+        allowed only its device's intake) when given."""
         server: bus.EmbeddedServer | None = None
         clients: dict[bus.BusOptions, Client] = {}
+        devices = list(dict.fromkeys([*([device_id] if device_id else []), *device_ids]))
         try:
             if url is None:
-                creds = RunCredentials.generate(run_id, [device_id] if device_id else [])
+                creds = RunCredentials.generate(run_id, devices)
                 server = bus.EmbeddedServer(
                     credentials=creds, max_restarts=int(os.environ.get("KF_NATS_RESTARTS", "3"))
                 ).start()
@@ -347,20 +351,23 @@ class RunBus:
                     "archivist": creds.options(url, "archivist"),
                     "proposer": creds.options(url, "proposer"),
                 }
-                if device_id:
-                    roles["worker"] = creds.options(url, "worker", device_id)
+                for d in devices:
+                    roles[f"worker:{d}"] = creds.options(url, "worker", d)
             else:
                 base = options or bus.BusOptions.from_env(url)
                 base = replace(base, url=url)
                 roles = {r: base.for_role(r) for r in ROLES}
+                for d in devices:
+                    roles[f"worker:{d}"] = roles["worker"]
             wanted = ["proposer"] + ([] if join else ["archivist"])
-            if device_id and not join:
-                wanted.append("worker")
+            if not join:
+                wanted += [f"worker:{d}" for d in devices]
             got: dict[str, Client] = {}
             for role in wanted:
                 key = replace(roles[role], name="")
                 if key not in clients:
-                    clients[key] = await bus.connect(replace(roles[role], name=f"kf-run-{role}"))
+                    label = role.partition(":")[0]
+                    clients[key] = await bus.connect(replace(roles[role], name=f"kf-run-{label}"))
                 got[role] = clients[key]
         except BaseException:
             for c in clients.values():
@@ -368,10 +375,12 @@ class RunBus:
             if server is not None:
                 server.stop()
             raise
+        workers = {d: got[f"worker:{d}"] for d in devices if f"worker:{d}" in got}
         rb = cls(
             proposer=got["proposer"],
             archivist=got.get("archivist"),
-            worker=got.get("worker"),
+            worker=next(iter(workers.values()), None),
+            workers=workers,
             server=server,
             url=url,
             _clients=list(clients.values()),

@@ -230,6 +230,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         if refused:
             print(f"kf run: {refused}", file=sys.stderr)
             return EXIT_USAGE
+    from kf.devices import parse_devices, primary_device
+
+    try:
+        # a joined run's workers have the devices; here only the kind matters
+        devices = [] if args.join else parse_devices(args.device)
+    except DeviceError as exc:
+        print(f"kf run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    device = devices[0] if devices else primary_device(args.device)
     try:
         # in a folder, a broken task is skipped with its reason and the others run
         tasks, skipped = load_tasks_skipping(args.tasks)
@@ -250,7 +259,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             checked = []
             for t in tasks:
                 try:
-                    check_task(t, device=args.device)
+                    check_task(t, device=device)
                     checked.append(t)
                 except TaskError as exc:
                     if not args.tasks.is_dir():
@@ -268,10 +277,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         budget=args.budget,
         seed=args.seed,
         db=args.db,
-        device=args.device,
+        device=device,
+        devices=devices if not args.no_worker else [],
         nats_url=args.nats,
         islands=args.islands,
-        max_in_flight=args.max_in_flight,
+        # two candidates in flight per local device unless told
+        max_in_flight=args.max_in_flight
+        if args.max_in_flight is not None
+        else 2 * (len(devices) if devices and not args.no_worker else 1),
         timeout_s=args.timeout,
         build_timeout_s=args.build_timeout,
         serve=(args.serve_host, args.serve_port) if args.serve else None,
@@ -595,13 +608,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue the run in --db as it was started, even if the settings given differ",
     )
-    rn.add_argument("--device", default="cpu", help="cpu (cuda:N comes with the GPU worker)")
+    from kf.devices import DEVICE_HELP
+
+    rn.add_argument("--device", default="cpu", help=DEVICE_HELP)
     rn.add_argument("--islands", type=int, default=2)
     rn.add_argument(
         "--max-in-flight",
         type=int,
-        default=2,
-        help="candidates being evaluated at once, across tasks",
+        default=None,
+        help="candidates being evaluated at once, across tasks (default: 2 per local device)",
     )
     from kf.llm.cli import add_llm_options
 
@@ -661,11 +676,15 @@ def build_parser() -> argparse.ArgumentParser:
     rn.set_defaults(func=cmd_run)
 
     w = sub.add_parser("worker", help="serve a run from this machine's device")
-    w.add_argument("--device", default="cpu")
+    w.add_argument("--device", default="cpu", help=DEVICE_HELP)
     w.add_argument("--run", required=True, metavar="RUN_ID")
     w.add_argument("--timeout", type=float, default=180.0)
     add_check_options(w, tolerance=False)
-    w.add_argument("--name", help="device id to announce (default <host>/<device>)")
+    w.add_argument(
+        "--name",
+        help="device id to announce (default <host>/<device>); with several devices, the "
+        "prefix of each one's id (<name>/<device>)",
+    )
     w.add_argument("--heartbeat", type=float, default=10.0, help="heartbeat seconds")
     w.add_argument(
         "--unsafe-no-sandbox",

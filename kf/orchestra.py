@@ -23,6 +23,7 @@ from typing import Any, TextIO
 from kf import bus
 from kf.agent import Agent, AgentContext, make_agent_id
 from kf.auth import RunBus
+from kf.devices import DeviceSlot
 from kf.events import Envelope, Record, decode_event, derived_id, make_envelope
 from kf.facts import RunFinished, RunStarted, TaskSpec
 from kf.log import EventLog
@@ -39,7 +40,8 @@ class RunOptions:
     budget: int = 20
     seed: int = 0
     db: Path | None = None
-    device: str = "cpu"
+    device: str = "cpu"  # the run's target (the first of ``devices``)
+    devices: list[str] = field(default_factory=list)  # the local worker's ([]: ``device``)
     nats_url: str | None = None
     bus_options: Any = None
     islands: int = 2
@@ -64,12 +66,15 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
-def worker_agents(device: str = "cpu") -> list[type[Agent[Any]]]:
-    """The agents a worker process hosts next to its device (``cpu`` or ``cuda:N``).
+def worker_agents(device: str = "cpu", *, devices: int = 1) -> list[type[Agent[Any]]]:
+    """The agents a worker process hosts next to each of its devices (``cpu``/``cuda:N``).
 
     For a GPU: the CUDA hardware agent, and a compiler that builds many candidates at
     once on the host's cores while the GPU verifies (two at once) and times others; the
-    runner pool keeps warm runners for all of those (``$KF_EVAL_POOL`` overrides).
+    runner pool keeps warm runners for all of those (``$KF_EVAL_POOL`` overrides). With
+    ``devices`` GPUs, each GPU gets its own pool of runners warmed for it
+    (:func:`kf.devices.configure_runner_pools`, sized by the caller) and the compilers
+    share the host's build slots (:mod:`agents.build_pool`).
     """
     from agents.compiler import Compiler
     from agents.profiler import Profiler
@@ -86,11 +91,13 @@ def worker_agents(device: str = "cpu") -> list[type[Agent[Any]]]:
         )
         from kf.evaluation.sandbox import reconfigure_default_pool
 
-        os.environ.setdefault("KF_EVAL_POOL", str(compile_concurrency() + 4))
-        # idle runners make their CUDA context and load the op tracer before a stage needs them
-        os.environ.setdefault("KF_RUNNER_WARM", device)
-        # `kf run` checked its tasks first, which made the process's pool with neither
-        reconfigure_default_pool()
+        if devices == 1:
+            os.environ.setdefault("KF_EVAL_POOL", str(compile_concurrency() + 4))
+            # idle runners make their CUDA context and load the op tracer before a stage
+            # needs them
+            os.environ.setdefault("KF_RUNNER_WARM", device)
+            # `kf run` checked its tasks first, which made the process's pool with neither
+            reconfigure_default_pool()
         return [CudaHardwareAgent, CudaCompiler, CudaVerifier, Profiler, CounterCollector, Tuner]
     from hardware_agents.cpu_agent import CpuHardwareAgent
 
@@ -101,14 +108,32 @@ def prepare_worker(device: str) -> None:
     """Start, before a local worker for ``device`` exists, what it would otherwise wait
     for: on a GPU, the device's description (``kf run`` does this while it checks its
     tasks, so the GPU is announced, and builds for it start, as soon as the run starts).
-    Raises :class:`kf.evaluation.DeviceError` for a device this machine lacks."""
-    from kf.evaluation import parse_device
+    Raises :class:`kf.evaluation.DeviceError` for a device this machine lacks. ``device``
+    may be a list (:func:`kf.devices.parse_devices`): every GPU of it is described."""
+    from kf.devices import parse_devices
 
-    device = parse_device(device)  # "cuda" → "cuda:0", as the worker will name it
-    if device.startswith("cuda"):
-        from hardware_agents.cuda import probe_early
+    for one in parse_devices(device):  # "cuda" → "cuda:0", as the worker will name it
+        if one.startswith("cuda"):
+            from hardware_agents.cuda import probe_early
 
-        probe_early(device)
+            probe_early(one)
+
+
+def worker_plan(
+    devices: list[str], name: str | None = None
+) -> tuple[list[DeviceSlot], list[type[Agent[Any]]]]:
+    """The device slots a worker serves (ids as :func:`kf.devices.device_slots` makes
+    them) and the agent types each slot gets; sets up the runner pools for them."""
+    from hardware_agents.cpu import host_id
+    from kf.devices import configure_runner_pools, device_slots
+
+    slots = device_slots(devices, host_id(), name)
+    agents = worker_agents(devices[0], devices=len(devices))
+    if devices[0].startswith("cuda") and len(devices) > 1:
+        from hardware_agents.cuda_agent import compile_concurrency
+
+        configure_runner_pools(devices, compile_concurrency())
+    return slots, agents
 
 
 def _runner_factory(
@@ -128,23 +153,48 @@ async def run_worker(
     stop: asyncio.Event | None = None,
     options: dict[str, Any] | None = None,
 ) -> None:
-    """Serve a run from this machine's device until ``stop`` (or SIGINT/SIGTERM)."""
-    from hardware_agents.cpu import host_id
-    from kf.evaluation import parse_device
+    """Serve a run from this machine's devices until ``stop`` (or SIGINT/SIGTERM).
 
-    device = parse_device(device)  # a DeviceError (a ValueError) says what is available
+    ``device`` is a ``--device`` argument: one device, a list or ``cuda:all``; each
+    device gets its own hardware agent, compiler, verifier and profiler (one connection
+    serves them all). ``options["device_id"]`` (``--name``) names the one device, or
+    prefixes the ids of several."""
+    from dataclasses import replace
+
+    from kf.auth import password_env, worker_user
+    from kf.devices import parse_devices
+
+    devices = parse_devices(device)  # a DeviceError (a ValueError) says what is available
+    options = dict(options or {})
+    slots, agents = worker_plan(devices, options.pop("device_id", None))
     stop = stop or asyncio.Event()
     nc = await bus.connect(opts)
-    opt = {"device": device, "device_id": f"{host_id()}/{device}", **(options or {})}
+    conns = {s.device_id: nc for s in slots}
     try:
+        if len(slots) > 1:
+            # against a role-separated server each device has its own worker user
+            # (docs/authorization.md): its password in $KF_NATS_WORKER_<ID>_PASSWORD
+            for s in slots:
+                password = os.environ.get(password_env("worker", s.device_id))
+                if password:
+                    conns[s.device_id] = await bus.connect(
+                        replace(opts, token=None, user=worker_user(s.device_id), password=password)
+                    )
         async with asyncio.TaskGroup() as tg:
-            for cls in worker_agents(device):
-                tg.create_task(
-                    supervise(_runner_factory(cls, run_id, nc, opt), stop, name=cls.kind)
-                )
-            tg.create_task(_tool_server(nc, run_id, opt).run(stop))
+            for slot in slots:
+                opt = {**options, "device": slot.device, "device_id": slot.device_id}
+                for cls in agents:
+                    tg.create_task(
+                        supervise(
+                            _runner_factory(cls, run_id, conns[slot.device_id], opt),
+                            stop,
+                            name=f"{cls.kind}@{slot.device_id}",
+                        )
+                    )
+                tg.create_task(_tool_server(conns[slot.device_id], run_id, opt).run(stop))
     finally:
-        await bus.close(nc)
+        for c in {id(c): c for c in conns.values()}.values():
+            await bus.close(c)
 
 
 def _tool_server(nc: Any, run_id: str, opt: dict[str, Any]) -> Any:
@@ -251,7 +301,6 @@ async def run_search(
     from agents.archive import ArchiveAgent
     from agents.archivist import Archivist
     from agents.mutator import OFFLINE_MUTATOR
-    from hardware_agents.cpu import host_id
     from kf.llm.roles import llm_roles
 
     resume = o.db is not None and o.db.exists() and not o.join
@@ -278,12 +327,13 @@ async def run_search(
         raise ValueError("--join needs --nats: the run's agents must already be running")
     # one connection per role (kf.auth): without --nats an embedded server with fresh
     # per-run credentials, watched and restarted if it dies
-    device_id = f"{host_id()}/{o.device}"
+    local = o.local_worker and not o.join
+    slots, worker_types = worker_plan(o.devices or [o.device]) if local else ([], [])
     rb = await RunBus.open(
         run_id,
         url=o.nats_url,
         options=o.bus_options,
-        device_id=device_id if o.local_worker and not o.join else None,
+        device_ids=[s.device_id for s in slots],
         join=o.join,
     )
     url, nc = rb.url, rb.follower
@@ -293,7 +343,8 @@ async def run_search(
     where = f"log: {db}" if not o.join else f"joined via {bus.redact(url)}"
     print(
         f"kf run {run_id}: {len(tasks)} task(s), budget {o.budget} candidates each, "
-        f"seed {o.seed}, device {o.device}\n  {where}\n  mutator: {mutator}",
+        f"seed {o.seed}, device {','.join(o.devices) if len(o.devices) > 1 else o.device}"
+        f"\n  {where}\n  mutator: {mutator}",
         file=out,
         flush=True,
     )
@@ -329,20 +380,24 @@ async def run_search(
                     )
                 )
             )
-        if o.local_worker and not o.join:
+        for i, slot in enumerate(slots):
             opt = {
-                "device": o.device,
-                "device_id": device_id,
+                "device": slot.device,
+                "device_id": slot.device_id,
                 "timeout_s": o.timeout_s,
                 "build_timeout_s": o.build_timeout_s,
                 "measure": o.measure_device,
                 "heartbeat_s": o.heartbeat_s,
             }
-            for cls in [*worker_agents(o.device), *llm_workers]:
+            # the LLM-side worker agents (the tuner) serve the first device only
+            for cls in [*worker_types, *(llm_workers if i == 0 else [])]:
+                worker_nc = rb.workers[slot.device_id]
                 agent_tasks.append(
                     asyncio.create_task(
                         supervise(
-                            _runner_factory(cls, run_id, rb.worker, opt), stop_agents, name=cls.kind
+                            _runner_factory(cls, run_id, worker_nc, opt),
+                            stop_agents,
+                            name=f"{cls.kind}@{slot.device_id}",
                         )
                     )
                 )
@@ -409,6 +464,8 @@ async def _publish_start(
             "islands": o.islands,
             "max_in_flight": o.max_in_flight,
             "device": o.device,
+            # several local devices: which (a new key; one device's config is as before)
+            **({"devices": list(o.devices)} if len(o.devices) > 1 else {}),
             "llm": bool(o.llm_url),
             "mutator": mutator,
             "search_version": 3,

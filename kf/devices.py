@@ -1,0 +1,294 @@
+"""Several devices in one process: the device argument, the device ids, per-GPU runner
+pools, and a record of devices that failed.
+
+``--device`` takes one device (``cpu``, ``cuda``, ``cuda:N``), a comma list of them
+(``cuda:0,cuda:2``) or ``cuda:all`` (every GPU PyTorch sees here). A list holds one kind
+of device. A worker process then hosts one hardware agent, compiler, verifier and
+profiler per device; the compilers share the host's build slots
+(:mod:`agents.build_pool`) and the build cache on disk (``$KF_CACHE_DIR``), and each GPU
+keeps its own warm runners and its own timing gate, so timing stays exclusive per GPU.
+
+``cpu`` may be listed more than once (``cpu,cpu``): two pipelines on the same cores,
+sharing the CPU's one timing gate. It gives no speed; it lets the multi-device
+composition, the shared builds and the re-dispatch after a device failure be tested on
+a machine without GPUs.
+
+A device **fails** when a stage went wrong in a way a device can (a crashed or hung
+runner, a CUDA error) and a fresh process then cannot use it either
+(:func:`probe_health`). The stage agent that found it records ``device.left`` with the
+reason; the archive re-dispatches the device's candidates to the other devices, and
+nothing more is sent to or done on it. ``$KF_DEVICE_FAULTS`` (``ID@N,…``: the device
+with id ID fails at the end of its N-th stage) injects such a failure, for tests.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kf.evaluation.sandbox import RunnerPool
+
+__all__ = [
+    "DEVICE_HELP",
+    "DeviceSlot",
+    "configure_runner_pools",
+    "device_slots",
+    "failure",
+    "looks_like_device_error",
+    "mark_failed",
+    "parse_devices",
+    "primary_device",
+    "probe_health",
+    "record_stage",
+    "runner_pool",
+]
+
+DEVICE_HELP = (
+    "where candidates run: cpu, cuda (cuda:0), cuda:N, a comma list (cuda:0,cuda:1) or "
+    "cuda:all (every GPU here); with several GPUs each gets its own hardware agent, "
+    "verifier, profiler and exclusive timing, and their builds share the host's cores"
+)
+
+_ONE = re.compile(r"^(cpu|cuda(?::(\d+))?)$")
+
+
+def _cuda_count() -> int:
+    from kf.evaluation.device import _cuda_device_count
+
+    return _cuda_device_count()
+
+
+def parse_devices(spec: str, *, cuda_count: Callable[[], int] | None = None) -> list[str]:
+    """The canonical devices of a ``--device`` argument, in the order given.
+
+    Raises :class:`kf.evaluation.DeviceError` (a ValueError) with a one-line reason: an
+    empty entry, an unknown name, a GPU this machine lacks, ``cuda:all`` without GPUs,
+    a GPU listed twice, or CPUs and GPUs mixed. ``cuda_count`` replaces
+    ``torch.cuda.device_count()`` (tests).
+    """
+    from kf.evaluation.device import DeviceError, parse_device
+
+    count = cuda_count or _cuda_count
+    parts = [p.strip().lower() for p in spec.split(",")]
+    if not spec.strip() or any(not p for p in parts):
+        raise DeviceError(f"--device {spec!r}: an empty entry in the device list")
+    out: list[str] = []
+    for part in parts:
+        if part == "cuda:all":
+            n = count()
+            if n == 0:
+                raise DeviceError(
+                    f"--device {spec!r}: no CUDA devices: PyTorch sees no GPU on this machine "
+                    "(no CUDA build of torch, or no driver); use --device cpu"
+                )
+            out += [f"cuda:{i}" for i in range(n)]
+            continue
+        m = _ONE.match(part)
+        if m is None:
+            raise DeviceError(
+                f"unknown device {part!r} in --device {spec!r}: expected cpu, cuda, cuda:N "
+                "or cuda:all, or a comma list of them"
+            )
+        if part == "cpu":
+            out.append("cpu")
+            continue
+        if cuda_count is None:  # the one-device check and its wording (kf eval's too)
+            out.append(parse_device(part))
+            continue
+        index = int(m.group(2) or 0)
+        n = count()
+        if index >= n:
+            have = f"{n} CUDA device(s)" if n else "no CUDA devices"
+            raise DeviceError(
+                f"device {part!r} is not available: this machine has {have} that PyTorch "
+                "can use; use --device cpu, or run on a machine with that GPU"
+            )
+        out.append(f"cuda:{index}")
+    kinds = {d.partition(":")[0] for d in out}
+    if len(kinds) > 1:
+        raise DeviceError(
+            f"--device {spec!r} mixes CPU and GPU devices: a run (and a worker) serves one "
+            "kind; start a second `kf worker` for the other"
+        )
+    gpus = [d for d in out if d != "cpu"]
+    twice = sorted({d for d in gpus if gpus.count(d) > 1})
+    if twice:
+        raise DeviceError(
+            f"--device {spec!r} lists {', '.join(twice)} more than once: each GPU times "
+            "alone, so it is served once"
+        )
+    return out
+
+
+def primary_device(spec: str) -> str:
+    """The device a run records as its target (``RunStarted.config["device"]``) without
+    expanding or checking the list: its first entry, ``cuda:all`` read as ``cuda:0``.
+    (A joined run's starter need not have the devices its workers use.)"""
+    first = spec.split(",", maxsplit=1)[0].strip().lower() or "cpu"
+    return "cuda:0" if first in ("cuda", "cuda:all") else first
+
+
+@dataclass(frozen=True)
+class DeviceSlot:
+    """One device a worker serves: the device string its stages use and the id it
+    announces (and is routed work by)."""
+
+    device: str
+    device_id: str
+
+
+def device_slots(devices: Sequence[str], host: str, name: str | None = None) -> list[DeviceSlot]:
+    """The device ids of ``devices`` on ``host``.
+
+    One device: ``name`` if given (``kf worker --name``), else ``<host>/<device>``.
+    Several: ``<name or host>/<device>``, and a repeated ``cpu`` gets ``#2``, ``#3``….
+    """
+    if len(devices) == 1:
+        return [DeviceSlot(devices[0], name or f"{host}/{devices[0]}")]
+    base = name or host
+    out: list[DeviceSlot] = []
+    seen: dict[str, int] = {}
+    for d in devices:
+        seen[d] = seen.get(d, 0) + 1
+        suffix = "" if seen[d] == 1 else f"#{seen[d]}"
+        out.append(DeviceSlot(d, f"{base}/{d}{suffix}"))
+    return out
+
+
+# -- per-GPU runner pools ---------------------------------------------------------------
+
+_pools: dict[str, RunnerPool] = {}
+_pools_lock = threading.Lock()
+
+
+def configure_runner_pools(devices: Sequence[str], build_slots: int) -> None:
+    """Give each GPU of a multi-GPU worker its own pool of runners warmed for it.
+
+    The pools together keep ``build_slots`` runners for builds (spread over the GPUs)
+    plus four per GPU for its verifications and timings; ``$KF_EVAL_POOL`` sets the
+    size of each instead. With one device nothing changes: stages use the process's
+    default pool.
+    """
+    from kf.evaluation.sandbox import RunnerPool
+
+    gpus = list(dict.fromkeys(d for d in devices if d.startswith("cuda")))
+    if len(gpus) < 2:
+        return
+    env = os.environ.get("KF_EVAL_POOL")
+    size = int(env) if env else math.ceil(build_slots / len(gpus)) + 4
+    with _pools_lock:
+        for d in gpus:
+            old = _pools.get(d)
+            if old is not None and not old._closed:
+                old.configure(size=size, warm=d)
+                continue
+            pool = _pools[d] = RunnerPool(size=size, warm=d)
+            atexit.register(pool.close)
+
+
+def runner_pool(device: str) -> RunnerPool | None:
+    """The runner pool of ``device`` (None: the process's default pool serves it)."""
+    with _pools_lock:
+        pool = _pools.get(device)
+    return pool if pool is not None and not pool._closed else None
+
+
+# -- device failures --------------------------------------------------------------------
+
+_failed: dict[str, str] = {}
+_stages: dict[str, int] = {}
+_failed_lock = threading.Lock()
+
+#: error text that a device (not a candidate) can be behind; a fresh process decides
+_DEVICE_ERROR = re.compile(
+    r"CUDA error|cudaError|CUDA driver|no CUDA-capable device|CUDA-capable device\(s\) is/are "
+    r"busy|unspecified launch failure|uncorrectable ECC|fallen off the bus|device not ready|"
+    r"NVML|Xid|initialization error|out of memory",
+    re.IGNORECASE,
+)
+
+
+def looks_like_device_error(kind: str | None, text: str) -> bool:
+    """Whether a stage's failure could be its device's: a runner crashed, hung or could
+    not start, or the error names a CUDA/driver fault."""
+    return kind in ("crash", "timeout", "runner_start") or bool(_DEVICE_ERROR.search(text))
+
+
+def _injected(device_id: str) -> str | None:
+    """The fault ``$KF_DEVICE_FAULTS`` arms for ``device_id`` from its N-th stage on
+    (None: none armed, or not yet)."""
+    spec = os.environ.get("KF_DEVICE_FAULTS", "")
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        dev, _, after = item.rpartition("@")
+        if dev == device_id and after.isdigit() and _stages.get(device_id, 0) >= int(after):
+            return f"fault injected by KF_DEVICE_FAULTS after {after} stages"
+    return None
+
+
+def record_stage(device_id: str) -> str | None:
+    """Count a stage completed on ``device_id``; return an injected fault if one is due."""
+    with _failed_lock:
+        _stages[device_id] = _stages.get(device_id, 0) + 1
+        return _injected(device_id)
+
+
+def failure(device_id: str) -> str | None:
+    """Why ``device_id`` failed in this process (None: it did not)."""
+    with _failed_lock:
+        return _failed.get(device_id)
+
+
+def mark_failed(device_id: str, reason: str) -> bool:
+    """Record that ``device_id`` failed; True for the first caller (who announces it)."""
+    with _failed_lock:
+        if device_id in _failed:
+            return False
+        _failed[device_id] = reason
+        return True
+
+
+_HEALTH = """
+import sys, torch
+d = torch.device(sys.argv[1])
+torch.cuda.set_device(d)
+x = torch.arange(1 << 20, device=d, dtype=torch.float32)
+assert float((x * 2).sum().item()) == float((1 << 20) * ((1 << 20) - 1))
+torch.cuda.synchronize(d)
+print("ok")
+"""
+
+
+def probe_health(device: str, timeout_s: float = 120.0) -> str | None:
+    """Whether a fresh process can still compute on ``device``: None if so, else why not.
+
+    A CPU is taken as healthy. On a GPU the probe makes a context, runs a kernel and
+    synchronises; a sticky error in one candidate's runner does not outlive that runner,
+    so a failure here is the device's (lost, or left in an error state).
+    """
+    if not device.startswith("cuda"):
+        return None
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _HEALTH, device],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return f"{device} did not answer a health check within {timeout_s:.0f}s"
+    except OSError:  # the host cannot start a process: that says nothing of the device
+        return None
+    if proc.returncode == 0 and proc.stdout.strip().endswith("ok"):
+        return None
+    tail = (proc.stderr.strip().splitlines() or [f"status {proc.returncode}"])[-1]
+    return f"{device} failed a health check: {tail[:300]}"
