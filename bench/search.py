@@ -35,8 +35,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--db", type=Path, default=ROOT / "runs" / "bench-search.db")
     ap.add_argument("--tasks", type=Path, default=ROOT / "examples" / "tasks")
-    ap.add_argument("--report-only", action="store_true",
-                    help="print the table for an existing --db instead of running")
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="print the table for an existing --db instead of running",
+    )
     args = ap.parse_args()
     if args.report_only:
         sys.path.insert(0, str(ROOT))
@@ -48,9 +51,25 @@ def main() -> int:
     t0 = time.monotonic()
     env = dict(os.environ, KF_LOG_LEVEL=os.environ.get("KF_LOG_LEVEL", "WARNING"))
     proc = subprocess.run(
-        [sys.executable, "-m", "kf.cli", "run", str(args.tasks), "--budget", str(args.budget),
-         "--seed", str(args.seed), "--db", str(args.db), "--json"],
-        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+        [
+            sys.executable,
+            "-m",
+            "kf.cli",
+            "run",
+            str(args.tasks),
+            "--budget",
+            str(args.budget),
+            "--seed",
+            str(args.seed),
+            "--db",
+            str(args.db),
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     wall = time.monotonic() - t0
     if proc.returncode != 0:
@@ -61,13 +80,19 @@ def main() -> int:
 
 def table(report: dict, args: argparse.Namespace, wall: float | None) -> int:
     took = f"wall {wall / 60:.1f} min" if wall is not None else f"(from {args.db})"
-    print(f"kf search benchmark: kf run {args.tasks.relative_to(ROOT)} --budget {args.budget} "
-          f"--seed {args.seed}; {os.cpu_count()} CPUs; {took}; "
-          f"{report['events']} events; mutator: {report['mutator']}")
-    print("speedup = eager mean / best kernel mean, same session, separate sandboxed processes;"
-          " correct = verified on 5 seeded trials and unseen shapes\n")
-    print("| task | eager ms | best ms | eager/best | recorded speedup | correct/total "
-          "| fusion ≥ 1.5× |")
+    print(
+        f"kf search benchmark: kf run {args.tasks.relative_to(ROOT)} --budget {args.budget} "
+        f"--seed {args.seed}; {os.cpu_count()} CPUs; {took}; "
+        f"{report['events']} events; mutator: {report['mutator']}"
+    )
+    print(
+        "speedup = eager mean / best kernel mean, same session, separate sandboxed processes;"
+        " correct = verified on 5 seeded trials and unseen shapes\n"
+    )
+    print(
+        "| task | eager ms | best ms | eager/best | recorded speedup | correct/total "
+        "| fusion ≥ 1.5× |"
+    )
     print("|---|---|---|---|---|---|---|")
     ok = True
     for t in report["tasks"]:
@@ -77,15 +102,21 @@ def table(report: dict, args: argparse.Namespace, wall: float | None) -> int:
         reached = direct >= 1.5
         ok &= reached or not fusion
         mark = ("yes" if reached else "NO") if fusion else "—"
-        print(f"| {t['task']} | {ref:.3f} | {best:.3f} | {direct:.2f}× | "
-              f"{t['best_speedup'] or 0:.2f}× | {t['correct']}/{t['candidates']} | {mark} |")
-    print("\neager/best: the two means from the best kernel's own profiling session (the figure"
-          " the fusion check uses);\nrecorded speedup: what the log holds for it (a paired"
-          " re-time against the previous best may have changed it).")
+        print(
+            f"| {t['task']} | {ref:.3f} | {best:.3f} | {direct:.2f}× | "
+            f"{t['best_speedup'] or 0:.2f}× | {t['correct']}/{t['candidates']} | {mark} |"
+        )
+    print(
+        "\neager/best: the two means from the best kernel's own profiling session (the figure"
+        " the fusion check uses);\nrecorded speedup: what the log holds for it (a paired"
+        " re-time against the previous best may have changed it)."
+    )
     fp = ", ".join(f"{k} = {v:.2f}" for k, v in report["fast_p"].items())
     gm = report["geomean_speedup"]
-    print(f"\n{fp}; geomean speedup {gm:.2f}×; archive cells filled "
-          f"{report['archive']['filled_cells']} of {report['archive']['total_cells']}")
+    print(
+        f"\n{fp}; geomean speedup {gm:.2f}×; archive cells filled "
+        f"{report['archive']['filled_cells']} of {report['archive']['total_cells']}"
+    )
     print(f"log: {args.db} (kf replay {args.db} --check)")
     return 0 if ok else 1
 

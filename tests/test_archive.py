@@ -69,19 +69,30 @@ class Driver:
     def finish(self, cid: str, task: str = "t", speedup: float = 1.5) -> list[Event]:
         c = self.state.candidates[cid]
         where: dict[str, Any] = {"device_id": c.device_id or "?", "attempt": c.attempt}
-        self.feed(CandidateCompiled(candidate_id=cid, task=task, report=CompileReport(ok=True),
-                                    **where))
-        self.feed(CandidateVerified(candidate_id=cid, task=task,
-                                    report=VerifyReport(correct=True, trials=5), **where))
-        return self.feed(CandidateProfiled(
-            candidate_id=cid, task=task, **where,
-            report=ProfileReport(ok=True, speedup=speedup, runtime_ms=1.0, ref_runtime_ms=speedup),
-        ))
+        self.feed(
+            CandidateCompiled(candidate_id=cid, task=task, report=CompileReport(ok=True), **where)
+        )
+        self.feed(
+            CandidateVerified(
+                candidate_id=cid, task=task, report=VerifyReport(correct=True, trials=5), **where
+            )
+        )
+        return self.feed(
+            CandidateProfiled(
+                candidate_id=cid,
+                task=task,
+                **where,
+                report=ProfileReport(
+                    ok=True, speedup=speedup, runtime_ms=1.0, ref_runtime_ms=speedup
+                ),
+            )
+        )
 
 
 def announce(device_id: str, kind: str = "cpu") -> DeviceAnnounced:
-    return DeviceAnnounced(device_id=device_id, kind=kind, agent_id="hw@x",
-                           capabilities={"backends": ["cpp-openmp"]})
+    return DeviceAnnounced(
+        device_id=device_id, kind=kind, agent_id="hw@x", capabilities={"backends": ["cpp-openmp"]}
+    )
 
 
 def propose(
@@ -268,8 +279,9 @@ def test_archive_waits_for_a_device_before_assigning() -> None:
     d.feed(propose("s1"))
     assert not any(isinstance(e, CandidateAssigned) for e in d.decisions)
     out = d.feed(announce("late"))
-    assert [(a.candidate_id, a.device_id, a.attempt) for a in out
-            if isinstance(a, CandidateAssigned)] == [("s1", "late", 1)]
+    assert [
+        (a.candidate_id, a.device_id, a.attempt) for a in out if isinstance(a, CandidateAssigned)
+    ] == [("s1", "late", 1)]
 
 
 def test_archive_second_announcement_of_a_device_reassigns_nothing() -> None:
@@ -298,11 +310,20 @@ def test_archive_redispatches_work_of_a_lost_device_and_counts_it_once() -> None
     again = [a for a in out if isinstance(a, CandidateAssigned)]
     assert [(a.device_id, a.attempt) for a in again] == [("e", 2)]
     # the lost device wakes up and reports; it no longer counts
-    d.feed(CandidateCompiled(candidate_id="s1", task="t", device_id="d",
-                             report=CompileReport(ok=False, error="late", failure_kind="x")))
+    d.feed(
+        CandidateCompiled(
+            candidate_id="s1",
+            task="t",
+            device_id="d",
+            report=CompileReport(ok=False, error="late", failure_kind="x"),
+        )
+    )
     assert d.state.candidates["s1"].status == "proposed"
-    d.feed(CandidateCompiled(candidate_id="s1", task="t", device_id="e", attempt=2,
-                             report=CompileReport(ok=True)))
+    d.feed(
+        CandidateCompiled(
+            candidate_id="s1", task="t", device_id="e", attempt=2, report=CompileReport(ok=True)
+        )
+    )
     assert d.state.candidates["s1"].status == "compiled"
     assert d.state.tasks["t"].compiled == 1
 
@@ -320,15 +341,21 @@ def test_mutator_jumps_when_the_neighbourhood_is_explored() -> None:
     for i, cfg in enumerate(everything):
         if cfg != far:
             st = m.evolve(st, rec(propose(f"c{i}", source=apply(SEED_SRC, cfg))))
-    sel = rec(ParentSelected(task="t", selection=0, island=0, operator="mutate",
-                             parent_id="c0", rng_seed=5))
+    sel = rec(
+        ParentSelected(
+            task="t", selection=0, island=0, operator="mutate", parent_id="c0", rng_seed=5
+        )
+    )
     st = m.evolve(st, sel)
     (child,) = m.react(st, sel)
     assert isinstance(child, CandidateProposed)
     assert child.operator == "jump" and child.config == far
     st = m.evolve(st, rec(child))
-    sel2 = rec(ParentSelected(task="t", selection=1, island=0, operator="mutate",
-                              parent_id="c0", rng_seed=6))
+    sel2 = rec(
+        ParentSelected(
+            task="t", selection=1, island=0, operator="mutate", parent_id="c0", rng_seed=6
+        )
+    )
     st = m.evolve(st, sel2)
     (out,) = m.react(st, sel2)
     assert isinstance(out, MutationFailed) and "already proposed" in out.reason

@@ -76,7 +76,12 @@ def test_event_newer_schema_version_is_refused() -> None:
 def test_event_unknown_type_is_kept_as_data() -> None:
     """A plugin's event type this process does not know decodes to UnknownEvent."""
     env = Envelope(
-        event_id="e", run_id="r", source="p@h", type="plugin.said", schema=1, time=0.0,
+        event_id="e",
+        run_id="r",
+        source="p@h",
+        type="plugin.said",
+        schema=1,
+        time=0.0,
         data=msgspec.Raw(msgpack.packb({"words": "hi"})),
     )
     assert decode_event(env) == UnknownEvent(type="plugin.said", data={"words": "hi"})
@@ -95,7 +100,12 @@ def test_envelope_garbage_is_rejected_with_reason(data: bytes) -> None:
 def test_event_wrong_schema_data_is_rejected() -> None:
     """A known type whose data does not match its schema raises EventError."""
     env = Envelope(
-        event_id="e", run_id="r", source="p@h", type="test.pinged", schema=1, time=0.0,
+        event_id="e",
+        run_id="r",
+        source="p@h",
+        type="test.pinged",
+        schema=1,
+        time=0.0,
         data=msgspec.Raw(msgpack.packb({"producer": 5, "n": "x"})),
     )
     with pytest.raises(EventError, match=r"test\.pinged"):

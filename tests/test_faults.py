@@ -33,7 +33,11 @@ def kf_proc(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen[str]:
     """A `kf` command as its own process."""
     return subprocess.Popen(
         [*prefix, sys.executable, "-m", "kf.cli", *args],
-        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -82,7 +86,11 @@ def check_counted_once(db: Path, budget: int) -> dict[str, Any]:
     """Every candidate ends exactly once in the report, and replay --check passes."""
     rep = subprocess.run(
         [sys.executable, "-m", "kf.cli", "report", str(db), "--json"],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, check=True,
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     report = json.loads(rep.stdout)
     task = report["tasks"][0]
@@ -90,7 +98,11 @@ def check_counted_once(db: Path, budget: int) -> dict[str, Any]:
     assert task["profiled"] + task["failed"] == task["candidates"]
     chk = subprocess.run(
         [sys.executable, "-m", "kf.cli", "replay", str(db), "--check", "--json"],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, check=False,
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert chk.returncode == 0, chk.stdout + chk.stderr
     assert json.loads(chk.stdout)["check"]["ok"] is True
@@ -109,8 +121,24 @@ def server() -> Iterator[EmbeddedServer]:
 
 def run_args(url: str, db: Path, run: str, budget: int, *extra: str) -> list[str]:
     return [
-        "run", str(TASK), "--nats", url, "--run", run, "--db", str(db), "--budget", str(budget),
-        "--islands", "1", "--heartbeat", "0.5", "--heartbeat-timeout", "3", "--json", *extra,
+        "run",
+        str(TASK),
+        "--nats",
+        url,
+        "--run",
+        run,
+        "--db",
+        str(db),
+        "--budget",
+        str(budget),
+        "--islands",
+        "1",
+        "--heartbeat",
+        "0.5",
+        "--heartbeat-timeout",
+        "3",
+        "--json",
+        *extra,
     ]
 
 
@@ -129,7 +157,8 @@ def test_faults_worker_killed_mid_evaluation_is_redispatched(
     try:
         first = wait_until(
             lambda: [x for x in of_type(db, "search.candidate_assigned") if x.device_id == "wA"],
-            120, "a candidate assigned to worker A",
+            120,
+            "a candidate assigned to worker A",
         )[0]
         a.send_signal(signal.SIGKILL)
         a.wait()
@@ -140,8 +169,9 @@ def test_faults_worker_killed_mid_evaluation_is_redispatched(
         stop(main, a, *([b] if b else []))
     lost = of_type(db, "device.lost")
     assert [x.device_id for x in lost] == ["wA"]
-    again = [x for x in of_type(db, "search.candidate_assigned")
-             if x.candidate_id == first.candidate_id]
+    again = [
+        x for x in of_type(db, "search.candidate_assigned") if x.candidate_id == first.candidate_id
+    ]
     assert [(x.device_id, x.attempt) for x in again] == [("wA", 1), ("wB", 2)]
     check_counted_once(db, 3)
 
@@ -196,13 +226,35 @@ def test_faults_archivist_killed_and_restarted_resumes(
     """SIGKILL of the archivist mid-run: restarted on its log, the run resumes and replays."""
     db, run = tmp_path / "run.db", "kill-archivist"
     url = server.url
-    archivist_args = ["agent", "archivist", "--nats", url, "--run", run, "--db", str(db),
-                      "--host", "archive"]
+    archivist_args = [
+        "agent",
+        "archivist",
+        "--nats",
+        url,
+        "--run",
+        run,
+        "--db",
+        str(db),
+        "--host",
+        "archive",
+    ]
     arch = kf_proc(*archivist_args)
     mutator = kf_proc("agent", "mutator", "--nats", url, "--run", run)
     worker = kf_proc(*worker_args(url, run, "w"))
-    starter = kf_proc("run", str(TASK), "--nats", url, "--run", run, "--join", "--budget", "4",
-                      "--islands", "1", "--json")
+    starter = kf_proc(
+        "run",
+        str(TASK),
+        "--nats",
+        url,
+        "--run",
+        run,
+        "--join",
+        "--budget",
+        "4",
+        "--islands",
+        "1",
+        "--json",
+    )
     arch2: subprocess.Popen[str] | None = None
     try:
         wait_until(lambda: of_type(db, "kernel.candidate_profiled"), 120, "a first result")
@@ -298,17 +350,30 @@ def test_faults_two_hosts_worker_in_another_network_namespace(tmp_path: Path) ->
         from kf.bus import nats_server_binary
 
         nats = subprocess.Popen(
-            ["ip", "netns", "exec", ns_a, nats_server_binary(), "-a", addr_a, "-p", "4222",
-             "--auth", token],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns_a,
+                nats_server_binary(),
+                "-a",
+                addr_a,
+                "-p",
+                "4222",
+                "--auth",
+                token,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         procs.append(nats)  # type: ignore[arg-type]
         url = f"nats://{token}@{addr_a}:4222"
         db, run = tmp_path / "run.db", "two-hosts"
-        main = kf_proc(*run_args(url, db, run, 3, "--no-worker"),
-                       prefix=("ip", "netns", "exec", ns_a))
-        worker = kf_proc(*worker_args(url, run, "far-worker"),
-                         prefix=("ip", "netns", "exec", ns_b))
+        main = kf_proc(
+            *run_args(url, db, run, 3, "--no-worker"), prefix=("ip", "netns", "exec", ns_a)
+        )
+        worker = kf_proc(*worker_args(url, run, "far-worker"), prefix=("ip", "netns", "exec", ns_b))
         procs += [main, worker]
         code, _, err = finish(main)
         assert code == 0, err[-3000:]

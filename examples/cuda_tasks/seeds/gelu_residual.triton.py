@@ -39,7 +39,14 @@ class ModelNew(nn.Module):
         n = x.numel()
         grid = (triton.cdiv(n, CONFIG["BLOCK"]),)
         _gelu_residual[grid](
-            x, residual, self.scale, self.bias, out, n, x.shape[-1],
-            BLOCK=CONFIG["BLOCK"], num_warps=CONFIG["WARPS"],
+            x,
+            residual,
+            self.scale,
+            self.bias,
+            out,
+            n,
+            x.shape[-1],
+            BLOCK=CONFIG["BLOCK"],
+            num_warps=CONFIG["WARPS"],
         )
         return out
