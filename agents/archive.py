@@ -82,6 +82,7 @@ class SearchConfig(msgspec.Struct, frozen=True, kw_only=True):
     llm_lookahead: int = 0  # selections beyond max_in_flight while the model answers
     # 3: a task's best kernel is tuned per shape set and device once its search budget is
     # spent, and the tuners' best configurations become candidates (agents/archive_tuning.py)
+    # 4: every elite of the task is tuned, best first, within its tune_budget per device
     tune_budget: int = 0  # configurations per task and device (0: no tuning)
 
     @classmethod
@@ -176,7 +177,8 @@ class ArchiveState(msgspec.Struct, kw_only=True):
     devices: dict[str, DeviceSlot] = {}
     queue: list[str] = []  # in-flight candidates waiting for a device, in proposal order
     plan: tuple[str, list[Event]] = ("", [])  # decisions planned by the last folded event
-    tuning: dict[str, archive_tuning.Tuning] = {}  # "task|device" → request (version 3)
+    # "task|device" (version 3) or "task|device|candidate" (version 4) → request
+    tuning: dict[str, archive_tuning.Tuning] = {}
 
     def summary(self) -> str:
         """A few lines per task: progress, best kernel, filled cells."""
@@ -441,7 +443,9 @@ class ArchiveAgent(Agent[ArchiveState]):
             tuned_on=ev.tuned_on,
         )
         if ev.tuned_on:
-            archive_tuning.proposed(state, ev.task, ev.tuned_on, ev.shape_index)
+            archive_tuning.proposed(
+                state, ev.task, ev.tuned_on, ev.shape_index, ev.parent_id or ""
+            )
         state.queue.append(ev.candidate_id)
         state.event_candidate[event_id] = ev.candidate_id
         t.proposed += 1

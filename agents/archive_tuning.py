@@ -1,16 +1,22 @@
-"""The archive's tuning decisions (search version 3), folded like every other decision.
+"""The archive's tuning decisions (search versions 3 and 4), folded like every other decision.
 
 Once a task has spent its search budget and nothing of it is in flight, the archive asks
-each live device that can run the task's best kernel to tune that kernel's template
-parameters (``search.tuning_requested``), if the kernel declares a ``kf:params`` space
-and the run's ``tune_budget`` is positive. The device's tuner answers with one
-``tuning.config_tuned`` per shape set, the last marked ``last``. For every shape set where
-the tuner's best configuration beat the kernel's own by more than the timing noise, the
-archive decides ``search.tuned_chosen``: the mutator proposes that configuration as a
-candidate (operator ``tune``) pinned to the device, evaluated at that shape set through
-the normal compile / verify / profile path. At the task's own shape set it competes for
-the archive's cells like any candidate; at other shape sets its speed-up is measured
-there and ranks nowhere in the archive (``kf export`` dispatches to it by shape).
+each live device that can run a kernel to tune that kernel's template parameters
+(``search.tuning_requested``), if the kernel declares a ``kf:params`` space and the run's
+``tune_budget`` is positive. Version 3 asks once per task and device, for the task's best
+kernel, with the whole budget. Version 4 asks for every elite (every distinct occupant of
+the task's cells, not itself a tuned candidate), best speed-up first (ties: proposal
+order), one request at a time per task and device, each with what the task has left of
+``tune_budget`` on that device (the budget less the timings the tuner recorded for the
+earlier elites); it stops when less than :data:`kf.tuning.MIN_PER_SHAPE` is left. The
+device's tuner answers each request with one ``tuning.config_tuned`` per shape set, the
+last marked ``last``. For every shape set where the tuner's best configuration beat the
+kernel's own by more than the timing noise, the archive decides ``search.tuned_chosen``:
+the mutator proposes that configuration as a candidate (operator ``tune``) pinned to the
+device, evaluated at that shape set through the normal compile / verify / profile path.
+At the task's own shape set it competes for the archive's cells like any candidate; at
+other shape sets its speed-up is measured there and ranks nowhere in the archive (``kf
+export`` dispatches to it by shape, for the best kernel's template).
 
 An open request counts as in flight, so the run finishes only once every tuning and
 tuned candidate is done. A request ends early when its device is lost or leaves, or the
@@ -28,6 +34,7 @@ from kf.events import Event, Record
 from kf.facts import ReactionFailed
 from kf.llm_facts import ConfigTuned
 from kf.search_facts import TunedChosen, TuningRequested
+from kf.tuning import MIN_PER_SHAPE
 
 __all__ = [
     "Tuning",
@@ -36,8 +43,10 @@ __all__ = [
     "fold",
     "key",
     "open_count",
+    "order",
     "proposed",
     "request",
+    "spent",
     "summary",
 ]
 
@@ -49,15 +58,36 @@ class Tuning(msgspec.Struct, kw_only=True):
     candidate_id: str
     device_id: str
     event_id: str = ""  # the committed request's id (for a failed reaction to it)
+    budget: int = 0  # configurations it may time (version 4: what the task had left)
     open: bool = True
     ended: str = ""  # why it ended without its last shape set, if it did
     shapes: list[dict[str, Any]] = []  # per shape set: index, shape, best/baseline config, ms
     awaiting: list[int] = []  # shape sets whose tuned candidate is chosen but not yet proposed
+    chosen: list[tuple[int, str]] = []  # (shape set, source) of each tuned candidate chosen
 
 
-def key(task: str, device_id: str) -> str:
-    """The ``state.tuning`` key of a task's request on a device."""
-    return f"{task}|{device_id}"
+def key(task: str, device_id: str, candidate_id: str = "") -> str:
+    """The ``state.tuning`` key of a task's request on a device: ``task|device`` (version 3,
+    one request per task and device), ``task|device|candidate`` (version 4, one per elite)."""
+    return f"{task}|{device_id}" + (f"|{candidate_id}" if candidate_id else "")
+
+
+def _find(state: Any, task: str, device_id: str, candidate_id: str) -> Tuning | None:
+    """The request of ``candidate_id`` on a device, under either version's key."""
+    found: Tuning | None = state.tuning.get(key(task, device_id, candidate_id))
+    if found is None:
+        found = state.tuning.get(key(task, device_id))
+    return found if found is not None and found.candidate_id == candidate_id else None
+
+
+def spent(state: Any, task: str, device_id: str) -> int:
+    """Configurations the tuner timed for ``task`` on a device, over all its requests."""
+    return sum(
+        int(s["trials"])
+        for t in state.tuning.values()
+        if t.task == task and t.device_id == device_id
+        for s in t.shapes
+    )
 
 
 def open_count(state: Any) -> int:
@@ -84,55 +114,99 @@ def _search_done(state: Any, t: Any) -> bool:
 
 def request(state: Any, plan: list[Event]) -> int:
     """Decide the tuning requests now due; return how many requests are open."""
-    from agents.archive import best_candidate
-
     cfg = state.config
     if cfg.tune_budget <= 0:
         return open_count(state)
     for t in state.tasks.values():
-        if not _search_done(state, t):
-            continue
-        best = best_candidate(state, t.name)
-        if best is None or not _tunable(best.source):
-            continue
-        kind = best.target.partition(":")[0]
-        for device_id, slot in sorted(state.devices.items()):
-            k = key(t.name, device_id)
-            if (
-                k in state.tuning
-                or not slot.live
-                or slot.kind != kind
-                or (slot.backends and best.backend not in slot.backends)
-            ):
-                continue
-            state.tuning[k] = Tuning(task=t.name, candidate_id=best.id, device_id=device_id)
-            plan.append(
-                TuningRequested(
-                    task=t.name,
-                    candidate_id=best.id,
-                    device_id=device_id,
-                    budget=cfg.tune_budget,
-                )
-            )
+        if cfg.search_version >= 4:
+            _request_elites(state, t, plan)
+        else:
+            _request_best(state, t, plan)
     return open_count(state)
+
+
+def _fits(state: Any, c: Any, device_id: str) -> bool:
+    slot = state.devices[device_id]
+    return (
+        slot.live
+        and slot.kind == c.target.partition(":")[0]
+        and (not slot.backends or c.backend in slot.backends)
+    )
+
+
+def _request_best(state: Any, t: Any, plan: list[Event]) -> None:
+    """Version 3: the task's best kernel, once per live device, with the whole budget."""
+    from agents.archive import best_candidate
+
+    cfg = state.config
+    if not _search_done(state, t):
+        return
+    best = best_candidate(state, t.name)
+    if best is None or not _tunable(best.source):
+        return
+    for device_id in sorted(state.devices):
+        k = key(t.name, device_id)
+        if k in state.tuning or not _fits(state, best, device_id):
+            continue
+        state.tuning[k] = Tuning(
+            task=t.name, candidate_id=best.id, device_id=device_id, budget=cfg.tune_budget
+        )
+        plan.append(
+            TuningRequested(
+                task=t.name, candidate_id=best.id, device_id=device_id, budget=cfg.tune_budget
+            )
+        )
+
+
+def order(state: Any, t: Any) -> list[Any]:
+    """Version 4's order: the task's distinct elites that declare a space of more than one
+    point and are not themselves tuned candidates, best speed-up first (ties: proposal
+    order)."""
+    order = {cid: i for i, cid in enumerate(state.candidates)}
+    ids = sorted(set(t.elites.values()), key=order.__getitem__)
+    found = [state.candidates[cid] for cid in ids]
+    found = [c for c in found if c.operator != "tune" and _tunable(c.source)]
+    return sorted(found, key=lambda c: (-(c.speedup or 0.0), order[c.id]))
+
+
+def _request_elites(state: Any, t: Any, plan: list[Event]) -> None:
+    """Version 4: per live device, the next elite not yet tuned there, with what is left."""
+    cfg = state.config
+    mine = [x for x in state.tuning.values() if x.task == t.name]
+    if not mine and not _search_done(state, t):
+        return  # tuning begins when the search ends; then it goes on regardless
+    queue = order(state, t)
+    for device_id in sorted(state.devices):
+        here = [x for x in mine if x.device_id == device_id]
+        if any(x.open for x in here):
+            continue  # one request at a time: the next gets what this one leaves
+        left = cfg.tune_budget - spent(state, t.name, device_id)
+        if left < MIN_PER_SHAPE:
+            continue
+        done = {x.candidate_id for x in here}
+        nxt = next((c for c in queue if c.id not in done and _fits(state, c, device_id)), None)
+        if nxt is None:
+            continue
+        state.tuning[key(t.name, device_id, nxt.id)] = Tuning(
+            task=t.name, candidate_id=nxt.id, device_id=device_id, budget=left
+        )
+        mine.append(state.tuning[key(t.name, device_id, nxt.id)])
+        plan.append(
+            TuningRequested(task=t.name, candidate_id=nxt.id, device_id=device_id, budget=left)
+        )
 
 
 def fold(state: Any, rec: Record, plan: list[Event]) -> None:
     """Take a committed request or a tuner's answer into account."""
     ev = rec.event
     if isinstance(ev, TuningRequested):
-        found = state.tuning.get(key(ev.task, ev.device_id))
+        found = _find(state, ev.task, ev.device_id, ev.candidate_id)
         if found is not None:
             found.event_id = rec.event_id
         return
     assert isinstance(ev, ConfigTuned)
-    tuning = state.tuning.get(key(ev.task, ev.device_id))
-    if (
-        tuning is None
-        or not tuning.open
-        or not ev.requested
-        or ev.candidate_id != tuning.candidate_id
-    ):
+    tuning = _find(state, ev.task, ev.device_id, ev.candidate_id)
+    if tuning is None or not tuning.open or not ev.requested:
         return
     tuning.shapes.append(
         {
@@ -158,6 +232,15 @@ def _choose(state: Any, tuning: Tuning, plan: list[Event]) -> None:
     if parent is None:
         return
     known = {c.source for c in state.candidates.values() if c.task == tuning.task}
+    # what another elite's tuning on this device already chose (version 4; in version 3
+    # there is no other): the same configuration of the same template at the same shapes
+    chosen = {
+        (index, source)
+        for other in state.tuning.values()
+        if other is not tuning and other.task == tuning.task
+        and other.device_id == tuning.device_id
+        for index, source in other.chosen
+    }
     done: set[int] = set()
     for s in tuning.shapes:
         best = s["best_config"]
@@ -170,8 +253,11 @@ def _choose(state: Any, tuning: Tuning, plan: list[Event]) -> None:
             continue
         if index == 0 and source in known:
             continue  # measured already, as the search's own candidate
+        if (index, source) in chosen:
+            continue  # chosen already, from another elite's tuning on this device
         done.add(index)
         tuning.awaiting.append(index)
+        tuning.chosen.append((index, source))
         plan.append(
             TunedChosen(
                 task=tuning.task,
@@ -186,11 +272,15 @@ def _choose(state: Any, tuning: Tuning, plan: list[Event]) -> None:
         )
 
 
-def proposed(state: Any, task: str, tuned_on: str, shape_index: int) -> None:
+def proposed(
+    state: Any, task: str, tuned_on: str, shape_index: int, parent_id: str | None = None
+) -> None:
     """A tuned candidate the archive chose was proposed (or could not be: ``shape_index``
-    -1 clears every one the task awaits)."""
+    -1 clears every one the task awaits). ``parent_id``: the elite it was tuned from."""
     for tuning in state.tuning.values():
         if tuning.task != task or (tuned_on and tuning.device_id != tuned_on):
+            continue
+        if parent_id is not None and tuning.candidate_id != parent_id:
             continue
         if shape_index < 0:
             tuning.awaiting.clear()
@@ -231,6 +321,7 @@ def summary(state: Any, task: str) -> list[dict[str, Any]]:
                     for c in state.candidates.values()
                     if c.task == task
                     and c.operator == "tune"
+                    and c.parent_id == tuning.candidate_id
                     and c.tuned_on == tuning.device_id
                     and c.shape_index == s["shape_index"]
                 ),

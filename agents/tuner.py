@@ -1,8 +1,8 @@
 """The tuner: a kernel's template parameters tuned per input shape set on this device.
 
 It answers the archive's ``search.tuning_requested`` for this worker's device (search
-version 3; see :mod:`agents.archive_tuning`): for the requested kernel, which declares a
-parameter space (a ``kf:params`` block), and for each shape set of the task
+versions 3 and 4; see :mod:`agents.archive_tuning`): for the requested kernel (an elite),
+which declares a parameter space (a ``kf:params`` block), and for each shape set of the task
 (:mod:`kf.tuning`: set 0 is the task's own ``get_inputs()``, then its
 ``get_tuning_inputs()``), it climbs the space from the kernel's own configuration: time
 the configurations one step away in one parameter (in a seeded order), move to the
@@ -37,18 +37,16 @@ from kf.facts import RunStarted
 from kf.llm_facts import ConfigTuned, TuningTrial
 from kf.search_facts import CandidateProposed, TuningRequested
 from kf.tasks import Task, TaskError, TaskInfo, check_task
-from kf.tuning import shape_sets
+from kf.tuning import MIN_PER_SHAPE, shape_sets
 
 __all__ = ["MIN_PER_SHAPE", "Tuner", "TunerState", "improvement"]
-
-MIN_PER_SHAPE = 4
 
 
 class TunerState(EvaluatorState, kw_only=True):
     """Sources and tasks (as every evaluator), plus the run config and what was tuned."""
 
     config: dict[str, Any] = {}
-    tuned: dict[str, str] = {}  # task → candidate id tuned on this device
+    tuned: dict[str, str] = {}  # task → candidate id last asked for on this device
 
 
 def improvement(base: Sequence[TuningTrial], best: Sequence[TuningTrial]) -> tuple[bool, str]:

@@ -515,8 +515,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         ) + header
         print(f"kf export: WARNING: {integrity.message()}", file=sys.stderr)
     from kf.export import dispatch_module, tuned_choices
+    from kf.params import family as param_family
 
-    choices = tuned_choices(state, envelopes, task)
+    choices = tuned_choices(state, envelopes, task, param_family(best.source))
     text, left_out = dispatch_module(header, best.source, choices) if choices else ("", [])
     for why in left_out:
         print(f"kf export: a tuned configuration left out: {why}", file=sys.stderr)

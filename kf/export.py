@@ -7,7 +7,10 @@ row of the exported module's ``DISPATCH`` table: (device kind, the call's input 
 → the configuration tuned for them, with a comment naming the candidate, the device it was
 tuned on and what kf measured. A call whose inputs match no row runs the default: the
 task's best kernel, as a plain export writes it. Where one (device kind, shapes) was
-tuned on several devices, the row with the best measured speed-up is kept.
+tuned on several devices, the row with the best measured speed-up is kept. Only candidates
+tuned from the default's template (its ``kf.params.family``) are rows: with every elite
+tuned (search version 4), one tuned from another elite's template at some shape is
+measured in the run but its configuration means nothing to the default's code.
 
 The module defines ``ModelNew`` as a subclass of the default kernel's ``ModelNew``; the
 variants are built from the same template with their configuration applied
@@ -43,10 +46,14 @@ class Choice:
     runtime_ms: float
     ref_ms: float
     note: str
+    family: str = ""  # the tuned candidate's template family ("": not known)
 
 
-def tuned_choices(state: Any, envelopes: Iterable[Envelope], task: str) -> list[Choice]:
-    """The best measured tuned candidate per (device kind, input shapes) of ``task``."""
+def tuned_choices(
+    state: Any, envelopes: Iterable[Envelope], task: str, family: str = ""
+) -> list[Choice]:
+    """The best measured tuned candidate per (device kind, input shapes) of ``task``, of
+    template ``family`` only when one is given."""
     shapes: dict[str, str] = {}
     notes: dict[str, str] = {}
     for env in envelopes:
@@ -64,6 +71,7 @@ def tuned_choices(state: Any, envelopes: Iterable[Envelope], task: str) -> list[
             or c.suspect
             or c.generalisation is not None
             or c.speedup is None
+            or (family and c.family != family)
         ):
             continue
         kind = c.target.partition(":")[0]
@@ -77,6 +85,7 @@ def tuned_choices(state: Any, envelopes: Iterable[Envelope], task: str) -> list[
             runtime_ms=c.runtime_ms or 0.0,
             ref_ms=c.ref_ms or 0.0,
             note=notes.get(c.id, ""),
+            family=c.family,
         )
         key = (kind, shape)
         if key not in best or choice.speedup > best[key].speedup:
@@ -104,12 +113,12 @@ def dispatch_module(
     left_out: list[str] = []
     for ch in choices:
         try:
-            variant = params.apply(default_source, ch.config)
+            params.apply(default_source, ch.config)
         except params.ParamsError as exc:
             left_out.append(f"{ch.candidate_id}: its configuration does not fit the default: {exc}")
             continue
-        if params.family(variant) != family:  # pragma: no cover - apply keeps the family
-            left_out.append(f"{ch.candidate_id}: another template")
+        if ch.family and ch.family != family:
+            left_out.append(f"{ch.candidate_id}: tuned from another template")
             continue
         rows.append(
             f"    # candidate {ch.candidate_id}, tuned on {ch.device_id}: {ch.speedup:.2f}x over "

@@ -468,7 +468,7 @@ async def _publish_start(
             **({"devices": list(o.devices)} if len(o.devices) > 1 else {}),
             "llm": bool(o.llm_url),
             "mutator": mutator,
-            "search_version": 3,
+            "search_version": 4,
             "tune_budget": o.tune_budget,
             **o.extra,
         },

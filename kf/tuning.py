@@ -19,6 +19,7 @@ from kf.tasks import Task
 
 __all__ = [
     "DEFAULT_TUNE_BUDGET",
+    "MIN_PER_SHAPE",
     "add_tuning_options",
     "bind_shape",
     "has_tuning_inputs",
@@ -28,6 +29,7 @@ __all__ = [
 ]
 
 DEFAULT_TUNE_BUDGET = 12
+MIN_PER_SHAPE = 4  # timings a shape set needs at least: two for the climb, two to confirm
 
 
 def has_tuning_inputs(task: Task) -> bool:
@@ -77,7 +79,8 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_TUNE_BUDGET,
         metavar="N",
         help="configurations the tuner times per task and device, over the task's own shape "
-        "and its get_tuning_inputs() together, once the task's search budget is spent "
+        "and its get_tuning_inputs() together and over the task's elites (best first, each "
+        "getting what the earlier ones left), once the task's search budget is spent "
         f"(default {DEFAULT_TUNE_BUDGET}; 0 turns tuning off)",
     )
 

@@ -403,8 +403,8 @@ class RunView:
         }
 
     def tuning_view(self) -> dict[str, Any]:
-        """Per task, the configuration tuned per shape set and device, and how it fared
-        (search version 3; from the archive's own fold)."""
+        """Per task, the configuration tuned per elite, shape set and device, and how it
+        fared (search versions 3 and 4; from the archive's own fold)."""
         from agents.archive_tuning import summary
 
         tasks = {name: summary(self.archive, name) for name in self.archive.tasks}
