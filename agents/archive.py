@@ -443,9 +443,7 @@ class ArchiveAgent(Agent[ArchiveState]):
             tuned_on=ev.tuned_on,
         )
         if ev.tuned_on:
-            archive_tuning.proposed(
-                state, ev.task, ev.tuned_on, ev.shape_index, ev.parent_id or ""
-            )
+            archive_tuning.proposed(state, ev.task, ev.tuned_on, ev.shape_index, ev.parent_id or "")
         state.queue.append(ev.candidate_id)
         state.event_candidate[event_id] = ev.candidate_id
         t.proposed += 1

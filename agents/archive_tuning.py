@@ -237,8 +237,7 @@ def _choose(state: Any, tuning: Tuning, plan: list[Event]) -> None:
     chosen = {
         (index, source)
         for other in state.tuning.values()
-        if other is not tuning and other.task == tuning.task
-        and other.device_id == tuning.device_id
+        if other is not tuning and other.task == tuning.task and other.device_id == tuning.device_id
         for index, source in other.chosen
     }
     done: set[int] = set()
