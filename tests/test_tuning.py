@@ -22,6 +22,7 @@ import msgspec
 import pytest
 import torch
 
+from agents import archive_tuning
 from agents.mutator import OfflineMutator
 from agents.tuned import TUNER_LABEL
 from agents.tuner import improvement
@@ -29,6 +30,7 @@ from kf.agent import AgentContext
 from kf.events import decode_event
 from kf.llm_facts import ConfigTuned, TuningTrial
 from kf.log import EventLog
+from kf.params import apply, parse
 from kf.search_facts import (
     CandidateProposed,
     EliteAdmitted,
@@ -125,6 +127,98 @@ def test_archive_tunes_the_best_kernel_once_the_search_is_spent() -> None:
     )
     assert not d.state.finished  # device "e" has not answered
     d.feed(msgspec.structs.replace(_tuned(0, {}, last=True, improved=False), device_id="e"))
+    assert d.state.finished
+
+
+def _answer(cid: str, index: int, trials: int, best: dict[str, int] | None, *, last: bool):
+    """A tuner's answer for ``cid`` at shape set ``index`` that timed ``trials`` configurations
+    (improved when ``best`` is given)."""
+    base = parse(SEED_SRC)
+    assert base is not None
+    own = dict(base[1]) if cid == "s1" else {"UNROLL": 2, "CHUNK": 16, "SIMD": 0}
+    return msgspec.structs.replace(
+        _tuned(index, best or own, last=last, improved=best is not None),
+        candidate_id=cid,
+        baseline_config=own,
+        trials=tuple(_trial(0.1, 0.0) for _ in range(trials)),
+    )
+
+
+def _two_elites(tune_budget: int) -> Driver:
+    """Search version 4, a task with two elites (on two islands): s1 (1.5x), c0 (2.0x)."""
+    d = Driver()
+    d.feed(started(budget=2, search_version=4, tune_budget=tune_budget))
+    d.feed(propose("s1"))
+    d.finish("s1", speedup=1.5)
+    src = apply(SEED_SRC, {"UNROLL": 2, "CHUNK": 16, "SIMD": 0})
+    d.feed(propose("c0", selection=0, island=1, source=src))
+    return d
+
+
+def test_every_elite_is_tuned_best_first_within_the_budget() -> None:
+    """Version 4: the faster elite is asked first with the whole budget, the other next with
+    what the first left; the same tuned candidate is chosen once per device; the run ends
+    when both are done; a third request never comes."""
+    d = _two_elites(tune_budget=10)
+    out = d.finish("c0", speedup=2.0)
+    req = [x for x in out if isinstance(x, TuningRequested)]
+    assert [(r.candidate_id, r.budget) for r in req] == [("c0", 10)]  # one at a time
+    fast = {"UNROLL": 4, "CHUNK": 16, "SIMD": 1}
+    d.feed(_answer("c0", 0, 3, None, last=False))
+    out = d.feed(_answer("c0", 1, 3, fast, last=True))
+    assert [(c.parent_id, c.shape_index) for c in out if isinstance(c, TunedChosen)] == [("c0", 1)]
+    req = [x for x in out if isinstance(x, TuningRequested)]
+    assert [(r.candidate_id, r.budget) for r in req] == [("s1", 4)]  # 10 less c0's 6
+    d.feed(_answer("s1", 0, 2, None, last=False))
+    out = d.feed(_answer("s1", 1, 2, fast, last=True))  # same source as c0's: chosen once
+    assert not any(isinstance(x, (TunedChosen, TuningRequested)) for x in out)
+    assert archive_tuning.spent(d.state, "t", "d") == 10
+    assert {r["candidate_id"] for r in archive_tuning.summary(d.state, "t")} == {"c0", "s1"}
+    chosen = next(x for x in d.decisions if isinstance(x, TunedChosen))
+    m = OfflineMutator(AgentContext(run_id="r", agent_id="mutator@t"))
+    st = m.evolve(
+        m.initial_state(),
+        rec(
+            propose(
+                "c0", selection=0, source=apply(SEED_SRC, {"UNROLL": 2, "CHUNK": 16, "SIMD": 0})
+            )
+        ),
+    )
+    d.feed(m.react(st, rec(chosen, "chosen-c0"))[0])
+    assert archive_tuning.open_count(d.state) == 0 and not d.state.finished
+    tuned = next(c for c in d.state.candidates.values() if c.operator == "tune")
+    d.finish(tuned.id, speedup=9.0)
+    assert d.state.finished
+
+
+def test_the_next_elite_waits_for_enough_budget() -> None:
+    """Less than a shape set's minimum left after the first elite: the second is not asked."""
+    d = _two_elites(tune_budget=10)
+    d.finish("c0", speedup=2.0)
+    out = d.feed(_answer("c0", 0, 7, None, last=True))
+    assert not any(isinstance(x, TuningRequested) for x in out)
+    assert d.state.finished
+    assert [r.candidate_id for r in d.decisions if isinstance(r, TuningRequested)] == ["c0"]
+
+
+def test_version_3_tunes_only_the_best_kernel() -> None:
+    """A version-3 log (the same events) still asks once, for the best kernel."""
+    d = Driver()
+    d.feed(started(budget=2, search_version=3, tune_budget=10))
+    d.feed(propose("s1"))
+    d.finish("s1", speedup=1.5)
+    d.feed(
+        propose(
+            "c0",
+            selection=0,
+            island=1,
+            source=apply(SEED_SRC, {"UNROLL": 2, "CHUNK": 16, "SIMD": 0}),
+        )
+    )
+    d.finish("c0", speedup=2.0)
+    out = d.feed(_answer("c0", 0, 3, None, last=True))
+    assert not any(isinstance(x, TuningRequested) for x in out)
+    assert [r.candidate_id for r in d.decisions if isinstance(r, TuningRequested)] == ["c0"]
     assert d.state.finished
 
 
