@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import sys
 import threading
@@ -26,6 +27,7 @@ from agents import archive_tuning
 from agents.mutator import OfflineMutator
 from agents.tuned import TUNER_LABEL
 from agents.tuner import improvement
+from kf import params
 from kf.agent import AgentContext
 from kf.events import decode_event
 from kf.llm_facts import ConfigTuned, TuningTrial
@@ -236,9 +238,14 @@ def test_logs_before_search_version_3_never_tune() -> None:
 # -- one real run ----------------------------------------------------------------------------
 
 
+SLOW = TEMPLATE.replace("fast ? 1 : 400", "fast ? 1 : 800")  # another template, slower
+assert SLOW != TEMPLATE
+
+
 class TemplateResponder:
-    """Answers every request with the templated kernel (a reasoning preamble, then code),
-    and keeps the prompts it saw."""
+    """Answers with the templated kernel (a reasoning preamble, then code): the second
+    request gets a slower template of another family, so the task has two elites; keeps the
+    prompts it saw."""
 
     def __init__(self) -> None:
         self.prompts: list[str] = []
@@ -247,17 +254,18 @@ class TemplateResponder:
     def __call__(self, body: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
             self.prompts.append(user_text(body))
+            code = SLOW if len(self.prompts) == 2 else TEMPLATE
         return {
             "content": "Rows differ in cost, so I expose the fast path as parameters.\n\n"
-            f"```python\n{TEMPLATE}```\n"
+            f"```python\n{code}```\n"
         }
 
 
 @pytest.fixture(scope="module")
 def tuned_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], Any]:
-    """`kf run` on a seedless copy of the task, whose kernel the scripted server writes (the
-    offline path, a seed tuned and proposed by the offline mutator, is the unit test above
-    and tests/test_loop.py's run)."""
+    """`kf run` on a seedless copy of the task, whose two first kernels (on two islands, so
+    both elites) the scripted server writes (the offline path, a seed tuned and proposed by
+    the offline mutator, is the unit test above and tests/test_loop.py's run)."""
     tmp = tmp_path_factory.mktemp("tuning")
     tasks = tmp / "tasks"
     tasks.mkdir()
@@ -266,8 +274,8 @@ def tuned_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     responder = TemplateResponder()
     with ScriptedServer(responder=responder) as server:
         proc = run_kf(
-            "run", str(tasks), "--llm-url", server.url, "--model", "scripted", "--budget", "1",
-            "--init", "1", "--tune-budget", "10", "--seed", "2", "--db", str(db), "--json",
+            "run", str(tasks), "--llm-url", server.url, "--model", "scripted", "--budget", "2",
+            "--init", "2", "--tune-budget", "24", "--seed", "2", "--db", str(db), "--json",
             timeout=500,
         )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -285,18 +293,41 @@ def test_an_llm_written_template_is_tuned_per_shape_and_device(tuned_run: Any) -
     db, report, responder = tuned_run
     assert any("kf then tunes CONFIG for each input shape" in p for p in responder.prompts)
     proposed = {c.candidate_id: c for c in _events(db, "kernel.candidate_proposed")}
+    first = _events(db, "search.tuning_requested")[0].candidate_id  # tuned with the most budget
     tuned = _events(db, "tuning.config_tuned")
     devices = {d.device_id for d in _events(db, "device.announced")}
-    for task, operator in (("rows_llm", "init"),):
-        mine = [t for t in tuned if t.task == task]
-        assert sorted(t.shape for t in mine) == ["[[64, 256]]", "[[8, 256]]"], mine
-        assert {t.device_id for t in mine} <= devices and mine[-1].last
-        assert proposed[mine[0].candidate_id].operator == operator
-        best = {t.shape: t.best_config for t in mine}
-        assert best["[[8, 256]]"]["FAST_8"] == 1 and best["[[64, 256]]"]["FAST_64"] == 1
+    mine = [t for t in tuned if t.task == "rows_llm" and t.candidate_id == first]
+    assert sorted(t.shape for t in mine) == ["[[64, 256]]", "[[8, 256]]"], mine
+    assert {t.device_id for t in mine} <= devices and mine[-1].last
+    assert proposed[first].operator == "init"
+    best = {t.shape: t.best_config for t in mine}
+    assert best["[[8, 256]]"]["FAST_8"] == 1 and best["[[64, 256]]"]["FAST_64"] == 1
     entry = next(t for t in report["tasks"] if t["task"] == "rows_llm")
-    rows = {r["shape"]: r for r in entry["tuning"]}
+    rows = {r["shape"]: r for r in entry["tuning"] if r["candidate_id"] == first}
     assert rows["[[8, 256]]"]["tuned_status"] == "profiled"
+
+
+def test_both_elites_are_tuned_within_the_task_budget(tuned_run: Any) -> None:
+    """Search version 4: the elite with the higher recorded speed-up is tuned first with the
+    whole --tune-budget, the other next with what is left; the tuner's timings never exceed
+    the budget."""
+    db, _, _ = tuned_run
+    proposed = {c.candidate_id: c for c in _events(db, "kernel.candidate_proposed")}
+    speedup = {p.candidate_id: p.report.speedup for p in _events(db, "kernel.candidate_profiled")}
+    asked = _events(db, "search.tuning_requested")
+    assert len(asked) == 2
+    families = {params.family(proposed[a.candidate_id].source) for a in asked}
+    assert families == {params.family(TEMPLATE), params.family(SLOW)}
+    assert {proposed[a.candidate_id].operator for a in asked} == {"init"}
+    assert speedup[asked[0].candidate_id] >= speedup[asked[1].candidate_id]
+    assert asked[0].budget == 24
+    tuned = _events(db, "tuning.config_tuned")
+    spent = {a.candidate_id: sum(len(t.trials) for t in tuned if t.candidate_id == a.candidate_id)
+             for a in asked}  # fmt: skip
+    assert asked[1].budget == 24 - spent[asked[0].candidate_id] >= 4
+    assert spent[asked[1].candidate_id] <= asked[1].budget
+    second = [t for t in tuned if t.candidate_id == asked[1].candidate_id]
+    assert [t.shape_index for t in second] == [0, 1] and second[-1].last
 
 
 def test_tuned_configurations_are_candidates_measured_like_any_other(tuned_run: Any) -> None:
@@ -327,6 +358,10 @@ def test_export_dispatches_by_shape(tuned_run: Any, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
     assert "('cpu', ((8, 256),)): {'FAST_8': 1" in text
+    fast = {c.candidate_id for c in _events(db, "kernel.candidate_proposed")
+            if params.family(c.source) == params.family(TEMPLATE)}  # fmt: skip
+    rows = re.findall(r"# candidate (\S+), tuned on", text)
+    assert rows and set(rows) <= fast  # never a configuration tuned for the other template
     spec = importlib.util.spec_from_file_location("fast_rows", out)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -363,11 +398,13 @@ async def test_dashboard_shows_the_tuned_configuration_per_shape(
         rows: list[list[str]] = await page.eval(
             "[...document.querySelectorAll('#tuning tr.tuning-row')].map(r => ["
             "r.closest('.tuning-task').dataset.task, r.dataset.device, r.dataset.shape, "
-            "r.querySelector('.tuned-config').textContent])"
+            "r.querySelector('.tuned-config').textContent, r.dataset.elite])"
         )
         await page.screenshot("tuning")
         assert page.errors == []
-    small = {r[0]: r[3] for r in rows if r[2] == "[[8, 256]]"}
+    first = _events(tuned_run[0], "search.tuning_requested")[0].candidate_id
+    small = {r[0]: r[3] for r in rows if r[2] == "[[8, 256]]" and r[4] == first}
     assert set(small) == {"rows_llm"}
     assert all("FAST_8=1" in v for v in small.values())
-    assert all(r[1] for r in rows)  # every row names its device
+    assert all(r[1] and r[4] for r in rows)  # every row names its device and its elite
+    assert len({r[4] for r in rows}) == 2  # both elites
