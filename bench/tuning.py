@@ -65,7 +65,8 @@ def run_search(db: Path, budget: int, tune_budget: int, seed: int) -> float:
 
 
 def from_log(db: Path) -> dict[str, Any]:
-    """Per task: the tuned elite's source and config, and the tuner's result per shape set."""
+    """Per task: the first tuned elite's (the best's) source and config, and the tuner's
+    result per shape set."""
     from kf.events import decode_event
     from kf.log import EventLog
 
@@ -78,6 +79,8 @@ def from_log(db: Path) -> dict[str, Any]:
         for env in elog.read(types=["tuning.config_tuned"]):
             ev = decode_event(env)
             t = out.setdefault(ev.task, {"elite": ev.candidate_id, "shapes": []})  # type: ignore[attr-defined]
+            if ev.candidate_id != t["elite"]:  # type: ignore[attr-defined]
+                continue  # search version 4 tunes other elites next: the best is the first
             t["source"] = sources[ev.candidate_id]  # type: ignore[attr-defined]
             t["shapes"].append(ev)
     return out

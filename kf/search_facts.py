@@ -207,7 +207,8 @@ class TaskSkipped(Decision, frozen=True, kw_only=True):
 @event("search.tuning_requested")
 class TuningRequested(Decision, frozen=True, kw_only=True):
     """The archive asked a device's tuner to tune a kernel's template parameters per input
-    shape (search version 3): the task's best kernel, once its search budget is spent."""
+    shape, once the task's search budget is spent: its best kernel (search version 3), or
+    each of its elites in turn, best first, with what the task has left (version 4)."""
 
     task: str
     candidate_id: str
