@@ -138,6 +138,8 @@ def run_args(url: str, db: Path, run: str, budget: int, *extra: str) -> list[str
         "--heartbeat-timeout",
         "3",
         "--json",
+        "--tune-budget",  # these runs count the search's candidates; tuning adds its own
+        "0",
         *extra,
     ]
 

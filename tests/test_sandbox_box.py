@@ -370,7 +370,9 @@ def test_box_kf_run_unsafe_no_sandbox_marks_the_report(tmp_path: Path) -> None:
     shutil.copy(search / "seeds" / "scale_relu.py", tasks / "seeds" / "scale_relu.py")
     db = tmp_path / "run.db"
     env = _grader_env(tmp_path, KF_BWRAP=str(tmp_path / "no" / "bwrap"), KF_UNSAFE_NO_SANDBOX="1")
-    proc = _kf_run(tmp_path, env, "run", str(tasks), "--budget", "1", "--db", str(db))
+    proc = _kf_run(
+        tmp_path, env, "run", str(tasks), "--budget", "1", "--db", str(db), "--tune-budget", "0"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     shown = _kf_run(tmp_path, env, "report", str(db))
     assert shown.returncode == 0, shown.stderr[-3000:]
