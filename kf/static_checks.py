@@ -23,7 +23,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from kf.kernel_calls import analyse
+from kf.kernel_calls import _dotted, analyse
 
 __all__ = ["CODES", "check_source"]
 
@@ -137,18 +137,6 @@ _INTROSPECTION = frozenset(
         "f_globals",
     }
 )
-
-
-def _dotted(node: ast.AST) -> str:
-    """``a.b.c`` for a Name/Attribute chain, else ``""``."""
-    parts: list[str] = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return ""
 
 
 class _Aliases:

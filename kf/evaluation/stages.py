@@ -751,17 +751,49 @@ def _hidden_distributions(
             continue
         label = f"inputs ×{scale:g}"
         given = {"seed": trial_seed, "scale": scale} if own else {"inputs": made["inputs"]}
-        try:
-            ran = _candidate(task, cand, "run", deadline, **given, what=label)
-        except _CandidateFailed as exc:
-            _after_candidate_failure(ref, exc, device)
-            evidence.append(TrialEvidence(seed=trial_seed, ok=False, reason=exc.error, label=label))
-            return f"hidden inputs, {label} (never seen before): {exc.kind}: {exc.error}"
-        verdict = _judge(task, ref, ran, trial_seed, deadline, tol)
-        evidence.append(_evidence(trial_seed, verdict, label))
-        if not verdict["ok"]:
-            why = f"{verdict['kind']}: {verdict['reason']}"
-            return f"hidden inputs, {label} (never seen before): {why}"
+        failed = _unseen_trial(
+            task,
+            ref,
+            cand,
+            deadline,
+            evidence,
+            device,
+            tol,
+            trial_seed,
+            label,
+            given,
+            "hidden inputs",
+        )
+        if failed is not None:
+            return failed
+    return None
+
+
+def _unseen_trial(
+    task: Task,
+    ref: RunnerHandle,
+    cand: RunnerHandle,
+    deadline: _Deadline,
+    evidence: list[TrialEvidence],
+    device: str,
+    tol: dict[str, Any] | None,
+    trial_seed: int,
+    label: str,
+    given: dict[str, Any],
+    check: str,
+) -> str | None:
+    """One trial on inputs the candidate never saw (``given``, :func:`_given`), judged by
+    the reference and added to ``evidence``; None, or why ``check`` failed."""
+    try:
+        ran = _candidate(task, cand, "run", deadline, **given, what=f"forward on {label}")
+    except _CandidateFailed as exc:
+        _after_candidate_failure(ref, exc, device)
+        evidence.append(TrialEvidence(seed=trial_seed, ok=False, reason=exc.error, label=label))
+        return f"{check}, {label} (never seen before): {exc.kind}: {exc.error}"
+    verdict = _judge(task, ref, ran, trial_seed, deadline, tol)
+    evidence.append(_evidence(trial_seed, verdict, label))
+    if not verdict["ok"]:
+        return f"{check}, {label} (never seen before): {verdict['kind']}: {verdict['reason']}"
     return None
 
 
@@ -781,21 +813,13 @@ def _generalisation_gate(
         if made.get("inputs") is None:
             break
         label = str(made.get("variant", ""))
-        try:
-            ran = _candidate(
-                task, cand, "run", deadline, inputs=made["inputs"], what=f"forward on {label}"
-            )
-        except _CandidateFailed as exc:
-            _after_candidate_failure(ref, exc, device)
-            evidence.append(TrialEvidence(seed=trial_seed, ok=False, reason=exc.error, label=label))
-            return f"generalisation gate, {label} (never seen before): {exc.kind}: {exc.error}"
-        verdict = _judge(task, ref, ran, trial_seed, deadline, tol)
-        evidence.append(_evidence(trial_seed, verdict, label))
-        if not verdict["ok"]:
-            return (
-                f"generalisation gate, {label} (never seen before): "
-                f"{verdict['kind']}: {verdict['reason']}"
-            )
+        given = {"inputs": made["inputs"]}  # the reference chose the shapes: they travel
+        failed = _unseen_trial(
+            task, ref, cand, deadline, evidence, device, tol, trial_seed, label, given,
+            "generalisation gate",
+        )  # fmt: skip
+        if failed is not None:
+            return failed
     return None
 
 
