@@ -32,13 +32,7 @@ ARGS = {
 
 def _bound(arguments: dict[str, object]) -> dict[str, object]:
     """The arguments as a runner sends them: PyTorch's defaults filled in."""
-    import inspect
-
-    import torch.utils.cpp_extension as ext
-
-    bound = inspect.signature(ext.load_inline).bind(**arguments)
-    bound.apply_defaults()
-    return {k: v for k, v in bound.arguments.items() if k not in inline._IGNORED}
+    return inline.build_material(inline.bound_arguments(**arguments))
 
 
 def test_build_inline_builds_in_the_box_and_serves_the_cache(

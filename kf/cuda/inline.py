@@ -63,14 +63,12 @@ _NOT_IN_MAIN_CPP = frozenset(
 _original: Callable[..., Any] | None = None
 
 #: Set by kf's runner inside its box (``$KF_BUILD_SERVICE``): builds an extension through
-#: the grader (``(arguments, environment, timeout_s) -> folder``), which runs the build in
-#: a box of its own and publishes it in the shared cache under the key it computed itself
-#: (:func:`kf.evaluation.builds.build_inline`); raises ``kf.native.NativeCompileError``.
-#: Without it, each runner box would build every candidate again into its own cache.
-remote_builder: Callable[[dict[str, Any], dict[str, Any], float], str] | None = None
-
-#: How long a build the grader does for a boxed runner may take (``$KF_BUILD_TIMEOUT_S``).
-_REMOTE_BUILD_S = 1200.0
+#: the grader (``(arguments, environment) -> folder``), which runs the build in a box of
+#: its own, within its own build limit, and publishes it in the shared cache under the key
+#: it computed itself (:func:`kf.evaluation.builds.build_inline`); raises
+#: ``kf.native.NativeCompileError``. Without it, each runner box would build every
+#: candidate again into its own cache.
+remote_builder: Callable[[dict[str, Any], dict[str, Any]], str] | None = None
 
 
 class BuildRecord(dict[str, Any]):
@@ -238,14 +236,28 @@ def _forget_version(module_name: str) -> None:
         entries.pop(module_name, None)
 
 
+def bound_arguments(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """A ``load_inline`` call's arguments by name, PyTorch's defaults filled in (what the
+    keys are computed from); raises ``TypeError`` for arguments it does not take."""
+    import torch.utils.cpp_extension as ext
+
+    bound = inspect.signature(_original or ext.load_inline).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def build_material(arguments: dict[str, Any]) -> dict[str, Any]:
+    """What of bound ``arguments`` shapes the build, as plain data (sent to the grader)."""
+    return dict(_jsonable({k: v for k, v in arguments.items() if k not in _IGNORED}))
+
+
 def load_inline(*args: Any, **kwargs: Any) -> Any:
     """Same signature and result as PyTorch's ``load_inline``, built once per content."""
     import torch.utils.cpp_extension as ext
 
     original: Callable[..., Any] = _original or ext.load_inline
-    bound = inspect.signature(original).bind(*args, **kwargs)
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
+    arguments = bound_arguments(*args, **kwargs)
+    requested = str(arguments["name"])
     if not arguments.get("is_python_module", True):
         return original(*args, **kwargs)  # a torch.ops library: leave it to PyTorch
     start = time.perf_counter()
@@ -258,9 +270,7 @@ def load_inline(*args: Any, **kwargs: Any) -> Any:
     cached = library.exists()
     shared = _shared_library(key, module_name)
     if not cached and shared is None and remote_builder is not None:
-        material = _jsonable({k: v for k, v in arguments.items() if k not in _IGNORED})
-        limit = float(os.environ.get("KF_BUILD_TIMEOUT_S") or _REMOTE_BUILD_S)
-        remote_builder(material, environment, limit)
+        remote_builder(build_material(arguments), environment)
         shared = _shared_library(key, module_name)
         if shared is None:
             raise RuntimeError(f"the grader built {key} but {module_name}.so is not there")
@@ -285,7 +295,7 @@ def load_inline(*args: Any, **kwargs: Any) -> Any:
                 os.replace(work, final)
     module = _import(module_name, library, key)
     record = BuildRecord(
-        name=str(bound.arguments["name"]),
+        name=requested,
         key=key,
         cached=cached,
         seconds=time.perf_counter() - start,

@@ -156,18 +156,10 @@ def build_inline(
         return _failed(f"malformed CUDA architecture {arch!r}")
     if "name" not in arguments or set(arguments) & {"build_directory", "verbose"}:
         return _failed("malformed load_inline arguments")
-    import inspect
-
-    import torch.utils.cpp_extension as ext
-
     try:  # the runner keys the call with PyTorch's defaults filled in: so does this
-        bound = inspect.signature(inline._original or ext.load_inline).bind(**arguments)
+        arguments = inline.build_material(inline.bound_arguments(**arguments))
     except TypeError as exc:
         return _failed(f"malformed load_inline arguments: {exc}")
-    bound.apply_defaults()
-    arguments = inline._jsonable(
-        {k: v for k, v in bound.arguments.items() if k not in inline._IGNORED}
-    )
     env = {**own, "arch": arch}
     key = inline.cache_key(arguments, env)
     module_name = inline._module_name(str(arguments["name"]), inline.binding_key(arguments, env))

@@ -1009,7 +1009,6 @@ def _remote_inline_build(
     decode: Callable[[bytes], Any],
     arguments: dict[str, Any],
     environment: dict[str, Any],
-    timeout_s: float,
 ) -> str:
     """:data:`kf.cuda.inline.remote_builder` in the box: the grader builds the
     ``load_inline`` extension in a build box and answers with its folder in the
@@ -1017,7 +1016,7 @@ def _remote_inline_build(
     from kf.native import NativeCompileError
 
     send(encode({"op": "build", "kind": "cuda_inline", "arguments": arguments,
-                 "environment": environment, "timeout_s": timeout_s}))  # fmt: skip
+                 "environment": environment}))  # fmt: skip
     reply = decode(recv())
     if not isinstance(reply, dict) or reply.get("op") != "built":
         raise RuntimeError("the grader did not answer the build request")

@@ -282,6 +282,7 @@ class RunnerHandle:
 
     def _serve_build(self, msg: dict[str, Any], left_s: float) -> None:
         """Build a boxed runner's ``kf.native`` library (:mod:`kf.evaluation.builds`)."""
+        from kf.evaluation.buildlimits import build_timeout_s
         from kf.evaluation.builds import MAX_BUILDS_PER_RUNNER, build_inline, build_native
 
         self.builds += 1
@@ -295,7 +296,7 @@ class RunnerHandle:
                 reply = build_inline(
                     dict(msg["arguments"]),
                     dict(msg["environment"]),
-                    min(float(msg.get("timeout_s") or 1200.0), left_s),
+                    min(build_timeout_s(), left_s),  # the grader's build limit
                 )
             else:
                 reply = build_native(

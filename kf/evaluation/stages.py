@@ -181,10 +181,13 @@ def _own_inputs(handle: RunnerHandle, device: str) -> bool:
     return device.startswith("cuda") and handle.sandbox == box.MODE_BWRAP
 
 
-def _given(cand: RunnerHandle, device: str, made: dict[str, Any], seed: int) -> dict[str, Any]:
-    """What a ``run`` request carries of a trial: its seed, or the reference's inputs."""
+def _given(
+    cand: RunnerHandle, device: str, made: dict[str, Any], seed: int, scale: float | None = None
+) -> dict[str, Any]:
+    """What a ``run`` request carries of a trial: its seed (and the hidden distribution's
+    ``scale``), or the reference's inputs."""
     if _own_inputs(cand, device):
-        return {"seed": seed}
+        return {"seed": seed} if scale is None else {"seed": seed, "scale": scale}
     return {"inputs": made["inputs"]}
 
 
@@ -750,7 +753,7 @@ def _hidden_distributions(
         if "input_shapes" not in made:  # the reference rejects them
             continue
         label = f"inputs ×{scale:g}"
-        given = {"seed": trial_seed, "scale": scale} if own else {"inputs": made["inputs"]}
+        given = _given(cand, device, made, trial_seed, scale)
         failed = _unseen_trial(
             task,
             ref,
