@@ -69,3 +69,25 @@ def test_build_inline_refuses_what_is_not_the_graders_toolchain(
     with_folder = build_inline({**ARGS, "build_directory": "/tmp/x"}, {**own, "arch": "9.0"}, 60)
     assert not with_folder["ok"] and "malformed" in with_folder["error"]
     assert sys.version.split()[0] == own["python"]
+
+
+def test_build_inline_takes_every_architecture_list_pytorch_takes() -> None:
+    """``TORCH_CUDA_ARCH_LIST`` as CUDA images set it (the H200 machine's is ``9.0a``):
+    refusing ``9.0a`` failed every boxed load_inline build there."""
+    from kf.evaluation.builds import _ARCH
+
+    for arch in ("9.0", "9.0a", "10.0f", "8.6+PTX", "8.0;9.0a", "7.5 8.6 9.0+PTX"):
+        assert _ARCH.fullmatch(arch), arch
+    for arch in ("9", "9.0;", "9.0a; rm -rf /", "$(id)", "9.0 -x"):
+        assert not _ARCH.fullmatch(arch), arch
+
+
+def test_a_refused_build_names_its_reason_in_the_compile_report() -> None:
+    """The grader's reason reaches the report: "C++ compilation failed" alone, with an
+    empty log, was all the H200 run said."""
+    from kf.evaluation.runner import _compile_failure
+    from kf.native import NativeCompileError
+
+    exc = NativeCompileError("malformed CUDA architecture '9.0a'", "")
+    assert _compile_failure(exc) == "C++ compilation failed: malformed CUDA architecture '9.0a'"
+    assert _compile_failure(NativeCompileError("", "")) == "C++ compilation failed"

@@ -28,6 +28,8 @@ TASK = ROOT / "tests/fixtures/llm/cuda_tasks/scale_relu.py"
 
 pytestmark = [
     pytest.mark.gpu,
+    # a whole boxed run: its CUDA candidate's build alone took 64 s on the H200
+    pytest.mark.timeout(600),
     pytest.mark.skipif(
         not torch.cuda.is_available(),
         reason="needs an NVIDIA GPU and a CUDA build of PyTorch (CI has neither)",

@@ -118,7 +118,9 @@ from kf.cuda import inline
 inline.load_inline(**json.loads(sys.stdin.read()))
 """
 
-_ARCH = re.compile(r"[0-9]+\.[0-9]+(\+PTX)?([ ;][0-9]+\.[0-9]+(\+PTX)?)*")
+#: ``TORCH_CUDA_ARCH_LIST``'s syntax: versions such as ``9.0``, ``9.0a``, ``10.0f`` or
+#: ``8.6+PTX``, separated by spaces or semicolons
+_ARCH = re.compile(r"[0-9]+\.[0-9]+[a-z]?(\+PTX)?([ ;][0-9]+\.[0-9]+[a-z]?(\+PTX)?)*")
 
 
 def _own_toolchain() -> dict[str, Any]:

@@ -671,7 +671,7 @@ class Runner:
         try:
             module = import_source("kf_candidate", msg["source"], filename="<candidate>")
         except NativeCompileError as exc:
-            raise _Failure("compile_error", "C++ compilation failed", exc.log) from exc
+            raise _Failure("compile_error", _compile_failure(exc), exc.log) from exc
         except BaseException as exc:
             raise _Failure(
                 "exception", f"importing the candidate raised {_describe(exc)}", _tb()
@@ -685,7 +685,7 @@ class Runner:
         try:
             model = cls(*init)
         except NativeCompileError as exc:
-            raise _Failure("compile_error", "C++ compilation failed", exc.log) from exc
+            raise _Failure("compile_error", _compile_failure(exc), exc.log) from exc
         except BaseException as exc:
             raise _Failure(
                 "exception", f"ModelNew(*get_init_inputs()) raised {_describe(exc)}", _tb()
@@ -1000,6 +1000,13 @@ def _remote_build(
     if not reply.get("ok"):
         raise NativeCompileError(str(reply.get("error")), str(reply.get("log") or ""))
     return str(reply["path"])
+
+
+def _compile_failure(exc: BaseException) -> str:
+    """``C++ compilation failed``, with the first line of what said so (the compiler's
+    summary, or the grader's reason for refusing a build)."""
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"C++ compilation failed: {first}" if first else "C++ compilation failed"
 
 
 def _remote_inline_build(
