@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import io
 import os
+import socket
 import sys
 import threading
 import time
@@ -20,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from kf.evaluation import shared_memory
 from kf.evaluation.baseline_settings import apply_tf32, compile_kwargs, describe_compile
 from kf.evaluation.transport import Exports, is_ipc, pack, unpack
 
@@ -132,6 +134,9 @@ class _Watch:
         self.active = False
         self._busy = False
         self._found: dict[str, str] = {}
+        #: the runner's own socket to the grader, whose ``sendmsg`` carries descriptors
+        #: of shared-memory payloads (not the network; the grader checks what comes)
+        self.grading: Any = None
 
     def drain(self) -> list[str]:
         found = [f"{code}: {detail}" for code, detail in self._found.items()]
@@ -148,6 +153,8 @@ class _Watch:
         if not self.active or self._busy:
             return
         if event in _NETWORK_EVENTS:
+            if args and self.grading is not None and args[0] is self.grading:
+                return
             self._note("network", f"{event} blocked")
             raise PermissionError(f"kf sandbox: network access is blocked ({event})")
         if event != "object.__setattr__" and event not in _INTROSPECTION_EVENTS:
@@ -210,6 +217,7 @@ class _Integrity:
 
         snap: dict[str, tuple[Any, Any]] = {}
         owners: list[Any] = [sys.modules[__name__], compare, device, protocol, transport]
+        owners.append(shared_memory)
         owners += [c for c in type(runner).__mro__ if c is not object]
         owners += [c for c in type(runner.backend).__mro__ if c is not object]
         for owner in owners:
@@ -327,6 +335,9 @@ class Runner:
         self.watch = watch or _Watch()
         # CUDA runners hand tensors over as IPC handles (kf.evaluation.transport)
         self.ipc = False
+        #: payloads of at least this many bytes of tensors go as sealed memory files
+        #: (kf.evaluation.shared_memory); None: never
+        self.shm: int | None = None
         self.exports = Exports()
         # a candidate runner that makes its trial inputs from the seed itself (the grader
         # then moves only outputs: kf.evaluation.stages._seeded_inputs)
@@ -354,13 +365,21 @@ class Runner:
         self._inputs, self._inputs_from = values, []
 
     # -- serialisation -------------------------------------------------------------
-    def dump(self, value: Any) -> bytes | list[memoryview]:
-        """``value`` as a payload: IPC handles, or ``torch.save`` bytes, split into pieces
-        of at most :data:`PAYLOAD_PIECE` bytes when longer (msgpack, which carries
-        every message, cannot hold one bytes object over 4 GiB, and one output of
-        KernelBench's level-1 tasks is 6.4 GB)."""
+    def dump(self, value: Any) -> bytes | list[memoryview] | shared_memory.Payload:
+        """``value`` (a runner's tensors, wherever they live) as a payload: IPC handles;
+        a sealed memory file (:mod:`kf.evaluation.shared_memory`) when large enough; or
+        ``torch.save`` bytes of host copies, split into pieces of at most
+        :data:`PAYLOAD_PIECE` bytes when longer (msgpack, which carries every message,
+        cannot hold one bytes object over 4 GiB, and one output of KernelBench's level-1
+        tasks is 6.4 GB)."""
         if self.ipc and isinstance(value, list):
-            return pack(self.torch, value, self.exports)
+            return pack(self.torch, self.host(value), self.exports)
+        if self.shm is not None and isinstance(value, list):
+            shared = shared_memory.pack(self.torch, value, self.shm)
+            if shared is not None:
+                return shared
+        if isinstance(value, list):
+            value = self.host(value)
         buf = io.BytesIO()
         self.torch.save(value, buf)
         if buf.tell() <= PAYLOAD_PIECE:
@@ -368,7 +387,18 @@ class Runner:
         view = buf.getbuffer()
         return [view[i : i + PAYLOAD_PIECE] for i in range(0, len(view), PAYLOAD_PIECE)]
 
-    def load(self, data: bytes | list[bytes]) -> Any:
+    def _dump_inputs(self, pristine: list[Any]) -> Any:
+        """The reference's inputs for another runner, which cannot reach ``pristine``
+        itself: a clone goes over IPC (the receiver maps the allocation writable); the
+        other payloads are copies already."""
+        return self.dump(self.clone(pristine) if self.ipc else pristine)
+
+    def load(self, data: bytes | list[bytes] | shared_memory.Payload) -> Any:
+        if isinstance(data, shared_memory.Payload):
+            try:
+                return shared_memory.unpack(self.torch, data)
+            finally:
+                data.close()  # mapped: the descriptor is no longer needed
         if isinstance(data, list):  # a payload in pieces (dump)
             data = b"".join(data)
         if is_ipc(data):
@@ -397,6 +427,8 @@ class Runner:
             os.nice(int(msg["nice"]))  # a build: its compilers yield to grading and timing
         self.backend = make_backend(msg["device"], self.clock_ns)
         self.ipc = bool(msg.get("ipc")) and self.backend.name == "cuda"
+        shm = msg.get("shm")
+        self.shm = int(shm) if shm is not None and not self.ipc else None
         self.own_inputs = bool(msg.get("own_inputs"))
         self.made_budget = self._cache_budget(msg)
         self.torch.set_num_threads(int(msg["threads"]))
@@ -548,7 +580,7 @@ class Runner:
             del self.trials[next(iter(self.trials))]
         if msg.get("send") is False:  # the candidate runner makes its own (own_inputs)
             return {**made.reply, "reused": reused, "inputs": None}
-        return {**made.reply, "reused": reused, "inputs": self.dump(self.clone(made.pristine))}
+        return {**made.reply, "reused": reused, "inputs": self._dump_inputs(made.pristine)}
 
     def _nbytes(self, trial: tuple[list[Any], list[Any]]) -> int:
         torch = self.torch
@@ -736,9 +768,9 @@ class Runner:
         t2 = self.clock_ns()
         outs = _flatten(torch, out, "ModelNew.forward", "exception")
         ops = [] if recorder is None else [op for op in recorder.ops if op not in _DATA_OPS]
-        outputs = self.dump(self.host(outs))
+        outputs = self.dump(outs)
         if pristine is None:
-            inputs_after: bytes | list[memoryview] | None = self.dump(self.host(self.inputs))
+            inputs_after: Any = self.dump(self.inputs)
             problem = None
         else:  # checked here; this process's word, as inputs_after bytes would be
             inputs_after = None
@@ -1106,7 +1138,14 @@ def main(argv: list[str]) -> int:
     fd, parent_pid = int(argv[0]), int(argv[1])
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     conn = Connection(fd)
-    send, recv = conn.send_bytes, conn.recv_bytes  # bound before any candidate code runs
+    # bound before any candidate code runs: the socket's bytes, and the descriptors of
+    # shared-memory payloads beside them (kf.evaluation.shared_memory)
+    send, recv, poll = conn.send_bytes, conn.recv_bytes, conn.poll
+    fd_sock = socket.socket(fileno=os.dup(fd))
+    watch.grading = fd_sock
+    send_fds = functools.partial(shared_memory.send_fds, fd_sock)
+    receive_fds = functools.partial(shared_memory.receive_fds, fd_sock)
+    detach, attach = shared_memory.detach, shared_memory.attach
     if os.environ.get("KF_BUILD_SERVICE") == "1":  # in the box: the grader builds
         import kf.native
 
@@ -1126,11 +1165,15 @@ def main(argv: list[str]) -> int:
             msg = decode(recv())
         except EOFError:
             return 0
+        if "_fds" in msg:  # payloads in memory files: their descriptors follow
+            msg = attach(msg, receive_fds(msg["_fds"], poll, 60.0))
         op = msg.get("op")
         if op == "exit":
             return 0
         if op == "load_candidate" and guard is None:
-            guard = _Integrity(runner, clock_ns, send, recv)  # before any candidate code runs
+            # before any candidate code runs
+            bound = (send, recv, poll, send_fds, receive_fds, detach, attach)
+            guard = _Integrity(runner, clock_ns, *bound)
         handler = getattr(runner, f"op_{op}", None)
         began = clock_ns()
         try:
@@ -1154,7 +1197,10 @@ def main(argv: list[str]) -> int:
         reply["took_ns"] = clock_ns() - began  # the handler's time, for the grader's request log
         reply["findings"] = watch.drain()
         sys.stdout.flush()
-        send(encode(reply))
+        wire, fds = detach(reply)
+        send(encode(wire))
+        send_fds(fds)
+        del wire, reply
 
 
 if __name__ == "__main__":

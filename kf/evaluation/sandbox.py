@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import structlog
 
-from kf.evaluation import box
+from kf.evaluation import box, shared_memory
 from kf.evaluation.protocol import decode, encode
 
 __all__ = [
@@ -253,6 +253,8 @@ class RunnerHandle:
                 .result()
             )
         child_sock.close()
+        # descriptors of shared-memory payloads go beside the messages, on the same socket
+        self.fd_sock = socket.socket(fileno=os.dup(parent_sock.fileno()))
         self.conn = Connection(parent_sock.detach())
         self.ready = False
         self.closed = False
@@ -320,21 +322,25 @@ class RunnerHandle:
             self.kill()
             raise RunnerTimeout(f"no answer after {timeout_s:.1f}s during {what}", tail)
         try:
-            return decode(self.conn.recv_bytes())
+            reply = decode(self.conn.recv_bytes())
+            if "_fds" in reply:  # payloads in sealed memory files: their descriptors follow
+                fds = shared_memory.receive_fds(self.fd_sock, reply["_fds"], self.conn.poll, 10.0)
+                reply = shared_memory.attach(reply, fds)
         except (EOFError, OSError) as exc:
             returncode = self._wait_exit()
             tail = self.log_tail()
             self.kill()
             if returncode is not None and returncode < 0:
                 name = RunnerCrashed("", "", returncode).signal_name
-                msg = f"process killed by {name} during {what}"
+                why = f"process killed by {name} during {what}"
             else:
-                msg = f"process exited with status {returncode} during {what}"
-            raise RunnerCrashed(msg, tail, returncode) from exc
+                why = f"process exited with status {returncode} during {what}"
+            raise RunnerCrashed(why, tail, returncode) from exc
         except Exception as exc:  # undecodable bytes: the process wrote garbage on the socket
             tail = self.log_tail()
             self.kill()
             raise RunnerCrashed(f"garbled reply during {what}: {exc}", tail, None) from exc
+        return reply
 
     def _wait_exit(self) -> int | None:
         try:
@@ -370,7 +376,9 @@ class RunnerHandle:
         request_id = secrets.randbits(62)
         began = time.monotonic()
         try:
-            self.conn.send_bytes(encode({"op": op, "id": request_id, **fields}))
+            wire, fds = shared_memory.detach({"op": op, "id": request_id, **fields})
+            self.conn.send_bytes(encode(wire))
+            shared_memory.send_fds(self.fd_sock, fds)
         except OSError as exc:
             returncode = self._wait_exit()
             tail = self.log_tail()
@@ -439,6 +447,8 @@ class RunnerHandle:
             self.proc.wait(timeout=10)
         with contextlib.suppress(OSError):
             self.conn.close()
+        with contextlib.suppress(OSError):
+            self.fd_sock.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 import structlog
 
-from kf.evaluation import baseline_settings, box
+from kf.evaluation import baseline_settings, box, shared_memory
 from kf.evaluation.device import parse_device
 from kf.evaluation.reports import (
     FAILURE_KINDS,
@@ -146,6 +146,8 @@ def _setup_fields(
         "file_bytes": limits.file_bytes,
         # GPU runners pass tensors as CUDA IPC handles (kf.evaluation.transport)
         "ipc": device.startswith("cuda") and _ipc_transport(handle),
+        # else large tensors as sealed memory files (kf.evaluation.shared_memory)
+        "shm": _shm_min_bytes(),
         # or a candidate runner makes its trial inputs from the seed itself
         "own_inputs": not reference and _own_inputs(handle, device),
         # a reused reference keeps the input sets it made (the trial seeds repeat)
@@ -164,6 +166,15 @@ def _ipc_transport(handle: RunnerHandle) -> bool:
     if chosen in ("ipc", "bytes"):
         return chosen == "ipc"
     return handle.sandbox != box.MODE_BWRAP and chosen != "seed"
+
+
+def _shm_min_bytes() -> int | None:
+    """From how many bytes of tensors a payload that does not go by IPC goes as a sealed
+    memory file (``$KF_SHM_MIN_BYTES``, 1 MiB by default); None, always as ``torch.save``
+    bytes, where ``$KF_TENSOR_TRANSPORT=bytes`` asks for that or the system cannot."""
+    if os.environ.get("KF_TENSOR_TRANSPORT", "") == "bytes" or not shared_memory.available():
+        return None
+    return int(os.environ.get("KF_SHM_MIN_BYTES") or shared_memory.MIN_BYTES)
 
 
 def _own_inputs(handle: RunnerHandle, device: str) -> bool:

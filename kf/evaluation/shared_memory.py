@@ -1,0 +1,283 @@
+"""Tensors between runners as sealed memory files: one copy out, none on the way.
+
+Boxed runners cannot hand each other CUDA IPC handles (docs/sandbox.md), and bytes
+through the grader cost a dozen copies of every tensor: ``torch.save`` into a growing
+buffer, msgpack on each side of each of two sockets, ``torch.load`` at the end. On the
+H200 a verification of one 256 MB task took 30 s that way, and KernelBench's 6.4 GB
+tensors did not finish. Here a payload whose tensors hold at least :data:`MIN_BYTES`
+travels as **one anonymous memory file** (``memfd_create``):
+
+- the sender copies each tensor into it once (from the GPU, that is the copy to the
+  host), unmaps it and **seals** it (``F_SEAL_WRITE``, ``SHRINK``, ``GROW`` and ``SEAL``):
+  from then on nobody, the sender included, can change a byte of it;
+- the file's descriptor passes over the runner's socket (``SCM_RIGHTS``); the grader
+  forwards the descriptor, never the bytes;
+- the receiver refuses a descriptor that is not a sealed memory file of the size its
+  description needs, and maps it copy-on-write: its tensors are the file's pages until
+  something writes to them, and what is written stays private to that process.
+
+The description (dtypes, shapes, offsets) is plain msgpack; values that are not plain
+contiguous tensors still travel as ``torch.save`` bytes inside it. Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import mmap
+import os
+import socket
+import stat
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "MIN_BYTES",
+    "Payload",
+    "attach",
+    "available",
+    "detach",
+    "pack",
+    "receive_fds",
+    "unpack",
+]
+
+#: Below this many bytes of tensors a payload goes as bytes by default: a file costs more
+#: than it saves (the grader's ``$KF_SHM_MIN_BYTES`` sets another threshold).
+MIN_BYTES = 1 << 20
+#: The most descriptors one message may carry (a payload has one).
+MAX_FDS = 16
+MAGIC = b"KFSHM1\n"
+_ALIGN = 256
+_KEY = "__kf_shm__"
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(list[dict[str, Any]])
+
+
+def _seals() -> int:
+    return int(fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+
+
+def available() -> bool:
+    """Whether this system has sealable memory files (Linux 3.17 and later)."""
+    return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
+
+
+class Payload:
+    """A payload in a sealed memory file: its description and the file's descriptor,
+    which this object owns (closed with it)."""
+
+    __slots__ = ("__weakref__", "_close", "fd", "header", "nbytes")
+
+    def __init__(self, header: bytes, fd: int, nbytes: int = 0) -> None:
+        self.header = header
+        self.fd = fd
+        self.nbytes = nbytes
+        self._close = weakref.finalize(self, _close_quietly, fd)
+
+    def close(self) -> None:
+        self._close()
+
+    def __repr__(self) -> str:
+        return f"Payload(fd={self.fd}, {self.nbytes} bytes)"
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _plain(torch: Any, value: Any) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.layout == torch.strided
+        and not value.requires_grad
+        and value.is_contiguous()
+        and not value.is_sparse
+        and not value.is_quantized
+        and value.dtype.itemsize > 0
+    )
+
+
+def pack(torch: Any, values: list[Any], min_bytes: int = MIN_BYTES) -> Payload | None:
+    """``values`` in one sealed memory file, or None where that does not pay (fewer than
+    ``min_bytes`` of plain contiguous tensors) or the system has no such files."""
+    if not available():
+        return None
+    tensors = [v for v in values if _plain(torch, v)]
+    if not tensors or sum(t.numel() * t.element_size() for t in tensors) < min_bytes:
+        return None
+    entries: list[dict[str, Any]] = []
+    placed: list[tuple[Any, int, int]] = []
+    offset = 0
+    for value in values:
+        if _plain(torch, value):
+            nbytes = value.numel() * value.element_size()
+            entries.append(
+                {
+                    "t": {
+                        "dtype": str(value.dtype).removeprefix("torch."),
+                        "size": list(value.shape),
+                        "offset": offset,
+                        "nbytes": nbytes,
+                    }
+                }
+            )
+            placed.append((value, offset, nbytes))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        else:
+            buf = io.BytesIO()
+            torch.save(value.detach().cpu() if isinstance(value, torch.Tensor) else value, buf)
+            entries.append({"saved": buf.getvalue()})
+    fd = os.memfd_create("kf-payload", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, offset)
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        with mmap.mmap(fd, offset, flags=mmap.MAP_SHARED, prot=prot) as mm:
+            for tensor, start, nbytes in placed:
+                if nbytes:  # from a GPU, this is the copy to the host
+                    target = _view(torch, mm, start, nbytes, tensor.dtype, tensor.shape)
+                    target.copy_(tensor.detach())
+                    del target  # the mapping closes only once no tensor holds it
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _seals())
+    except BaseException:
+        os.close(fd)
+        raise
+    return Payload(MAGIC + _encoder.encode(entries), fd, offset)
+
+
+def _view(torch: Any, mm: Any, start: int, nbytes: int, dtype: Any, shape: Any) -> Any:
+    """The tensor of ``dtype`` and ``shape`` held at ``start`` of the mapping ``mm``."""
+    raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start)
+    return raw.view(dtype).view(shape)
+
+
+def _check(fd: int, needed: int) -> int:
+    """The file's size, once it is known to be a sealed memory file of at least ``needed``
+    bytes; else ValueError."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError("the payload's descriptor is not a memory file")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise ValueError("the payload's descriptor is not a sealable memory file") from exc
+    if seals & _seals() != _seals():
+        raise ValueError("the payload's memory file is not sealed against writes")
+    if info.st_size < needed:
+        raise ValueError(f"the payload's memory file holds {info.st_size} bytes, not {needed}")
+    return int(info.st_size)
+
+
+def unpack(torch: Any, payload: Payload) -> list[Any]:
+    """The values of a :func:`pack` payload. Tensors are copy-on-write views of the file:
+    what this process writes to them stays its own."""
+    if payload.header[: len(MAGIC)] != MAGIC:
+        raise ValueError("not a shared-memory payload")
+    entries = _decoder.decode(payload.header[len(MAGIC) :])
+    specs = [e["t"] for e in entries if "t" in e]
+    needed = max((int(s["offset"]) + int(s["nbytes"]) for s in specs), default=0)
+    size = _check(payload.fd, needed)
+    mm = (
+        mmap.mmap(payload.fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if size
+        else None
+    )
+    out: list[Any] = []
+    for entry in entries:
+        if "saved" in entry:
+            out.append(torch.load(io.BytesIO(entry["saved"]), weights_only=True))
+            continue
+        spec = entry["t"]
+        dtype = getattr(torch, str(spec["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {spec['dtype']!r}")
+        shape = [int(v) for v in spec["size"]]
+        start, nbytes = int(spec["offset"]), int(spec["nbytes"])
+        numel = 1
+        for v in shape:
+            if v < 0:
+                raise ValueError(f"negative size in {shape}")
+            numel *= v
+        if start < 0 or start % _ALIGN or nbytes != numel * dtype.itemsize:
+            raise ValueError(f"malformed tensor description {spec}")
+        if nbytes == 0 or mm is None:
+            out.append(torch.empty(shape, dtype=dtype))
+        else:
+            out.append(_view(torch, mm, start, nbytes, dtype, shape))
+    return out
+
+
+def detach(message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    """``message`` with each :class:`Payload` in it replaced by its description and the
+    index of its descriptor, and the descriptors in that order (what goes beside it)."""
+    fds: list[int] = []
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, Payload):
+            fds.append(value.fd)
+            return {_KEY: value.header, "fd": len(fds) - 1, "nbytes": value.nbytes}
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [walk(v) for v in value]
+        return value
+
+    out = walk(message)
+    if fds:
+        out["_fds"] = len(fds)
+    return out, fds
+
+
+def attach(message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+    """The inverse of :func:`detach` on the receiving side: each description becomes a
+    :class:`Payload` owning its descriptor. Descriptors no description names are closed;
+    a description naming none raises ValueError (a forged message)."""
+    used: set[int] = set()
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, dict):
+            if _KEY in value:
+                index = value.get("fd")
+                if not isinstance(index, int) or not 0 <= index < len(fds) or index in used:
+                    raise ValueError("a shared-memory payload names no descriptor sent with it")
+                used.add(index)
+                return Payload(bytes(value[_KEY]), fds[index], int(value.get("nbytes") or 0))
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        return value
+
+    try:
+        return dict(walk({k: v for k, v in message.items() if k != "_fds"}))
+    finally:
+        for i, fd in enumerate(fds):
+            if i not in used:
+                _close_quietly(fd)
+
+
+def receive_fds(
+    sock: socket.socket, count: Any, poll: Callable[[float], bool], timeout_s: float
+) -> list[int]:
+    """The ``count`` descriptors that follow a message that says ``_fds``, within
+    ``timeout_s``; ValueError where they do not come as announced."""
+    if not isinstance(count, int) or not 0 < count <= MAX_FDS:
+        raise ValueError(f"a message announced {count!r} descriptors")
+    if not poll(timeout_s):
+        raise ValueError(f"the {count} descriptors announced did not come")
+    data, fds, flags, _ = socket.recv_fds(sock, 1, count)
+    if data != b"\0" or len(fds) != count or flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            _close_quietly(fd)
+        raise ValueError(f"{len(fds)} descriptors came where {count} were announced")
+    return list(fds)
+
+
+def send_fds(sock: socket.socket, fds: list[int]) -> None:
+    """The descriptors of a message just sent with ``_fds`` (after it, on its socket)."""
+    if fds:
+        socket.send_fds(sock, [b"\0"], fds)

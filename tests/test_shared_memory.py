@@ -1,0 +1,252 @@
+"""Large tensors between runners as sealed memory files (kf.evaluation.shared_memory).
+
+The file is written once by its sender, sealed, and its descriptor forwarded by the
+grader; the receiver refuses anything that is not a sealed memory file of the size its
+description needs. Tested here: the payload itself (values, privacy of writes, every
+refusal), descriptors over a real socket from another real process that lies about
+them, the runner's protocol with shared memory on, and whole boxed evaluations whose
+verdicts must be those of the ``torch.save`` path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import multiprocessing
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kf.evaluation import EvalResult, RunnerPool, evaluate, shared_memory
+from kf.evaluation.protocol import decode, encode
+from kf.evaluation.runner import Runner
+
+FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"
+TASK_FILE = FIXTURES / "task_gelu.py"
+QUICK = {"min_time_s": 0.05, "warmup": 2, "min_trials": 10}
+
+pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="needs memfd seals")
+
+
+def _values() -> list[object]:
+    return [
+        torch.randn(512, 1024),
+        torch.arange(10),
+        3,
+        torch.tensor(True),
+        torch.empty(0, 3),
+        torch.randn(4, 4).t(),  # not contiguous: travels as torch.save bytes, strides kept
+        torch.zeros((), dtype=torch.float16),
+        torch.randint(0, 255, (7,), dtype=torch.uint8),
+    ]
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.stride() == b.stride()
+            and torch.equal(a, b)
+        )
+    return a == b
+
+
+def test_a_payload_gives_back_every_value_and_writes_stay_private() -> None:
+    values = _values()
+    payload = shared_memory.pack(torch, values)
+    assert payload is not None and payload.nbytes >= 512 * 1024 * 4
+    first = shared_memory.unpack(torch, payload)
+    assert all(_same(a, b) for a, b in zip(values, first, strict=True))
+    first[0][0, 0] = 99.0  # copy-on-write: neither the file nor another reader sees it
+    again = shared_memory.unpack(torch, payload)
+    assert again[0][0, 0].item() == values[0][0, 0].item()  # type: ignore[index]
+
+
+def test_small_payloads_stay_bytes() -> None:
+    assert shared_memory.pack(torch, [torch.ones(8), 1]) is None
+
+
+def test_a_sealed_file_cannot_be_changed_by_anyone() -> None:
+    payload = shared_memory.pack(torch, [torch.ones(1 << 18)])
+    assert payload is not None
+    with pytest.raises(PermissionError):
+        os.pwrite(payload.fd, b"x", 0)
+    with pytest.raises(PermissionError):
+        mmap.mmap(payload.fd, payload.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_WRITE)
+    with pytest.raises(PermissionError):
+        os.ftruncate(payload.fd, 0)
+
+
+def test_the_receiver_refuses_what_is_not_a_sealed_file_of_the_stated_size(
+    tmp_path: Path,
+) -> None:
+    good = shared_memory.pack(torch, [torch.ones(1 << 18)])
+    assert good is not None
+    header = good.header
+    unsealed = os.memfd_create("kf-test", os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, good.nbytes)
+    read_end, write_end = os.pipe()
+    disk = os.open(tmp_path / "file", os.O_RDWR | os.O_CREAT)
+    os.ftruncate(disk, good.nbytes)
+    short = os.memfd_create("kf-test", os.MFD_ALLOW_SEALING)
+    os.ftruncate(short, 1024)
+    fcntl.fcntl(short, fcntl.F_ADD_SEALS, shared_memory._seals())
+    try:
+        for fd, why in (
+            (unsealed, "not sealed"),
+            (read_end, "not a memory file"),
+            (disk, "not a sealable memory file"),
+            (short, "holds 1024 bytes"),
+        ):
+            with pytest.raises(ValueError, match=why):
+                shared_memory.unpack(torch, shared_memory.Payload(header, os.dup(fd)))
+        spec = shared_memory._decoder.decode(header[len(shared_memory.MAGIC) :])
+        changes = [{"offset": 3}, {"offset": 256}, {"nbytes": 12}, {"dtype": "Tensor"}]
+        changes.append({"size": [-1]})
+        for change in changes:
+            forged = [{"t": {**spec[0]["t"], **change}}]
+            forged_header = shared_memory.MAGIC + shared_memory._encoder.encode(forged)
+            with pytest.raises(ValueError, match=r"malformed|unknown dtype|negative size|holds"):
+                shared_memory.unpack(torch, shared_memory.Payload(forged_header, os.dup(good.fd)))
+    finally:
+        for fd in (unsealed, read_end, write_end, disk, short):
+            os.close(fd)
+
+
+def _liar(sock: socket.socket, payload: shared_memory.Payload, how: str) -> None:
+    """Another process on the grading socket (forked: no torch here, which may hang
+    after a fork): a message naming a payload, then its descriptor, or not."""
+    wire, fds = shared_memory.detach({"op": "x", "outputs": payload})
+    data = encode(wire)
+    sock.sendall(len(data).to_bytes(4, "big") + data)
+    if how == "none":
+        time.sleep(5)
+    elif how == "bytes":
+        sock.sendall(b"\0")
+    elif how == "unsealed":
+        fd = os.memfd_create("kf-liar", os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, payload.nbytes)
+        socket.send_fds(sock, [b"\0"], [fd])
+    else:
+        shared_memory.send_fds(sock, fds)
+    time.sleep(1)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("how", ["honest", "none", "bytes", "unsealed"])
+def test_descriptors_from_another_process_are_checked(how: str) -> None:
+    from multiprocessing.connection import Connection
+
+    payload = shared_memory.pack(torch, [torch.ones(1 << 18)])
+    assert payload is not None
+    mine, theirs = socket.socketpair()
+    proc = multiprocessing.get_context("fork").Process(target=_liar, args=(theirs, payload, how))
+    proc.start()
+    theirs.close()
+    conn = Connection(os.dup(mine.fileno()))
+    try:
+        assert conn.poll(20), "the other process sent nothing"
+        msg = decode(conn.recv_bytes())
+        assert msg["_fds"] == 1
+        if how in ("none", "bytes"):
+            with pytest.raises(ValueError, match=r"did not come|0 descriptors came"):
+                shared_memory.receive_fds(mine, msg["_fds"], conn.poll, 2.0)
+            return
+        fds = shared_memory.receive_fds(mine, msg["_fds"], conn.poll, 10.0)
+        got = shared_memory.attach(msg, fds)
+        if how == "unsealed":
+            with pytest.raises(ValueError, match="not sealed"):
+                shared_memory.unpack(torch, got["outputs"])
+        else:
+            assert torch.equal(shared_memory.unpack(torch, got["outputs"])[0], torch.ones(1 << 18))
+    finally:
+        proc.join(10)
+        conn.close()
+        mine.close()
+
+
+def test_a_description_without_its_descriptor_is_refused() -> None:
+    payload = shared_memory.pack(torch, [torch.ones(1 << 18)])
+    assert payload is not None
+    wire, _ = shared_memory.detach({"outputs": payload})
+    with pytest.raises(ValueError, match="names no descriptor"):
+        shared_memory.attach(wire, [])
+
+
+def _pair(candidate: str) -> tuple[Runner, Runner]:
+    ref, cand = Runner(time.perf_counter_ns), Runner(time.perf_counter_ns)
+    ref.op_setup({"device": "cpu", "threads": 1, "shm": 0})  # every payload as a file
+    cand.op_setup({"device": "cpu", "threads": 1, "shm": 0})
+    source = TASK_FILE.read_text()
+    init = ref.op_load_task({"source": source, "name": "task_gelu", "seed": 3})["init"]
+    cand.op_load_candidate(
+        {"source": candidate, "seed": 3, "init": init, "task_source": source,
+         "task_name": "task_gelu"}
+    )  # fmt: skip
+    return ref, cand
+
+
+def test_runners_move_inputs_and_outputs_as_files() -> None:
+    ref, cand = _pair((FIXTURES / "honest_cpp.py").read_text())
+    made = ref.op_make_inputs({"seed": 11, "send": True})
+    assert isinstance(made["inputs"], shared_memory.Payload)
+    ran = cand.op_run({"inputs": made["inputs"]})
+    assert isinstance(ran["outputs"], shared_memory.Payload)
+    assert isinstance(ran["inputs_after"], shared_memory.Payload)
+    assert ref.op_check({"seed": 11, **ran})["verdict"]["ok"]
+    wrong = cand.op_run({"inputs": ref.op_make_inputs({"seed": 12, "send": True})["inputs"]})
+    assert not ref.op_check({"seed": 11, **wrong})["verdict"]["ok"]
+
+
+@pytest.fixture(scope="module")
+def shm_pool() -> Iterator[RunnerPool]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KF_SHM_MIN_BYTES", "0")  # every payload as a file, even this task's
+        runners = RunnerPool(size=2, threads=1)
+        runners.start()
+        try:
+            yield runners
+        finally:
+            runners.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "passed", "kind_or_flag"),
+    [
+        ("honest_cpp", True, None),
+        ("input_write", False, "input_mutated"),
+        ("hide_mutation", False, "tampering"),
+        ("stale", False, "mismatch"),
+        ("cache_outputs", True, "cache_suspected"),
+        ("forge_reply", False, "tampering"),
+    ],
+)
+def test_boxed_evaluations_with_files_give_the_bytes_verdicts(
+    name: str,
+    passed: bool,
+    kind_or_flag: str | None,
+    shm_pool: RunnerPool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kf.tasks import load_task
+
+    monkeypatch.setenv("KF_SHM_MIN_BYTES", "0")
+    source = (FIXTURES / f"{name}.py").read_text()
+    result: EvalResult = evaluate(
+        load_task(TASK_FILE), source, pool=shm_pool, timeout_s=90, profile_options=QUICK,
+        profile=name in ("honest_cpp", "cache_outputs"),
+    )  # fmt: skip
+    assert result.passed is passed, result.error
+    if passed:
+        assert result.profile is not None and result.profile.fresh_runtime_ms is not None
+        flags = " ".join(result.flags)
+        assert (kind_or_flag or "") in flags if kind_or_flag else result.flags == (), flags
+    else:
+        assert result.failure_kind == kind_or_flag, result.error
