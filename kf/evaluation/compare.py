@@ -65,10 +65,13 @@ def compare_outputs(
                 f"{label} has dtype {_name(torch, given.dtype)}, "
                 f"expected {_name(torch, want.dtype)}",
             )
-        # compared where the reference lives (on a GPU for a GPU task), in float64
+        # compared where the reference lives (on a GPU for a GPU task), in float64, a chunk
+        # at a time; outputs that arrived on the host (a memory file) move there a chunk at
+        # a time too, so that no whole second copy of them is made on the device
         want_c = want.detach()
-        have = given.detach().to(want_c.device)
+        have = given.detach()
         if not (want_c.is_floating_point() or want_c.is_complex()):
+            have = have.to(want_c.device)
             if not torch.equal(have, want_c):
                 bad = int((have != want_c).sum())
                 return fail("mismatch", f"{label}: {bad} of {want_c.numel()} elements differ")
@@ -81,7 +84,7 @@ def compare_outputs(
         over_count = nonfinite = 0
         abs_err = rel_err = min_tol = 0.0
         for start in range(0, total, _CHUNK):
-            have64 = flat_have[start : start + _CHUNK].double()
+            have64 = flat_have[start : start + _CHUNK].to(want_c.device).double()
             want64 = flat_want[start : start + _CHUNK].double()
             finite = torch.isfinite(want64)
             nonfinite += int((~torch.isfinite(have64) & finite).sum())

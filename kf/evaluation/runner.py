@@ -633,23 +633,27 @@ class Runner:
             return _Made(
                 {"inputs": None, "variant": "the task has no other input shapes kf could derive"}
             )
-        inputs = [self.backend.to_device(v) for v in raw]
-        pristine = self.clone(inputs)
+        # the inputs as made, kept; the reference's forward gets a copy it may write to (one
+        # copy, not two: at KernelBench's sizes each is a 6.4 GB tensor on the device)
+        inputs = pristine = [self.backend.to_device(v) for v in raw]
+        given = self.clone(pristine)
         start = self.clock_ns()
         try:
             with torch.no_grad():
-                out = self.model(*self.clone(inputs))
+                out = self.model(*given)
         except BaseException as exc:
             raise _Failure("task_error", f"Model.forward raised {_describe(exc)}", _tb()) from exc
         self.backend.synchronize()
         eager_ms = (self.clock_ns() - start) / 1e6
         outs = _flatten(torch, out, "Model.forward", "task_error")
         del out
-        # the reference's own outputs, unless one aliases an input (a view or in-place op)
+        # the reference's own outputs; one that shares storage with what it was given (a
+        # view or an in-place op) keeps that copy alive, and none can alias the kept inputs
         expected = [
-            o.detach().clone() if any(_aliases(torch, o, v) for v in inputs) else o.detach()
+            o.detach().clone() if any(_aliases(torch, o, v) for v in pristine) else o.detach()
             for o in outs
         ]
+        del given
         reply = {
             "input_shapes": [list(v.shape) if isinstance(v, torch.Tensor) else [] for v in inputs],
             "input_dtypes": [
