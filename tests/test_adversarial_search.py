@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from agents.archive import best_candidate
-from agents.profiler import relative_noise, within_noise
+from kf.evaluation.policy import relative_noise, within_noise
 from kf.evaluation.reports import CompileReport, ProfileReport, VerifyReport
 from kf.search_facts import (
     CandidateCompiled,
@@ -83,6 +84,7 @@ def test_profiler_retimes_challenger_within_noise_of_best(monkeypatch: pytest.Mo
     """A challenger within noise of the best that loses the pairing gets a lower speed-up."""
     from agents import profiler as profiler_module
     from kf.agent import AgentContext
+    from kf.evaluation import policy
     from kf.tasks import Task
 
     first = ProfileReport(
@@ -99,8 +101,8 @@ def test_profiler_retimes_challenger_within_noise_of_best(monkeypatch: pytest.Mo
         calls.append(source)
         return first if len(calls) == 1 else fake_profile(task, source)
 
-    monkeypatch.setattr(profiler_module, "profile_candidate", once)
-    monkeypatch.setattr(profiler_module, "reverify_fast", lambda t, s, r, **kw: r)
+    monkeypatch.setattr(policy, "profile_candidate", once)
+    monkeypatch.setattr(policy, "reverify_fast", lambda t, s, r, **kw: r)
     agent = profiler_module.Profiler(AgentContext(run_id="r", agent_id="profiler@t"))
     state = profiler_module.ProfilerState(
         sources={"inc": "inc", "new": "new"},
@@ -120,6 +122,7 @@ def test_profiler_pairing_never_raises_a_measured_speedup(
     """A challenger that wins the pairing keeps the speed-up measured against eager, no more."""
     from agents import profiler as profiler_module
     from kf.agent import AgentContext
+    from kf.evaluation import policy
     from kf.tasks import Task
 
     first = ProfileReport(
@@ -134,8 +137,8 @@ def test_profiler_pairing_never_raises_a_measured_speedup(
         return ProfileReport(ok=True, speedup=2.0, runtime_ms=paired[source], ref_runtime_ms=2.0)
 
     once.calls = 0  # type: ignore[attr-defined]
-    monkeypatch.setattr(profiler_module, "profile_candidate", once)
-    monkeypatch.setattr(profiler_module, "reverify_fast", lambda t, s, r, **kw: r)
+    monkeypatch.setattr(policy, "profile_candidate", once)
+    monkeypatch.setattr(policy, "reverify_fast", lambda t, s, r, **kw: r)
     agent = profiler_module.Profiler(AgentContext(run_id="r", agent_id="profiler@t"))
     state = profiler_module.ProfilerState(
         sources={"inc": "inc", "new": "new"}, best={"t": "inc"}, timings={"inc": (2.0, 0.1)}
@@ -149,11 +152,12 @@ def test_profiler_does_not_retime_a_clear_win(monkeypatch: pytest.MonkeyPatch) -
     """A challenger well beyond the noise of the best is reported as first measured."""
     from agents import profiler as profiler_module
     from kf.agent import AgentContext
+    from kf.evaluation import policy
     from kf.tasks import Task
 
     clear = ProfileReport(ok=True, speedup=4.0, runtime_ms=1.0, ref_runtime_ms=4.0)
-    monkeypatch.setattr(profiler_module, "profile_candidate", lambda t, s, **kw: clear)
-    monkeypatch.setattr(profiler_module, "reverify_fast", lambda t, s, r, **kw: r)
+    monkeypatch.setattr(policy, "profile_candidate", lambda t, s, **kw: clear)
+    monkeypatch.setattr(policy, "reverify_fast", lambda t, s, r, **kw: r)
     agent = profiler_module.Profiler(AgentContext(run_id="r", agent_id="profiler@t"))
     state = profiler_module.ProfilerState(
         sources={"inc": "inc", "new": "new"}, best={"t": "inc"}, timings={"inc": (2.0, 0.05)}
@@ -168,7 +172,7 @@ H200_EAGER += [0.373, 0.373, 0.375, 0.376, 0.377, 0.379, 0.384, 0.387, 0.395]
 
 
 def test_eager_outlier_needs_history_and_a_clear_margin() -> None:
-    from agents.profiler import eager_median_if_outlier
+    from kf.evaluation.policy import eager_median_if_outlier
 
     assert len(H200_EAGER) == 39
     median = eager_median_if_outlier(H200_EAGER, 0.518)
@@ -189,6 +193,7 @@ def test_profiler_states_speedup_against_usual_eager_after_an_outlier_session(
     earlier profiles on the same device say what eager usually takes."""
     from agents import profiler as profiler_module
     from kf.agent import AgentContext
+    from kf.evaluation import policy
     from kf.events import Record, make_envelope
     from kf.tasks import Task
 
@@ -198,8 +203,8 @@ def test_profiler_states_speedup_against_usual_eager_after_an_outlier_session(
         return Record(make_envelope(ev, run_id="r", source="profiler@x"), ev)
 
     outlier = ProfileReport(ok=True, speedup=0.518 / 0.112, runtime_ms=0.112, ref_runtime_ms=0.518)
-    monkeypatch.setattr(profiler_module, "profile_candidate", lambda t, s, **kw: outlier)
-    monkeypatch.setattr(profiler_module, "reverify_fast", lambda t, s, r, **kw: r)
+    monkeypatch.setattr(policy, "profile_candidate", lambda t, s, **kw: outlier)
+    monkeypatch.setattr(policy, "reverify_fast", lambda t, s, r, **kw: r)
     ctx = AgentContext(run_id="r", agent_id="profiler@t", options={"device_id": "host/cuda:0"})
     agent = profiler_module.Profiler(ctx)
     state = agent.initial_state()
@@ -221,3 +226,33 @@ def test_profiler_states_speedup_against_usual_eager_after_an_outlier_session(
     for i, eager in enumerate(H200_EAGER):
         state2 = other.evolve(state2, profiled(i, eager, "host/cuda:0"))
     assert other._profile(state2, Task.from_source("t", "x"), "new", "new") is outlier
+
+
+def test_kf_eval_states_its_speedup_by_the_profilers_policy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`kf eval` (stages.evaluate) and the profiler agent state a speed-up through the same
+    policy: a 12x profile of a real, verified candidate goes through the policy's
+    re-verification, and what the policy returns is what the evaluation reports."""
+    from pathlib import Path
+
+    from kf.evaluation import evaluate, policy
+    from kf.tasks import load_task
+
+    fixtures = Path(__file__).parent / "fixtures" / "adversarial"
+    fast = ProfileReport(ok=True, speedup=12.0, runtime_ms=0.1, ref_runtime_ms=1.2)
+    seen: list[float] = []
+
+    def reverify(task: object, source: str, report: ProfileReport, **kw: object) -> ProfileReport:
+        seen.append(report.speedup)
+        return msgspec.structs.replace(report, flags=("speedup_over_10x: checked",))
+
+    monkeypatch.setattr(policy, "profile_candidate", lambda t, s, **kw: fast)
+    monkeypatch.setattr(policy, "reverify_fast", reverify)
+    result = evaluate(
+        load_task(fixtures / "task_gelu.py"), (fixtures / "honest_cpp.py").read_text(),
+        timeout_s=90,
+    )  # fmt: skip
+    assert result.verify is not None and result.verify.correct
+    assert seen == [12.0]
+    assert result.profile is not None and result.profile.flags == ("speedup_over_10x: checked",)

@@ -1537,7 +1537,12 @@ def evaluate(
             seed=seed,
             audit=audited,
         )
-    profiled = profile_candidate(
+    # kf's one profiling policy, as the profiler agent of `kf run` applies it; a lone
+    # evaluation has no earlier sessions and no incumbent, so of its guards only the
+    # re-verification above 10x can apply here
+    from kf.evaluation.policy import stated_profile
+
+    profiled = stated_profile(
         task,
         source,
         device=device,
@@ -1547,16 +1552,6 @@ def evaluate(
         timeout_s=timeout_s,
         tolerance=tolerance,
         **(profile_options or {}),
-    )
-    profiled = reverify_fast(
-        task,
-        source,
-        profiled,
-        device=device,
-        seed=seed,
-        pool=pool,
-        timeout_s=timeout_s,
-        tolerance=tolerance,
     )
     measured = (
         collect_counters(task, source, device=device, seed=seed, pool=pool, limits=limits)
