@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
 from kf.cuda.ncu import find_ncu
 from kf.devices import runner_pool
+from kf.evaluation.counters import collect_counters
 from kf.evaluation.reports import is_suspect
-from kf.evaluation.stages import collect_counters
 from kf.events import Event, Record
 from kf.facts import RunStarted
 from kf.search_facts import CandidateProfiled, CandidateProposed, CountersMeasured

@@ -23,7 +23,7 @@ from kf.evaluation import (
 )
 from kf.evaluation.cli import _human
 from kf.evaluation.cli import main as eval_main
-from kf.evaluation.stages import reverify_fast
+from kf.evaluation.verifying import reverify_fast
 from kf.tasks import load_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"

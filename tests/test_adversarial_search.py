@@ -231,7 +231,7 @@ def test_profiler_states_speedup_against_usual_eager_after_an_outlier_session(
 def test_kf_eval_states_its_speedup_by_the_profilers_policy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`kf eval` (stages.evaluate) and the profiler agent state a speed-up through the same
+    """`kf eval` (pipeline.evaluate) and the profiler agent state a speed-up through the same
     policy: a 12x profile of a real, verified candidate goes through the policy's
     re-verification, and what the policy returns is what the evaluation reports."""
     from pathlib import Path

@@ -101,11 +101,11 @@ def test_profile_whose_compile_outlasts_its_limit_loses_only_the_baseline(
     """A compile past $KF_COMPILE_BASELINE_TIMEOUT_S kills the reference runner; the
     profile is taken again with fresh runners against eager, and the next profile of
     the task does not try the compile again."""
-    from kf.evaluation import stages
+    from kf.evaluation import baseline
 
     monkeypatch.setenv("KF_COMPILE_BASELINE", "1")
     monkeypatch.setenv("KF_COMPILE_BASELINE_TIMEOUT_S", "0.01")  # no compile is that quick
-    monkeypatch.setattr(stages, "_baseline_lost", {})
+    monkeypatch.setattr(baseline, "_baseline_lost", {})
     task = load_task(EVAL / "task_uncompilable.py")
     source = (EVAL / "honest_twice.py").read_text()
     first = profile_candidate(task, source, pool=pool, **FAST)

@@ -1,9 +1,9 @@
 """Admission by device memory: a task whose inputs and outputs cannot fit twice on the
-GPU is refused before any trial, with the estimate and the reason (kf.evaluation.stages)."""
+GPU is refused before any trial, with the estimate and the reason (kf.evaluation.admission)."""
 
 from __future__ import annotations
 
-from kf.evaluation.stages import too_large
+from kf.evaluation.admission import too_large
 
 # KernelBench level1/23_Softmax: one 4096 x 393216 fp32 input, one output like it
 SOFTMAX = {

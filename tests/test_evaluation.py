@@ -19,8 +19,9 @@ from kf.evaluation import (
     verify_candidate,
 )
 from kf.evaluation.compare import compare_inputs, compare_outputs
+from kf.evaluation.grading import TIMER_DISAGREEMENT
+from kf.evaluation.profiling import cross_check_flags, timing_stats
 from kf.evaluation.sandbox import REQUESTS
-from kf.evaluation.stages import TIMER_DISAGREEMENT, cross_check_flags, timing_stats
 from kf.tasks import TaskError, load_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
@@ -213,7 +214,7 @@ def test_compare_inputs_detects_change() -> None:
 def test_reused_reference_keeps_the_inputs_it_made(pool: RunnerPool) -> None:
     """A reference runner serving a second candidate answers a repeated seed from what it
     made, with the same inputs; a model built from another seed makes its own."""
-    from kf.evaluation.stages import _Deadline, _setup_fields
+    from kf.evaluation.grading import _Deadline, _setup_fields
 
     deadline = _Deadline(60)
     with pool.reference_lease("test-reuse") as ref:

@@ -85,7 +85,7 @@ def test_build_inline_takes_every_architecture_list_pytorch_takes() -> None:
 def test_a_refused_build_names_its_reason_in_the_compile_report() -> None:
     """The grader's reason reaches the report: "C++ compilation failed" alone, with an
     empty log, was all the H200 run said."""
-    from kf.evaluation.runner import _compile_failure
+    from kf.evaluation.runner_candidate import _compile_failure
     from kf.native import NativeCompileError
 
     exc = NativeCompileError("malformed CUDA architecture '9.0a'", "")

@@ -125,7 +125,7 @@ def test_payloads_over_the_piece_size_travel_in_pieces(monkeypatch: pytest.Monke
     """msgpack cannot carry one bytes object over 4 GiB (a 6.4 GB KernelBench output
     crashed the runner on the H200): longer payloads go as a list of pieces, through the
     real message encoding, and are judged as before."""
-    from kf.evaluation import runner as runner_module
+    from kf.evaluation import runner_common as runner_module
     from kf.evaluation.protocol import decode, encode
 
     monkeypatch.setattr(runner_module, "PAYLOAD_PIECE", 4096)

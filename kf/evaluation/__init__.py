@@ -1,6 +1,9 @@
 """Evaluate candidates: compile, verify and profile, each in sandboxed runner processes."""
 
+from kf.evaluation.compiling import compile_candidate
 from kf.evaluation.device import DeviceError, parse_device
+from kf.evaluation.pipeline import evaluate
+from kf.evaluation.profiling import profile_candidate
 from kf.evaluation.reports import (
     FAILURE_KINDS,
     CompileReport,
@@ -10,12 +13,7 @@ from kf.evaluation.reports import (
     VerifyReport,
 )
 from kf.evaluation.sandbox import Limits, RunnerPool, default_pool
-from kf.evaluation.stages import (
-    compile_candidate,
-    evaluate,
-    profile_candidate,
-    verify_candidate,
-)
+from kf.evaluation.verifying import verify_candidate
 
 __all__ = [
     "FAILURE_KINDS",

@@ -137,7 +137,7 @@ def audit_task(
     tolerance: Any = None,
 ) -> TaskAudit:
     """Audit ``task`` in a (reused) reference runner; a failure is recorded, not raised."""
-    from kf.evaluation import stages
+    from kf.evaluation import grading
     from kf.evaluation.device import parse_device
     from kf.evaluation.sandbox import Limits, RunnerError, default_pool
     from kf.evaluation.variants import SCALES
@@ -147,22 +147,22 @@ def audit_task(
     pool = pool or default_pool()
     limits = Limits()
     start = time.monotonic()
-    deadline = stages._Deadline(timeout_s)
+    deadline = grading._Deadline(timeout_s)
     try:
-        with stages._trimmed(pool.reference_lease(stages._ref_key(task, device))) as ref:
-            fields = stages._setup_fields(ref, device, limits, deadline, reference=True)
-            stages._reference(task, ref, "setup", deadline, **fields)
-            stages._reference(
+        with grading._trimmed(pool.reference_lease(grading._ref_key(task, device))) as ref:
+            fields = grading._setup_fields(ref, device, limits, deadline, reference=True)
+            grading._reference(task, ref, "setup", deadline, **fields)
+            grading._reference(
                 task, ref, "load_task", deadline, source=task.source, name=task.name, seed=seed
             )
-            reply = stages._reference(
+            reply = grading._reference(
                 task,
                 ref,
                 "audit",
                 deadline,
-                seeds=stages._seed_trials(seed, trials),
+                seeds=grading._seed_trials(seed, trials),
                 scales=[s for s in SCALES if s > 0],
-                tol=stages._tol(task, tolerance),
+                tol=grading._tol(task, tolerance),
             )
     except (TaskError, RunnerError) as exc:
         return TaskAudit(degenerate=False, error=str(exc), duration_s=time.monotonic() - start)

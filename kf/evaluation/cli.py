@@ -17,9 +17,9 @@ import structlog
 
 from kf.evaluation.box import SandboxUnavailable, require
 from kf.evaluation.device import DeviceError, parse_device
+from kf.evaluation.pipeline import evaluate
 from kf.evaluation.reports import FLAG_REASONS, EvalResult, ProfileReport
 from kf.evaluation.sandbox import RunnerStartError
-from kf.evaluation.stages import evaluate
 from kf.evaluation.tolerance import describe, tolerance_from_args
 from kf.tasks import TaskError, load_task
 

@@ -6,7 +6,7 @@ the candidate against PyTorch eager, and the reference under ``torch.compile``),
 guards against speed-ups that are not real, each of which can only lower a figure:
 
 1. **Re-verification.** A speed-up above 10× is re-verified on fresh seeds and unseen
-   shapes before it is stated (:func:`kf.evaluation.stages.reverify_fast`).
+   shapes before it is stated (:func:`kf.evaluation.verifying.reverify_fast`).
 2. **An eager outlier.** When this session's eager time lies well above the median of the
    task's earlier sessions on the same device (on a host busy with builds, PyTorch's
    several kernel launches can be slowed where a candidate's one is not), the speed-up is
@@ -34,8 +34,9 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from kf.evaluation.profiling import profile_candidate
 from kf.evaluation.reports import ProfileReport
-from kf.evaluation.stages import profile_candidate, reverify_fast
+from kf.evaluation.verifying import reverify_fast
 from kf.tasks import Task
 
 __all__ = [
@@ -57,7 +58,7 @@ RETIME_ROUNDS = 2
 EAGER_HISTORY = 3
 EAGER_OUTLIER = 0.10
 
-#: what :func:`kf.evaluation.stages.reverify_fast` takes of the profile's arguments
+#: what :func:`kf.evaluation.verifying.reverify_fast` takes of the profile's arguments
 _REVERIFY_ARGS = ("device", "seed", "timeout_s", "pool", "tolerance")
 
 

@@ -17,7 +17,7 @@ asks for). In order of preference:
    leading dimension of every input that shares the first input's, sliced or extended.
 
 Whatever is derived, a variant the reference itself rejects (raises on) is not used;
-the runner tries the next one (:meth:`kf.evaluation.runner.Runner._make_inputs`).
+the runner tries the next one (:meth:`kf.evaluation.runner_reference.ReferenceRole._make_inputs`).
 
 **Distributions**: :data:`SCALES`, as KernelBench-Verified checks: every floating-point
 input tensor multiplied by the factor, integer inputs (indices, sizes) left alone.

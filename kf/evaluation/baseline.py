@@ -1,0 +1,87 @@
+"""The ``torch.compile`` baseline: whether it is wanted, its limits and cache, and its
+compilation in the reference runner.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kf.evaluation import baseline_settings
+from kf.evaluation.grading import _OFF, _ref_key, log
+from kf.evaluation.sandbox import RunnerCrashed, RunnerFailed, RunnerHandle, RunnerTimeout
+from kf.tasks import Task
+
+
+def compile_baseline_wanted() -> bool:
+    """Whether profiles also time the reference under ``torch.compile``
+    (``$KF_COMPILE_BASELINE``, default on; ``0`` turns it off)."""
+    return os.environ.get("KF_COMPILE_BASELINE", "1").strip().lower() not in _OFF
+
+
+def _compile_timeout_s() -> float:
+    """How long one ``torch.compile`` of a reference may take (``$KF_COMPILE_BASELINE_TIMEOUT_S``,
+    default 600 s); it does not count against the profile's own timeout."""
+    return float(os.environ.get("KF_COMPILE_BASELINE_TIMEOUT_S") or 600.0)
+
+
+def _inductor_cache_dir() -> str | None:
+    """Where reference runners keep inductor's caches: ``$KF_CACHE_DIR/inductor`` (or
+    ``~/.cache/kf/inductor``), so a fresh reference runner recompiles a task's reference
+    from the cache in about a second; None (the runner's own scratch directory, lost
+    with it) with ``$KF_COMPILE_CACHE=0``, and None when ``$TORCHINDUCTOR_CACHE_DIR``
+    is set (runners inherit it)."""
+    if os.environ.get("KF_COMPILE_CACHE", "1").strip().lower() in _OFF:
+        return None
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return None
+    from kf.evaluation.box import unsafe_requested
+
+    if not unsafe_requested():
+        # boxed runners see the shared cache read-only, and a cache every runner could
+        # write would let a candidate plant pickles for the next reference runner: inside
+        # the box inductor compiles into the runner's own scratch, lost with it
+        return None
+    root = os.environ.get("KF_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kf")
+    return os.path.join(root, "inductor")
+
+
+class _BaselineLost(Exception):
+    """The reference runner died or hung compiling or timing the compiled reference."""
+
+
+# baseline compiles that killed or hung their runner, per reference key and seed: not
+# tried again in this process
+_baseline_lost: dict[str, str] = {}
+
+
+def _compile_baseline(
+    task: Task, ref: RunnerHandle, device: str, seed: int, want: bool
+) -> dict[str, Any]:
+    """Have the reference runner compile the reference for its current inputs (or find it
+    compiled): its reply, with ``error`` set when there is no compiled baseline."""
+    if not want:
+        return {"error": "turned off by $KF_COMPILE_BASELINE=0"}
+    lost_key = f"{_ref_key(task, device)}:{seed}"
+    if lost_key in _baseline_lost:
+        return {"error": _baseline_lost[lost_key], "cached": True}
+    try:
+        reply: dict[str, Any] = ref.request(
+            "compile_baseline",
+            _compile_timeout_s(),
+            cache_dir=_inductor_cache_dir(),
+            mode=baseline_settings.compile_mode(),
+            what="torch.compile of the reference",
+        )
+    except (RunnerTimeout, RunnerCrashed) as exc:
+        why = f"torch.compile of the reference lost its runner: {exc}"
+        _baseline_lost[lost_key] = why
+        log.warning("compile_baseline_lost", task=task.name, error=why)
+        raise _BaselineLost(why) from exc
+    except RunnerFailed as exc:
+        return {"error": f"torch.compile of the reference failed: {exc}"}
+    if reply.get("error"):
+        log.info("compile_baseline_failed", task=task.name, error=reply["error"])
+    elif not reply.get("cached"):
+        log.info("compile_baseline_compiled", task=task.name, seconds=reply.get("compile_s"))
+    return reply

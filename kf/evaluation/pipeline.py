@@ -1,0 +1,112 @@
+"""The whole evaluation, as ``kf eval`` runs it: compile, verify, profile (by the
+profiling policy, :mod:`kf.evaluation.policy`), and counters when asked.
+
+Each stage runs in fresh sandboxed runners. The grader (this process) never imports task
+or candidate code and never unpickles what a runner sends: it forwards payloads between a
+candidate runner and a candidate-free reference runner, which holds the expected outputs
+and judges them. The stages: :mod:`~kf.evaluation.compiling`,
+:mod:`~kf.evaluation.verifying`, :mod:`~kf.evaluation.profiling`,
+:mod:`~kf.evaluation.counters`; what they share: :mod:`~kf.evaluation.grading`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kf.evaluation.compiling import compile_candidate
+from kf.evaluation.counters import collect_counters
+from kf.evaluation.reports import EvalResult
+from kf.evaluation.sandbox import Limits, RunnerPool
+from kf.evaluation.tolerance import Tolerance
+from kf.evaluation.verifying import verify_candidate
+from kf.tasks import Task
+
+
+def evaluate(
+    task: Task,
+    source: str,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    pool: RunnerPool | None = None,
+    limits: Limits | None = None,
+    timeout_s: float = 120.0,
+    profile_options: dict[str, Any] | None = None,
+    profile: bool = True,
+    counters: bool = False,
+    tolerance: Tolerance | None = None,
+    build_timeout_s: float | None = None,
+    audit: bool = False,
+) -> EvalResult:
+    """Compile, verify (with the generalisation gate), and when correct profile; ``kf eval``.
+
+    A speed-up above :data:`REVERIFY_ABOVE` is re-verified before it is reported; with
+    ``counters``, a profiled candidate is run once more under ncu (:func:`collect_counters`).
+    ``profile_options`` go to :func:`profile_candidate` (``min_time_s``, ``warmup``…).
+    ``timeout_s`` limits verification and profiling; ``build_timeout_s`` the build (None:
+    ``$KF_BUILD_TIMEOUT_S`` or 600 s); ``tolerance`` is the run's (None: the task's own,
+    else KernelBench's). With ``audit``, the task is audited too (is it degenerate?
+    :mod:`kf.evaluation.audit`).
+    """
+    from kf.evaluation.audit import audit_task
+
+    audited = (
+        audit_task(task, device=device, seed=seed, pool=pool, tolerance=tolerance)
+        if audit
+        else None
+    )
+    compiled = compile_candidate(
+        task, source, device=device, pool=pool, limits=limits, timeout_s=build_timeout_s
+    )
+    if not compiled.ok:
+        return EvalResult(task=task.name, compile=compiled, device=device, seed=seed, audit=audited)
+    verified = verify_candidate(
+        task,
+        source,
+        device=device,
+        seed=seed,
+        pool=pool,
+        limits=limits,
+        timeout_s=timeout_s,
+        tolerance=tolerance,
+    )
+    if not verified.correct or not profile:
+        return EvalResult(
+            task=task.name,
+            compile=compiled,
+            verify=verified,
+            device=device,
+            seed=seed,
+            audit=audited,
+        )
+    # kf's one profiling policy, as the profiler agent of `kf run` applies it; a lone
+    # evaluation has no earlier sessions and no incumbent, so of its guards only the
+    # re-verification above 10x can apply here
+    from kf.evaluation.policy import stated_profile
+
+    profiled = stated_profile(
+        task,
+        source,
+        device=device,
+        seed=seed,
+        pool=pool,
+        limits=limits,
+        timeout_s=timeout_s,
+        tolerance=tolerance,
+        **(profile_options or {}),
+    )
+    measured = (
+        collect_counters(task, source, device=device, seed=seed, pool=pool, limits=limits)
+        if counters and profiled.ok
+        else None
+    )
+    return EvalResult(
+        task=task.name,
+        compile=compiled,
+        verify=verified,
+        profile=profiled,
+        device=device,
+        seed=seed,
+        counters=measured,
+        audit=audited,
+    )

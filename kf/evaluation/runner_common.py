@@ -1,0 +1,382 @@
+"""What every runner role shares: the base of :class:`kf.evaluation.runner.Runner`
+(set-up, payloads in and out, the task's import and inputs, timing) and the helpers the
+roles use.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from kf.evaluation import shared_memory
+from kf.evaluation.baseline_settings import apply_tf32
+from kf.evaluation.runner_guard import _Watch
+from kf.evaluation.transport import Exports, is_ipc, pack, unpack
+
+_MAX_ERROR = 2000
+
+
+_TRIM_ABOVE_BYTES = 1 << 30  # cached-but-free GPU memory a reference runner gives back
+
+
+_TRIALS_KEPT = 4  # trials (pristine inputs, expected outputs) a reference runner holds
+
+
+_MAX_LOG = 20_000
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= _MAX_ERROR else text[:_MAX_ERROR] + " …"
+
+
+class _Failure(Exception):
+    """A request failed in a way the grader should see with a given kind."""
+
+    def __init__(self, kind: str, error: str, log: str = "") -> None:
+        super().__init__(error)
+        self.kind = kind
+        self.error = error
+        self.log = log
+
+
+def _aliases(torch: Any, a: Any, b: Any) -> bool:
+    """Whether two tensors share storage."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return True
+
+
+class _Compiled(NamedTuple):
+    """The reference under ``torch.compile`` for one model and input signature.
+
+    ``fn`` is None when compiling failed; ``reply`` is what the first request was told
+    (compile seconds and graphs, or the error), repeated to later ones with ``cached``.
+    """
+
+    fn: Any
+    reply: dict[str, Any]
+
+
+_MAX_COMPILED = 4  # compiled references a runner keeps (one per model seed and input shapes)
+
+
+class _Made(NamedTuple):
+    """One input set a reference runner made: the reply, pristine inputs, expected outputs."""
+
+    reply: dict[str, Any]
+    pristine: list[Any] | None = None
+    expected: list[Any] = []
+    nbytes: int = 0
+
+
+#: The longest single bytes object a payload is sent as (see :meth:`Runner.dump`).
+PAYLOAD_PIECE = 1 << 30
+
+
+def _nothing(*_: Any) -> None:
+    """What ``time`` calls with ``empty``: nothing, to measure the loop around a call."""
+
+
+def _dynamo_graphs(torch: Any) -> int:
+    """Graphs dynamo has compiled in this process so far (0 where torch does not say)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except (ImportError, AttributeError, KeyError, TypeError):
+        return 0
+
+
+def _tb() -> str:
+    text = traceback.format_exc()
+    return text[-_MAX_LOG:]
+
+
+def _flatten(torch: Any, out: Any, what: str, kind: str) -> list[Any]:
+    items = [out] if isinstance(out, torch.Tensor) else out
+    if not isinstance(items, list | tuple):
+        raise _Failure(
+            kind, f"{what} returned {type(out).__name__}, not a tensor or a tuple of tensors"
+        )
+    for item in items:
+        if type(item) not in (torch.Tensor, torch.nn.Parameter):
+            raise _Failure(
+                kind, f"{what} returned a {type(item).__name__}, not a plain torch.Tensor"
+            )
+    return list(items)
+
+
+class RunnerBase:
+    """Set-up, payloads, the task's import and inputs, and timing: what every role needs."""
+
+    def __init__(self, clock_ns: Callable[[], int], watch: _Watch | None = None) -> None:
+        import torch
+
+        from kf.evaluation.device import Backend, make_backend
+
+        self.torch = torch
+        self.clock_ns = clock_ns
+        self.backend: Backend = make_backend("cpu", clock_ns)
+        self.model: Any = None
+        self.task_module: Any = None
+        self._inputs: list[Any] | None = []
+        self._inputs_from: list[Any] = []
+        self.trials: dict[int, tuple[list[Any], list[Any]]] = {}
+        self.trial_variant: dict[int, int | None] = {}
+        self.watch = watch or _Watch()
+        # CUDA runners hand tensors over as IPC handles (kf.evaluation.transport)
+        self.ipc = False
+        #: payloads of at least this many bytes of tensors go as sealed memory files
+        #: (kf.evaluation.shared_memory); None: never
+        self.shm: int | None = None
+        self.exports = Exports()
+        # a candidate runner that makes its trial inputs from the seed itself (the grader
+        # then moves only outputs: kf.evaluation.grading._own_inputs)
+        self.own_inputs = False
+        # a reused reference runner keeps the inputs and outputs it made, per seed
+        self.made: OrderedDict[tuple[int, int, int | None, float | None], _Made] = OrderedDict()
+        self.trial_scale: dict[int, float | None] = {}  # hidden distributions (variants.SCALES)
+        self.made_budget = 0
+        self.model_seed = 0
+        # a reused reference runner keeps its torch.compile'd reference, per model seed
+        # and input signature, so later candidates of the task do not pay the compile
+        self.compiled: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
+
+    @property
+    def inputs(self) -> list[Any]:
+        """The inputs the next timed call gets; after ``make_inputs`` a private copy of
+        the made set, cloned on first use (a verification never uses it, and at
+        KernelBench's sizes each copy is gigabytes of device memory)."""
+        if self._inputs is None:
+            self._inputs, self._inputs_from = self.clone(self._inputs_from), []
+        return self._inputs
+
+    @inputs.setter
+    def inputs(self, values: list[Any]) -> None:
+        self._inputs, self._inputs_from = values, []
+
+    # -- serialisation -------------------------------------------------------------
+    def dump(self, value: Any) -> bytes | list[memoryview] | shared_memory.Payload:
+        """``value`` (a runner's tensors, wherever they live) as a payload: IPC handles;
+        a sealed memory file (:mod:`kf.evaluation.shared_memory`) when large enough; or
+        ``torch.save`` bytes of host copies, split into pieces of at most
+        :data:`PAYLOAD_PIECE` bytes when longer (msgpack, which carries every message,
+        cannot hold one bytes object over 4 GiB, and one output of KernelBench's level-1
+        tasks is 6.4 GB)."""
+        if self.ipc and isinstance(value, list):
+            return pack(self.torch, self.host(value), self.exports)
+        if self.shm is not None and isinstance(value, list):
+            shared = shared_memory.pack(self.torch, value, self.shm)
+            if shared is not None:
+                return shared
+        if isinstance(value, list):
+            value = self.host(value)
+        buf = io.BytesIO()
+        self.torch.save(value, buf)
+        if buf.tell() <= PAYLOAD_PIECE:
+            return buf.getvalue()
+        view = buf.getbuffer()
+        return [view[i : i + PAYLOAD_PIECE] for i in range(0, len(view), PAYLOAD_PIECE)]
+
+    def _dump_inputs(self, pristine: list[Any]) -> Any:
+        """The reference's inputs for another runner, which cannot reach ``pristine``
+        itself: a clone goes over IPC (the receiver maps the allocation writable); the
+        other payloads are copies already."""
+        return self.dump(self.clone(pristine) if self.ipc else pristine)
+
+    def load(self, data: bytes | list[bytes] | shared_memory.Payload) -> Any:
+        if isinstance(data, shared_memory.Payload):
+            try:
+                return shared_memory.unpack(self.torch, data)
+            finally:
+                data.close()  # mapped: the descriptor is no longer needed
+        if isinstance(data, list):  # a payload in pieces (dump)
+            data = b"".join(data)
+        if is_ipc(data):
+            return unpack(self.torch, data)
+        return self.torch.load(io.BytesIO(data), weights_only=True)
+
+    def host(self, values: list[Any]) -> list[Any]:
+        """What a reply carries of ``values``: as they are over IPC, else host copies."""
+        if self.ipc:
+            return [v.detach() if isinstance(v, self.torch.Tensor) else v for v in values]
+        return [v.detach().cpu().clone() if isinstance(v, self.torch.Tensor) else v for v in values]
+
+    def clone(self, values: list[Any]) -> list[Any]:
+        return [v.detach().clone() if isinstance(v, self.torch.Tensor) else v for v in values]
+
+    # -- handlers ------------------------------------------------------------------
+    def op_ping(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def op_setup(self, msg: dict[str, Any]) -> dict[str, Any]:
+        import resource
+
+        from kf.evaluation.device import make_backend
+
+        if int(msg.get("nice") or 0) > 0:
+            os.nice(int(msg["nice"]))  # a build: its compilers yield to grading and timing
+        self.backend = make_backend(msg["device"], self.clock_ns)
+        self.ipc = bool(msg.get("ipc")) and self.backend.name == "cuda"
+        shm = msg.get("shm")
+        self.shm = int(shm) if shm is not None and not self.ipc else None
+        self.own_inputs = bool(msg.get("own_inputs"))
+        self.made_budget = self._cache_budget(msg)
+        self.torch.set_num_threads(int(msg["threads"]))
+        if msg.get("memory_bytes"):
+            mem = int(msg["memory_bytes"])
+            resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+        if msg.get("cpu_s"):
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            used = int(usage.ru_utime + usage.ru_stime) + 1
+            soft = used + int(msg["cpu_s"])
+            resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 5))
+        if msg.get("file_bytes"):
+            size = int(msg["file_bytes"])
+            resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+        # TF32 set explicitly before any task or candidate code runs (the grader's choice)
+        precision = apply_tf32(self.torch, msg.get("tf32"))
+        return {"threads": self.torch.get_num_threads(), "precision": precision}
+
+    def _cache_budget(self, msg: dict[str, Any]) -> int:
+        """Bytes of made inputs and outputs a reference runner keeps (0: none).
+
+        ``reference_cache_bytes`` < 0 asks for the default: a tenth of the GPU's memory
+        up to 8 GiB on a GPU, an eighth of the memory limit up to 1 GiB on a CPU.
+        """
+        asked = int(msg.get("reference_cache_bytes") or 0)
+        if asked >= 0:
+            return asked
+        if self.backend.name == "cuda":
+            props = self.torch.cuda.get_device_properties(self.torch.cuda.current_device())
+            return int(min(8 << 30, props.total_memory // 10))
+        limit = int(msg.get("memory_bytes") or 0)
+        return min(1 << 30, limit // 8) if limit else 1 << 30
+
+    def _import_task(self, source: str, name: str) -> Any:
+        from kf.tasks import REQUIRED_NAMES, import_source
+
+        try:
+            module = import_source(f"kf_task_{name}", source, filename=f"<task {name}>")
+        except BaseException as exc:
+            raise _Failure("task_error", f"import raised {_describe(exc)}", _tb()) from exc
+        for attr in REQUIRED_NAMES:
+            kind = "class" if attr == "Model" else "function"
+            if not hasattr(module, attr):
+                raise _Failure("task_error", f"defines no {kind} {attr}")
+            if not callable(getattr(module, attr)):
+                raise _Failure("task_error", f"{attr} is not callable")
+        self.task_module = module
+        return module
+
+    def _init_inputs(self, module: Any, seed: int) -> list[Any]:
+        self.torch.manual_seed(seed)
+        try:
+            init = module.get_init_inputs()
+        except BaseException as exc:
+            raise _Failure(
+                "task_error", f"get_init_inputs() raised {_describe(exc)}", _tb()
+            ) from exc
+        if not isinstance(init, list | tuple):
+            raise _Failure(
+                "task_error", f"get_init_inputs() returned {type(init).__name__}, not a list"
+            )
+        return list(init)
+
+    def _get_inputs(self, seed: int) -> list[Any]:
+        self.torch.manual_seed(seed)
+        try:
+            raw = self.task_module.get_inputs()
+        except BaseException as exc:
+            raise _Failure("task_error", f"get_inputs() raised {_describe(exc)}", _tb()) from exc
+        if not isinstance(raw, list | tuple):
+            raise _Failure("task_error", f"get_inputs() returned {type(raw).__name__}, not a list")
+        return list(raw)
+
+    def _seeded(
+        self, seed: int, scale: float | None = None, *, check: bool = True
+    ) -> tuple[list[Any], list[Any]]:
+        """The trial inputs for ``seed`` (scaled by ``scale``, a hidden distribution) made
+        here, as the reference makes them: on the device, and a host copy to check them
+        against after the call."""
+        raw = self._get_inputs(seed)
+        if scale is not None:
+            from kf.evaluation.variants import scale_inputs
+
+            raw = scale_inputs(self.torch, raw, scale) or raw
+        tensor = self.torch.Tensor
+        pristine = (
+            [v.detach().cpu().clone() if isinstance(v, tensor) else v for v in raw] if check else []
+        )
+        return [self.backend.to_device(v) for v in raw], pristine
+
+    def _signature(self, values: list[Any]) -> tuple[Any, ...]:
+        """What a compiled graph is specialised on: each input's shape, dtype and device
+        (tensors) or value (anything else), with the model's seed."""
+        torch = self.torch
+        parts = [
+            (tuple(v.shape), str(v.dtype), str(v.device), v.requires_grad)
+            if isinstance(v, torch.Tensor)
+            else (type(v).__name__, repr(v)[:200])
+            for v in values
+        ]
+        return (self.model_seed, *parts)
+
+    def op_time(self, msg: dict[str, Any]) -> dict[str, Any]:
+        torch = self.torch
+        model, inputs, backend = self.model, self.inputs, self.backend
+        if msg.get("compiled"):
+            known = self.compiled.get(self._signature(inputs))
+            if known is None or known.fn is None:
+                raise _Failure("protocol", "no compiled reference for these inputs")
+            model = known.fn
+        elif msg.get("empty"):  # the timing loop's own cost: a call that does nothing
+            model = _nothing
+        samples: list[int] = []
+        try:
+            with torch.no_grad():
+                for _ in range(int(msg["n"])):
+                    backend.flush_cache()
+                    samples.append(backend.time_call_ns(lambda: model(*inputs)))
+        except BaseException as exc:
+            raise _Failure(
+                "exception", f"forward raised {_describe(exc)} while timing", _tb()
+            ) from exc
+        return {"samples_ns": samples}
+
+    def op_time_inputs(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """One timed call on each of several fresh input sets (a cache would miss here)."""
+        torch = self.torch
+        model, backend = self.model, self.backend
+        if msg.get("seeds") is not None and self.own_inputs:
+            sets = [self._seeded(int(s), check=False)[0] for s in msg["seeds"]]
+        else:
+            sets = [[backend.to_device(v) for v in self.load(data)] for data in msg["inputs"]]
+        samples: list[int] = []
+        repeated: list[int] = []  # with "paired": the last inputs, timed the same way after each
+        try:
+            with torch.no_grad():
+                for inputs in sets:
+                    for which, into in ((inputs, samples), (self.inputs, repeated)):
+                        if into is repeated and not msg.get("paired"):
+                            continue
+                        # Read every input once so fresh data is as warm as repeated data.
+                        for v in which:
+                            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                                float(v.sum())
+                        backend.flush_cache()
+                        into.append(backend.time_call_ns(functools.partial(model, *which)))
+        except BaseException as exc:
+            raise _Failure(
+                "exception", f"forward raised {_describe(exc)} on fresh inputs", _tb()
+            ) from exc
+        return {"samples_ns": samples, "repeated_ns": repeated}

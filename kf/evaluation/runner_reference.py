@@ -1,0 +1,351 @@
+"""The reference role: the task's Model makes each trial's inputs and expected outputs
+and judges the candidate's outputs; it also audits the task and compiles the reference
+under ``torch.compile``. No candidate code ever runs in a reference runner.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kf.evaluation.baseline_settings import compile_kwargs, describe_compile
+from kf.evaluation.runner_common import (
+    _MAX_COMPILED,
+    _TRIALS_KEPT,
+    _TRIM_ABOVE_BYTES,
+    RunnerBase,
+    _aliases,
+    _Compiled,
+    _describe,
+    _dynamo_graphs,
+    _Failure,
+    _flatten,
+    _Made,
+    _tb,
+)
+
+
+class ReferenceRole(RunnerBase):
+    """Request handlers of a reference runner (the task's Model)."""
+
+    def op_load_task(self, msg: dict[str, Any]) -> dict[str, Any]:
+        module = self._import_task(msg["source"], msg["name"])
+        seed = int(msg["seed"])
+        self.model_seed = seed  # the model's parameters: part of what made inputs are keyed by
+        init = self._init_inputs(module, seed)
+        self.torch.manual_seed(seed)
+        try:
+            model = module.Model(*init)
+        except BaseException as exc:
+            raise _Failure(
+                "task_error", f"Model(*get_init_inputs()) raised {_describe(exc)}", _tb()
+            ) from exc
+        self.model = self.backend.to_device(model)
+        return {"init": self.dump(init)}
+
+    def _variant_candidates(self, seed: int, variant: int) -> list[tuple[str, list[Any]]]:
+        """Input sets for generalisation variant ``variant``, most preferred first.
+
+        The task's own ``get_extra_inputs()`` when it defines one; otherwise shapes the
+        task can make itself (:func:`kf.evaluation.variants.derived_shapes`).
+        """
+        torch = self.torch
+        extra = getattr(self.task_module, "get_extra_inputs", None)
+        if callable(extra):
+            torch.manual_seed(seed)
+            try:
+                sets = list(extra())
+            except BaseException as exc:
+                raise _Failure(
+                    "task_error", f"get_extra_inputs() raised {_describe(exc)}", _tb()
+                ) from exc
+            return [("get_extra_inputs()", list(sets[variant]))] if variant < len(sets) else []
+        from kf.evaluation.variants import derived_shapes
+
+        return derived_shapes(torch, self.task_module, self._get_inputs, seed, variant)
+
+    def op_make_inputs(self, msg: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self._op_make_inputs(msg)
+        finally:
+            self._trim_device_cache()
+
+    def _device_memory(self) -> dict[str, int]:
+        """The device's free and total bytes now (CUDA), for the grader's admission."""
+        if self.backend.name != "cuda":
+            return {}
+        free, total = self.torch.cuda.mem_get_info()
+        return {"device_free_bytes": int(free), "device_total_bytes": int(total)}
+
+    def _op_make_inputs(self, msg: dict[str, Any]) -> dict[str, Any]:
+        seed = int(msg["seed"])
+        variant = msg.get("variant")
+        scale = None if msg.get("scale") is None else float(msg["scale"])
+        key = (self.model_seed, seed, None if variant is None else int(variant), scale)
+        made = self.made.get(key)
+        reused = made is not None
+        if made is None:
+            made = self._make_inputs(seed, variant, scale)
+            self._remember(key, made)
+        else:
+            self.made.move_to_end(key)
+        if made.pristine is None:
+            return {**made.reply, "reused": reused}
+        made.reply.update(self._device_memory())
+        self._inputs, self._inputs_from = None, made.pristine
+        # a check follows its own trial's inputs; keeping every trial's inputs and outputs
+        # would hold tens of GB at KernelBench's sizes
+        self.trials.pop(seed, None)
+        self.trials[seed] = (made.pristine, made.expected)
+        self.trial_variant[seed] = None if variant is None else int(variant)
+        self.trial_scale[seed] = scale
+        while len(self.trials) > 1 and (
+            len(self.trials) > _TRIALS_KEPT
+            or sum(map(self._nbytes, self.trials.values())) > max(self.made_budget, 1 << 30)
+        ):
+            del self.trials[next(iter(self.trials))]
+        if msg.get("send") is False:  # the candidate runner makes its own (own_inputs)
+            return {**made.reply, "reused": reused, "inputs": None}
+        return {**made.reply, "reused": reused, "inputs": self._dump_inputs(made.pristine)}
+
+    def _nbytes(self, trial: tuple[list[Any], list[Any]]) -> int:
+        torch = self.torch
+        return sum(
+            v.numel() * v.element_size()
+            for v in (*trial[0], *trial[1])
+            if isinstance(v, torch.Tensor)
+        )
+
+    def _remember(self, key: tuple[int, int, int | None, float | None], made: _Made) -> None:
+        """Keep what was made for later candidates, within ``made_budget`` bytes."""
+        if made.nbytes > self.made_budget:
+            return
+        self.made[key] = made
+        while sum(m.nbytes for m in self.made.values()) > self.made_budget:
+            self.made.popitem(last=False)
+
+    def _make_inputs(
+        self,
+        seed: int,
+        variant: Any,
+        scale: float | None = None,
+        options: list[tuple[str, list[Any]]] | None = None,
+    ) -> _Made:
+        torch = self.torch
+        if scale is not None:  # a hidden input distribution (kf.evaluation.variants)
+            return self._scaled_inputs(seed, scale)
+        if options is not None:
+            pass
+        elif variant is None:
+            options = [("", self._get_inputs(seed))]
+        else:
+            options = self._variant_candidates(seed, int(variant))
+        out: Any = None
+        raw: list[Any] = []
+        how = ""
+        for label, option in options:
+            how, raw = label, option
+            if variant is None:
+                out = True  # the one option: the timed call below says whether it works
+                break
+            try:
+                with torch.no_grad():
+                    out = self.model(*self.clone([self.backend.to_device(v) for v in raw]))
+                break
+            except BaseException:
+                out = None
+        out = out is not None
+        if variant is not None and not out:
+            return _Made(
+                {"inputs": None, "variant": "the task has no other input shapes kf could derive"}
+            )
+        # the inputs as made, kept; the reference's forward gets a copy it may write to (one
+        # copy, not two: at KernelBench's sizes each is a 6.4 GB tensor on the device)
+        inputs = pristine = [self.backend.to_device(v) for v in raw]
+        given = self.clone(pristine)
+        start = self.clock_ns()
+        try:
+            with torch.no_grad():
+                out = self.model(*given)
+        except BaseException as exc:
+            raise _Failure("task_error", f"Model.forward raised {_describe(exc)}", _tb()) from exc
+        self.backend.synchronize()
+        eager_ms = (self.clock_ns() - start) / 1e6
+        outs = _flatten(torch, out, "Model.forward", "task_error")
+        del out
+        # the reference's own outputs; one that shares storage with what it was given (a
+        # view or an in-place op) keeps that copy alive, and none can alias the kept inputs
+        expected = [
+            o.detach().clone() if any(_aliases(torch, o, v) for v in pristine) else o.detach()
+            for o in outs
+        ]
+        del given
+        reply = {
+            "input_shapes": [list(v.shape) if isinstance(v, torch.Tensor) else [] for v in inputs],
+            "input_dtypes": [
+                str(v.dtype).removeprefix("torch.")
+                if isinstance(v, torch.Tensor)
+                else type(v).__name__
+                for v in inputs
+            ],
+            "output_shapes": [list(o.shape) for o in outs],
+            "output_dtypes": [str(o.dtype).removeprefix("torch.") for o in outs],
+            "eager_ms": eager_ms,
+            "variant": (
+                f"{how}: input shapes "
+                f"{[list(v.shape) for v in inputs if isinstance(v, torch.Tensor)]}"
+                if variant is not None
+                else ""
+            ),
+        }
+        nbytes = sum(
+            v.numel() * v.element_size()
+            for v in (*pristine, *expected)
+            if isinstance(v, torch.Tensor)
+        )
+        return _Made(reply, pristine, expected, nbytes)
+
+    def _scaled_inputs(self, seed: int, scale: float) -> _Made:
+        """The task's inputs for ``seed`` with floating-point tensors scaled: none when
+        there are none, or when the reference rejects them."""
+        from kf.evaluation.variants import scale_inputs
+
+        raw = scale_inputs(self.torch, self._get_inputs(seed), scale)
+        if raw is None:
+            return _Made({"inputs": None, "variant": "the task has no floating-point inputs"})
+        made = self._make_inputs(seed, 0, options=[(f"inputs ×{scale:g}", raw)])
+        if made.pristine is None:
+            return _Made({"inputs": None, "variant": f"the reference rejects inputs ×{scale:g}"})
+        return made
+
+    def op_trim(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Between stages: drop the trials' tensors and the last inputs when they are
+        large (a reference runner stays alive for the task's next candidate, and idle
+        runners holding 25 GB each ran a GPU out of memory), then return cached blocks."""
+        limit = int(msg.get("keep_bytes", _TRIM_ABOVE_BYTES))
+        held = sum(map(self._nbytes, self.trials.values())) + self._nbytes((self._inputs or [], []))
+        dropped = 0
+        if held > limit:
+            self.trials.clear()
+            self.inputs = []
+            dropped = held
+        self._trim_device_cache()
+        return {"dropped_bytes": dropped}
+
+    def op_audit(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Whether the reference's outputs depend on its inputs (kf.evaluation.audit)."""
+        from kf.evaluation.audit import audit_reference
+
+        return audit_reference(self, msg)
+
+    def op_check(self, msg: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return {"verdict": self._check(msg)}
+        finally:
+            self._trim_device_cache()
+
+    def _trim_device_cache(self) -> None:
+        """Give cached GPU blocks back once they are large: a reference runner's peak at
+        KernelBench's sizes is several 6 GB tensors, and blocks its caching allocator keeps
+        are memory the candidates' processes on the same GPU cannot have."""
+        if self.backend.name != "cuda":
+            return
+        cuda = self.torch.cuda
+        if cuda.memory_reserved() - cuda.memory_allocated() > _TRIM_ABOVE_BYTES:
+            cuda.empty_cache()
+
+    def _check(self, msg: dict[str, Any]) -> dict[str, Any]:
+        from kf.evaluation.compare import compare_inputs, compare_outputs
+
+        seed = int(msg["seed"])
+        if seed not in self.trials:
+            # evicted to bound memory: the inputs and outputs are a pure function of the seed
+            made = self._make_inputs(seed, self.trial_variant.get(seed), self.trial_scale.get(seed))
+            self.trials[seed] = (made.pristine or [], made.expected or [])
+        pristine, expected = self.trials[seed]
+        try:
+            got = self.load(msg["outputs"])
+            after = None if msg.get("inputs_after") is None else self.load(msg["inputs_after"])
+        except Exception as exc:
+            return {
+                "ok": False,
+                "kind": "exception",
+                "reason": f"unreadable output: {_describe(exc)}",
+            }
+        verdict = compare_outputs(self.torch, expected, got, msg.get("tol"))
+        if verdict["ok"]:
+            if after is None:  # the candidate runner made and checked its own inputs
+                problem = msg.get("inputs_problem")
+            else:
+                problem = compare_inputs(self.torch, pristine, after)
+            if problem is not None:
+                return {**verdict, "ok": False, "kind": "input_mutated", "reason": problem}
+        return verdict
+
+    def op_compile_baseline(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Compile the reference with ``torch.compile`` for the current inputs, once.
+
+        Default mode, inductor, static shapes (what a first compile gives; no
+        recompilation for other shapes turns them dynamic). The first call, which
+        compiles, is timed; its output must pass the same check as a candidate's, or
+        the compiled reference is not a baseline. A failure is an answer (``error``),
+        not a failed request: the task is fine, only the baseline is missing.
+        """
+        mode = str(msg.get("mode") or "default")
+        key = self._signature(self.inputs)
+        known = self.compiled.get(key)
+        if known is not None and known.reply.get("mode") == mode:
+            self.compiled.move_to_end(key)
+            return {**known.reply, "cached": True}
+        if msg.get("cache_dir"):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(msg["cache_dir"])
+        fn, reply = self._compile_reference(mode)
+        self.compiled[key] = _Compiled(fn, reply)
+        while len(self.compiled) > _MAX_COMPILED:
+            self.compiled.popitem(last=False)
+        return {**reply, "cached": False}
+
+    def _compile_reference(self, mode: str = "default") -> tuple[Any, dict[str, Any]]:
+        from kf.evaluation.compare import compare_outputs
+
+        torch = self.torch
+        described = describe_compile(mode, torch.__version__)
+        fn: Any = None
+        start = self.clock_ns()
+        try:
+            import torch._dynamo
+            import torch._inductor.config
+
+            if "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS" not in os.environ:
+                # inductor keeps precompiled headers under the runner's scratch directory
+                # whatever its cache directory is, so each fresh runner would rebuild them
+                # (about 15 s on 2 cores) even when every kernel is in the cache
+                torch._inductor.config.cpp_cache_precompile_headers = False
+            graphs_before = _dynamo_graphs(torch)
+            fn = torch.compile(self.model, **compile_kwargs(mode))
+            with torch.no_grad():
+                got = fn(*self.clone(self.inputs))
+            self.backend.synchronize()
+            compile_s = (self.clock_ns() - start) / 1e9
+            with torch.no_grad():
+                want = self.model(*self.clone(self.inputs))
+            got_list = [got] if isinstance(got, torch.Tensor) else list(got)
+            want_list = [want] if isinstance(want, torch.Tensor) else list(want)
+            verdict = compare_outputs(torch, [w.detach() for w in want_list], got_list)
+        except Exception as exc:  # any failure of torch.compile is the answer
+            return None, {
+                "baseline": described,
+                "mode": mode,
+                "compile_s": (self.clock_ns() - start) / 1e9,
+                "error": f"torch.compile failed: {_describe(exc)}",
+            }
+        if not verdict["ok"]:
+            return None, {
+                "baseline": described,
+                "mode": mode,
+                "compile_s": compile_s,
+                "error": f"torch.compile's output fails kf's check against eager: "
+                f"{verdict['kind']}: {verdict['reason']}",
+            }
+        graphs = _dynamo_graphs(torch) - graphs_before
+        return fn, {"baseline": described, "mode": mode, "compile_s": compile_s, "graphs": graphs}

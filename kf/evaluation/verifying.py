@@ -1,0 +1,343 @@
+"""The verify stage: trials on the task's inputs, the generalisation gate's shapes,
+the hidden input distributions; and the re-verification of a speed-up above 10×.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+from kf.evaluation.admission import _BIG_LOCKS, _big_task_bytes, _footprint, too_large
+from kf.evaluation.device import parse_device
+from kf.evaluation.grading import (
+    DISTRIBUTION_FAILED,
+    REVERIFY_ABOVE,
+    _after_candidate_failure,
+    _candidate,
+    _CandidateFailed,
+    _Deadline,
+    _evidence,
+    _given,
+    _judge,
+    _load_pair,
+    _own_inputs,
+    _phases,
+    _ref_key,
+    _reference,
+    _sandboxed,
+    _seed_trials,
+    _tol,
+    _trim,
+    log,
+)
+from kf.evaluation.reports import ProfileReport, TrialEvidence, VerifyReport
+from kf.evaluation.sandbox import Limits, RunnerHandle, RunnerPool, default_pool
+from kf.evaluation.tolerance import Tolerance, for_dtype, resolve
+from kf.tasks import Task
+
+
+def verify_candidate(
+    task: Task,
+    source: str,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    trials: int = 5,
+    timeout_s: float = 120.0,
+    limits: Limits | None = None,
+    pool: RunnerPool | None = None,
+    generalise: bool = True,
+    tolerance: Tolerance | None = None,
+) -> VerifyReport:
+    """Check the candidate against the reference on ``trials`` fresh seeded inputs (KernelBench).
+
+    The first trial records the PyTorch ops ``forward`` dispatches (flag
+    ``torch_compute``). With ``generalise``, the candidate is then checked on input
+    shapes it never saw (the task's ``get_extra_inputs()``, else a rescaled leading
+    dimension): the generalisation gate; failing it is ``generalisation_failed``.
+    Raises :class:`TaskError` when the task itself is broken.
+    """
+    leased: list[RunnerHandle] = []
+    report = _verify(
+        task,
+        source,
+        leased,
+        device=device,
+        seed=seed,
+        trials=trials,
+        timeout_s=timeout_s,
+        limits=limits,
+        pool=pool,
+        generalise=generalise,
+        tolerance=tolerance,
+    )
+    return _sandboxed(report, leased)
+
+
+def _verify(
+    task: Task,
+    source: str,
+    leased: list[RunnerHandle],
+    *,
+    device: str,
+    seed: int,
+    trials: int,
+    timeout_s: float,
+    limits: Limits | None,
+    pool: RunnerPool | None,
+    generalise: bool,
+    tolerance: Tolerance | None = None,
+) -> VerifyReport:
+    """:func:`verify_candidate`; the runners it leases are added to ``leased``."""
+    device = parse_device(device)
+    pool = pool or default_pool()
+    limits = limits or Limits()
+    evidence: list[TrialEvidence] = []
+    variants: list[TrialEvidence] = []
+    hidden: list[TrialEvidence] = []
+    flags: list[str] = []
+    atol = rtol = 0.0
+    chosen, chosen_from = resolve(tolerance, task.source)
+    tol = _tol(task, tolerance)
+    since = time.monotonic()
+    with pool.reference_lease(_ref_key(task, device)) as ref, pool.lease() as cand:
+        leased += [ref, cand]
+        start = time.monotonic()
+        deadline = _Deadline(timeout_s)
+
+        def report(**kw: Any) -> VerifyReport:
+            return VerifyReport(
+                trials=len(evidence),
+                max_abs_err=max((e.max_abs_err for e in evidence), default=0.0),
+                max_rel_err=max((e.max_rel_err for e in evidence), default=0.0),
+                evidence=tuple(evidence),
+                atol=atol,
+                rtol=rtol,
+                min_tolerance=max((e.min_tol for e in evidence), default=0.0),
+                tolerance_source=chosen_from,
+                duration_s=time.monotonic() - start,
+                variant_evidence=tuple(variants),
+                distribution_evidence=tuple(hidden),
+                flags=tuple(flags) + tuple(f for f in cand.findings if f not in flags),
+                phases=_phases(since, ref, cand),
+                **kw,
+            )
+
+        big: threading.Lock | None = None
+        try:
+            _load_pair(task, source, ref, cand, device, limits, deadline, seed)
+            for i, trial_seed in enumerate(_seed_trials(seed, trials)):
+                made = _reference(
+                    task,
+                    ref,
+                    "make_inputs",
+                    deadline,
+                    seed=trial_seed,
+                    send=not _own_inputs(cand, device),
+                )
+                refused = too_large(made, device) if i == 0 else None
+                if refused is not None:
+                    log.info("candidate_rejected", task=task.name, kind="too_large")
+                    return report(correct=False, failure_kind="too_large", error=refused)
+                if (
+                    big is None
+                    and device.startswith("cuda")
+                    and _footprint(made) > _big_task_bytes()
+                ):
+                    big = _BIG_LOCKS.setdefault(device, threading.Lock())
+                    big.acquire()
+                pairs = [for_dtype(chosen, d) for d in made["output_dtypes"]]
+                atol = max((a for a, _ in pairs), default=for_dtype(chosen, "float32")[0])
+                rtol = max((r for _, r in pairs), default=for_dtype(chosen, "float32")[1])
+                ran = _candidate(
+                    task,
+                    cand,
+                    "run",
+                    deadline,
+                    **_given(cand, device, made, trial_seed),
+                    trace=i == 0,
+                    what=f"forward (trial {i + 1})",
+                )
+                if ran.get("torch_ops"):
+                    ops = ", ".join(f"aten.{op}" for op in ran["torch_ops"][:8])
+                    flags.append(f"torch_compute: forward dispatched PyTorch ops {ops}")
+                verdict = _judge(task, ref, ran, trial_seed, deadline, tol)
+                evidence.append(_evidence(trial_seed, verdict))
+                if not verdict["ok"]:
+                    log.info("candidate_rejected", task=task.name, kind=verdict["kind"])
+                    return report(
+                        correct=False,
+                        failure_kind=verdict["kind"],
+                        error=f"trial {i + 1}/{trials} (seed {trial_seed}): {verdict['reason']}",
+                    )
+            if generalise:
+                failed = _generalisation_gate(
+                    task, ref, cand, seed, deadline, variants, device, tol
+                )
+                if failed is not None:
+                    log.info("candidate_rejected", task=task.name, kind="generalisation_failed")
+                    return report(correct=False, failure_kind="generalisation_failed", error=failed)
+                failed = _hidden_distributions(task, ref, cand, seed, deadline, hidden, device, tol)
+                if failed is not None:
+                    log.info("candidate_rejected", task=task.name, kind=DISTRIBUTION_FAILED)
+                    return report(correct=False, failure_kind=DISTRIBUTION_FAILED, error=failed)
+        except _CandidateFailed as exc:
+            _after_candidate_failure(ref, exc, device)
+            log.info("candidate_rejected", task=task.name, kind=exc.kind)
+            detail = (
+                f"\n{exc.log[-1500:]}" if exc.kind in ("crash", "exception") and exc.log else ""
+            )
+            return report(correct=False, failure_kind=exc.kind, error=exc.error + detail)
+        finally:
+            _trim(ref)
+            if big is not None:
+                big.release()
+    log.info("candidate_verified", task=task.name, trials=len(evidence))
+    return report(correct=True)
+
+
+def _hidden_distributions(
+    task: Task,
+    ref: RunnerHandle,
+    cand: RunnerHandle,
+    seed: int,
+    deadline: _Deadline,
+    evidence: list[TrialEvidence],
+    device: str,
+    tol: dict[str, Any] | None = None,
+) -> str | None:
+    """Run the candidate on the task's inputs scaled by each of
+    :data:`kf.evaluation.variants.SCALES` (never seen before); None, or why it failed.
+
+    A distribution the reference rejects, or a task with no floating-point input, is
+    skipped."""
+    from kf.evaluation.variants import SCALES
+
+    for scale, trial_seed in zip(SCALES, _seed_trials(seed ^ 0xD157, len(SCALES)), strict=True):
+        own = _own_inputs(cand, device)
+        made = _reference(
+            task, ref, "make_inputs", deadline, seed=trial_seed, scale=scale, send=not own
+        )
+        if "input_shapes" not in made:  # the reference rejects them
+            continue
+        label = f"inputs ×{scale:g}"
+        given = _given(cand, device, made, trial_seed, scale)
+        failed = _unseen_trial(
+            task,
+            ref,
+            cand,
+            deadline,
+            evidence,
+            device,
+            tol,
+            trial_seed,
+            label,
+            given,
+            "hidden inputs",
+        )
+        if failed is not None:
+            return failed
+    return None
+
+
+def _unseen_trial(
+    task: Task,
+    ref: RunnerHandle,
+    cand: RunnerHandle,
+    deadline: _Deadline,
+    evidence: list[TrialEvidence],
+    device: str,
+    tol: dict[str, Any] | None,
+    trial_seed: int,
+    label: str,
+    given: dict[str, Any],
+    check: str,
+) -> str | None:
+    """One trial on inputs the candidate never saw (``given``, :func:`_given`), judged by
+    the reference and added to ``evidence``; None, or why ``check`` failed."""
+    try:
+        ran = _candidate(task, cand, "run", deadline, **given, what=f"forward on {label}")
+    except _CandidateFailed as exc:
+        _after_candidate_failure(ref, exc, device)
+        evidence.append(TrialEvidence(seed=trial_seed, ok=False, reason=exc.error, label=label))
+        return f"{check}, {label} (never seen before): {exc.kind}: {exc.error}"
+    verdict = _judge(task, ref, ran, trial_seed, deadline, tol)
+    evidence.append(_evidence(trial_seed, verdict, label))
+    if not verdict["ok"]:
+        return f"{check}, {label} (never seen before): {verdict['kind']}: {verdict['reason']}"
+    return None
+
+
+def _generalisation_gate(
+    task: Task,
+    ref: RunnerHandle,
+    cand: RunnerHandle,
+    seed: int,
+    deadline: _Deadline,
+    evidence: list[TrialEvidence],
+    device: str,
+    tol: dict[str, Any] | None = None,
+) -> str | None:
+    """Run the candidate on input shapes it never saw; None, or why it failed."""
+    for variant, trial_seed in enumerate(_seed_trials(seed ^ 0x6E4E, 4)):
+        made = _reference(task, ref, "make_inputs", deadline, seed=trial_seed, variant=variant)
+        if made.get("inputs") is None:
+            break
+        label = str(made.get("variant", ""))
+        given = {"inputs": made["inputs"]}  # the reference chose the shapes: they travel
+        failed = _unseen_trial(
+            task, ref, cand, deadline, evidence, device, tol, trial_seed, label, given,
+            "generalisation gate",
+        )  # fmt: skip
+        if failed is not None:
+            return failed
+    return None
+
+
+def reverify_fast(
+    task: Task,
+    source: str,
+    report: ProfileReport,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    timeout_s: float = 120.0,
+    pool: RunnerPool | None = None,
+    tolerance: Tolerance | None = None,
+) -> ProfileReport:
+    """Re-verify a speed-up above :data:`REVERIFY_ABOVE` on fresh seeds and shapes, and flag it.
+
+    The profile is returned unchanged below the threshold; above it, it carries the
+    re-verification and a ``speedup_over_10x`` flag, and fails (``reverify_failed``)
+    when the re-verification does.
+    """
+    if not report.ok or report.speedup <= REVERIFY_ABOVE:
+        return report
+    again = verify_candidate(
+        task,
+        source,
+        device=device,
+        seed=seed + 1,
+        timeout_s=timeout_s,
+        pool=pool,
+        tolerance=tolerance,
+    )
+    note = (
+        f"speedup_over_10x: {report.speedup:.1f}× re-verified on {again.trials} fresh inputs "
+        f"and {len(again.variant_evidence)} unseen shapes: "
+        + ("passed" if again.correct else f"FAILED ({again.failure_kind})")
+    )
+    log.info("candidate_reverified", task=task.name, speedup=report.speedup, ok=again.correct)
+    if again.correct:
+        return msgspec.structs.replace(report, flags=(*report.flags, note), reverify=again)
+    return msgspec.structs.replace(
+        report,
+        ok=False,
+        failure_kind="reverify_failed",
+        error=f"a {report.speedup:.1f}× speed-up did not survive re-verification: {again.error}",
+        flags=(*report.flags, note),
+        reverify=again,
+    )
