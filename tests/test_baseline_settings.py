@@ -14,12 +14,6 @@ from kf.evaluation import baseline_settings as bs
 ROOT = Path(__file__).resolve().parent.parent
 EVAL = ROOT / "tests" / "fixtures" / "eval"
 FAST: dict[str, Any] = {"min_time_s": 0.05, "min_trials": 5, "warmup": 2}
-RUNNER_APPLIES = "apply_tf32" in (ROOT / "kf" / "evaluation" / "runner.py").read_text()
-needs_runner = pytest.mark.skipif(
-    not RUNNER_APPLIES,
-    reason="kf/evaluation/runner.py does not apply the baseline settings yet "
-    "(docs/patches/runner-baseline-settings.patch)",
-)
 
 
 def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -63,7 +57,6 @@ def test_tf32_is_set_explicitly_and_read_back() -> None:
         torch.set_float32_matmul_precision(before["float32_matmul_precision"])
 
 
-@needs_runner
 def test_profile_records_the_settings_the_runners_used(monkeypatch: pytest.MonkeyPatch) -> None:
     """A profile under $KF_TF32=on and $KF_COMPILE_MODE=max-autotune records both as the
     reference runner stated them; the compiled baseline is described with its mode."""

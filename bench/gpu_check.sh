@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU checks, each step under its own time limit, every output
+# in OUT (at most 8 files come back from the device tool, so the steps share a few):
+#   bench/gpu_check.sh OUT tests       # GPU tests, then the boxed LLM end-to-end test
+#   bench/gpu_check.sh OUT memory      # bench/kernelbench_memory.py on shared-kb/mem
+#   bench/gpu_check.sh OUT trust       # bench/trust_table.py and bench/transport.py on cuda:0
+#   bench/gpu_check.sh OUT kernelbench # kf run on shared-kb/level1 with the scripted LLM
+# Sets up like bench/gpu_llm_session.sh (carry .whl, .bwrap and shared-kb). A run's log
+# is copied with SQLite's backup API: a plain copy of a log in WAL mode can be empty.
+set -uo pipefail
+out=${1:?OUT}
+shift
+mkdir -p "$out"
+bash bench/gpu_llm_session.sh setup "$out" > "$out/setup.txt" 2>&1 || { cat "$out/setup.txt"; exit 1; }
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+[ -x .bwrap/root/usr/bin/bwrap ] && export KF_BWRAP=$PWD/.bwrap/root/usr/bin/bwrap
+step() {  # step NAME LIMIT_S COMMAND...: run, note the status and seconds, keep the tail
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+}
+backup() {  # backup DB DEST: a consistent copy of a SQLite file in WAL mode
+  python3 -c "import sqlite3,sys; s=sqlite3.connect(sys.argv[1]); d=sqlite3.connect(sys.argv[2]); s.backup(d); d.close()" "$1" "$2" 2>/dev/null
+}
+for what in "$@"; do
+  case "$what" in
+    tests)
+      step gputests 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+        tests/test_adversarial_gpu.py tests/test_cuda_objcache.py tests/test_compile_baseline.py
+      step llm_gpu 330 python3 -m pytest -v -x -p no:cacheprovider --basetemp=/tmp/bt \
+        tests/test_llm_gpu.py
+      [ -f /tmp/bt/llmgpu0/run.db ] && backup /tmp/bt/llmgpu0/run.db "$out/llm.db"
+      ;;
+    memory)
+      KF_COMPILE_BASELINE=0 step memory 560 python3 bench/kernelbench_memory.py \
+        shared-kb/mem/*.py --timeout 300 --out "$out/memory.json"
+      ;;
+    trust)
+      step trust 300 python3 bench/trust_table.py --device cuda:0
+      step transport 240 python3 bench/transport.py --device cuda:0 --mb 256 --repeat 1 \
+        --out "$out/transport.json"
+      ;;
+    kernelbench)
+      step kernelbench 540 python3 bench/llm_kernelbench.py --kernelbench shared-kb/level1 \
+        --out "$out/kb" --timeout 500
+      ;;
+    *) echo "unknown step $what" >&2 ;;
+  esac
+done
+tail -n 40 "$out"/summary.txt
