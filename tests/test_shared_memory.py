@@ -71,6 +71,8 @@ def test_a_payload_gives_back_every_value_and_writes_stay_private() -> None:
 
 def test_small_payloads_stay_bytes() -> None:
     assert shared_memory.pack(torch, [torch.ones(8), 1]) is None
+    assert shared_memory.pack(torch, [torch.empty(0, 4)], min_bytes=0) is None  # nothing to hold
+    assert shared_memory.pack(torch, [torch.ones(8), 1], min_bytes=0) is not None
 
 
 def test_a_sealed_file_cannot_be_changed_by_anyone() -> None:

@@ -133,6 +133,8 @@ def pack(torch: Any, values: list[Any], min_bytes: int = MIN_BYTES) -> Payload |
             buf = io.BytesIO()
             torch.save(value.detach().cpu() if isinstance(value, torch.Tensor) else value, buf)
             entries.append({"saved": buf.getvalue()})
+    if offset == 0:  # only empty tensors (a threshold of 0): nothing for a file to hold
+        return None
     fd = os.memfd_create("kf-payload", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, offset)
