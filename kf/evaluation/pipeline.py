@@ -15,6 +15,7 @@ from typing import Any
 
 from kf.evaluation.compiling import compile_candidate
 from kf.evaluation.counters import collect_counters
+from kf.evaluation.policy import stated_profile
 from kf.evaluation.reports import EvalResult
 from kf.evaluation.sandbox import Limits, RunnerPool
 from kf.evaluation.tolerance import Tolerance
@@ -82,8 +83,6 @@ def evaluate(
     # kf's one profiling policy, as the profiler agent of `kf run` applies it; a lone
     # evaluation has no earlier sessions and no incumbent, so of its guards only the
     # re-verification above 10x can apply here
-    from kf.evaluation.policy import stated_profile
-
     profiled = stated_profile(
         task,
         source,

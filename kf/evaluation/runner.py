@@ -93,12 +93,13 @@ def main(argv: list[str]) -> int:
     conn = Connection(fd)
     # bound before any candidate code runs: the socket's bytes, and the descriptors of
     # shared-memory payloads beside them (kf.evaluation.shared_memory)
-    send, recv, poll = conn.send_bytes, conn.recv_bytes, conn.poll
+    send, recv = conn.send_bytes, conn.recv_bytes
     fd_sock = socket.socket(fileno=os.dup(fd))
     watch.grading = fd_sock
-    send_fds = functools.partial(shared_memory.send_fds, fd_sock)
-    receive_fds = functools.partial(shared_memory.receive_fds, fd_sock)
-    detach, attach = shared_memory.detach, shared_memory.attach
+    send_message = functools.partial(shared_memory.send_message, send, fd_sock, encode)
+    receive_message = functools.partial(
+        shared_memory.receive_message, recv, fd_sock, conn.poll, decode, 60.0
+    )
     if os.environ.get("KF_BUILD_SERVICE") == "1":  # in the box: the grader builds
         import kf.native
 
@@ -115,18 +116,15 @@ def main(argv: list[str]) -> int:
     guard: _Integrity | None = None
     while True:
         try:
-            msg = decode(recv())
+            msg = receive_message()
         except EOFError:
             return 0
-        if "_fds" in msg:  # payloads in memory files: their descriptors follow
-            msg = attach(msg, receive_fds(msg["_fds"], poll, 60.0))
         op = msg.get("op")
         if op == "exit":
             return 0
         if op == "load_candidate" and guard is None:
             # before any candidate code runs
-            bound = (send, recv, poll, send_fds, receive_fds, detach, attach)
-            guard = _Integrity(runner, clock_ns, *bound)
+            guard = _Integrity(runner, clock_ns, send, recv, send_message, receive_message)
         handler = getattr(runner, f"op_{op}", None)
         began = clock_ns()
         try:
@@ -150,10 +148,8 @@ def main(argv: list[str]) -> int:
         reply["took_ns"] = clock_ns() - began  # the handler's time, for the grader's request log
         reply["findings"] = watch.drain()
         sys.stdout.flush()
-        wire, fds = detach(reply)
-        send(encode(wire))
-        send_fds(fds)
-        del wire, reply
+        send_message(reply)
+        del reply
 
 
 if __name__ == "__main__":

@@ -322,10 +322,9 @@ class RunnerHandle:
             self.kill()
             raise RunnerTimeout(f"no answer after {timeout_s:.1f}s during {what}", tail)
         try:
-            reply = decode(self.conn.recv_bytes())
-            if "_fds" in reply:  # payloads in sealed memory files: their descriptors follow
-                fds = shared_memory.receive_fds(self.fd_sock, reply["_fds"], self.conn.poll, 10.0)
-                reply = shared_memory.attach(reply, fds)
+            reply = shared_memory.receive_message(
+                self.conn.recv_bytes, self.fd_sock, self.conn.poll, decode, 10.0
+            )
         except (EOFError, OSError) as exc:
             returncode = self._wait_exit()
             tail = self.log_tail()
@@ -376,9 +375,9 @@ class RunnerHandle:
         request_id = secrets.randbits(62)
         began = time.monotonic()
         try:
-            wire, fds = shared_memory.detach({"op": op, "id": request_id, **fields})
-            self.conn.send_bytes(encode(wire))
-            shared_memory.send_fds(self.fd_sock, fds)
+            shared_memory.send_message(
+                self.conn.send_bytes, self.fd_sock, encode, {"op": op, "id": request_id, **fields}
+            )
         except OSError as exc:
             returncode = self._wait_exit()
             tail = self.log_tail()

@@ -43,6 +43,8 @@ __all__ = [
     "detach",
     "pack",
     "receive_fds",
+    "receive_message",
+    "send_message",
     "unpack",
 ]
 
@@ -283,3 +285,30 @@ def send_fds(sock: socket.socket, fds: list[int]) -> None:
     """The descriptors of a message just sent with ``_fds`` (after it, on its socket)."""
     if fds:
         socket.send_fds(sock, [b"\0"], fds)
+
+
+def send_message(
+    send_bytes: Callable[[bytes], None],
+    sock: socket.socket,
+    encode: Callable[[dict[str, Any]], bytes],
+    message: dict[str, Any],
+) -> None:
+    """``message`` on a runner socket: its :class:`Payload` descriptors right after it."""
+    wire, fds = detach(message)
+    send_bytes(encode(wire))
+    send_fds(sock, fds)
+
+
+def receive_message(
+    recv_bytes: Callable[[], bytes],
+    sock: socket.socket,
+    poll: Callable[[float], bool],
+    decode: Callable[[bytes], dict[str, Any]],
+    timeout_s: float,
+) -> dict[str, Any]:
+    """The next message of a runner socket, its payloads' descriptors attached (the
+    ones announced must follow within ``timeout_s``; else ValueError)."""
+    message = decode(recv_bytes())
+    if "_fds" in message:
+        message = attach(message, receive_fds(sock, message["_fds"], poll, timeout_s))
+    return message
