@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
-from kf.evaluation import EvalResult, RunnerPool, evaluate
+from kf.evaluation import RunnerPool
 from kf.evaluation.runner import Runner
-
-FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"
-TASK_FILE = FIXTURES / "task_gelu.py"
-QUICK = {"min_time_s": 0.05, "warmup": 2, "min_trials": 10}
+from tests.runner_cases import FIXTURES, check_default_verdict, pool_under, runner_pair
 
 
 def _dump(value: object) -> bytes:
@@ -31,18 +27,7 @@ def _dump(value: object) -> bytes:
 
 
 def _pair(candidate: str) -> tuple[Runner, Runner]:
-    import time
-
-    ref, cand = Runner(time.perf_counter_ns), Runner(time.perf_counter_ns)
-    ref.op_setup({"device": "cpu", "threads": 1})
-    cand.op_setup({"device": "cpu", "threads": 1, "own_inputs": True})
-    source = TASK_FILE.read_text()
-    init = ref.op_load_task({"source": source, "name": "task_gelu", "seed": 3})["init"]
-    cand.op_load_candidate(
-        {"source": candidate, "seed": 3, "init": init, "task_source": source,
-         "task_name": "task_gelu"}
-    )  # fmt: skip
-    return ref, cand
+    return runner_pair(candidate, {}, {"own_inputs": True})
 
 
 def test_runner_makes_the_reference_inputs_from_the_seed_and_moves_only_outputs() -> None:
@@ -75,14 +60,7 @@ def test_runner_reports_an_input_written_by_the_candidate() -> None:
 
 @pytest.fixture(scope="module")
 def seeded_pool() -> Iterator[RunnerPool]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KF_TENSOR_TRANSPORT", "seed")
-        runners = RunnerPool(size=2, threads=1)
-        runners.start()
-        try:
-            yield runners
-        finally:
-            runners.close()
+    yield from pool_under({"KF_TENSOR_TRANSPORT": "seed"})
 
 
 @pytest.mark.parametrize(
@@ -101,24 +79,8 @@ def test_evaluation_with_seeded_inputs_gives_the_default_verdicts(
     seeded_pool: RunnerPool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kf.tasks import load_task
-
     monkeypatch.setenv("KF_TENSOR_TRANSPORT", "seed")
-    result: EvalResult = evaluate(
-        load_task(TASK_FILE),
-        (FIXTURES / f"{name}.py").read_text(),
-        pool=seeded_pool,
-        timeout_s=90,
-        profile_options=QUICK,
-        profile=name in ("honest_cpp", "cache_outputs"),
-    )
-    assert result.passed is passed, result.error
-    if passed:
-        assert result.profile is not None and result.profile.fresh_runtime_ms is not None
-        flags = " ".join(result.flags)
-        assert (kind_or_flag or "") in flags if kind_or_flag else result.flags == (), flags
-    else:
-        assert result.failure_kind == kind_or_flag, result.error
+    check_default_verdict(name, passed, kind_or_flag, seeded_pool)
 
 
 def test_payloads_over_the_piece_size_travel_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:

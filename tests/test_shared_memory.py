@@ -22,13 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kf.evaluation import EvalResult, RunnerPool, evaluate, shared_memory
+from kf.evaluation import RunnerPool, shared_memory
 from kf.evaluation.protocol import decode, encode
 from kf.evaluation.runner import Runner
-
-FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"
-TASK_FILE = FIXTURES / "task_gelu.py"
-QUICK = {"min_time_s": 0.05, "warmup": 2, "min_trials": 10}
+from tests.runner_cases import FIXTURES, check_default_verdict, pool_under, runner_pair
 
 pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="needs memfd seals")
 
@@ -183,16 +180,8 @@ def test_a_description_without_its_descriptor_is_refused() -> None:
 
 
 def _pair(candidate: str) -> tuple[Runner, Runner]:
-    ref, cand = Runner(time.perf_counter_ns), Runner(time.perf_counter_ns)
-    ref.op_setup({"device": "cpu", "threads": 1, "shm": 0})  # every payload as a file
-    cand.op_setup({"device": "cpu", "threads": 1, "shm": 0})
-    source = TASK_FILE.read_text()
-    init = ref.op_load_task({"source": source, "name": "task_gelu", "seed": 3})["init"]
-    cand.op_load_candidate(
-        {"source": candidate, "seed": 3, "init": init, "task_source": source,
-         "task_name": "task_gelu"}
-    )  # fmt: skip
-    return ref, cand
+    every_payload_a_file = {"shm": 0}
+    return runner_pair(candidate, every_payload_a_file, every_payload_a_file)
 
 
 def test_runners_move_inputs_and_outputs_as_files() -> None:
@@ -209,14 +198,7 @@ def test_runners_move_inputs_and_outputs_as_files() -> None:
 
 @pytest.fixture(scope="module")
 def shm_pool() -> Iterator[RunnerPool]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KF_SHM_MIN_BYTES", "0")  # every payload as a file, even this task's
-        runners = RunnerPool(size=2, threads=1)
-        runners.start()
-        try:
-            yield runners
-        finally:
-            runners.close()
+    yield from pool_under({"KF_SHM_MIN_BYTES": "0"})  # every payload as a file, even this task's
 
 
 @pytest.mark.parametrize(
@@ -237,18 +219,5 @@ def test_boxed_evaluations_with_files_give_the_bytes_verdicts(
     shm_pool: RunnerPool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kf.tasks import load_task
-
     monkeypatch.setenv("KF_SHM_MIN_BYTES", "0")
-    source = (FIXTURES / f"{name}.py").read_text()
-    result: EvalResult = evaluate(
-        load_task(TASK_FILE), source, pool=shm_pool, timeout_s=90, profile_options=QUICK,
-        profile=name in ("honest_cpp", "cache_outputs"),
-    )  # fmt: skip
-    assert result.passed is passed, result.error
-    if passed:
-        assert result.profile is not None and result.profile.fresh_runtime_ms is not None
-        flags = " ".join(result.flags)
-        assert (kind_or_flag or "") in flags if kind_or_flag else result.flags == (), flags
-    else:
-        assert result.failure_kind == kind_or_flag, result.error
+    check_default_verdict(name, passed, kind_or_flag, shm_pool)
