@@ -27,7 +27,7 @@ from kf.search_facts import (
     GeneralisationFailed,
     TaskAudited,
 )
-from kf.tasks import Task
+from kf.tasks import Task, TaskError
 
 __all__ = ["Verifier"]
 
@@ -76,16 +76,25 @@ class Verifier(EvaluatorAgent):
         async def verify() -> VerifyReport:
             async with await gate_for(self.device).shared():
                 await self._audit(state, task)
-                return await asyncio.to_thread(
-                    verify_candidate,
-                    task,
-                    source,
-                    device=self.device,
-                    seed=state.seed,
-                    timeout_s=self.timeout_s,
-                    tolerance=state.tolerance,
-                    pool=runner_pool(self.device),
-                )
+                try:
+                    return await asyncio.to_thread(
+                        verify_candidate,
+                        task,
+                        source,
+                        device=self.device,
+                        seed=state.seed,
+                        timeout_s=self.timeout_s,
+                        tolerance=state.tolerance,
+                        pool=runner_pool(self.device),
+                    )
+                except TaskError as exc:
+                    # the reference failed mid-verification: the candidate still gets a
+                    # verdict (else it waits forever), one that blames the task
+                    return VerifyReport(
+                        correct=False,
+                        failure_kind="task_error",
+                        error=f"the task's reference failed during verification: {exc}",
+                    )
 
         report = await self.stage(verify)
         if isinstance(report, list):  # the device failed: its candidates go elsewhere

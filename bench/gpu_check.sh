@@ -28,8 +28,9 @@ backup() {  # backup DB DEST: a consistent copy of a SQLite file in WAL mode
 for what in "$@"; do
   case "$what" in
     tests)
-      step gputests 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
-        tests/test_adversarial_gpu.py tests/test_cuda_objcache.py tests/test_compile_baseline.py
+      # -v: a step killed by its limit still names the tests that ran; each test 120 s
+      step gputests 240 python3 -m pytest -v -p no:cacheprovider --timeout 120 -rfE \
+        tests/test_cuda.py tests/test_adversarial_gpu.py
       step llm_gpu 330 python3 -m pytest -v -x -p no:cacheprovider --basetemp=/tmp/bt \
         tests/test_llm_gpu.py
       [ -f /tmp/bt/llmgpu0/run.db ] && backup /tmp/bt/llmgpu0/run.db "$out/llm.db"

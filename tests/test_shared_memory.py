@@ -18,6 +18,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -221,3 +222,41 @@ def test_boxed_evaluations_with_files_give_the_bytes_verdicts(
 ) -> None:
     monkeypatch.setenv("KF_SHM_MIN_BYTES", "0")
     check_default_verdict(name, passed, kind_or_flag, shm_pool)
+
+
+def _pack_under_file_limit(limit: int, nbytes: int, out: Any) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    payload = shared_memory.pack(torch, [torch.zeros(nbytes, dtype=torch.uint8)], min_bytes=0)
+    out.put(None if payload is None else payload.nbytes)
+
+
+@pytest.mark.parametrize(("nbytes", "as_file"), [(2 << 20, False), (256 << 10, True)])
+def test_a_payload_over_the_runners_file_limit_goes_as_bytes(nbytes: int, as_file: bool) -> None:
+    """A runner's file limit (which guards its log on the host's disk) counts memory
+    files too: a payload larger than it is not a file (the runner sends bytes), one
+    under it still is. On the H200, a 256 MB task's gate inputs hit exactly this."""
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_pack_under_file_limit, args=(1 << 20, nbytes, out))
+    child.start()
+    got = out.get(timeout=60)
+    child.join(60)
+    assert child.exitcode == 0
+    assert (got is not None) is as_file, got
+
+
+def test_the_reference_runner_has_no_file_limit() -> None:
+    """No candidate code runs in a reference runner: its large inputs and outputs go as
+    memory files whatever the candidates' file limit."""
+    from kf.evaluation.grading import _Deadline, _setup_fields
+    from kf.evaluation.sandbox import Limits
+
+    class _Handle:
+        threads, warm = 1, None
+
+    limits = Limits(file_bytes=1 << 20)
+    ref = _setup_fields(_Handle(), "cpu", limits, _Deadline(10), reference=True)  # type: ignore[arg-type]
+    cand = _setup_fields(_Handle(), "cpu", limits, _Deadline(10))  # type: ignore[arg-type]
+    assert ref["file_bytes"] == 0 and cand["file_bytes"] == 1 << 20

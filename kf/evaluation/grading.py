@@ -117,7 +117,9 @@ def _setup_fields(
         # a reused reference runner (no candidate code) gets no cumulative CPU limit: a
         # hard limit cannot be raised again, and the grader's deadlines still apply
         "cpu_s": 0 if reference else limits.cpu_s or int(deadline.timeout_s * handle.threads) + 30,
-        "file_bytes": limits.file_bytes,
+        # nor a file limit: it guards the host's disk from candidate code, and would
+        # refuse the memory files of the reference's large inputs and outputs
+        "file_bytes": 0 if reference else limits.file_bytes,
         # GPU runners pass tensors as CUDA IPC handles (kf.evaluation.transport)
         "ipc": device.startswith("cuda") and _ipc_transport(handle),
         # else large tensors as sealed memory files (kf.evaluation.shared_memory)

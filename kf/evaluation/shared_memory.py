@@ -23,10 +23,12 @@ contiguous tensors still travel as ``torch.save`` bytes inside it. Nothing is un
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import io
 import mmap
 import os
+import resource
 import socket
 import stat
 import weakref
@@ -113,6 +115,8 @@ def pack(torch: Any, values: list[Any], min_bytes: int = MIN_BYTES) -> Payload |
     tensors = [v for v in values if _plain(torch, v)]
     if not tensors or sum(t.numel() * t.element_size() for t in tensors) < min_bytes:
         return None
+    if not _may_write(sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors)):
+        return None
     entries: list[dict[str, Any]] = []
     placed: list[tuple[Any, int, int]] = []
     offset = 0
@@ -139,7 +143,13 @@ def pack(torch: Any, values: list[Any], min_bytes: int = MIN_BYTES) -> Payload |
         return None
     fd = os.memfd_create("kf-payload", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, offset)
+        try:
+            os.ftruncate(fd, offset)
+        except OSError as exc:
+            if exc.errno != errno.EFBIG:
+                raise
+            os.close(fd)
+            return None
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         with mmap.mmap(fd, offset, flags=mmap.MAP_SHARED, prot=prot) as mm:
             for tensor, start, nbytes in placed:
@@ -152,6 +162,14 @@ def pack(torch: Any, values: list[Any], min_bytes: int = MIN_BYTES) -> Payload |
         os.close(fd)
         raise
     return Payload(MAGIC + _encoder.encode(entries), fd, offset)
+
+
+def _may_write(nbytes: int) -> bool:
+    """Whether this process may make a file of ``nbytes``: a runner's file limit
+    (``RLIMIT_FSIZE``, which guards its log on the host's disk) counts memory files too,
+    and a payload over it goes as bytes instead."""
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return soft == resource.RLIM_INFINITY or nbytes <= soft
 
 
 def _view(torch: Any, mm: Any, start: int, nbytes: int, dtype: Any, shape: Any) -> Any:
