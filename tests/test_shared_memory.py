@@ -224,27 +224,50 @@ def test_boxed_evaluations_with_files_give_the_bytes_verdicts(
     check_default_verdict(name, passed, kind_or_flag, shm_pool)
 
 
-def _pack_under_file_limit(limit: int, nbytes: int, out: Any) -> None:
+def _pack_under_file_limit(limit: int, nbytes: int, maker: bool, out: Any) -> None:
     import resource
 
+    if maker:
+        shared_memory.start_file_maker()
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-    payload = shared_memory.pack(torch, [torch.zeros(nbytes, dtype=torch.uint8)], min_bytes=0)
-    out.put(None if payload is None else payload.nbytes)
+    values = [torch.arange(nbytes, dtype=torch.uint8), torch.randn(3)]
+    payload = shared_memory.pack(torch, values, min_bytes=0)
+    if payload is None:
+        out.put(None)
+        return
+    back = shared_memory.unpack(torch, payload)
+    out.put((payload.nbytes, all(_same(a, b) for a, b in zip(values, back, strict=True))))
+    shared_memory.stop_file_maker()
 
 
-@pytest.mark.parametrize(("nbytes", "as_file"), [(2 << 20, False), (256 << 10, True)])
-def test_a_payload_over_the_runners_file_limit_goes_as_bytes(nbytes: int, as_file: bool) -> None:
+@pytest.mark.parametrize(
+    ("nbytes", "maker", "as_file"),
+    [(2 << 20, False, False), (256 << 10, False, True), (2 << 20, True, True)],
+)
+def test_a_payload_over_the_runners_file_limit(nbytes: int, maker: bool, as_file: bool) -> None:
     """A runner's file limit (which guards its log on the host's disk) counts memory
-    files too: a payload larger than it is not a file (the runner sends bytes), one
-    under it still is. On the H200, a 256 MB task's gate inputs hit exactly this."""
+    files too (on the H200, a 256 MB task's gate inputs hit it): a payload larger than
+    the limit is a file made by the runner's file maker, started before the limit; with
+    no maker it goes as bytes; under the limit the runner makes the file itself."""
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
-    child = ctx.Process(target=_pack_under_file_limit, args=(1 << 20, nbytes, out))
+    child = ctx.Process(target=_pack_under_file_limit, args=(1 << 20, nbytes, maker, out))
     child.start()
     got = out.get(timeout=60)
     child.join(60)
     assert child.exitcode == 0
     assert (got is not None) is as_file, got
+    if got is not None:
+        assert got[0] >= nbytes and got[1], got
+
+
+def test_a_file_maker_that_is_gone_means_bytes() -> None:
+    maker = shared_memory.FileMaker()
+    assert maker.make(4096) is not None
+    maker.proc.kill()
+    maker.proc.wait(10)
+    assert maker.make(4096) is None
+    maker.close()
 
 
 def test_the_reference_runner_has_no_file_limit() -> None:

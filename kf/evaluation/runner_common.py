@@ -232,6 +232,9 @@ class RunnerBase:
         self.own_inputs = bool(msg.get("own_inputs"))
         self.made_budget = self._cache_budget(msg)
         self.torch.set_num_threads(int(msg["threads"]))
+        if msg.get("file_bytes") and self.shm is not None:
+            # before any limit: large payloads stay memory files under the file limit
+            shared_memory.start_file_maker()
         if msg.get("memory_bytes"):
             mem = int(msg["memory_bytes"])
             resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
