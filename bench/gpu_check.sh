@@ -36,8 +36,9 @@ for what in "$@"; do
       [ -f /tmp/bt/llmgpu0/run.db ] && backup /tmp/bt/llmgpu0/run.db "$out/llm.db"
       ;;
     memory)
-      KF_COMPILE_BASELINE=0 step memory 560 python3 bench/kernelbench_memory.py \
-        shared-kb/mem/*.py --timeout 300 --out "$out/memory.json"
+      # MEM_TASKS (shared-kb/mem/*.py), MEM_LIMIT (560 s), MEM_TIMEOUT (300 s an eval)
+      KF_COMPILE_BASELINE=0 step memory "${MEM_LIMIT:-560}" python3 bench/kernelbench_memory.py \
+        ${MEM_TASKS:-shared-kb/mem/*.py} --timeout "${MEM_TIMEOUT:-300}" --out "$out/memory.json"
       ;;
     trust)
       step trust 300 python3 bench/trust_table.py --device cuda:0
@@ -45,8 +46,12 @@ for what in "$@"; do
         --out "$out/transport.json"
       ;;
     kernelbench)
-      step kernelbench 540 python3 bench/llm_kernelbench.py --kernelbench shared-kb/level1 \
-        --out "$out/kb" --timeout 500
+      # KB_LIMIT (540 s) and KB_ARGS (more bench/llm_kernelbench.py options)
+      step kernelbench "${KB_LIMIT:-540}" python3 bench/llm_kernelbench.py \
+        --kernelbench shared-kb/level1 --out "$out/kb" --timeout "$(( ${KB_LIMIT:-540} - 40 ))" \
+        ${KB_ARGS:-}
+      [ -f "$out/kb/kernelbench_llm.db" ] && backup "$out/kb/kernelbench_llm.db" "$out/kb.db" \
+        && rm -rf "$out/kb/kernelbench_tasks" "$out/kb/kernelbench_llm.db"*
       ;;
     *) echo "unknown step $what" >&2 ;;
   esac
