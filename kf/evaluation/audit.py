@@ -23,6 +23,8 @@ from typing import Any
 
 import msgspec
 
+from kf.evaluation.protocol import Audit, Audited
+
 __all__ = ["TaskAudit", "audit_reference", "audit_task"]
 
 
@@ -43,16 +45,15 @@ def _num(t: Any) -> Any:
     return t if t.is_floating_point() or t.is_complex() else t.float()
 
 
-def audit_reference(runner: Any, msg: dict[str, Any]) -> dict[str, Any]:
+def audit_reference(runner: Any, msg: Audit) -> Audited:
     """The reference runner's side (``op_audit``): run ``Model`` on each seed's inputs
     and scaled copies of the first, and judge whether a constant would pass."""
     from kf.evaluation.compare import compare_outputs
     from kf.evaluation.variants import scale_inputs
 
     torch = runner.torch
-    seeds = [int(s) for s in msg["seeds"]]
-    scales = [float(s) for s in msg.get("scales", [])]
-    tol = msg.get("tol")
+    seeds, scales = msg.seeds, msg.scales
+    tol = None if msg.tol is None else msgspec.to_builtins(msg.tol)
 
     def sets() -> Iterator[list[Any]]:
         """The input sets, one at a time (at KernelBench's sizes a set is gigabytes)."""
@@ -105,7 +106,7 @@ def audit_reference(runner: Any, msg: dict[str, Any]) -> dict[str, Any]:
             spread = max(spread, gap / scale if scale > 0 else (0.0 if gap == 0 else float("inf")))
         del other
     if used < 2:
-        return {"degenerate": False, "input_sets": used, "reason": "too few input sets"}
+        return Audited(degenerate=False, input_sets=used, reason="too few input sets")
     degenerate = constant_all or zeros_all
     if zeros_all:
         answer = f"all zeros pass on all {used} input sets"
@@ -117,13 +118,13 @@ def audit_reference(runner: Any, msg: dict[str, Any]) -> dict[str, Any]:
         f"{answer} (trial seeds, and inputs scaled by {', '.join(f'{s:g}' for s in scales)}); "
         f"outputs move by at most {spread:.3g} of their size between sets"
     )
-    return {
-        "degenerate": degenerate,
-        "reason": reason,
-        "input_sets": used,
-        "spread": spread,
-        "constant_passes": passes + 1,
-    }
+    return Audited(
+        degenerate=degenerate,
+        reason=reason,
+        input_sets=used,
+        spread=spread,
+        constant_passes=passes + 1,
+    )
 
 
 def audit_task(
