@@ -399,7 +399,7 @@ class Ready(Message, frozen=True, kw_only=True, tag="ready"):
 
 
 class BuildNative(Message, frozen=True, kw_only=True, tag="build"):
-    """A boxed runner asks the grader to build a ``kf.native`` library (:mod:`kf.evaluation.builds`)."""
+    """A boxed runner asks the grader to build a ``kf.native`` library (kf.evaluation.builds)."""
 
     source: str
     flags: list[str] = []
@@ -424,11 +424,11 @@ class Built(Message, frozen=True, kw_only=True, tag="built"):
     cached: bool = False
 
 
-REQUESTS: tuple[type[Request[Any]], ...] = (
+REQUEST_TYPES: tuple[type[Request[Any]], ...] = (
     Ping, Setup, LoadTask, LoadCandidate, MakeInputs, Run, Check, Time, TimeInputs, Batch,
     Counters, Trim, Audit, CompileBaseline, Exit,
 )  # fmt: skip
-REPLIES: tuple[type[Reply], ...] = (
+REPLY_TYPES: tuple[type[Reply], ...] = (
     Failed, Pong, SetUp, TaskLoaded, CandidateLoaded, InputsMade, Ran, Checked, Timed,
     InputsTimed, BatchRan, CountersRan, Trimmed, Audited, BaselineCompiled,
 )  # fmt: skip
@@ -447,7 +447,7 @@ ToGrader = (
 
 _REPLY_OF: dict[type[Any], type[Reply]] = {
     cls: typing.get_args(cls.__orig_bases__[0])[0]  # type: ignore[attr-defined]
-    for cls in REQUESTS
+    for cls in REQUEST_TYPES
 }
 _encoder = msgspec.msgpack.Encoder()
 _to_runner = msgspec.msgpack.Decoder(ToRunner)
@@ -470,7 +470,7 @@ def decode_from_grader(data: bytes) -> ToRunner:
     try:
         return _to_runner.decode(data)
     except msgspec.DecodeError as exc:
-        raise ProtocolError(f"not a message from the grader of kf's runner protocol: {exc}") from exc
+        raise ProtocolError(f"not a message from kf's grader to a runner: {exc}") from exc
 
 
 def decode_from_runner(data: bytes) -> ToGrader:
@@ -478,4 +478,4 @@ def decode_from_runner(data: bytes) -> ToGrader:
     try:
         return _to_grader.decode(data)
     except msgspec.DecodeError as exc:
-        raise ProtocolError(f"not a message from a runner of kf's runner protocol: {exc}") from exc
+        raise ProtocolError(f"not a message from a kf runner to its grader: {exc}") from exc

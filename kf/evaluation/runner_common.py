@@ -187,7 +187,8 @@ class RunnerBase:
             return buf.getvalue()
         view = buf.getbuffer()
         # memoryviews, encoded as bytes: no copy of gigabytes into bytes objects first
-        pieces: list[Any] = [view[i : i + PAYLOAD_PIECE] for i in range(0, len(view), PAYLOAD_PIECE)]
+        step = PAYLOAD_PIECE
+        pieces: list[Any] = [view[i : i + step] for i in range(0, len(view), step)]
         return pieces
 
     def _dump_inputs(self, pristine: list[Any]) -> p.Blob:
