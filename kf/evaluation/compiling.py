@@ -59,9 +59,7 @@ def _compile(stage: Stage) -> CompileReport:
         try:
             stage.setup_candidate(nice=_build_niceness())
             stage.candidate(
-                LoadCandidate(
-                    source=source, seed=0, task_source=task.source, task_name=task.name
-                ),
+                LoadCandidate(source=source, seed=0, task_source=task.source, task_name=task.name),
                 what="import and construction of ModelNew",
             )
             # kf.cuda's build reports (resources, cache hits) from the runner's log

@@ -179,9 +179,7 @@ class RunnerHandle:
             else:
                 return msg
 
-    def _serve_build(
-        self, msg: protocol.BuildNative | protocol.BuildInline, left_s: float
-    ) -> None:
+    def _serve_build(self, msg: protocol.BuildNative | protocol.BuildInline, left_s: float) -> None:
         """Build a boxed runner's ``kf.native`` library or ``load_inline`` extension
         (:mod:`kf.evaluation.builds`)."""
         from kf.evaluation.buildlimits import build_timeout_s

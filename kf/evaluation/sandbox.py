@@ -56,6 +56,7 @@ __all__ = [
 
 log = structlog.get_logger("kf.evaluation.sandbox")
 
+
 class RunnerPool:
     """A thread-safe pool of warm runners; each leased runner is used once and killed."""
 
