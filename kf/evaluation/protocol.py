@@ -7,8 +7,10 @@ Every message is a tagged struct (the tag, ``op``, is the request's name: ``run`
 or :class:`Failed`; in the middle of ``load_candidate`` a boxed runner may ask the grader
 for a build (:class:`BuildNative`, :class:`BuildInline`, answered with :class:`Built`);
 a runner's first message is :class:`Ready`. Bytes that do not decode to a message of the
-direction they travel in raise :class:`ProtocolError`, which says what was wrong and
-where (``Expected `int`, got `str` - at `$.seed```): never a ``KeyError`` later.
+direction they travel in raise :class:`ForeignMessage` (and bytes that are not
+MessagePack :class:`ProtocolError`), which says what was wrong and where (``Expected
+`int`, got `str` - at `$.seed```): never a ``KeyError`` later. The grader takes a
+foreign message from a runner for tampering, garbled bytes for a crash.
 
 Tensors travel in :data:`Blob` fields, as ``torch.save`` bytes (in pieces over 1 GiB),
 CUDA IPC handles (:mod:`kf.evaluation.transport`, bytes too) or sealed memory files
@@ -31,11 +33,11 @@ from kf.evaluation.tolerance import Tolerance
 __all__ = [
     "Audit", "Audited", "BaselineCompiled", "Batch", "BatchRan", "Blob", "BuildInline",
     "BuildNative", "Built", "CandidateLoaded", "Check", "Checked", "CompileBaseline",
-    "Counters", "CountersRan", "Exit", "Failed", "InputsMade", "InputsTimed", "LoadCandidate",
-    "LoadTask", "MakeInputs", "Message", "Ping", "Pong", "ProtocolError", "Ran", "Ready",
-    "Reply", "Request", "Run", "SetUp", "Setup", "TaskLoaded", "Time", "TimeInputs", "Timed",
-    "Trim", "Trimmed", "Verdict", "decode_from_grader", "decode_from_runner", "encode",
-    "reply_type",
+    "Counters", "CountersRan", "Exit", "Failed", "ForeignMessage", "InputsMade", "InputsTimed",
+    "LoadCandidate", "LoadTask", "MakeInputs", "Message", "Ping", "Pong", "ProtocolError",
+    "Ran", "Ready", "Reply", "Request", "Run", "SetUp", "Setup", "TaskLoaded", "Time",
+    "TimeInputs", "Timed", "ToGrader", "ToRunner", "Trim", "Trimmed", "Verdict",
+    "decode_from_grader", "decode_from_runner", "encode", "reply_type",
 ]  # fmt: skip
 
 #: A payload of tensors: ``torch.save`` bytes or a CUDA IPC handle (bytes), ``torch.save``
@@ -46,7 +48,14 @@ _TRIM_ABOVE_BYTES = 1 << 30
 
 
 class ProtocolError(ValueError):
-    """Bytes on a runner socket that are not a message of this protocol."""
+    """Bytes on a runner socket that are not a message of this protocol (here: not
+    MessagePack at all, garbled)."""
+
+
+class ForeignMessage(ProtocolError):
+    """Well-formed MessagePack that is no message of this protocol in the direction it
+    came (an unknown ``op``, a missing or mistyped field): from a runner, a message
+    forged or injected on the grading socket, since the runner's own code sends none."""
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
@@ -387,15 +396,6 @@ class Built(Message, frozen=True, kw_only=True, tag="built"):
     cached: bool = False
 
 
-REQUEST_TYPES: tuple[type[Request[Any]], ...] = (
-    Ping, Setup, LoadTask, LoadCandidate, MakeInputs, Run, Check, Time, TimeInputs, Batch,
-    Counters, Trim, Audit, CompileBaseline, Exit,
-)  # fmt: skip
-REPLY_TYPES: tuple[type[Reply], ...] = (
-    Failed, Pong, SetUp, TaskLoaded, CandidateLoaded, InputsMade, Ran, Checked, Timed,
-    InputsTimed, BatchRan, CountersRan, Trimmed, Audited, BaselineCompiled,
-)  # fmt: skip
-
 #: what the grader sends a runner: requests, and answers to its builds
 ToRunner = (
     Ping | Setup | LoadTask | LoadCandidate | MakeInputs | Run | Check | Time | TimeInputs
@@ -408,9 +408,11 @@ ToGrader = (
     | BuildNative | BuildInline
 )  # fmt: skip
 
+#: each request's reply type, from its type parameter
 _REPLY_OF: dict[type[Any], type[Reply]] = {
-    cls: typing.get_args(cls.__orig_bases__[0])[0]  # type: ignore[attr-defined]
-    for cls in REQUEST_TYPES
+    cls: typing.get_args(cls.__orig_bases__[0])[0]
+    for cls in typing.get_args(ToRunner)
+    if issubclass(cls, Request)
 }
 _encoder = msgspec.msgpack.Encoder()
 _to_runner = msgspec.msgpack.Decoder(ToRunner)
@@ -432,13 +434,17 @@ def decode_from_grader(data: bytes) -> ToRunner:
     """A message the grader sent a runner; :class:`ProtocolError` if it is not one."""
     try:
         return _to_runner.decode(data)
+    except msgspec.ValidationError as exc:
+        raise ForeignMessage(f"not a message from kf's grader to a runner: {exc}") from exc
     except msgspec.DecodeError as exc:
-        raise ProtocolError(f"not a message from kf's grader to a runner: {exc}") from exc
+        raise ProtocolError(f"not MessagePack: {exc}") from exc
 
 
 def decode_from_runner(data: bytes) -> ToGrader:
     """A message a runner sent the grader; :class:`ProtocolError` if it is not one."""
     try:
         return _to_grader.decode(data)
+    except msgspec.ValidationError as exc:
+        raise ForeignMessage(f"not a message from a kf runner to its grader: {exc}") from exc
     except msgspec.DecodeError as exc:
-        raise ProtocolError(f"not a message from a kf runner to its grader: {exc}") from exc
+        raise ProtocolError(f"not MessagePack: {exc}") from exc

@@ -2,11 +2,11 @@
 their replies (:mod:`kf.evaluation.protocol`), the builds a boxed runner asks for, and
 its end.
 
-A reply that is not a message of the protocol is a garbled reply (the runner is killed,
-:class:`RunnerCrashed`); one that does not answer the request sent (another request's
-id, another request's reply type, a second message nobody asked for) is tampering
-(:class:`RunnerFailed`); a :class:`~kf.evaluation.protocol.Failed` reply raises
-:class:`RunnerFailed` with its kind.
+Bytes that are not MessagePack are a garbled reply (the runner is killed,
+:class:`RunnerCrashed`); a message that is not one of the protocol's, or does not
+answer the request sent (another request's id, another request's reply type, a second
+message nobody asked for) is tampering (:class:`RunnerFailed`, the runner killed); a
+:class:`~kf.evaluation.protocol.Failed` reply raises :class:`RunnerFailed` with its kind.
 """
 
 from __future__ import annotations
@@ -230,7 +230,16 @@ class RunnerHandle:
             else:
                 why = f"process exited with status {returncode} during {what}"
             raise RunnerCrashed(why, tail, returncode) from exc
-        except Exception as exc:  # not a message of the protocol: garbage on the socket
+        except protocol.ForeignMessage as exc:  # the runner's own code sends none
+            tail = self.log_tail()
+            self.kill()
+            raise RunnerFailed(
+                "tampering",
+                f"the runner's message during {what} is not one of kf's runner protocol (a "
+                f"message forged or injected on the grading socket): {exc}",
+                tail,
+            ) from exc
+        except Exception as exc:  # not MessagePack, descriptors not as announced: garbage
             tail = self.log_tail()
             self.kill()
             raise RunnerCrashed(f"garbled reply during {what}: {exc}", tail, None) from exc
