@@ -300,7 +300,7 @@ def _each_payload(message: _M, change: Callable[[Payload], Payload]) -> _M:
 def receive_fds(
     sock: socket.socket, count: Any, poll: Callable[[float], bool], timeout_s: float
 ) -> list[int]:
-    """The ``count`` descriptors that follow a message that says ``_fds``, within
+    """The ``count`` descriptors that follow a message whose ``fds`` says so, within
     ``timeout_s``; ValueError where they do not come as announced."""
     if not isinstance(count, int) or not 0 < count <= MAX_FDS:
         raise ValueError(f"a message announced {count!r} descriptors")
@@ -315,7 +315,7 @@ def receive_fds(
 
 
 def send_fds(sock: socket.socket, fds: list[int]) -> None:
-    """The descriptors of a message just sent with ``_fds`` (after it, on its socket)."""
+    """The descriptors of a message just sent (after it, on its socket)."""
     if fds:
         socket.send_fds(sock, [b"\0"], fds)
 
