@@ -10,8 +10,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 import structlog
@@ -197,16 +196,6 @@ def _trim(ref: RunnerHandle) -> None:
     """Ask a reference runner to drop large per-stage tensors before it idles."""
     with contextlib.suppress(RunnerError):
         ref.request(Trim(), 30.0)
-
-
-@contextlib.contextmanager
-def _trimmed(lease: Any) -> Iterator[RunnerHandle]:
-    """A reference lease whose runner drops its large tensors before going back idle."""
-    with lease as ref:
-        try:
-            yield ref
-        finally:
-            _trim(ref)
 
 
 def _truncate(text: str) -> str:

@@ -114,12 +114,16 @@ class Stage:
 
     @property
     def ref(self) -> RunnerHandle:
-        assert self._ref is not None, "the stage has no reference runner"
+        """The reference runner (set by :meth:`reference_lease` or :meth:`use`)."""
+        if self._ref is None:
+            raise RuntimeError("the stage has leased no reference runner yet")
         return self._ref
 
     @property
     def cand(self) -> RunnerHandle:
-        assert self._cand is not None, "the stage has no candidate runner"
+        """The candidate runner (set by :meth:`candidate_lease` or :meth:`use`)."""
+        if self._cand is None:
+            raise RuntimeError("the stage has leased no candidate runner yet")
         return self._cand
 
     def restart_clock(self) -> None:
