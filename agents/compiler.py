@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from agents.build_pool import build_pool
 from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
 from kf.devices import runner_pool
-from kf.evaluation import CompileReport, compile_candidate
+from kf.evaluation import CompileReport, GradingSession, compile_session
 from kf.events import Event, Record
 from kf.facts import RunStarted
 from kf.search_facts import CandidateAssigned, CandidateCompiled, CandidateProposed
@@ -57,11 +57,6 @@ class Compiler(EvaluatorAgent):
     async def build(self, task: Task, source: str) -> CompileReport:
         """Compile in a sandbox, sharing the device with verification (timing waits)."""
         async with await gate_for(self.device).shared():
-            return await asyncio.to_thread(
-                compile_candidate,
-                task,
-                source,
-                device=self.device,
-                timeout_s=self.build_timeout_s,
-                pool=runner_pool(self.device),
-            )
+            pool = runner_pool(self.device)
+            session = GradingSession(task, source, device=self.device, pool=pool)
+            return await asyncio.to_thread(compile_session, session, self.build_timeout_s)

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
 from kf.cuda.ncu import find_ncu
 from kf.devices import runner_pool
-from kf.evaluation.counters import collect_counters
+from kf.evaluation import GradingSession
+from kf.evaluation.counters import counters_session
 from kf.evaluation.reports import is_suspect
 from kf.events import Event, Record
 from kf.facts import RunStarted
@@ -70,15 +71,15 @@ class CounterCollector(EvaluatorAgent):
             return ()
         task, source = found
         async with await gate_for(self.device).exclusive():
-            report = await asyncio.to_thread(
-                collect_counters,
+            session = GradingSession(
                 task,
                 source,
                 device=self.device,
                 seed=state.seed,
-                timeout_s=self.timeout_s,
                 pool=runner_pool(self.device),
+                timeout_s=self.timeout_s,
             )
+            report = await asyncio.to_thread(counters_session, session)
         return [
             CountersMeasured(
                 candidate_id=ev.candidate_id, task=ev.task, device_id=self.device_id, report=report

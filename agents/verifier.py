@@ -15,7 +15,7 @@ from agents.build_pool import consumed
 from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
 from kf.agent import AgentContext
 from kf.devices import runner_pool
-from kf.evaluation import VerifyReport, verify_candidate
+from kf.evaluation import GradingSession, VerifyReport, verify_session
 from kf.evaluation.audit import audit_task
 from kf.events import Event, Record, derived_id
 from kf.facts import RunStarted
@@ -76,17 +76,17 @@ class Verifier(EvaluatorAgent):
         async def verify() -> VerifyReport:
             async with await gate_for(self.device).shared():
                 await self._audit(state, task)
+                session = GradingSession(
+                    task,
+                    source,
+                    device=self.device,
+                    seed=state.seed,
+                    pool=runner_pool(self.device),
+                    timeout_s=self.timeout_s,
+                    tolerance=state.tolerance,
+                )
                 try:
-                    return await asyncio.to_thread(
-                        verify_candidate,
-                        task,
-                        source,
-                        device=self.device,
-                        seed=state.seed,
-                        timeout_s=self.timeout_s,
-                        tolerance=state.tolerance,
-                        pool=runner_pool(self.device),
-                    )
+                    return await asyncio.to_thread(verify_session, session)
                 except TaskError as exc:
                     # the reference failed mid-verification: the candidate still gets a
                     # verdict (else it waits forever), one that blames the task

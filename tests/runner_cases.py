@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from kf.evaluation import RunnerPool, evaluate
+from kf.evaluation.protocol import LoadCandidate, LoadTask, Setup
 from kf.evaluation.runner import Runner
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"
@@ -26,13 +27,13 @@ def runner_pair(
 ) -> tuple[Runner, Runner]:
     """A reference runner with the task loaded and a candidate runner with ``candidate``."""
     ref, cand = Runner(time.perf_counter_ns), Runner(time.perf_counter_ns)
-    ref.op_setup({"device": "cpu", "threads": 1, **ref_setup})
-    cand.op_setup({"device": "cpu", "threads": 1, **cand_setup})
+    ref.op_setup(Setup(device="cpu", threads=1, **ref_setup))
+    cand.op_setup(Setup(device="cpu", threads=1, **cand_setup))
     source = TASK_FILE.read_text()
-    init = ref.op_load_task({"source": source, "name": "task_gelu", "seed": 3})["init"]
+    init = ref.op_load_task(LoadTask(source=source, name="task_gelu", seed=3)).init
     cand.op_load_candidate(
-        {"source": candidate, "seed": 3, "init": init, "task_source": source,
-         "task_name": "task_gelu"}
+        LoadCandidate(source=candidate, seed=3, init=init, task_source=source,
+                      task_name="task_gelu")
     )  # fmt: skip
     return ref, cand
 

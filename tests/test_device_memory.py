@@ -4,6 +4,7 @@ GPU is refused before any trial, with the estimate and the reason (kf.evaluation
 from __future__ import annotations
 
 from kf.evaluation.admission import too_large
+from kf.evaluation.protocol import InputsMade
 
 # KernelBench level1/23_Softmax: one 4096 x 393216 fp32 input, one output like it
 SOFTMAX = {
@@ -15,15 +16,15 @@ SOFTMAX = {
 
 
 def test_a_task_that_fits_twice_is_admitted() -> None:
-    assert too_large({**SOFTMAX, "device_total_bytes": 150_109_880_320}, "cuda:0") is None
+    assert too_large(InputsMade(**SOFTMAX, device_total_bytes=150_109_880_320), "cuda:0") is None
 
 
 def test_a_task_that_cannot_fit_is_refused_with_the_estimate() -> None:
-    why = too_large({**SOFTMAX, "device_total_bytes": 24 * 10**9}, "cuda:0")
+    why = too_large(InputsMade(**SOFTMAX, device_total_bytes=24 * 10**9), "cuda:0")
     assert why is not None
     assert "about 25.8 GB" in why and "12.9 GB" in why and "cuda:0 has 24.0 GB" in why
 
 
 def test_cpu_and_unknown_devices_are_not_judged() -> None:
-    assert too_large({**SOFTMAX, "device_total_bytes": 10}, "cpu") is None
-    assert too_large(dict(SOFTMAX), "cuda:0") is None  # an older runner said nothing
+    assert too_large(InputsMade(**SOFTMAX, device_total_bytes=10), "cpu") is None
+    assert too_large(InputsMade(**SOFTMAX), "cuda:0") is None  # the runner said nothing

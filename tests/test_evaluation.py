@@ -21,6 +21,7 @@ from kf.evaluation import (
 from kf.evaluation.compare import compare_inputs, compare_outputs
 from kf.evaluation.grading import TIMER_DISAGREEMENT
 from kf.evaluation.profiling import cross_check_flags, timing_stats
+from kf.evaluation.protocol import LoadTask, MakeInputs, Ping, Pong, Setup
 from kf.evaluation.sandbox import REQUESTS
 from kf.tasks import TaskError, load_task
 
@@ -214,32 +215,32 @@ def test_compare_inputs_detects_change() -> None:
 def test_reused_reference_keeps_the_inputs_it_made(pool: RunnerPool) -> None:
     """A reference runner serving a second candidate answers a repeated seed from what it
     made, with the same inputs; a model built from another seed makes its own."""
-    from kf.evaluation.grading import _Deadline, _setup_fields
+    from kf.evaluation.grading import _Deadline, _setup_request
 
     deadline = _Deadline(60)
     with pool.reference_lease("test-reuse") as ref:
-        fields = _setup_fields(
+        setup = _setup_request(
             ref, "cpu", __import__("kf.evaluation").evaluation.Limits(), deadline, reference=True
         )
-        ref.request("setup", 30, **fields)
-        ref.request("load_task", 30, source=TASK.source, name=TASK.name, seed=0)
-        first = ref.request("make_inputs", 30, seed=7)
-        again = ref.request("make_inputs", 30, seed=7)
-        other = ref.request("make_inputs", 30, seed=8)
-        assert (first["reused"], again["reused"], other["reused"]) == (False, True, False)
-        assert torch.equal(_load(first["inputs"])[0], _load(again["inputs"])[0])
-        assert not torch.equal(_load(first["inputs"])[0], _load(other["inputs"])[0])
-        ref.request("load_task", 30, source=TASK.source, name=TASK.name, seed=1)
-        assert ref.request("make_inputs", 30, seed=7)["reused"] is False
+        ref.request(setup, 30)
+        ref.request(LoadTask(source=TASK.source, name=TASK.name, seed=0), 30)
+        first = ref.request(MakeInputs(seed=7), 30)
+        again = ref.request(MakeInputs(seed=7), 30)
+        other = ref.request(MakeInputs(seed=8), 30)
+        assert (first.reused, again.reused, other.reused) == (False, True, False)
+        assert torch.equal(_load(first.inputs)[0], _load(again.inputs)[0])
+        assert not torch.equal(_load(first.inputs)[0], _load(other.inputs)[0])
+        ref.request(LoadTask(source=TASK.source, name=TASK.name, seed=1), 30)
+        assert ref.request(MakeInputs(seed=7), 30).reused is False
 
 
 def test_reference_cache_can_be_switched_off(pool: RunnerPool) -> None:
     """``reference_cache_bytes=0`` (what candidate runners get) keeps nothing."""
     with pool.lease() as runner:
-        runner.request("setup", 30, device="cpu", threads=1, reference_cache_bytes=0)
-        runner.request("load_task", 30, source=TASK.source, name=TASK.name, seed=0)
-        runner.request("make_inputs", 30, seed=7)
-        assert runner.request("make_inputs", 30, seed=7)["reused"] is False
+        runner.request(Setup(device="cpu", threads=1, reference_cache_bytes=0), 30)
+        runner.request(LoadTask(source=TASK.source, name=TASK.name, seed=0), 30)
+        runner.request(MakeInputs(seed=7), 30)
+        assert runner.request(MakeInputs(seed=7), 30).reused is False
 
 
 def _load(data: bytes) -> list[torch.Tensor]:
@@ -334,6 +335,6 @@ def test_default_pool_takes_settings_made_after_it(monkeypatch: pytest.MonkeyPat
         assert len(idle) == 3 and all(h.warm == "cpu" for h in idle)
         with first.lease() as handle:  # a runner that did its warm-up before 'ready' serves
             assert "kf runner: warmed up for cpu in" in handle.log_tail()
-            assert handle.request("ping", 60.0)["ok"]
+            assert isinstance(handle.request(Ping(), 60.0), Pong)
     finally:
         first.close()

@@ -458,6 +458,7 @@ def test_box_runner_started_from_a_finished_thread_still_answers() -> None:
     thread that lives as long as the grader)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from kf.evaluation.protocol import Ping, Pong
     from kf.evaluation.sandbox import RunnerHandle
 
     def start() -> RunnerHandle:
@@ -468,6 +469,6 @@ def test_box_runner_started_from_a_finished_thread_still_answers() -> None:
     with ThreadPoolExecutor(max_workers=1) as executor:
         handle = executor.submit(start).result()
     try:  # the executor's thread has ended here
-        assert handle.request("ping", 60.0)["ok"]
+        assert isinstance(handle.request(Ping(), 60.0), Pong)
     finally:
         handle.kill()

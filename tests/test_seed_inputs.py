@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kf.evaluation import RunnerPool
+from kf.evaluation.protocol import Check, MakeInputs, Run
 from kf.evaluation.runner import Runner
 from tests.runner_cases import FIXTURES, check_default_verdict, pool_under, runner_pair
 
@@ -32,30 +33,30 @@ def _pair(candidate: str) -> tuple[Runner, Runner]:
 
 def test_runner_makes_the_reference_inputs_from_the_seed_and_moves_only_outputs() -> None:
     ref, cand = _pair((FIXTURES / "honest_cpp.py").read_text())
-    made = ref.op_make_inputs({"seed": 11, "send": False})
-    assert made["inputs"] is None  # nothing to move
-    ran = cand.op_run({"seed": 11})
-    assert ran["inputs_after"] is None and ran["inputs_problem"] is None
+    made = ref.op_make_inputs(MakeInputs(seed=11, send=False))
+    assert made.inputs is None  # nothing to move
+    ran = cand.op_run(Run(seed=11))
+    assert ran.inputs_after is None and ran.inputs_problem is None
     # the candidate's inputs are the reference's, bit for bit
     expected_inputs = ref.trials[11][0]
     assert all(torch.equal(a, b) for a, b in zip(cand.inputs, expected_inputs, strict=True))
-    verdict = ref.op_check({"seed": 11, **ran})["verdict"]
-    assert verdict["ok"], verdict
+    verdict = ref.op_check(Check.of(ran, 11)).verdict
+    assert verdict.ok, verdict
     # another seed gives other inputs, and the check follows the seed it is told
-    other = cand.op_run({"seed": 12})
-    ref.op_make_inputs({"seed": 12, "send": False})
+    other = cand.op_run(Run(seed=12))
+    ref.op_make_inputs(MakeInputs(seed=12, send=False))
     assert not torch.equal(cand.inputs[0], expected_inputs[0])
-    assert ref.op_check({"seed": 12, **other})["verdict"]["ok"]
-    assert not ref.op_check({"seed": 11, **other})["verdict"]["ok"]
+    assert ref.op_check(Check.of(other, 12)).verdict.ok
+    assert not ref.op_check(Check.of(other, 11)).verdict.ok
 
 
 def test_runner_reports_an_input_written_by_the_candidate() -> None:
     ref, cand = _pair((FIXTURES / "input_write.py").read_text())
-    ref.op_make_inputs({"seed": 5, "send": False})
-    ran = cand.op_run({"seed": 5})
-    assert ran["inputs_problem"] == "input 0 was modified by the candidate's forward"
-    verdict = ref.op_check({"seed": 5, **ran})["verdict"]
-    assert not verdict["ok"] and verdict["kind"] in ("input_mutated", "mismatch")
+    ref.op_make_inputs(MakeInputs(seed=5, send=False))
+    ran = cand.op_run(Run(seed=5))
+    assert ran.inputs_problem == "input 0 was modified by the candidate's forward"
+    verdict = ref.op_check(Check.of(ran, 5)).verdict
+    assert not verdict.ok and verdict.kind in ("input_mutated", "mismatch")
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +89,16 @@ def test_payloads_over_the_piece_size_travel_in_pieces(monkeypatch: pytest.Monke
     crashed the runner on the H200): longer payloads go as a list of pieces, through the
     real message encoding, and are judged as before."""
     from kf.evaluation import runner_common as runner_module
-    from kf.evaluation.protocol import decode, encode
+    from kf.evaluation.protocol import Ran, decode_from_runner, encode
 
     monkeypatch.setattr(runner_module, "PAYLOAD_PIECE", 4096)
     ref, cand = _pair((FIXTURES / "honest_cpp.py").read_text())
-    ref.op_make_inputs({"seed": 21, "send": False})
-    ran = decode(encode(cand.op_run({"seed": 21})))
-    assert isinstance(ran["outputs"], list) and len(ran["outputs"]) > 1
-    assert all(len(piece) <= 4096 for piece in ran["outputs"])
-    assert ref.op_check({"seed": 21, **ran})["verdict"]["ok"]
-    wrong = decode(encode(cand.op_run({"seed": 22})))
-    assert not ref.op_check({"seed": 21, **wrong})["verdict"]["ok"]
+    ref.op_make_inputs(MakeInputs(seed=21, send=False))
+    ran = decode_from_runner(encode(cand.op_run(Run(seed=21))))
+    assert isinstance(ran, Ran)
+    assert isinstance(ran.outputs, list) and len(ran.outputs) > 1
+    assert all(len(piece) <= 4096 for piece in ran.outputs)
+    assert ref.op_check(Check.of(ran, 21)).verdict.ok
+    wrong = decode_from_runner(encode(cand.op_run(Run(seed=22))))
+    assert isinstance(wrong, Ran)
+    assert not ref.op_check(Check.of(wrong, 21)).verdict.ok

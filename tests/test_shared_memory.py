@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from kf.evaluation import RunnerPool, shared_memory
-from kf.evaluation.protocol import decode, encode
+from kf.evaluation.protocol import Check, MakeInputs, Ran, Run, decode_from_runner, encode
 from kf.evaluation.runner import Runner
 from tests.runner_cases import FIXTURES, check_default_verdict, pool_under, runner_pair
 
@@ -123,7 +123,7 @@ def test_the_receiver_refuses_what_is_not_a_sealed_file_of_the_stated_size(
 def _liar(sock: socket.socket, payload: shared_memory.Payload, how: str) -> None:
     """Another process on the grading socket (forked: no torch here, which may hang
     after a fork): a message naming a payload, then its descriptor, or not."""
-    wire, fds = shared_memory.detach({"op": "x", "outputs": payload})
+    wire, fds = shared_memory.detach(Ran(outputs=payload))
     data = encode(wire)
     sock.sendall(len(data).to_bytes(4, "big") + data)
     if how == "none":
@@ -153,19 +153,21 @@ def test_descriptors_from_another_process_are_checked(how: str) -> None:
     conn = Connection(os.dup(mine.fileno()))
     try:
         assert conn.poll(20), "the other process sent nothing"
-        msg = decode(conn.recv_bytes())
-        assert msg["_fds"] == 1
+        msg = decode_from_runner(conn.recv_bytes())
+        assert isinstance(msg, Ran)
+        assert msg.fds == 1
         if how in ("none", "bytes"):
             with pytest.raises(ValueError, match=r"did not come|0 descriptors came"):
-                shared_memory.receive_fds(mine, msg["_fds"], conn.poll, 2.0)
+                shared_memory.receive_fds(mine, msg.fds, conn.poll, 2.0)
             return
-        fds = shared_memory.receive_fds(mine, msg["_fds"], conn.poll, 10.0)
+        fds = shared_memory.receive_fds(mine, msg.fds, conn.poll, 10.0)
         got = shared_memory.attach(msg, fds)
+        assert isinstance(got.outputs, shared_memory.Payload)
         if how == "unsealed":
             with pytest.raises(ValueError, match="not sealed"):
-                shared_memory.unpack(torch, got["outputs"])
+                shared_memory.unpack(torch, got.outputs)
         else:
-            assert torch.equal(shared_memory.unpack(torch, got["outputs"])[0], torch.ones(1 << 18))
+            assert torch.equal(shared_memory.unpack(torch, got.outputs)[0], torch.ones(1 << 18))
     finally:
         proc.join(10)
         conn.close()
@@ -175,7 +177,7 @@ def test_descriptors_from_another_process_are_checked(how: str) -> None:
 def test_a_description_without_its_descriptor_is_refused() -> None:
     payload = shared_memory.pack(torch, [torch.ones(1 << 18)])
     assert payload is not None
-    wire, _ = shared_memory.detach({"outputs": payload})
+    wire, _ = shared_memory.detach(Ran(outputs=payload))
     with pytest.raises(ValueError, match="names no descriptor"):
         shared_memory.attach(wire, [])
 
@@ -187,14 +189,14 @@ def _pair(candidate: str) -> tuple[Runner, Runner]:
 
 def test_runners_move_inputs_and_outputs_as_files() -> None:
     ref, cand = _pair((FIXTURES / "honest_cpp.py").read_text())
-    made = ref.op_make_inputs({"seed": 11, "send": True})
-    assert isinstance(made["inputs"], shared_memory.Payload)
-    ran = cand.op_run({"inputs": made["inputs"]})
-    assert isinstance(ran["outputs"], shared_memory.Payload)
-    assert isinstance(ran["inputs_after"], shared_memory.Payload)
-    assert ref.op_check({"seed": 11, **ran})["verdict"]["ok"]
-    wrong = cand.op_run({"inputs": ref.op_make_inputs({"seed": 12, "send": True})["inputs"]})
-    assert not ref.op_check({"seed": 11, **wrong})["verdict"]["ok"]
+    made = ref.op_make_inputs(MakeInputs(seed=11, send=True))
+    assert isinstance(made.inputs, shared_memory.Payload)
+    ran = cand.op_run(Run(inputs=made.inputs))
+    assert isinstance(ran.outputs, shared_memory.Payload)
+    assert isinstance(ran.inputs_after, shared_memory.Payload)
+    assert ref.op_check(Check.of(ran, 11)).verdict.ok
+    wrong = cand.op_run(Run(inputs=ref.op_make_inputs(MakeInputs(seed=12, send=True)).inputs))
+    assert not ref.op_check(Check.of(wrong, 11)).verdict.ok
 
 
 @pytest.fixture(scope="module")
@@ -273,13 +275,13 @@ def test_a_file_maker_that_is_gone_means_bytes() -> None:
 def test_the_reference_runner_has_no_file_limit() -> None:
     """No candidate code runs in a reference runner: its large inputs and outputs go as
     memory files whatever the candidates' file limit."""
-    from kf.evaluation.grading import _Deadline, _setup_fields
+    from kf.evaluation.grading import _Deadline, _setup_request
     from kf.evaluation.sandbox import Limits
 
     class _Handle:
         threads, warm = 1, None
 
     limits = Limits(file_bytes=1 << 20)
-    ref = _setup_fields(_Handle(), "cpu", limits, _Deadline(10), reference=True)  # type: ignore[arg-type]
-    cand = _setup_fields(_Handle(), "cpu", limits, _Deadline(10))  # type: ignore[arg-type]
-    assert ref["file_bytes"] == 0 and cand["file_bytes"] == 1 << 20
+    ref = _setup_request(_Handle(), "cpu", limits, _Deadline(10), reference=True)  # type: ignore[arg-type]
+    cand = _setup_request(_Handle(), "cpu", limits, _Deadline(10))  # type: ignore[arg-type]
+    assert ref.file_bytes == 0 and cand.file_bytes == 1 << 20

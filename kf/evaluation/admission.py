@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+
+from kf.evaluation.protocol import InputsMade
 
 _BIG_LOCKS: dict[str, threading.Lock] = {}
 
@@ -18,13 +19,13 @@ def _big_task_bytes() -> int:
     return int(float(os.environ.get("KF_BIG_TASK_MB", "2048")) * (1 << 20))
 
 
-def _footprint(made: dict[str, Any]) -> int:
+def _footprint(made: InputsMade) -> int:
     """Bytes of one input set and its outputs, from a ``make_inputs`` reply."""
     sizes = {"float64": 8, "int64": 8, "complex64": 8, "float16": 2, "bfloat16": 2, "int16": 2}
     total = 0
     for shapes, dtypes in (
-        (made.get("input_shapes", []), made.get("input_dtypes", [])),
-        (made.get("output_shapes", []), made.get("output_dtypes", [])),
+        (made.input_shapes, made.input_dtypes),
+        (made.output_shapes, made.output_dtypes),
     ):
         for shape, dtype in zip(shapes, dtypes, strict=False):
             n = 1
@@ -34,13 +35,13 @@ def _footprint(made: dict[str, Any]) -> int:
     return total
 
 
-def too_large(made: dict[str, Any], device: str) -> str | None:
+def too_large(made: InputsMade, device: str) -> str | None:
     """Why a task cannot be evaluated on ``device`` at all, from its first ``make_inputs``
     reply, or None. A GPU evaluation holds the task's inputs and outputs twice (the
     reference's set, the candidate's own), measured on the H200 at 2.05× their size
     (bench/kernelbench_memory.py); past the device's whole memory no schedule can fit it,
     so the candidate is refused before any trial with the estimate and the reason."""
-    total = int(made.get("device_total_bytes") or 0)
+    total = made.device_total_bytes
     if not device.startswith("cuda") or total <= 0:
         return None
     footprint = _footprint(made)

@@ -19,11 +19,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-__all__ = ["TaskAudit", "audit_reference", "audit_task"]
+from kf.evaluation.protocol import Audit, Audited
+
+if TYPE_CHECKING:  # the runner imports this module: the grader's side imports lazily
+    from kf.evaluation.session import GradingSession
+
+__all__ = ["TaskAudit", "audit_reference", "audit_session", "audit_task"]
 
 
 class TaskAudit(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,16 +48,15 @@ def _num(t: Any) -> Any:
     return t if t.is_floating_point() or t.is_complex() else t.float()
 
 
-def audit_reference(runner: Any, msg: dict[str, Any]) -> dict[str, Any]:
+def audit_reference(runner: Any, msg: Audit) -> Audited:
     """The reference runner's side (``op_audit``): run ``Model`` on each seed's inputs
     and scaled copies of the first, and judge whether a constant would pass."""
     from kf.evaluation.compare import compare_outputs
     from kf.evaluation.variants import scale_inputs
 
     torch = runner.torch
-    seeds = [int(s) for s in msg["seeds"]]
-    scales = [float(s) for s in msg.get("scales", [])]
-    tol = msg.get("tol")
+    seeds, scales = msg.seeds, msg.scales
+    tol = None if msg.tol is None else msgspec.to_builtins(msg.tol)
 
     def sets() -> Iterator[list[Any]]:
         """The input sets, one at a time (at KernelBench's sizes a set is gigabytes)."""
@@ -105,7 +109,7 @@ def audit_reference(runner: Any, msg: dict[str, Any]) -> dict[str, Any]:
             spread = max(spread, gap / scale if scale > 0 else (0.0 if gap == 0 else float("inf")))
         del other
     if used < 2:
-        return {"degenerate": False, "input_sets": used, "reason": "too few input sets"}
+        return Audited(degenerate=False, input_sets=used, reason="too few input sets")
     degenerate = constant_all or zeros_all
     if zeros_all:
         answer = f"all zeros pass on all {used} input sets"
@@ -117,13 +121,13 @@ def audit_reference(runner: Any, msg: dict[str, Any]) -> dict[str, Any]:
         f"{answer} (trial seeds, and inputs scaled by {', '.join(f'{s:g}' for s in scales)}); "
         f"outputs move by at most {spread:.3g} of their size between sets"
     )
-    return {
-        "degenerate": degenerate,
-        "reason": reason,
-        "input_sets": used,
-        "spread": spread,
-        "constant_passes": passes + 1,
-    }
+    return Audited(
+        degenerate=degenerate,
+        reason=reason,
+        input_sets=used,
+        spread=spread,
+        constant_passes=passes + 1,
+    )
 
 
 def audit_task(
@@ -137,40 +141,42 @@ def audit_task(
     tolerance: Any = None,
 ) -> TaskAudit:
     """Audit ``task`` in a (reused) reference runner; a failure is recorded, not raised."""
-    from kf.evaluation import grading
-    from kf.evaluation.device import parse_device
-    from kf.evaluation.sandbox import Limits, RunnerError, default_pool
+    from kf.evaluation.session import GradingSession
+
+    session = GradingSession(
+        task, device=device, seed=seed, pool=pool, timeout_s=timeout_s, tolerance=tolerance
+    )
+    return audit_session(session, trials)
+
+
+def audit_session(session: GradingSession, trials: int = 5) -> TaskAudit:
+    """:func:`audit_task` of the session's task."""
+    from kf.evaluation.grading import _seed_trials
+    from kf.evaluation.sandbox import RunnerError
+    from kf.evaluation.session import Stage
     from kf.evaluation.variants import SCALES
     from kf.tasks import TaskError
 
-    device = parse_device(device)
-    pool = pool or default_pool()
-    limits = Limits()
     start = time.monotonic()
-    deadline = grading._Deadline(timeout_s)
+    stage = Stage(session)
     try:
-        with grading._trimmed(pool.reference_lease(grading._ref_key(task, device))) as ref:
-            fields = grading._setup_fields(ref, device, limits, deadline, reference=True)
-            grading._reference(task, ref, "setup", deadline, **fields)
-            grading._reference(
-                task, ref, "load_task", deadline, source=task.source, name=task.name, seed=seed
-            )
-            reply = grading._reference(
-                task,
-                ref,
-                "audit",
-                deadline,
-                seeds=grading._seed_trials(seed, trials),
-                scales=[s for s in SCALES if s > 0],
-                tol=grading._tol(task, tolerance),
+        with stage.reference_lease(trimmed=True):
+            stage.setup_reference()
+            stage.load_task()
+            reply = stage.reference(
+                Audit(
+                    seeds=_seed_trials(session.seed, trials),
+                    scales=[s for s in SCALES if s > 0],
+                    tol=session.tol,
+                )
             )
     except (TaskError, RunnerError) as exc:
         return TaskAudit(degenerate=False, error=str(exc), duration_s=time.monotonic() - start)
     return TaskAudit(
-        degenerate=bool(reply["degenerate"]),
-        reason=str(reply.get("reason", "")),
-        input_sets=int(reply.get("input_sets", 0)),
-        spread=float(reply.get("spread", 0.0)),
-        constant_passes=int(reply.get("constant_passes", 0)),
+        degenerate=reply.degenerate,
+        reason=reply.reason,
+        input_sets=reply.input_sets,
+        spread=reply.spread,
+        constant_passes=reply.constant_passes,
         duration_s=time.monotonic() - start,
     )

@@ -5,10 +5,10 @@ compilation in the reference runner.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from kf.evaluation import baseline_settings
 from kf.evaluation.grading import _OFF, _ref_key, log
+from kf.evaluation.protocol import BaselineCompiled, CompileBaseline
 from kf.evaluation.sandbox import RunnerCrashed, RunnerFailed, RunnerHandle, RunnerTimeout
 from kf.tasks import Task
 
@@ -57,20 +57,18 @@ _baseline_lost: dict[str, str] = {}
 
 def _compile_baseline(
     task: Task, ref: RunnerHandle, device: str, seed: int, want: bool
-) -> dict[str, Any]:
+) -> BaselineCompiled:
     """Have the reference runner compile the reference for its current inputs (or find it
     compiled): its reply, with ``error`` set when there is no compiled baseline."""
     if not want:
-        return {"error": "turned off by $KF_COMPILE_BASELINE=0"}
+        return BaselineCompiled(error="turned off by $KF_COMPILE_BASELINE=0")
     lost_key = f"{_ref_key(task, device)}:{seed}"
     if lost_key in _baseline_lost:
-        return {"error": _baseline_lost[lost_key], "cached": True}
+        return BaselineCompiled(error=_baseline_lost[lost_key], cached=True)
     try:
-        reply: dict[str, Any] = ref.request(
-            "compile_baseline",
+        reply = ref.request(
+            CompileBaseline(cache_dir=_inductor_cache_dir(), mode=baseline_settings.compile_mode()),
             _compile_timeout_s(),
-            cache_dir=_inductor_cache_dir(),
-            mode=baseline_settings.compile_mode(),
             what="torch.compile of the reference",
         )
     except (RunnerTimeout, RunnerCrashed) as exc:
@@ -79,9 +77,9 @@ def _compile_baseline(
         log.warning("compile_baseline_lost", task=task.name, error=why)
         raise _BaselineLost(why) from exc
     except RunnerFailed as exc:
-        return {"error": f"torch.compile of the reference failed: {exc}"}
-    if reply.get("error"):
-        log.info("compile_baseline_failed", task=task.name, error=reply["error"])
-    elif not reply.get("cached"):
-        log.info("compile_baseline_compiled", task=task.name, seconds=reply.get("compile_s"))
+        return BaselineCompiled(error=f"torch.compile of the reference failed: {exc}")
+    if reply.error:
+        log.info("compile_baseline_failed", task=task.name, error=reply.error)
+    elif not reply.cached:
+        log.info("compile_baseline_compiled", task=task.name, seconds=reply.compile_s)
     return reply

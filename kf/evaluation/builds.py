@@ -3,7 +3,8 @@
 Inside kf's runner box the shared build cache is read-only, so no candidate can put a
 library under a key that another build will load (docs/sandbox.md). So that candidates
 still share builds, :func:`kf.native.build` in a boxed runner asks the grader over the
-runner's socket (``{"op": "build", ...}``, answered with ``{"op": "built", ...}``), and
+runner's socket (:class:`~kf.evaluation.protocol.BuildNative`, answered with
+:class:`~kf.evaluation.protocol.Built`), and
 :func:`build_native` here:
 
 1. computes the key itself (:func:`kf.native.build_key`), from the source, flags and

@@ -8,20 +8,11 @@ import time
 
 import msgspec
 
-from kf.evaluation.device import parse_device
-from kf.evaluation.grading import (
-    _build_niceness,
-    _candidate,
-    _CandidateFailed,
-    _Deadline,
-    _phases,
-    _sandboxed,
-    _setup,
-    _truncate,
-    log,
-)
+from kf.evaluation.grading import _build_niceness, _CandidateFailed, _truncate, log
+from kf.evaluation.protocol import LoadCandidate
 from kf.evaluation.reports import CompileReport
-from kf.evaluation.sandbox import Limits, RunnerHandle, RunnerPool, default_pool
+from kf.evaluation.sandbox import Limits, RunnerPool
+from kf.evaluation.session import GradingSession, Stage
 from kf.static_checks import check_source
 from kf.tasks import Task
 
@@ -42,55 +33,33 @@ def compile_candidate(
     and the wait for one is the report's ``build_queue`` phase. Raises
     :class:`TaskError` when the task itself is broken.
     """
+    session = GradingSession(task, source, device=device, pool=pool, limits=limits or Limits())
+    return compile_session(session, timeout_s)
+
+
+def compile_session(session: GradingSession, timeout_s: float | None = None) -> CompileReport:
+    """:func:`compile_candidate` of the session's candidate; ``timeout_s`` is the build
+    limit (None: ``$KF_BUILD_TIMEOUT_S`` or 600 s), not the session's."""
     from kf.evaluation.buildlimits import build_slot, build_timeout_s
 
-    leased: list[RunnerHandle] = []
     with build_slot() as queued_s:
-        report = _compile(
-            task,
-            source,
-            leased,
-            device=device,
-            timeout_s=build_timeout_s(timeout_s),
-            limits=limits,
-            pool=pool,
-        )
+        stage = Stage(session, build_timeout_s(timeout_s))
+        report = _compile(stage)
     phases = {**report.phases, "build_queue": round(queued_s, 4)}
-    return _sandboxed(msgspec.structs.replace(report, phases=phases), leased)
+    return stage.sandboxed(msgspec.structs.replace(report, phases=phases))
 
 
-def _compile(
-    task: Task,
-    source: str,
-    leased: list[RunnerHandle],
-    *,
-    device: str,
-    timeout_s: float,
-    limits: Limits | None,
-    pool: RunnerPool | None,
-) -> CompileReport:
-    """:func:`compile_candidate`; the runner it leases is added to ``leased``."""
-    device = parse_device(device)
-    pool = pool or default_pool()
-    limits = limits or Limits()
+def _compile(stage: Stage) -> CompileReport:
+    """:func:`compile_session` in ``stage``."""
+    task, source = stage.task, stage.session.source
     static = check_source(source)
-    since = time.monotonic()
-    with pool.lease() as cand:
-        leased.append(cand)
+    with stage.candidate_lease() as cand:
         start = time.monotonic()
-        deadline = _Deadline(timeout_s)
+        stage.restart_clock()
         try:
-            _setup(cand, device, limits, deadline, nice=_build_niceness())
-            _candidate(
-                task,
-                cand,
-                "load_candidate",
-                deadline,
-                source=source,
-                seed=0,
-                task_source=task.source,
-                task_name=task.name,
-                init=None,
+            stage.setup_candidate(nice=_build_niceness())
+            stage.candidate(
+                LoadCandidate(source=source, seed=0, task_source=task.source, task_name=task.name),
                 what="import and construction of ModelNew",
             )
             # kf.cuda's build reports (resources, cache hits) from the runner's log
@@ -106,7 +75,7 @@ def _compile(
                 duration_s=time.monotonic() - start,
                 failure_kind=exc.kind,
                 warnings=static + tuple(cand.findings),
-                phases=_phases(since, cand),
+                phases=stage.phases(),
             )
         warnings = static + tuple(cand.findings)
     log.info("candidate_compiled", task=task.name, warnings=warnings)
@@ -115,5 +84,5 @@ def _compile(
         log=build_log,
         duration_s=time.monotonic() - start,
         warnings=warnings,
-        phases=_phases(since, cand),
+        phases=stage.phases(),
     )

@@ -5,18 +5,15 @@ from __future__ import annotations
 import time
 
 from kf.evaluation import box
-from kf.evaluation.device import parse_device
-from kf.evaluation.grading import (
-    _candidate,
-    _CandidateFailed,
-    _Deadline,
-    _loaded_and_checked,
-    _ref_key,
-    _sandboxed,
-)
+from kf.evaluation.grading import _CandidateFailed
+from kf.evaluation.protocol import Counters
 from kf.evaluation.reports import CountersReport
-from kf.evaluation.sandbox import Limits, RunnerError, RunnerHandle, RunnerPool, default_pool
+from kf.evaluation.sandbox import Limits, RunnerError, RunnerHandle, RunnerPool
+from kf.evaluation.session import GradingSession, Stage
 from kf.tasks import Task
+
+#: how long the counters of one candidate may take by default (ncu replays each kernel)
+COUNTERS_TIMEOUT_S = 300.0
 
 
 def collect_counters(
@@ -25,7 +22,7 @@ def collect_counters(
     *,
     device: str,
     seed: int = 0,
-    timeout_s: float = 300.0,
+    timeout_s: float = COUNTERS_TIMEOUT_S,
     limits: Limits | None = None,
     pool: RunnerPool | None = None,
 ) -> CountersReport:
@@ -38,41 +35,28 @@ def collect_counters(
     once outside their network namespace instead, and the report says that. Call it
     with the device to itself: ncu replays each kernel.
     """
-    leased: list[RunnerHandle] = []
-    report = _counters(
-        task,
-        source,
-        leased,
-        device=device,
-        seed=seed,
+    session = GradingSession(
+        task, source, device=device, seed=seed, pool=pool, limits=limits or Limits(),
         timeout_s=timeout_s,
-        limits=limits,
-        pool=pool,
-    )
-    return _sandboxed(report, leased)
+    )  # fmt: skip
+    return counters_session(session)
 
 
-def _counters(
-    task: Task,
-    source: str,
-    leased: list[RunnerHandle],
-    *,
-    device: str,
-    seed: int,
-    timeout_s: float,
-    limits: Limits | None,
-    pool: RunnerPool | None,
-) -> CountersReport:
-    """:func:`collect_counters`; the runners it starts are added to ``leased``."""
+def counters_session(session: GradingSession) -> CountersReport:
+    """:func:`collect_counters` of the session's candidate."""
+    stage = Stage(session)
+    return stage.sandboxed(_counters(stage))
+
+
+def _counters(stage: Stage) -> CountersReport:
+    """:func:`counters_session` in ``stage``."""
     import shutil
     import tempfile
     from pathlib import Path
 
     from kf.cuda import ncu
 
-    device = parse_device(device)
-    pool = pool or default_pool()
-    limits = limits or Limits()
+    device, pool = stage.device, stage.session.runners
     start = time.monotonic()
     tool = ncu.find_ncu()
     if not device.startswith("cuda") or tool is None:
@@ -83,7 +67,7 @@ def _counters(
     try:
         for isolate in (True, False):
             log_file = folder / f"ncu-{int(isolate)}.csv"
-            deadline = _Deadline(timeout_s)
+            stage.restart_clock()
             cand = RunnerHandle(
                 pool.python,
                 pool.threads,
@@ -92,21 +76,19 @@ def _counters(
                 ro_paths=(str(Path(tool).resolve().parent),),
                 rw_paths=(str(folder),),
             )
-            leased.append(cand)
+            stage.use(cand=cand)
             boxed = cand.sandbox == box.MODE_BWRAP
             isolated = cand.isolated_network
             try:
-                with pool.reference_lease(_ref_key(task, device)) as ref:
-                    _, problem = _loaded_and_checked(
-                        task, source, ref, cand, device, limits, deadline, seed
-                    )
+                with stage.reference_lease():
+                    _, _, problem = stage.loaded_and_checked()
                     if problem is not None:
                         return CountersReport(
                             ok=False, error=f"wrong output under ncu: {problem[1]}", tool=version,
                             device=device, duration_s=time.monotonic() - start,
                         )  # fmt: skip
-                    _candidate(task, cand, "counters", deadline, what="the profiled call")
-                cand.finish(deadline.left())
+                    stage.candidate(Counters(), what="the profiled call")
+                cand.finish(stage.deadline.left())
             except _CandidateFailed as exc:
                 return CountersReport(
                     ok=False, error=f"{exc.kind}: {exc.error}", tool=version, device=device,

@@ -1,6 +1,6 @@
-"""What every stage of an evaluation shares: deadlines, the runners' setup and the
-requests to them, the reference and candidate runners loaded and checked, trial seeds and
-verdicts.
+"""What every stage of an evaluation shares besides its session
+(:mod:`kf.evaluation.session`): deadlines, the runners' set-up and tensor transports,
+the request log's phases, trial seeds and verdicts.
 """
 
 from __future__ import annotations
@@ -10,32 +10,22 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 import structlog
 
 from kf.evaluation import baseline_settings, box, shared_memory
+from kf.evaluation.protocol import Setup, Trim, Verdict
 from kf.evaluation.reports import (
-    FAILURE_KINDS,
     CompileReport,
     CountersReport,
     ProfileReport,
     TrialEvidence,
     VerifyReport,
 )
-from kf.evaluation.sandbox import (
-    REQUESTS,
-    Limits,
-    RunnerCrashed,
-    RunnerError,
-    RunnerFailed,
-    RunnerHandle,
-    RunnerTimeout,
-)
-from kf.evaluation.tolerance import Tolerance, resolve
-from kf.tasks import Task, TaskError
+from kf.evaluation.sandbox import REQUESTS, Limits, RunnerError, RunnerHandle
+from kf.tasks import Task
 
 log = structlog.get_logger("kf.evaluation")
 
@@ -98,39 +88,42 @@ def _ref_key(task: Task, device: str) -> str:
     return f"{task.sha256}:{device}"
 
 
-def _setup_fields(
+def _setup_request(
     handle: RunnerHandle,
     device: str,
     limits: Limits,
     deadline: _Deadline,
     *,
     reference: bool = False,
-) -> dict[str, Any]:
-    return {
-        "device": device,
-        "threads": handle.threads,
+    nice: int = 0,
+) -> Setup:
+    """The set-up of ``handle`` for one stage on ``device``."""
+    return Setup(
+        device=device,
+        threads=handle.threads,
         # a CUDA context (also one a runner warmed for a GPU made at start-up) maps far
         # more address space than any sane RLIMIT_AS
-        "memory_bytes": 0
+        memory_bytes=0
         if device.startswith("cuda") or (handle.warm or "").startswith("cuda")
         else limits.memory_bytes,
         # a reused reference runner (no candidate code) gets no cumulative CPU limit: a
         # hard limit cannot be raised again, and the grader's deadlines still apply
-        "cpu_s": 0 if reference else limits.cpu_s or int(deadline.timeout_s * handle.threads) + 30,
+        cpu_s=0 if reference else limits.cpu_s or int(deadline.timeout_s * handle.threads) + 30,
         # nor a file limit: it guards the host's disk from candidate code, and would
         # refuse the memory files of the reference's large inputs and outputs
-        "file_bytes": 0 if reference else limits.file_bytes,
+        file_bytes=0 if reference else limits.file_bytes,
         # GPU runners pass tensors as CUDA IPC handles (kf.evaluation.transport)
-        "ipc": device.startswith("cuda") and _ipc_transport(handle),
+        ipc=device.startswith("cuda") and _ipc_transport(handle),
         # else large tensors as sealed memory files (kf.evaluation.shared_memory)
-        "shm": _shm_min_bytes(),
+        shm=_shm_min_bytes(),
         # or a candidate runner makes its trial inputs from the seed itself
-        "own_inputs": not reference and _own_inputs(handle, device),
+        own_inputs=not reference and _own_inputs(handle, device),
         # a reused reference keeps the input sets it made (the trial seeds repeat)
-        "reference_cache_bytes": _reference_cache_bytes() if reference else 0,
+        reference_cache_bytes=_reference_cache_bytes() if reference else 0,
         # TF32 set explicitly, the same in every runner (kf.evaluation.baseline_settings)
-        "tf32": baseline_settings.tf32_setting(),
-    }
+        tf32=baseline_settings.tf32_setting(),
+        nice=nice,
+    )
 
 
 def _ipc_transport(handle: RunnerHandle) -> bool:
@@ -168,27 +161,10 @@ def _own_inputs(handle: RunnerHandle, device: str) -> bool:
     return device.startswith("cuda") and handle.sandbox == box.MODE_BWRAP
 
 
-def _given(
-    cand: RunnerHandle, device: str, made: dict[str, Any], seed: int, scale: float | None = None
-) -> dict[str, Any]:
-    """What a ``run`` request carries of a trial: its seed (and the hidden distribution's
-    ``scale``), or the reference's inputs."""
-    if _own_inputs(cand, device):
-        return {"seed": seed} if scale is None else {"seed": seed, "scale": scale}
-    return {"inputs": made["inputs"]}
-
-
 def _reference_cache_bytes() -> int:
     """``$KF_REFERENCE_CACHE_MB`` in bytes, or -1: the runner's default for its device."""
     env = os.environ.get("KF_REFERENCE_CACHE_MB")
     return int(float(env) * (1 << 20)) if env else -1
-
-
-def _setup(
-    handle: RunnerHandle, device: str, limits: Limits, deadline: _Deadline, nice: int = 0
-) -> None:
-    fields = _setup_fields(handle, device, limits, deadline)
-    handle.request("setup", deadline.left(), nice=nice, **fields)
 
 
 def _build_niceness() -> int:
@@ -198,37 +174,6 @@ def _build_niceness() -> int:
     earlier candidates, which the GPU waits on, need the host too: those come first.
     """
     return max(0, int(os.environ.get("KF_BUILD_NICE", "10")))
-
-
-def _reference(task: Task, handle: RunnerHandle, op: str, deadline: _Deadline, **kw: Any) -> Any:
-    """A request to the reference runner; any failure there is the task's fault."""
-    try:
-        return handle.request(op, deadline.left(), **kw)
-    except RunnerFailed as exc:
-        raise TaskError(f"{task.label}: {exc}") from exc
-    except RunnerTimeout as exc:
-        raise TaskError(f"{task.label}: the reference timed out ({exc})") from exc
-    except RunnerCrashed as exc:
-        raise TaskError(
-            f"{task.label}: the reference crashed ({exc}); log: {exc.log_tail[-500:]}"
-        ) from exc
-
-
-def _candidate(task: Task, handle: RunnerHandle, op: str, deadline: _Deadline, **kw: Any) -> Any:
-    """A request to the candidate runner; failures become :class:`_CandidateFailed`."""
-    try:
-        return handle.request(op, deadline.left(), **kw)
-    except RunnerFailed as exc:
-        if exc.kind == "task_error":
-            raise TaskError(f"{task.label}: {exc}") from exc
-        kind = exc.kind if exc.kind in FAILURE_KINDS else "exception"
-        raise _CandidateFailed(kind, str(exc), exc.log_tail) from exc
-    except RunnerTimeout as exc:
-        raise _CandidateFailed(
-            "timeout", f"candidate timed out after {deadline.timeout_s:g}s ({exc})", exc.log_tail
-        ) from exc
-    except RunnerCrashed as exc:
-        raise _CandidateFailed("crash", f"candidate crashed: {exc}", exc.log_tail) from exc
 
 
 def _after_candidate_failure(ref: RunnerHandle, exc: _CandidateFailed, device: str) -> None:
@@ -252,147 +197,26 @@ def _phases(since: float, *handles: RunnerHandle) -> dict[str, float]:
 def _trim(ref: RunnerHandle) -> None:
     """Ask a reference runner to drop large per-stage tensors before it idles."""
     with contextlib.suppress(RunnerError):
-        ref.request("trim", 30.0)
-
-
-@contextlib.contextmanager
-def _trimmed(lease: Any) -> Iterator[RunnerHandle]:
-    """A reference lease whose runner drops its large tensors before going back idle."""
-    with lease as ref:
-        try:
-            yield ref
-        finally:
-            _trim(ref)
+        ref.request(Trim(), 30.0)
 
 
 def _truncate(text: str) -> str:
     return text if len(text) <= _MAX_LOG else "… (truncated)\n" + text[-_MAX_LOG:]
 
 
-def _load_pair(
-    task: Task,
-    source: str,
-    ref: RunnerHandle,
-    cand: RunnerHandle,
-    device: str,
-    limits: Limits,
-    deadline: _Deadline,
-    seed: int,
-) -> dict[str, Any]:
-    """Set both runners up, load the task in the reference and ``ModelNew`` in the candidate;
-    the reference runner's answer to its set-up (``precision``: its TF32 settings).
-
-    The reference's ``init`` (the constructor arguments, made after seeding) goes to the
-    candidate so both modules are built from the same inputs and parameters.
-    """
-    setup: dict[str, Any] = _reference(
-        task, ref, "setup", deadline, **_setup_fields(ref, device, limits, deadline, reference=True)
-    )
-    _setup(cand, device, limits, deadline)
-    init = _reference(
-        task, ref, "load_task", deadline, source=task.source, name=task.name, seed=seed
-    )["init"]
-    _candidate(
-        task,
-        cand,
-        "load_candidate",
-        deadline,
-        source=source,
-        seed=seed,
-        init=init,
-        task_source=task.source,
-        task_name=task.name,
-        what="construction of ModelNew",
-    )
-    return setup
-
-
-def _loaded_and_checked(
-    task: Task,
-    source: str,
-    ref: RunnerHandle,
-    cand: RunnerHandle,
-    device: str,
-    limits: Limits,
-    deadline: _Deadline,
-    seed: int,
-    tol: dict[str, Any] | None = None,
-) -> tuple[dict[str, Any], tuple[str, str] | None]:
-    """:func:`_load_pair`, then one checked call on ``seed``'s inputs: (inputs, problem).
-
-    What profiling and the counters do before measuring: the inputs stay in the
-    candidate runner, and the problem is None when the output was right.
-    """
-    setup = _load_pair(task, source, ref, cand, device, limits, deadline, seed)
-    made: dict[str, Any] = _reference(
-        task, ref, "make_inputs", deadline, seed=seed, send=not _own_inputs(cand, device)
-    )
-    made["precision"] = setup.get("precision")  # what the reference runner said it set
-    given = _given(cand, device, made, seed)
-    problem = _run_and_check(task, ref, cand, given=given, seed=seed, deadline=deadline, tol=tol)
-    return made, problem
-
-
-def _tol(task: Task, tolerance: Tolerance | None) -> dict[str, Any]:
-    """The tolerance ``task``'s outputs are judged at, as the ``check`` request carries it."""
-    chosen, _ = resolve(tolerance, task.source)
-    return msgspec.to_builtins(chosen)  # type: ignore[no-any-return]
-
-
-def _judge(
-    task: Task,
-    ref: RunnerHandle,
-    ran: dict[str, Any],
-    seed: int,
-    deadline: _Deadline,
-    tol: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The reference runner's verdict on what the candidate returned for ``seed``'s inputs,
-    at ``tol`` (None: the task's own or KernelBench's tolerance)."""
-    verdict: dict[str, Any] = _reference(
-        task,
-        ref,
-        "check",
-        deadline,
-        seed=seed,
-        outputs=ran["outputs"],
-        inputs_after=ran.get("inputs_after"),
-        inputs_problem=ran.get("inputs_problem"),
-        tol=tol if tol is not None else _tol(task, None),
-    )["verdict"]
-    return verdict
-
-
-def _evidence(seed: int, verdict: dict[str, Any], label: str = "") -> TrialEvidence:
+def _evidence(seed: int, verdict: Verdict, label: str = "") -> TrialEvidence:
     """One trial's evidence from a verdict."""
     return TrialEvidence(
         seed=seed,
-        ok=bool(verdict["ok"]),
-        max_abs_err=float(verdict.get("max_abs_err") or 0.0),
-        max_rel_err=float(verdict.get("max_rel_err") or 0.0),
-        reason=verdict.get("reason"),
+        ok=verdict.ok,
+        max_abs_err=verdict.max_abs_err,
+        max_rel_err=verdict.max_rel_err,
+        reason=verdict.reason,
         label=label,
-        min_tol=float(verdict.get("min_tol") or 0.0),
+        min_tol=verdict.min_tol,
     )
 
 
 def _seed_trials(seed: int, trials: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(2**31) for _ in range(trials)]
-
-
-def _run_and_check(
-    task: Task,
-    ref: RunnerHandle,
-    cand: RunnerHandle,
-    *,
-    given: dict[str, Any],
-    seed: int,
-    deadline: _Deadline,
-    tol: dict[str, Any] | None = None,
-) -> tuple[str, str] | None:
-    """Run the candidate once on ``given`` (:func:`_given`) and have the reference judge
-    it: None, or (kind, reason)."""
-    ran = _candidate(task, cand, "run", deadline, **given, what="forward")
-    verdict = _judge(task, ref, ran, seed, deadline, tol)
-    return None if verdict["ok"] else (str(verdict["kind"]), str(verdict["reason"]))

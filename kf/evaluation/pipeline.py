@@ -6,20 +6,23 @@ or candidate code and never unpickles what a runner sends: it forwards payloads 
 candidate runner and a candidate-free reference runner, which holds the expected outputs
 and judges them. The stages: :mod:`~kf.evaluation.compiling`,
 :mod:`~kf.evaluation.verifying`, :mod:`~kf.evaluation.profiling`,
-:mod:`~kf.evaluation.counters`; what they share: :mod:`~kf.evaluation.grading`.
+:mod:`~kf.evaluation.counters`, each given one :class:`~kf.evaluation.session.GradingSession`;
+what they share: :mod:`~kf.evaluation.grading`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from kf.evaluation.compiling import compile_candidate
-from kf.evaluation.counters import collect_counters
+from kf.evaluation.compiling import compile_session
+from kf.evaluation.counters import COUNTERS_TIMEOUT_S, counters_session
 from kf.evaluation.policy import stated_profile
 from kf.evaluation.reports import EvalResult
 from kf.evaluation.sandbox import Limits, RunnerPool
+from kf.evaluation.session import GradingSession
 from kf.evaluation.tolerance import Tolerance
-from kf.evaluation.verifying import verify_candidate
+from kf.evaluation.verifying import verify_session
 from kf.tasks import Task
 
 
@@ -51,26 +54,20 @@ def evaluate(
     """
     from kf.evaluation.audit import audit_task
 
+    session = GradingSession(
+        task, source, device=device, seed=seed, pool=pool, limits=limits or Limits(),
+        timeout_s=timeout_s, tolerance=tolerance,
+    )  # fmt: skip
+    device = session.device
     audited = (
         audit_task(task, device=device, seed=seed, pool=pool, tolerance=tolerance)
         if audit
         else None
     )
-    compiled = compile_candidate(
-        task, source, device=device, pool=pool, limits=limits, timeout_s=build_timeout_s
-    )
+    compiled = compile_session(session, build_timeout_s)
     if not compiled.ok:
         return EvalResult(task=task.name, compile=compiled, device=device, seed=seed, audit=audited)
-    verified = verify_candidate(
-        task,
-        source,
-        device=device,
-        seed=seed,
-        pool=pool,
-        limits=limits,
-        timeout_s=timeout_s,
-        tolerance=tolerance,
-    )
+    verified = verify_session(session)
     if not verified.correct or not profile:
         return EvalResult(
             task=task.name,
@@ -94,8 +91,9 @@ def evaluate(
         tolerance=tolerance,
         **(profile_options or {}),
     )
+    # ncu replays every kernel: the counters have a time limit of their own
     measured = (
-        collect_counters(task, source, device=device, seed=seed, pool=pool, limits=limits)
+        counters_session(dataclasses.replace(session, timeout_s=COUNTERS_TIMEOUT_S))
         if counters and profiled.ok
         else None
     )

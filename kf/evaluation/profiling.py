@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -18,40 +18,26 @@ from kf.evaluation.baseline import (
     _compile_baseline,
     compile_baseline_wanted,
 )
-from kf.evaluation.device import parse_device
 from kf.evaluation.grading import (
     _FRESH_SETS,
     CACHE_SUSPECTED,
     OUTPUT_CHANGED,
     TIMER_DISAGREEMENT,
-    _after_candidate_failure,
-    _candidate,
     _CandidateFailed,
-    _Deadline,
     _device_lock,
-    _given,
-    _loaded_and_checked,
-    _own_inputs,
-    _phases,
-    _ref_key,
-    _reference,
-    _run_and_check,
-    _sandboxed,
     _seed_trials,
-    _tol,
-    _trimmed,
     log,
 )
+from kf.evaluation.protocol import Batch, Ping, Time, TimeInputs
 from kf.evaluation.reports import ProfileReport
 from kf.evaluation.sandbox import (
     Limits,
     RunnerCrashed,
     RunnerFailed,
-    RunnerHandle,
     RunnerPool,
     RunnerTimeout,
-    default_pool,
 )
+from kf.evaluation.session import GradingSession, Stage
 from kf.evaluation.timing_checks import cache_suspected, timer_disagreement
 from kf.evaluation.tolerance import Tolerance
 from kf.tasks import Task
@@ -123,72 +109,66 @@ def profile_candidate(
     (``compile_baseline_error``) and the speed-up is stated against eager only. Raises
     :class:`TaskError` when the task itself is broken.
     """
-    since = time.monotonic()
-    leased: list[RunnerHandle] = []
+    session = GradingSession(
+        task, source, device=device, seed=seed, pool=pool, limits=limits or Limits(),
+        timeout_s=timeout_s, tolerance=tolerance,
+    )  # fmt: skip
+    options = Timing(warmup, min_trials, min_time_s, max_trials)
+    return profile_session(session, options, compile_baseline=compile_baseline)
+
+
+class Timing(NamedTuple):
+    """How long a profile times: warm-up calls, then at least ``min_trials`` samples and
+    ``min_time_s`` of the candidate's calls, at most ``max_trials``."""
+
+    warmup: int = 5
+    min_trials: int = 20
+    min_time_s: float = 0.5
+    max_trials: int = 1000
+
+
+def profile_session(
+    session: GradingSession,
+    options: Timing | None = None,
+    *,
+    compile_baseline: bool | None = None,
+) -> ProfileReport:
+    """:func:`profile_candidate` of the session's candidate (``options`` None: :class:`Timing`'s
+    defaults)."""
+    options = options or Timing()
+    stage = Stage(session)
     want = compile_baseline_wanted() if compile_baseline is None else compile_baseline
-    kw: dict[str, Any] = {
-        "device": device,
-        "seed": seed,
-        "warmup": warmup,
-        "min_trials": min_trials,
-        "min_time_s": min_time_s,
-        "max_trials": max_trials,
-        "timeout_s": timeout_s,
-        "limits": limits,
-        "pool": pool,
-        "tolerance": tolerance,
-    }
     try:
-        report = _profile(task, source, leased, compile_baseline=want, **kw)
+        report = _profile(stage, options, want)
     except _BaselineLost:
         # the reference runner was lost to torch.compile; the failure is remembered, so
         # this second session, with fresh runners, times against eager only
-        report = _profile(task, source, leased, compile_baseline=want, **kw)
-    return _sandboxed(msgspec.structs.replace(report, phases=_phases(since, *leased)), leased)
+        report = _profile(stage, options, want)
+    return stage.sandboxed(msgspec.structs.replace(report, phases=stage.phases()))
 
 
-def _profile(
-    task: Task,
-    source: str,
-    leased: list[RunnerHandle],
-    *,
-    device: str,
-    seed: int,
-    warmup: int,
-    min_trials: int,
-    min_time_s: float,
-    max_trials: int,
-    timeout_s: float,
-    limits: Limits | None,
-    pool: RunnerPool | None,
-    compile_baseline: bool,
-    tolerance: Tolerance | None = None,
-) -> ProfileReport:
-    """:func:`profile_candidate`; the runners it leases are added to ``leased``.
+def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileReport:
+    """:func:`profile_session` in ``stage``.
 
     Raises :class:`_BaselineLost` when the reference runner died or hung over the
     compiled baseline (remembered, so a second call skips it).
     """
-    device = parse_device(device)
-    pool = pool or default_pool()
-    limits = limits or Limits()
-    tol = _tol(task, tolerance)
+    session, task, device, seed = stage.session, stage.task, stage.device, stage.session.seed
+    warmup, min_trials, min_time_s, max_trials = options
+    timeout_s = session.timeout_s
     with (
         _device_lock(device),
-        _trimmed(pool.reference_lease(_ref_key(task, device))) as ref,
-        pool.lease() as cand,
+        stage.reference_lease(trimmed=True) as ref,
+        stage.candidate_lease() as cand,
     ):
-        leased += [ref, cand]
         if not device.startswith("cuda"):
             # replacement runners import torch now, not during a CPU timing; CUDA events
             # time the GPU, which runner start-ups on the host do not slow
-            pool.wait_warm()
+            session.runners.wait_warm()
         start = time.monotonic()
-        deadline = _Deadline(timeout_s)
+        stage.restart_clock()
         try:
-            made, problem = _loaded_and_checked(
-                task, source, ref, cand, device, limits, deadline, seed, tol
-            )
+            made, setup, problem = stage.loaded_and_checked()
             if problem is not None:
                 return ProfileReport(
                     ok=False,
@@ -199,23 +179,20 @@ def _profile(
                 )
 
             baseline = _compile_baseline(task, ref, device, seed, compile_baseline)
-            deadline = _Deadline(timeout_s)  # the compile had a time limit of its own
-            compiled: dict[str, Any] = {
-                "on": baseline.get("error") is None,
-                "error": baseline.get("error"),
-            }
+            stage.restart_clock()  # the compile had a time limit of its own
+            compiled: dict[str, Any] = {"on": baseline.error is None, "error": baseline.error}
 
-            rtt_ns = min(_round_trip_ns(task, cand, deadline) for _ in range(3))
+            rtt_ns = min(_round_trip_ns(stage) for _ in range(3))
             # The grader's own wall clock around every timing request of the candidate:
             # samples forged or shrunk in-process cannot add up to it.
             # Per request: (calls, wall ms less the round trip, sum of the samples in ms).
             batches: list[tuple[int, float, float]] = []
 
-            def timed(handle: RunnerHandle, n: int, is_candidate: bool) -> list[float]:
-                call = _candidate if is_candidate else _reference
+            def timed(is_candidate: bool, n: int) -> list[float]:
+                call = stage.candidate if is_candidate else stage.reference
                 t0 = time.perf_counter_ns()
-                reply = call(task, handle, "time", deadline, n=n, what=f"timing {n} calls")
-                samples = [ns / 1e6 for ns in reply["samples_ns"]]
+                reply = call(Time(n=n), what=f"timing {n} calls")
+                samples = [ns / 1e6 for ns in reply.samples_ns]
                 if is_candidate:
                     spent = max(0, time.perf_counter_ns() - t0 - rtt_ns) / 1e6
                     batches.append((len(samples), spent, sum(samples)))
@@ -227,20 +204,22 @@ def _profile(
                     return []
                 try:
                     reply = ref.request(
-                        "time", deadline.left(), n=n, compiled=True, what=f"timing {n} compiled"
+                        Time(n=n, compiled=True),
+                        stage.deadline.left(),
+                        what=f"timing {n} compiled",
                     )
                 except (RunnerTimeout, RunnerCrashed) as exc:
                     why = f"the compiled reference lost its runner while timed: {exc}"
-                    _baseline_lost[f"{_ref_key(task, device)}:{seed}"] = why
+                    _baseline_lost[f"{session.reference_key}:{seed}"] = why
                     raise _BaselineLost(why) from exc
                 except RunnerFailed as exc:
                     compiled.update(on=False, error=f"the compiled reference failed: {exc}")
                     return []
-                return [ns / 1e6 for ns in reply["samples_ns"]]
+                return [ns / 1e6 for ns in reply.samples_ns]
 
-            est_c = statistics.median(timed(cand, warmup, True) or [1.0])
+            est_c = statistics.median(timed(True, warmup) or [1.0])
             batches.clear()  # warm-up calls (first launches, caches) are not compared
-            est_r = statistics.median(timed(ref, warmup, False) or [1.0])
+            est_r = statistics.median(timed(False, warmup) or [1.0])
             est_k = statistics.median(timed_compiled(warmup) or [0.0])
             round_s = max(min_time_s / 10, 0.01)
             per_round = max(1, min(200, int(round_s * 1e3 / max(est_c, est_r, est_k, 1e-3))))
@@ -250,10 +229,11 @@ def _profile(
             while len(cand_ms) < max_trials:
                 enough = len(cand_ms) >= min_trials and len(ref_ms) >= min_trials
                 enough = enough and (len(comp_ms) >= min_trials or not compiled["on"])
-                if enough and (sum(cand_ms) >= min_time_s * 1e3 or deadline.left() < timeout_s / 3):
+                left = stage.deadline.left()
+                if enough and (sum(cand_ms) >= min_time_s * 1e3 or left < timeout_s / 3):
                     break
-                cand_ms += timed(cand, per_round, True)
-                ref_ms += timed(ref, per_round, False)
+                cand_ms += timed(True, per_round)
+                ref_ms += timed(False, per_round)
                 comp_ms += timed_compiled(per_round)
             c, r = timing_stats(cand_ms), timing_stats(ref_ms)
             kc = timing_stats(comp_ms) if compiled["on"] and comp_ms else None
@@ -261,13 +241,13 @@ def _profile(
             # Outside view: wall time of K back-to-back calls, minus one request's overhead.
             k = max(5, min(10_000, math.ceil(50.0 / max(c["mean"], 1e-3))))
             t0 = time.perf_counter_ns()
-            batch = _candidate(task, cand, "batch", deadline, n=k, what=f"a batch of {k} calls")
+            batch = stage.candidate(Batch(n=k), what=f"a batch of {k} calls")
             outside_ms = max(0.0, (time.perf_counter_ns() - t0 - rtt_ns) / 1e6 / k)
-            inside_ms = int(batch["total_ns"]) / 1e6 / k
+            inside_ms = batch.total_ns / 1e6 / k
             # Same K calls seen by both clocks: machine noise cancels, a tampered clock does not.
             flags = list(cross_check_flags(inside_ms, outside_ms))
             # the timing loop's own cost, from the candidate-free runner (timing_checks)
-            empty = _empty_call(task, ref, deadline, per_round)
+            empty = _empty_call(stage, per_round)
             disagree = timer_disagreement(batches, empty[0])
             if not flags and disagree is not None:
                 flags.append(f"{TIMER_DISAGREEMENT}: {disagree}")
@@ -278,36 +258,14 @@ def _profile(
                     f"{rtt_ns / 1e6:.3f} ms subtracted)"
                 ]
 
-            if (
-                _run_and_check(
-                    task,
-                    ref,
-                    cand,
-                    given=_given(cand, device, made, seed),
-                    seed=seed,
-                    deadline=deadline,
-                    tol=tol,
-                )
-                is not None
-            ):
+            if stage.run_and_check(stage.run_request(made, seed), seed) is not None:
                 flags.append(f"{OUTPUT_CHANGED}: the timed inputs' output is wrong after timing")
 
             # Fresh inputs after timing: stale buffers and result caches show up here.
-            fresh = [
-                _reference(
-                    task, ref, "make_inputs", deadline, seed=fs, send=not _own_inputs(cand, device)
-                )
-                for fs in _seed_trials(seed ^ 0xF4E5, _FRESH_SETS)
-            ]
-            fresh_seed = _seed_trials(seed ^ 0xF4E5, _FRESH_SETS)[0]
-            problem = _run_and_check(
-                task,
-                ref,
-                cand,
-                given=_given(cand, device, fresh[0], fresh_seed),
-                seed=fresh_seed,
-                deadline=deadline,
-                tol=tol,
+            fresh_seeds = _seed_trials(seed ^ 0xF4E5, _FRESH_SETS)
+            fresh = [stage.make_inputs(fs) for fs in fresh_seeds]
+            problem = stage.run_and_check(
+                stage.run_request(fresh[0], fresh_seeds[0]), fresh_seeds[0]
             )
             if problem is not None:
                 return ProfileReport(
@@ -318,29 +276,23 @@ def _profile(
                     flags=tuple(flags),
                     duration_s=time.monotonic() - start,
                 )
-            reply = _candidate(
-                task,
-                cand,
-                "time_inputs",
-                deadline,
-                **(
-                    {"seeds": _seed_trials(seed ^ 0xF4E5, _FRESH_SETS)}
-                    if _own_inputs(cand, device)
-                    else {"inputs": [f["inputs"] for f in fresh]}
-                ),
-                paired=True,
-                what="timing fresh inputs",
+            given = [f.inputs for f in fresh if f.inputs is not None]
+            sets = (
+                TimeInputs(seeds=fresh_seeds, paired=True)
+                if stage.own_inputs
+                else TimeInputs(inputs=given, paired=True)
             )
-            fresh_samples = [ns / 1e6 for ns in reply["samples_ns"]]
+            reply = stage.candidate(sets, what="timing fresh inputs")
+            fresh_samples = [ns / 1e6 for ns in reply.samples_ns]
             fresh_ms = statistics.median(fresh_samples or [0.0])
-            # older runners answer without the paired calls: compare with the timed median
-            repeated = [ns / 1e6 for ns in reply.get("repeated_ns") or []] or [c["median"]]
+            # no paired calls (none asked for): compare with the timed median
+            repeated = [ns / 1e6 for ns in reply.repeated_ns] or [c["median"]]
             cached = cache_suspected(fresh_samples, repeated, empty[1])
             if cached is not None:
                 flags.append(f"{CACHE_SUSPECTED}: {cached}")
             flags += [f for f in cand.findings if f not in flags]
         except _CandidateFailed as exc:
-            _after_candidate_failure(ref, exc, device)
+            stage.after_candidate_failure(exc)
             log.info("candidate_profile_failed", task=task.name, kind=exc.kind)
             return ProfileReport(
                 ok=False,
@@ -384,10 +336,10 @@ def _profile(
         compiled_runtime_median_ms=kc["median"] if kc is not None else 0.0,
         compiled_runtime_ci95_ms=kc["ci95"] if kc is not None else 0.0,
         compiled_trials=len(comp_ms) if kc is not None else 0,
-        compile_baseline=str(baseline.get("baseline", "")),
-        compile_baseline_s=0.0 if baseline.get("cached") else float(baseline.get("compile_s", 0.0)),
-        compile_baseline_cached=bool(baseline.get("cached")),
-        compile_baseline_graphs=int(baseline.get("graphs", 0)),
+        compile_baseline=baseline.baseline,
+        compile_baseline_s=0.0 if baseline.cached else baseline.compile_s,
+        compile_baseline_cached=baseline.cached,
+        compile_baseline_graphs=baseline.graphs,
         compile_baseline_error=None
         if kc is not None
         else str(compiled["error"] or "no sample of the compiled reference"),
@@ -395,8 +347,8 @@ def _profile(
         speedup_vs_best=best_ref / c["mean"] if best_ref is not None and c["mean"] > 0 else None,
         # what the reference runner said: a runner that does not say compiles the default
         # mode and leaves TF32 as PyTorch starts (kf.evaluation.baseline_settings)
-        compile_mode=str(baseline.get("mode") or "default") if kc is not None else "",
-        tf32=baseline_settings.tf32_summary(made.get("precision")) or "pytorch-default",
+        compile_mode=(baseline.mode or "default") if kc is not None else "",
+        tf32=baseline_settings.tf32_summary(setup.precision) or "pytorch-default",
     )
     log.info(
         "candidate_profiled",
@@ -409,7 +361,7 @@ def _profile(
     return report
 
 
-def _empty_call(task: Task, ref: RunnerHandle, deadline: _Deadline, n: int) -> tuple[float, float]:
+def _empty_call(stage: Stage, n: int) -> tuple[float, float]:
     """The timing loop's cost per call around a call that does nothing, in the
     candidate-free runner: (the grader's wall ms less the request's round trip, the
     in-process sample in ms), each the smaller of two measurements."""
@@ -418,16 +370,16 @@ def _empty_call(task: Task, ref: RunnerHandle, deadline: _Deadline, n: int) -> t
     inside: list[float] = []
     for _ in range(2):
         t0 = time.perf_counter_ns()
-        _reference(task, ref, "ping", deadline)
+        stage.reference(Ping())
         rtt = time.perf_counter_ns() - t0
         t0 = time.perf_counter_ns()
-        reply = _reference(task, ref, "time", deadline, n=n, empty=True, what="an empty call")
+        reply = stage.reference(Time(n=n, empty=True), what="an empty call")
         walls.append(max(0, time.perf_counter_ns() - t0 - rtt) / 1e6 / n)
-        inside.append(statistics.median([ns / 1e6 for ns in reply["samples_ns"]] or [0.0]))
+        inside.append(statistics.median([ns / 1e6 for ns in reply.samples_ns] or [0.0]))
     return min(walls), min(inside)
 
 
-def _round_trip_ns(task: Task, handle: RunnerHandle, deadline: _Deadline) -> int:
+def _round_trip_ns(stage: Stage) -> int:
     t0 = time.perf_counter_ns()
-    _candidate(task, handle, "ping", deadline)
+    stage.candidate(Ping())
     return time.perf_counter_ns() - t0

@@ -85,7 +85,9 @@ def main(argv: list[str]) -> int:
     import faulthandler
     from multiprocessing.connection import Connection
 
-    from kf.evaluation.protocol import decode, encode
+    import msgspec
+
+    from kf.evaluation import protocol
 
     faulthandler.enable()  # a crashing candidate leaves a Python traceback in the log
     fd, parent_pid = int(argv[0]), int(argv[1])
@@ -94,6 +96,7 @@ def main(argv: list[str]) -> int:
     # bound before any candidate code runs: the socket's bytes, and the descriptors of
     # shared-memory payloads beside them (kf.evaluation.shared_memory)
     send, recv = conn.send_bytes, conn.recv_bytes
+    encode, decode = protocol.encode, protocol.decode_from_grader
     fd_sock = socket.socket(fileno=os.dup(fd))
     watch.grading = fd_sock
     send_message = functools.partial(shared_memory.send_message, send, fd_sock, encode)
@@ -112,41 +115,47 @@ def main(argv: list[str]) -> int:
     runner = Runner(clock_ns, watch)
     if os.environ.get("KF_RUNNER_WARM"):
         _warm(runner.torch, os.environ["KF_RUNNER_WARM"])
-    send(encode({"op": "ready", "pid": os.getpid(), "torch": str(runner.torch.__version__)}))
+    send(encode(protocol.Ready(pid=os.getpid(), torch=str(runner.torch.__version__))))
     guard: _Integrity | None = None
     while True:
         try:
             msg = receive_message()
         except EOFError:
             return 0
-        op = msg.get("op")
-        if op == "exit":
+        except ValueError as exc:  # protocol.ProtocolError, or descriptors not as announced
+            print(f"kf runner: exiting on a message it cannot read: {exc}", flush=True)
+            return 2
+        if isinstance(msg, protocol.Exit):
             return 0
-        if op == "load_candidate" and guard is None:
+        if isinstance(msg, protocol.LoadCandidate) and guard is None:
             # before any candidate code runs
             guard = _Integrity(runner, clock_ns, send, recv, send_message, receive_message)
-        handler = getattr(runner, f"op_{op}", None)
+        handler = (
+            getattr(runner, f"op_{msg.op}", None) if isinstance(msg, protocol.Request) else None
+        )
         began = clock_ns()
+        reply: protocol.Reply
         try:
             if handler is None:
-                raise _Failure("protocol", f"unknown op {op!r}")
-            reply = {"ok": True, **handler(msg)}
+                raise _Failure("protocol", f"unexpected message {msg.op!r}")
+            reply = handler(msg)
         except _Failure as failure:
-            reply = {"ok": False, "kind": failure.kind, "error": failure.error, "log": failure.log}
+            reply = protocol.Failed(kind=failure.kind, error=failure.error, log=failure.log)
         except BaseException as exc:
-            reply = {"ok": False, "kind": "exception", "error": _describe(exc), "log": _tb()}
+            reply = protocol.Failed(kind="exception", error=_describe(exc), log=_tb())
         if guard is not None:
             tampered = guard.check(runner, clock_ns)
             if tampered:
-                reply = {
-                    "ok": False,
-                    "kind": "tampering",
-                    "error": f"the candidate altered the runner that grades it: {tampered}",
-                    "log": "",
-                }
-        reply["id"] = msg.get("id")
-        reply["took_ns"] = clock_ns() - began  # the handler's time, for the grader's request log
-        reply["findings"] = watch.drain()
+                reply = protocol.Failed(
+                    kind="tampering",
+                    error=f"the candidate altered the runner that grades it: {tampered}",
+                )
+        reply = msgspec.structs.replace(
+            reply,
+            id=msg.id if isinstance(msg, protocol.Request) else 0,
+            took_ns=clock_ns() - began,  # the handler's time, for the grader's request log
+            findings=tuple(watch.drain()),
+        )
         sys.stdout.flush()
         send_message(reply)
         del reply

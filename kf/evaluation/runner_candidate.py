@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from kf.evaluation import protocol as p
 from kf.evaluation.runner_common import RunnerBase, _describe, _Failure, _flatten, _tb
 from kf.evaluation.runner_guard import _DATA_OPS, _OpRecorder
 
@@ -15,20 +16,20 @@ from kf.evaluation.runner_guard import _DATA_OPS, _OpRecorder
 class CandidateRole(RunnerBase):
     """Request handlers of a candidate runner (the candidate's ModelNew)."""
 
-    def op_load_candidate(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def op_load_candidate(self, msg: p.LoadCandidate) -> p.CandidateLoaded:
         from kf.native import NativeCompileError
         from kf.tasks import import_source
 
-        seed = int(msg["seed"])
-        if msg.get("init") is not None:
-            init = list(self.load(msg["init"]))
+        seed = msg.seed
+        if msg.init is not None:
+            init = list(self.load(msg.init))
             if self.own_inputs:  # the task's get_inputs, imported before any candidate code
-                self._import_task(msg["task_source"], msg["task_name"])
+                self._import_task(msg.task_source, msg.task_name)
         else:
-            init = self._init_inputs(self._import_task(msg["task_source"], msg["task_name"]), seed)
+            init = self._init_inputs(self._import_task(msg.task_source, msg.task_name), seed)
         self.watch.active = True  # from here on, this process runs candidate code
         try:
-            module = import_source("kf_candidate", msg["source"], filename="<candidate>")
+            module = import_source("kf_candidate", msg.source, filename="<candidate>")
         except NativeCompileError as exc:
             raise _Failure("compile_error", _compile_failure(exc), exc.log) from exc
         except BaseException as exc:
@@ -50,21 +51,22 @@ class CandidateRole(RunnerBase):
                 "exception", f"ModelNew(*get_init_inputs()) raised {_describe(exc)}", _tb()
             ) from exc
         self.model = self.backend.to_device(model)
-        return {}
+        return p.CandidateLoaded()
 
-    def op_run(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def op_run(self, msg: p.Run) -> p.Ran:
         from kf.evaluation.compare import compare_inputs
 
         torch = self.torch
         t0 = self.clock_ns()
         pristine: list[Any] | None = None
-        if msg.get("inputs") is None and msg.get("seed") is not None and self.own_inputs:
-            scale = None if msg.get("scale") is None else float(msg["scale"])
-            self.inputs, pristine = self._seeded(int(msg["seed"]), scale)
+        if msg.inputs is None and msg.seed is not None and self.own_inputs:
+            self.inputs, pristine = self._seeded(msg.seed, msg.scale)
+        elif msg.inputs is None:
+            raise _Failure("protocol", "a run request with no inputs and no seed to make them")
         else:
-            self.inputs = [self.backend.to_device(v) for v in self.load(msg["inputs"])]
+            self.inputs = [self.backend.to_device(v) for v in self.load(msg.inputs)]
         t1 = self.clock_ns()
-        recorder = _OpRecorder(torch) if msg.get("trace") else None
+        recorder = _OpRecorder(torch) if msg.trace else None
         try:
             with torch.no_grad():
                 if recorder is not None:
@@ -85,16 +87,15 @@ class CandidateRole(RunnerBase):
         else:  # checked here; this process's word, as inputs_after bytes would be
             inputs_after = None
             problem = compare_inputs(torch, pristine, self.inputs)
-        return {
-            "torch_ops": ops,
-            "outputs": outputs,
-            "inputs_after": inputs_after,
-            "inputs_problem": problem,
-            # where the request's time went, for the grader's request log
-            "phases_ns": {"inputs": t1 - t0, "forward": t2 - t1, "outputs": self.clock_ns() - t2},
-        }
+        return p.Ran(
+            torch_ops=ops,
+            outputs=outputs,
+            inputs_after=inputs_after,
+            inputs_problem=problem,
+            phases_ns={"inputs": t1 - t0, "forward": t2 - t1, "outputs": self.clock_ns() - t2},
+        )
 
-    def op_counters(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def op_counters(self, msg: p.Counters) -> p.CountersRan:
         """One warm-up call, then one call between cudaProfilerStart and Stop (for ncu)."""
         torch = self.torch
         model, inputs, backend = self.model, self.inputs, self.backend
@@ -112,24 +113,24 @@ class CandidateRole(RunnerBase):
             raise _Failure(
                 "exception", f"forward raised {_describe(exc)} under the profiler", _tb()
             ) from exc
-        return {}
+        return p.CountersRan()
 
-    def op_batch(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def op_batch(self, msg: p.Batch) -> p.BatchRan:
         torch = self.torch
         model, inputs, backend = self.model, self.inputs, self.backend
         start = self.clock_ns()
         with torch.no_grad():
-            for _ in range(int(msg["n"])):
+            for _ in range(msg.n):
                 model(*inputs)
         backend.synchronize()
-        return {"total_ns": self.clock_ns() - start}
+        return p.BatchRan(total_ns=self.clock_ns() - start)
 
 
 def _remote_build(
     send: Callable[[bytes], None],
     recv: Callable[[], bytes],
-    encode: Callable[[Any], bytes],
-    decode: Callable[[bytes], Any],
+    encode: Callable[[p.Message], bytes],
+    decode: Callable[[bytes], p.Message],
     source: str,
     flags: list[str],
     defines: dict[str, str],
@@ -140,14 +141,18 @@ def _remote_build(
     (kf.evaluation.builds)."""
     from kf.native import NativeCompileError
 
-    send(encode({"op": "build", "source": source, "flags": flags, "defines": defines,
-                 "timeout_s": timeout_s}))  # fmt: skip
-    reply = decode(recv())
-    if not isinstance(reply, dict) or reply.get("op") != "built":
-        raise RuntimeError("the grader did not answer the build request")
-    if not reply.get("ok"):
-        raise NativeCompileError(str(reply.get("error")), str(reply.get("log") or ""))
-    return str(reply["path"])
+    send(encode(p.BuildNative(source=source, flags=flags, defines=defines, timeout_s=timeout_s)))
+    reply = _built(decode(recv()))
+    if not reply.ok:
+        raise NativeCompileError(reply.error, reply.log)
+    return reply.path
+
+
+def _built(reply: p.Message) -> p.Built:
+    """The grader's answer to a build request (it sends nothing else meanwhile)."""
+    if not isinstance(reply, p.Built):
+        raise RuntimeError(f"the grader answered the build request with {reply.op!r}")
+    return reply
 
 
 def _compile_failure(exc: BaseException) -> str:
@@ -160,8 +165,8 @@ def _compile_failure(exc: BaseException) -> str:
 def _remote_inline_build(
     send: Callable[[bytes], None],
     recv: Callable[[], bytes],
-    encode: Callable[[Any], bytes],
-    decode: Callable[[bytes], Any],
+    encode: Callable[[p.Message], bytes],
+    decode: Callable[[bytes], p.Message],
     arguments: dict[str, Any],
     environment: dict[str, Any],
 ) -> str:
@@ -170,15 +175,12 @@ def _remote_inline_build(
     read-only shared cache (kf.evaluation.builds.build_inline)."""
     from kf.native import NativeCompileError
 
-    send(encode({"op": "build", "kind": "cuda_inline", "arguments": arguments,
-                 "environment": environment}))  # fmt: skip
-    reply = decode(recv())
-    if not isinstance(reply, dict) or reply.get("op") != "built":
-        raise RuntimeError("the grader did not answer the build request")
-    log = str(reply.get("log") or "")
+    send(encode(p.BuildInline(arguments=arguments, environment=environment)))
+    reply = _built(decode(recv()))
+    log = reply.log
     if log:  # the build's own report (kf.cuda.objcache verdicts) for the compile log
         sys.stderr.write(log if log.endswith("\n") else log + "\n")
         sys.stderr.flush()
-    if not reply.get("ok"):
-        raise NativeCompileError(str(reply.get("error")), log)
-    return str(reply["path"])
+    if not reply.ok:
+        raise NativeCompileError(reply.error, log)
+    return reply.path

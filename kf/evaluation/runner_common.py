@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from kf.evaluation import protocol as p
 from kf.evaluation import shared_memory
 from kf.evaluation.baseline_settings import apply_tf32
 from kf.evaluation.runner_guard import _Watch
@@ -63,7 +64,7 @@ class _Compiled(NamedTuple):
     """
 
     fn: Any
-    reply: dict[str, Any]
+    reply: p.BaselineCompiled
 
 
 _MAX_COMPILED = 4  # compiled references a runner keeps (one per model seed and input shapes)
@@ -72,7 +73,7 @@ _MAX_COMPILED = 4  # compiled references a runner keeps (one per model seed and 
 class _Made(NamedTuple):
     """One input set a reference runner made: the reply, pristine inputs, expected outputs."""
 
-    reply: dict[str, Any]
+    reply: p.InputsMade
     pristine: list[Any] | None = None
     expected: list[Any] = []
     nbytes: int = 0
@@ -165,7 +166,7 @@ class RunnerBase:
         self._inputs, self._inputs_from = values, []
 
     # -- serialisation -------------------------------------------------------------
-    def dump(self, value: Any) -> bytes | list[memoryview] | shared_memory.Payload:
+    def dump(self, value: Any) -> p.Blob:
         """``value`` (a runner's tensors, wherever they live) as a payload: IPC handles;
         a sealed memory file (:mod:`kf.evaluation.shared_memory`) when large enough; or
         ``torch.save`` bytes of host copies, split into pieces of at most
@@ -185,15 +186,18 @@ class RunnerBase:
         if buf.tell() <= PAYLOAD_PIECE:
             return buf.getvalue()
         view = buf.getbuffer()
-        return [view[i : i + PAYLOAD_PIECE] for i in range(0, len(view), PAYLOAD_PIECE)]
+        # memoryviews, encoded as bytes: no copy of gigabytes into bytes objects first
+        step = PAYLOAD_PIECE
+        pieces: list[Any] = [view[i : i + step] for i in range(0, len(view), step)]
+        return pieces
 
-    def _dump_inputs(self, pristine: list[Any]) -> Any:
+    def _dump_inputs(self, pristine: list[Any]) -> p.Blob:
         """The reference's inputs for another runner, which cannot reach ``pristine``
         itself: a clone goes over IPC (the receiver maps the allocation writable); the
         other payloads are copies already."""
         return self.dump(self.clone(pristine) if self.ipc else pristine)
 
-    def load(self, data: bytes | list[bytes] | shared_memory.Payload) -> Any:
+    def load(self, data: p.Blob) -> Any:
         if isinstance(data, shared_memory.Payload):
             try:
                 return shared_memory.unpack(self.torch, data)
@@ -215,54 +219,51 @@ class RunnerBase:
         return [v.detach().clone() if isinstance(v, self.torch.Tensor) else v for v in values]
 
     # -- handlers ------------------------------------------------------------------
-    def op_ping(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return {}
+    def op_ping(self, msg: p.Ping) -> p.Pong:
+        return p.Pong()
 
-    def op_setup(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def op_setup(self, msg: p.Setup) -> p.SetUp:
         import resource
 
         from kf.evaluation.device import make_backend
 
-        if int(msg.get("nice") or 0) > 0:
-            os.nice(int(msg["nice"]))  # a build: its compilers yield to grading and timing
-        self.backend = make_backend(msg["device"], self.clock_ns)
-        self.ipc = bool(msg.get("ipc")) and self.backend.name == "cuda"
-        shm = msg.get("shm")
-        self.shm = int(shm) if shm is not None and not self.ipc else None
-        self.own_inputs = bool(msg.get("own_inputs"))
+        if msg.nice > 0:
+            os.nice(msg.nice)  # a build: its compilers yield to grading and timing
+        self.backend = make_backend(msg.device, self.clock_ns)
+        self.ipc = msg.ipc and self.backend.name == "cuda"
+        self.shm = msg.shm if msg.shm is not None and not self.ipc else None
+        self.own_inputs = msg.own_inputs
         self.made_budget = self._cache_budget(msg)
-        self.torch.set_num_threads(int(msg["threads"]))
-        if msg.get("file_bytes") and self.shm is not None:
+        self.torch.set_num_threads(msg.threads)
+        if msg.file_bytes and self.shm is not None:
             # before any limit: large payloads stay memory files under the file limit
             shared_memory.start_file_maker()
-        if msg.get("memory_bytes"):
-            mem = int(msg["memory_bytes"])
-            resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        if msg.get("cpu_s"):
+        if msg.memory_bytes:
+            resource.setrlimit(resource.RLIMIT_AS, (msg.memory_bytes, msg.memory_bytes))
+        if msg.cpu_s:
             usage = resource.getrusage(resource.RUSAGE_SELF)
             used = int(usage.ru_utime + usage.ru_stime) + 1
-            soft = used + int(msg["cpu_s"])
+            soft = used + msg.cpu_s
             resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 5))
-        if msg.get("file_bytes"):
-            size = int(msg["file_bytes"])
-            resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+        if msg.file_bytes:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (msg.file_bytes, msg.file_bytes))
         # TF32 set explicitly before any task or candidate code runs (the grader's choice)
-        precision = apply_tf32(self.torch, msg.get("tf32"))
-        return {"threads": self.torch.get_num_threads(), "precision": precision}
+        precision = apply_tf32(self.torch, msg.tf32)
+        return p.SetUp(threads=self.torch.get_num_threads(), precision=precision)
 
-    def _cache_budget(self, msg: dict[str, Any]) -> int:
+    def _cache_budget(self, msg: p.Setup) -> int:
         """Bytes of made inputs and outputs a reference runner keeps (0: none).
 
         ``reference_cache_bytes`` < 0 asks for the default: a tenth of the GPU's memory
         up to 8 GiB on a GPU, an eighth of the memory limit up to 1 GiB on a CPU.
         """
-        asked = int(msg.get("reference_cache_bytes") or 0)
+        asked = msg.reference_cache_bytes
         if asked >= 0:
             return asked
         if self.backend.name == "cuda":
             props = self.torch.cuda.get_device_properties(self.torch.cuda.current_device())
             return int(min(8 << 30, props.total_memory // 10))
-        limit = int(msg.get("memory_bytes") or 0)
+        limit = msg.memory_bytes
         return min(1 << 30, limit // 8) if limit else 1 << 30
 
     def _import_task(self, source: str, name: str) -> Any:
@@ -334,43 +335,43 @@ class RunnerBase:
         ]
         return (self.model_seed, *parts)
 
-    def op_time(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def op_time(self, msg: p.Time) -> p.Timed:
         torch = self.torch
         model, inputs, backend = self.model, self.inputs, self.backend
-        if msg.get("compiled"):
+        if msg.compiled:
             known = self.compiled.get(self._signature(inputs))
             if known is None or known.fn is None:
                 raise _Failure("protocol", "no compiled reference for these inputs")
             model = known.fn
-        elif msg.get("empty"):  # the timing loop's own cost: a call that does nothing
+        elif msg.empty:  # the timing loop's own cost: a call that does nothing
             model = _nothing
         samples: list[int] = []
         try:
             with torch.no_grad():
-                for _ in range(int(msg["n"])):
+                for _ in range(msg.n):
                     backend.flush_cache()
                     samples.append(backend.time_call_ns(lambda: model(*inputs)))
         except BaseException as exc:
             raise _Failure(
                 "exception", f"forward raised {_describe(exc)} while timing", _tb()
             ) from exc
-        return {"samples_ns": samples}
+        return p.Timed(samples_ns=samples)
 
-    def op_time_inputs(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def op_time_inputs(self, msg: p.TimeInputs) -> p.InputsTimed:
         """One timed call on each of several fresh input sets (a cache would miss here)."""
         torch = self.torch
         model, backend = self.model, self.backend
-        if msg.get("seeds") is not None and self.own_inputs:
-            sets = [self._seeded(int(s), check=False)[0] for s in msg["seeds"]]
+        if msg.seeds is not None and self.own_inputs:
+            sets = [self._seeded(s, check=False)[0] for s in msg.seeds]
         else:
-            sets = [[backend.to_device(v) for v in self.load(data)] for data in msg["inputs"]]
+            sets = [[backend.to_device(v) for v in self.load(data)] for data in msg.inputs or []]
         samples: list[int] = []
         repeated: list[int] = []  # with "paired": the last inputs, timed the same way after each
         try:
             with torch.no_grad():
                 for inputs in sets:
                     for which, into in ((inputs, samples), (self.inputs, repeated)):
-                        if into is repeated and not msg.get("paired"):
+                        if into is repeated and not msg.paired:
                             continue
                         # Read every input once so fresh data is as warm as repeated data.
                         for v in which:
@@ -382,4 +383,4 @@ class RunnerBase:
             raise _Failure(
                 "exception", f"forward raised {_describe(exc)} on fresh inputs", _tb()
             ) from exc
-        return {"samples_ns": samples, "repeated_ns": repeated}
+        return p.InputsTimed(samples_ns=samples, repeated_ns=repeated)

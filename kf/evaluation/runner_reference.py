@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import msgspec
+
+from kf.evaluation import protocol as p
 from kf.evaluation.baseline_settings import compile_kwargs, describe_compile
 from kf.evaluation.runner_common import (
     _MAX_COMPILED,
@@ -28,9 +31,9 @@ from kf.evaluation.runner_common import (
 class ReferenceRole(RunnerBase):
     """Request handlers of a reference runner (the task's Model)."""
 
-    def op_load_task(self, msg: dict[str, Any]) -> dict[str, Any]:
-        module = self._import_task(msg["source"], msg["name"])
-        seed = int(msg["seed"])
+    def op_load_task(self, msg: p.LoadTask) -> p.TaskLoaded:
+        module = self._import_task(msg.source, msg.name)
+        seed = msg.seed
         self.model_seed = seed  # the model's parameters: part of what made inputs are keyed by
         init = self._init_inputs(module, seed)
         self.torch.manual_seed(seed)
@@ -41,7 +44,7 @@ class ReferenceRole(RunnerBase):
                 "task_error", f"Model(*get_init_inputs()) raised {_describe(exc)}", _tb()
             ) from exc
         self.model = self.backend.to_device(model)
-        return {"init": self.dump(init)}
+        return p.TaskLoaded(init=self.dump(init))
 
     def _variant_candidates(self, seed: int, variant: int) -> list[tuple[str, list[Any]]]:
         """Input sets for generalisation variant ``variant``, most preferred first.
@@ -64,7 +67,7 @@ class ReferenceRole(RunnerBase):
 
         return derived_shapes(torch, self.task_module, self._get_inputs, seed, variant)
 
-    def op_make_inputs(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def op_make_inputs(self, msg: p.MakeInputs) -> p.InputsMade:
         try:
             return self._op_make_inputs(msg)
         finally:
@@ -77,11 +80,9 @@ class ReferenceRole(RunnerBase):
         free, total = self.torch.cuda.mem_get_info()
         return {"device_free_bytes": int(free), "device_total_bytes": int(total)}
 
-    def _op_make_inputs(self, msg: dict[str, Any]) -> dict[str, Any]:
-        seed = int(msg["seed"])
-        variant = msg.get("variant")
-        scale = None if msg.get("scale") is None else float(msg["scale"])
-        key = (self.model_seed, seed, None if variant is None else int(variant), scale)
+    def _op_make_inputs(self, msg: p.MakeInputs) -> p.InputsMade:
+        seed, variant, scale = msg.seed, msg.variant, msg.scale
+        key = (self.model_seed, seed, variant, scale)
         made = self.made.get(key)
         reused = made is not None
         if made is None:
@@ -90,23 +91,23 @@ class ReferenceRole(RunnerBase):
         else:
             self.made.move_to_end(key)
         if made.pristine is None:
-            return {**made.reply, "reused": reused}
-        made.reply.update(self._device_memory())
+            return msgspec.structs.replace(made.reply, reused=reused)
+        reply = msgspec.structs.replace(made.reply, reused=reused, **self._device_memory())
         self._inputs, self._inputs_from = None, made.pristine
         # a check follows its own trial's inputs; keeping every trial's inputs and outputs
         # would hold tens of GB at KernelBench's sizes
         self.trials.pop(seed, None)
         self.trials[seed] = (made.pristine, made.expected)
-        self.trial_variant[seed] = None if variant is None else int(variant)
+        self.trial_variant[seed] = variant
         self.trial_scale[seed] = scale
         while len(self.trials) > 1 and (
             len(self.trials) > _TRIALS_KEPT
             or sum(map(self._nbytes, self.trials.values())) > max(self.made_budget, 1 << 30)
         ):
             del self.trials[next(iter(self.trials))]
-        if msg.get("send") is False:  # the candidate runner makes its own (own_inputs)
-            return {**made.reply, "reused": reused, "inputs": None}
-        return {**made.reply, "reused": reused, "inputs": self._dump_inputs(made.pristine)}
+        if not msg.send:  # the candidate runner makes its own (own_inputs)
+            return reply
+        return msgspec.structs.replace(reply, inputs=self._dump_inputs(made.pristine))
 
     def _nbytes(self, trial: tuple[list[Any], list[Any]]) -> int:
         torch = self.torch
@@ -127,7 +128,7 @@ class ReferenceRole(RunnerBase):
     def _make_inputs(
         self,
         seed: int,
-        variant: Any,
+        variant: int | None,
         scale: float | None = None,
         options: list[tuple[str, list[Any]]] | None = None,
     ) -> _Made:
@@ -139,7 +140,7 @@ class ReferenceRole(RunnerBase):
         elif variant is None:
             options = [("", self._get_inputs(seed))]
         else:
-            options = self._variant_candidates(seed, int(variant))
+            options = self._variant_candidates(seed, variant)
         out: Any = None
         raw: list[Any] = []
         how = ""
@@ -156,9 +157,7 @@ class ReferenceRole(RunnerBase):
                 out = None
         out = out is not None
         if variant is not None and not out:
-            return _Made(
-                {"inputs": None, "variant": "the task has no other input shapes kf could derive"}
-            )
+            return _Made(p.InputsMade(missing="the task has no other input shapes kf could derive"))
         # the inputs as made, kept; the reference's forward gets a copy it may write to (one
         # copy, not two: at KernelBench's sizes each is a 6.4 GB tensor on the device)
         inputs = pristine = [self.backend.to_device(v) for v in raw]
@@ -180,24 +179,24 @@ class ReferenceRole(RunnerBase):
             for o in outs
         ]
         del given
-        reply = {
-            "input_shapes": [list(v.shape) if isinstance(v, torch.Tensor) else [] for v in inputs],
-            "input_dtypes": [
+        reply = p.InputsMade(
+            input_shapes=[list(v.shape) if isinstance(v, torch.Tensor) else [] for v in inputs],
+            input_dtypes=[
                 str(v.dtype).removeprefix("torch.")
                 if isinstance(v, torch.Tensor)
                 else type(v).__name__
                 for v in inputs
             ],
-            "output_shapes": [list(o.shape) for o in outs],
-            "output_dtypes": [str(o.dtype).removeprefix("torch.") for o in outs],
-            "eager_ms": eager_ms,
-            "variant": (
+            output_shapes=[list(o.shape) for o in outs],
+            output_dtypes=[str(o.dtype).removeprefix("torch.") for o in outs],
+            eager_ms=eager_ms,
+            variant=(
                 f"{how}: input shapes "
                 f"{[list(v.shape) for v in inputs if isinstance(v, torch.Tensor)]}"
                 if variant is not None
                 else ""
             ),
-        }
+        )
         nbytes = sum(
             v.numel() * v.element_size()
             for v in (*pristine, *expected)
@@ -212,17 +211,17 @@ class ReferenceRole(RunnerBase):
 
         raw = scale_inputs(self.torch, self._get_inputs(seed), scale)
         if raw is None:
-            return _Made({"inputs": None, "variant": "the task has no floating-point inputs"})
+            return _Made(p.InputsMade(missing="the task has no floating-point inputs"))
         made = self._make_inputs(seed, 0, options=[(f"inputs ×{scale:g}", raw)])
         if made.pristine is None:
-            return _Made({"inputs": None, "variant": f"the reference rejects inputs ×{scale:g}"})
+            return _Made(p.InputsMade(missing=f"the reference rejects inputs ×{scale:g}"))
         return made
 
-    def op_trim(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def op_trim(self, msg: p.Trim) -> p.Trimmed:
         """Between stages: drop the trials' tensors and the last inputs when they are
         large (a reference runner stays alive for the task's next candidate, and idle
         runners holding 25 GB each ran a GPU out of memory), then return cached blocks."""
-        limit = int(msg.get("keep_bytes", _TRIM_ABOVE_BYTES))
+        limit = msg.keep_bytes
         held = sum(map(self._nbytes, self.trials.values())) + self._nbytes((self._inputs or [], []))
         dropped = 0
         if held > limit:
@@ -230,17 +229,17 @@ class ReferenceRole(RunnerBase):
             self.inputs = []
             dropped = held
         self._trim_device_cache()
-        return {"dropped_bytes": dropped}
+        return p.Trimmed(dropped_bytes=dropped)
 
-    def op_audit(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def op_audit(self, msg: p.Audit) -> p.Audited:
         """Whether the reference's outputs depend on its inputs (kf.evaluation.audit)."""
         from kf.evaluation.audit import audit_reference
 
         return audit_reference(self, msg)
 
-    def op_check(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def op_check(self, msg: p.Check) -> p.Checked:
         try:
-            return {"verdict": self._check(msg)}
+            return p.Checked(verdict=msgspec.convert(self._check(msg), p.Verdict))
         finally:
             self._trim_device_cache()
 
@@ -254,35 +253,35 @@ class ReferenceRole(RunnerBase):
         if cuda.memory_reserved() - cuda.memory_allocated() > _TRIM_ABOVE_BYTES:
             cuda.empty_cache()
 
-    def _check(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _check(self, msg: p.Check) -> dict[str, Any]:
         from kf.evaluation.compare import compare_inputs, compare_outputs
 
-        seed = int(msg["seed"])
+        seed = msg.seed
         if seed not in self.trials:
             # evicted to bound memory: the inputs and outputs are a pure function of the seed
             made = self._make_inputs(seed, self.trial_variant.get(seed), self.trial_scale.get(seed))
             self.trials[seed] = (made.pristine or [], made.expected or [])
         pristine, expected = self.trials[seed]
         try:
-            got = self.load(msg["outputs"])
-            after = None if msg.get("inputs_after") is None else self.load(msg["inputs_after"])
+            got = self.load(msg.outputs)
+            after = None if msg.inputs_after is None else self.load(msg.inputs_after)
         except Exception as exc:
             return {
                 "ok": False,
                 "kind": "exception",
                 "reason": f"unreadable output: {_describe(exc)}",
             }
-        verdict = compare_outputs(self.torch, expected, got, msg.get("tol"))
+        verdict = compare_outputs(self.torch, expected, got, _builtins(msg.tol))
         if verdict["ok"]:
             if after is None:  # the candidate runner made and checked its own inputs
-                problem = msg.get("inputs_problem")
+                problem = msg.inputs_problem
             else:
                 problem = compare_inputs(self.torch, pristine, after)
             if problem is not None:
                 return {**verdict, "ok": False, "kind": "input_mutated", "reason": problem}
         return verdict
 
-    def op_compile_baseline(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def op_compile_baseline(self, msg: p.CompileBaseline) -> p.BaselineCompiled:
         """Compile the reference with ``torch.compile`` for the current inputs, once.
 
         Default mode, inductor, static shapes (what a first compile gives; no
@@ -291,21 +290,21 @@ class ReferenceRole(RunnerBase):
         the compiled reference is not a baseline. A failure is an answer (``error``),
         not a failed request: the task is fine, only the baseline is missing.
         """
-        mode = str(msg.get("mode") or "default")
+        mode = msg.mode or "default"
         key = self._signature(self.inputs)
         known = self.compiled.get(key)
-        if known is not None and known.reply.get("mode") == mode:
+        if known is not None and known.reply.mode == mode:
             self.compiled.move_to_end(key)
-            return {**known.reply, "cached": True}
-        if msg.get("cache_dir"):
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(msg["cache_dir"])
+            return msgspec.structs.replace(known.reply, cached=True)
+        if msg.cache_dir:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = msg.cache_dir
         fn, reply = self._compile_reference(mode)
         self.compiled[key] = _Compiled(fn, reply)
         while len(self.compiled) > _MAX_COMPILED:
             self.compiled.popitem(last=False)
-        return {**reply, "cached": False}
+        return reply
 
-    def _compile_reference(self, mode: str = "default") -> tuple[Any, dict[str, Any]]:
+    def _compile_reference(self, mode: str = "default") -> tuple[Any, p.BaselineCompiled]:
         from kf.evaluation.compare import compare_outputs
 
         torch = self.torch
@@ -333,19 +332,26 @@ class ReferenceRole(RunnerBase):
             want_list = [want] if isinstance(want, torch.Tensor) else list(want)
             verdict = compare_outputs(torch, [w.detach() for w in want_list], got_list)
         except Exception as exc:  # any failure of torch.compile is the answer
-            return None, {
-                "baseline": described,
-                "mode": mode,
-                "compile_s": (self.clock_ns() - start) / 1e9,
-                "error": f"torch.compile failed: {_describe(exc)}",
-            }
+            return None, p.BaselineCompiled(
+                baseline=described,
+                mode=mode,
+                compile_s=(self.clock_ns() - start) / 1e9,
+                error=f"torch.compile failed: {_describe(exc)}",
+            )
         if not verdict["ok"]:
-            return None, {
-                "baseline": described,
-                "mode": mode,
-                "compile_s": compile_s,
-                "error": f"torch.compile's output fails kf's check against eager: "
+            return None, p.BaselineCompiled(
+                baseline=described,
+                mode=mode,
+                compile_s=compile_s,
+                error=f"torch.compile's output fails kf's check against eager: "
                 f"{verdict['kind']}: {verdict['reason']}",
-            }
+            )
         graphs = _dynamo_graphs(torch) - graphs_before
-        return fn, {"baseline": described, "mode": mode, "compile_s": compile_s, "graphs": graphs}
+        return fn, p.BaselineCompiled(
+            baseline=described, mode=mode, compile_s=compile_s, graphs=graphs
+        )
+
+
+def _builtins(tol: Any) -> dict[str, Any] | None:
+    """A tolerance as :func:`kf.evaluation.compare.compare_outputs` takes it."""
+    return None if tol is None else dict(msgspec.to_builtins(tol))

@@ -1,17 +1,15 @@
 """Sandboxed runner processes and a pool of pre-spawned warm ones.
 
-Each runner is ``python -m kf.evaluation.runner`` started inside bubblewrap's box
-(:mod:`kf.evaluation.box`: its own user, PID, network and mount namespaces, uid 65534,
-an allow-listed environment, nothing writable but a size-limited scratch tmpfs), in its
-own session (process group); the runner's audit hook also refuses socket calls once a
-candidate is loaded. Where the box cannot be set up kf refuses to evaluate, unless
-``$KF_UNSAFE_NO_SANDBOX=1`` asks for the old, unboxed runners (a private scratch
-directory as cwd and ``TMPDIR``, a network namespace of their own where the kernel
-allows it, ``$KF_EVAL_NETNS=0`` turning that off), whose every report is marked.
-Limits (address space, CPU seconds, file size) are applied when a runner is set up for
-its one job. A runner serves one candidate (or one task reference) and is then killed;
-the pool keeps a few started in advance so the next job's interpreter and torch import
-overlap this one's work.
+A runner (``python -m kf.evaluation.runner``) is started in bubblewrap's box by
+:mod:`kf.evaluation.spawn` and talked to through its :class:`RunnerHandle`
+(:mod:`kf.evaluation.runner_handle`, typed messages of :mod:`kf.evaluation.protocol`).
+Where the box cannot be set up kf refuses to evaluate, unless
+``$KF_UNSAFE_NO_SANDBOX=1`` asks for the old, unboxed runners, whose every report is
+marked. Limits (address space, CPU seconds, file size) are applied when a runner is set
+up for its one job. A runner serves one candidate (or one task reference) and is then
+killed; the pool here keeps a few started in advance so the next job's interpreter and
+torch import overlap this one's work. This module also names what the stages use of
+the other two, so that they import one place.
 """
 
 from __future__ import annotations
@@ -19,27 +17,25 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import secrets
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections import deque
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from pathlib import Path
-from typing import Any, NamedTuple
+from collections.abc import Iterator
 
 import structlog
 
-from kf.evaluation import box, shared_memory
-from kf.evaluation.protocol import decode, encode
+from kf.evaluation.runner_handle import (
+    REQUESTS,
+    STARTUP_TIMEOUT_S,
+    RequestTiming,
+    RunnerCrashed,
+    RunnerError,
+    RunnerFailed,
+    RunnerHandle,
+    RunnerStartError,
+    RunnerTimeout,
+)
+from kf.evaluation.spawn import Limits, default_threads, network_namespace_available
 
 __all__ = [
     "REQUESTS",
@@ -54,428 +50,11 @@ __all__ = [
     "RunnerTimeout",
     "default_pool",
     "default_threads",
+    "network_namespace_available",
     "reconfigure_default_pool",
 ]
 
 log = structlog.get_logger("kf.evaluation.sandbox")
-
-_LOG_TAIL = 4000
-STARTUP_TIMEOUT_S = 180.0
-
-#: The last requests to any runner of this process, oldest first: where a stage's time
-#: goes (``bench/gpu_stage_phases.py`` reads it). Appending to a deque is thread-safe.
-REQUESTS: deque[RequestTiming] = deque(maxlen=20_000)
-
-
-class RequestTiming(NamedTuple):
-    """One request to a runner: its op, the grader's wall time around it, the handler's
-    own time inside the runner (the rest is transport, queueing and scheduling), when it
-    ended (``time.monotonic``), and the runner's pid. ``op`` ``"lease_wait"`` is time
-    spent waiting for a leased runner to finish starting."""
-
-    op: str
-    wall_s: float
-    runner_s: float
-    ended: float
-    pid: int
-    #: the handler's own breakdown where it gives one (``run``: inputs, forward, outputs)
-    detail: dict[str, float] | None = None
-
-
-_netns: bool | None = None
-
-
-def network_namespace_available() -> bool:
-    """Whether runners can start in a fresh network namespace (probed once)."""
-    global _netns
-    if _netns is None:
-        unshare = shutil.which("unshare")
-        if os.environ.get("KF_EVAL_NETNS", "1") == "0" or unshare is None:
-            _netns = False
-        else:
-            try:
-                probe = subprocess.run(
-                    [unshare, "-rn", "true"], capture_output=True, timeout=10, check=False
-                )
-                _netns = probe.returncode == 0
-            except (OSError, subprocess.TimeoutExpired):
-                _netns = False
-    return _netns
-
-
-def default_threads() -> int:
-    """Threads for torch and OpenMP in every runner: ``$KF_EVAL_THREADS`` or the usable cores."""
-    env = os.environ.get("KF_EVAL_THREADS")
-    if env:
-        return max(1, int(env))
-    return max(1, len(os.sched_getaffinity(0)))
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Resource limits applied to a runner for its job (0 means no limit)."""
-
-    memory_bytes: int = int(os.environ.get("KF_EVAL_MEMORY_MB", "8192")) * 2**20
-    cpu_s: int = 0  # derived from the stage's timeout when 0
-    #: per file, the runner's own output log included (``$KF_EVAL_FILE_MB``, 256)
-    file_bytes: int = int(os.environ.get("KF_EVAL_FILE_MB", "256")) * 2**20
-
-
-class RunnerError(Exception):
-    """A request to a runner did not produce a reply."""
-
-    def __init__(self, message: str, log_tail: str = "") -> None:
-        super().__init__(message)
-        self.log_tail = log_tail
-
-
-class RunnerStartError(RuntimeError):
-    """No runner process could be started (a broken environment, not a candidate's fault)."""
-
-
-class RunnerTimeout(RunnerError):
-    """The runner did not answer in time and was killed."""
-
-
-class RunnerCrashed(RunnerError):
-    """The runner process died; ``signal_name`` is set when a signal killed it."""
-
-    def __init__(self, message: str, log_tail: str, returncode: int | None) -> None:
-        super().__init__(message, log_tail)
-        self.returncode = returncode
-        self.signal_name: str | None = None
-        if returncode is not None and returncode < 0:
-            try:
-                self.signal_name = signal.Signals(-returncode).name
-            except ValueError:
-                self.signal_name = f"signal {-returncode}"
-
-
-class RunnerFailed(RunnerError):
-    """The runner answered with an error (``kind`` says which: exception, compile_error…)."""
-
-    def __init__(self, kind: str, message: str, log_tail: str = "") -> None:
-        super().__init__(message, log_tail)
-        self.kind = kind
-
-
-class RunnerHandle:
-    """The grader's side of one runner process."""
-
-    def __init__(
-        self,
-        python: str,
-        threads: int,
-        *,
-        wrapper: Sequence[str] = (),
-        isolate: bool = True,
-        warm: str | None = None,
-        ro_paths: Sequence[str] = (),
-        rw_paths: Sequence[str] = (),
-    ) -> None:
-        """Start a runner in the box (:mod:`kf.evaluation.box`); ``wrapper`` (e.g.
-        ncu's argv) runs it, inside the box, with ``ro_paths`` and ``rw_paths`` bound in
-        besides (the tool, its output folder); ``warm`` names the device whose start-up
-        work (a CUDA context, the op tracer) it does before it says it is ready.
-
-        Raises :class:`kf.evaluation.box.SandboxUnavailable` where the box cannot be set
-        up and ``$KF_UNSAFE_NO_SANDBOX=1`` does not ask for none. Unboxed runners (that
-        mode) start in a network namespace unless ``isolate`` is False.
-        """
-        #: "bwrap", or "unsafe-no-sandbox": what every report of this runner says
-        self.sandbox = box.mode()
-        self.scratch = Path(tempfile.mkdtemp(prefix="kf-runner-"))
-        self.log_path = self.scratch / "runner.log"
-        self.threads = threads
-        parent_sock, child_sock = socket.socketpair()
-        env = dict(os.environ)
-        env.update(
-            TMPDIR=str(self.scratch),
-            # build tools the runner starts add their verdicts to its log (kf.cuda.objcache)
-            KF_OBJCACHE_LOG=str(self.log_path),
-            OMP_NUM_THREADS=str(threads),
-            MKL_NUM_THREADS=str(threads),
-            PYTHONUNBUFFERED="1",
-            PYTHONDONTWRITEBYTECODE="1",
-        )
-        self.warm = warm
-        env.pop("KF_RUNNER_WARM", None)
-        if warm:
-            env["KF_RUNNER_WARM"] = warm
-        # Fair timing on a CPU: idle OpenMP threads of one runner must not spin while the
-        # other runner is being timed, and big buffers are reused from the heap rather than
-        # mmap'ed afresh (page faults) on every call — which helps eager's temporaries most,
-        # so the baseline gets stronger, never weaker. The user's own settings win.
-        for key, value in (
-            ("OMP_WAIT_POLICY", "PASSIVE"),
-            ("MALLOC_MMAP_THRESHOLD_", str(1 << 30)),
-            ("MALLOC_TRIM_THRESHOLD_", str(1 << 31)),
-        ):
-            env.setdefault(key, value)
-        self.findings: list[str] = []
-        self.builds = 0  # kf.native builds served for this runner (kf.evaluation.builds)
-        runner = [python, "-P", "-m", "kf.evaluation.runner", str(child_sock.fileno())]
-        if self.sandbox == box.MODE_BWRAP:
-            self.isolated_network = True
-            # the log must exist before bwrap binds it into the box
-            self.log_path.touch()
-            prefix = box.command(
-                python=python,
-                scratch=self.scratch,
-                log_path=self.log_path,
-                # kf.native builds go through the grader (kf.evaluation.builds)
-                env=box.environment(env, self.scratch, {"KF_BUILD_SERVICE": "1"}),
-                ro_paths=ro_paths,
-                rw_paths=rw_paths,
-            )
-            # the grader's pid means nothing in the box's PID namespace: 0 says so
-            argv = [*prefix, "--", *wrapper, *runner, "0"]
-            env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"}
-        else:
-            self.isolated_network = isolate and network_namespace_available()
-            unshare = [str(shutil.which("unshare")), "-rn"] if self.isolated_network else []
-            argv = [*wrapper, *unshare, *runner, str(os.getpid())]
-        # appending: the runner and the build tools it starts write to it side by side
-        with open(self.log_path, "ab") as logf:
-            self.proc = (
-                _spawner()
-                .submit(
-                    subprocess.Popen,
-                    argv,
-                    pass_fds=(child_sock.fileno(),),
-                    cwd=self.scratch,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-                .result()
-            )
-        child_sock.close()
-        # descriptors of shared-memory payloads go beside the messages, on the same socket
-        self.fd_sock = socket.socket(fileno=os.dup(parent_sock.fileno()))
-        self.conn = Connection(parent_sock.detach())
-        self.ready = False
-        self.closed = False
-        # set by the grader: do not keep this (reference) runner for reuse
-        self.discard = False
-        self._ready_lock = threading.Lock()
-        self.spawned_at = time.monotonic()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log_tail(self) -> str:
-        try:
-            data = self.log_path.read_bytes()
-        except OSError:
-            return ""
-        return data[-_LOG_TAIL:].decode("utf-8", "replace")
-
-    def _receive(self, timeout_s: float, what: str) -> dict[str, Any]:
-        end = time.monotonic() + timeout_s
-        while True:
-            msg = self._receive_one(max(0.0, end - time.monotonic()), timeout_s, what)
-            if msg.get("op") != "build" or self.sandbox != box.MODE_BWRAP:
-                return msg
-            self._serve_build(msg, max(1.0, end - time.monotonic()))
-
-    def _serve_build(self, msg: dict[str, Any], left_s: float) -> None:
-        """Build a boxed runner's ``kf.native`` library (:mod:`kf.evaluation.builds`)."""
-        from kf.evaluation.buildlimits import build_timeout_s
-        from kf.evaluation.builds import MAX_BUILDS_PER_RUNNER, build_inline, build_native
-
-        self.builds += 1
-        try:
-            if self.builds > MAX_BUILDS_PER_RUNNER:
-                reply: dict[str, Any] = {
-                    "ok": False,
-                    "error": f"more than {MAX_BUILDS_PER_RUNNER} builds asked for by one runner",
-                }
-            elif msg.get("kind") == "cuda_inline":
-                reply = build_inline(
-                    dict(msg["arguments"]),
-                    dict(msg["environment"]),
-                    min(build_timeout_s(), left_s),  # the grader's build limit
-                )
-            else:
-                reply = build_native(
-                    str(msg["source"]),
-                    [str(f) for f in msg.get("flags") or []],
-                    {str(k): str(v) for k, v in dict(msg.get("defines") or {}).items()},
-                    min(float(msg.get("timeout_s") or 120.0), left_s),
-                )
-        except (KeyError, TypeError, ValueError) as exc:
-            reply = {"ok": False, "error": f"malformed build request: {exc}"}
-        with contextlib.suppress(OSError):
-            self.conn.send_bytes(encode({"op": "built", **reply}))
-
-    def _receive_one(self, left_s: float, timeout_s: float, what: str) -> dict[str, Any]:
-        try:
-            has_reply = self.conn.poll(left_s)
-        except OSError:
-            has_reply = True
-        if not has_reply:
-            tail = self.log_tail()
-            self.kill()
-            raise RunnerTimeout(f"no answer after {timeout_s:.1f}s during {what}", tail)
-        try:
-            reply = shared_memory.receive_message(
-                self.conn.recv_bytes, self.fd_sock, self.conn.poll, decode, 10.0
-            )
-        except (EOFError, OSError) as exc:
-            returncode = self._wait_exit()
-            tail = self.log_tail()
-            self.kill()
-            if returncode is not None and returncode < 0:
-                name = RunnerCrashed("", "", returncode).signal_name
-                why = f"process killed by {name} during {what}"
-            else:
-                why = f"process exited with status {returncode} during {what}"
-            raise RunnerCrashed(why, tail, returncode) from exc
-        except Exception as exc:  # undecodable bytes: the process wrote garbage on the socket
-            tail = self.log_tail()
-            self.kill()
-            raise RunnerCrashed(f"garbled reply during {what}: {exc}", tail, None) from exc
-        return reply
-
-    def _wait_exit(self) -> int | None:
-        try:
-            code = self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            return None
-        if self.sandbox == box.MODE_BWRAP and 128 < code < 128 + signal.NSIG:
-            return 128 - code  # bwrap exits 128 + N for a runner killed by signal N
-        return code
-
-    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        """Block until the runner has imported torch (raises RunnerError if it cannot)."""
-        with self._ready_lock:
-            if self.ready:
-                return
-            reply = self._receive(timeout_s, "start-up")
-            if reply.get("op") != "ready":
-                self.kill()
-                raise RunnerCrashed(f"unexpected start-up message {reply!r}", self.log_tail(), None)
-            self.ready = True
-
-    def poll_ready(self) -> bool:
-        """True once the ready message has arrived (does not block)."""
-        with contextlib.suppress(OSError):
-            if not self.ready and self.conn.poll(0):
-                self.wait_ready(1.0)
-        return self.ready
-
-    def request(self, op: str, timeout_s: float, **fields: Any) -> dict[str, Any]:
-        """Send one request and wait for its reply; raise RunnerError on any failure."""
-        self.wait_ready()
-        what = op if "what" not in fields else str(fields.pop("what"))
-        request_id = secrets.randbits(62)
-        began = time.monotonic()
-        try:
-            shared_memory.send_message(
-                self.conn.send_bytes, self.fd_sock, encode, {"op": op, "id": request_id, **fields}
-            )
-        except OSError as exc:
-            returncode = self._wait_exit()
-            tail = self.log_tail()
-            self.kill()
-            raise RunnerCrashed(f"process gone before {what}", tail, returncode) from exc
-        reply = self._receive(timeout_s, what)
-        ended = time.monotonic()
-        took = reply.get("took_ns")
-        runner_s = took / 1e9 if isinstance(took, int) else 0.0
-        phases = reply.get("phases_ns")
-        detail = (
-            {str(k): v / 1e9 for k, v in phases.items() if isinstance(v, int)}
-            if isinstance(phases, dict)
-            else None
-        )
-        REQUESTS.append(RequestTiming(op, ended - began, runner_s, ended, self.pid, detail))
-        forged = reply.get("id") != request_id
-        with contextlib.suppress(OSError):
-            forged = forged or self.conn.poll(0)  # a second message nobody asked for
-        if forged:
-            tail = self.log_tail()
-            self.kill()
-            raise RunnerFailed(
-                "tampering",
-                f"the runner's reply during {what} did not answer the grader's request "
-                "(a message forged or injected on the grading socket)",
-                tail,
-            )
-        findings = reply.get("findings")
-        if isinstance(findings, list):
-            self.findings.extend(str(f) for f in findings if str(f) not in self.findings)
-        if not reply.get("ok"):
-            raise RunnerFailed(
-                str(reply.get("kind", "exception")),
-                str(reply.get("error", "unknown error")),
-                str(reply.get("log", "")),
-            )
-        return reply
-
-    def finish(self, timeout_s: float) -> int | None:
-        """Ask the runner to exit and wait for it (and any wrapper, e.g. ncu) to end."""
-        with contextlib.suppress(OSError):
-            self.conn.send_bytes(encode({"op": "exit"}))
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def kill(self) -> None:
-        """Kill the runner's whole process group and remove its scratch directory."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.sandbox == box.MODE_BWRAP and self.proc.poll() is None:
-            # (not reaped yet: its pid is still bwrap's) bwrap's init in the box first: the
-            # kernel then kills everything in the box's PID namespace, and bwrap exits
-            # once it is empty, so nothing is left when the wait below returns
-            for child in _children(self.proc.pid):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(child, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        with contextlib.suppress(OSError):
-            self.conn.close()
-        with contextlib.suppress(OSError):
-            self.fd_sock.close()
-        shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-_spawn_thread: ThreadPoolExecutor | None = None
-_spawn_lock = threading.Lock()
-
-
-def _spawner() -> ThreadPoolExecutor:
-    """The one thread that starts every runner, alive as long as this process.
-
-    bwrap's ``--die-with-parent`` is the kernel's parent-death signal, which fires when
-    the *thread* that started bwrap ends, not the process: a runner started from a
-    short-lived worker thread would be killed with that thread.
-    """
-    global _spawn_thread
-    with _spawn_lock:
-        if _spawn_thread is None:
-            _spawn_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kf-spawner")
-        return _spawn_thread
-
-
-def _children(pid: int) -> list[int]:
-    """The direct children of ``pid`` (empty when /proc cannot say)."""
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
 
 
 class RunnerPool:

@@ -35,9 +35,10 @@ import struct
 import subprocess
 import sys
 import threading
+import typing
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -61,9 +62,9 @@ MIN_BYTES = 1 << 20
 MAX_FDS = 16
 MAGIC = b"KFSHM1\n"
 _ALIGN = 256
-_KEY = "__kf_shm__"
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(list[dict[str, Any]])
+_M = TypeVar("_M", bound=msgspec.Struct)
 
 
 def _seals() -> int:
@@ -75,23 +76,43 @@ def available() -> bool:
     return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
 
 
-class Payload:
-    """A payload in a sealed memory file: its description and the file's descriptor,
-    which this object owns (closed with it)."""
+class Payload(msgspec.Struct, frozen=True, weakref=True):
+    """A payload in a sealed memory file: its description and the file's descriptor.
 
-    __slots__ = ("__weakref__", "_close", "fd", "header", "nbytes")
+    In a message on the wire ``fd`` is the position of the descriptor among those sent
+    beside it (:func:`detach`); in a process it is the descriptor itself, owned by the
+    payload that :func:`pack` or :func:`attach` made (closed with it, or by :meth:`close`).
+    """
 
-    def __init__(self, header: bytes, fd: int, nbytes: int = 0) -> None:
-        self.header = header
-        self.fd = fd
-        self.nbytes = nbytes
-        self._close = weakref.finalize(self, _close_quietly, fd)
+    header: bytes
+    fd: int
+    nbytes: int = 0
+
+    @classmethod
+    def owning(cls, header: bytes, fd: int, nbytes: int = 0) -> Payload:
+        """A payload that owns ``fd``: closed when it is collected or closed."""
+        payload = cls(header, fd, nbytes)
+        key = id(payload)
+        _owned[key] = weakref.finalize(payload, _release, key, fd)
+        return payload
 
     def close(self) -> None:
-        self._close()
+        """Close the descriptor, if this payload owns it."""
+        owner = _owned.get(id(self))
+        if owner is not None:
+            owner()
 
     def __repr__(self) -> str:
         return f"Payload(fd={self.fd}, {self.nbytes} bytes)"
+
+
+#: the finalizers of the payloads that own their descriptors, by ``id``
+_owned: dict[int, weakref.finalize[Any, Any]] = {}
+
+
+def _release(key: int, fd: int) -> None:
+    _owned.pop(key, None)
+    _close_quietly(fd)
 
 
 def _close_quietly(fd: int) -> None:
@@ -160,7 +181,7 @@ def pack(torch: Any, values: list[Any], min_bytes: int = MIN_BYTES) -> Payload |
     except BaseException:
         os.close(fd)
         raise
-    return Payload(MAGIC + _encoder.encode(entries), fd, offset)
+    return Payload.owning(MAGIC + _encoder.encode(entries), fd, offset)
 
 
 def _may_write(nbytes: int) -> bool:
@@ -349,58 +370,70 @@ def unpack(torch: Any, payload: Payload) -> list[Any]:
     return out
 
 
-def detach(message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-    """``message`` with each :class:`Payload` in it replaced by its description and the
-    index of its descriptor, and the descriptors in that order (what goes beside it)."""
+def detach(message: _M) -> tuple[_M, list[int]]:
+    """``message`` with each :class:`Payload` in it naming the position of its descriptor
+    instead, its ``fds`` saying how many, and the descriptors in that order (what goes
+    beside it)."""
     fds: list[int] = []
 
-    def walk(value: Any) -> Any:
-        if isinstance(value, Payload):
-            fds.append(value.fd)
-            return {_KEY: value.header, "fd": len(fds) - 1, "nbytes": value.nbytes}
-        if isinstance(value, dict):
-            return {k: walk(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [walk(v) for v in value]
-        return value
+    def wire(payload: Payload) -> Payload:
+        fds.append(payload.fd)
+        return Payload(payload.header, len(fds) - 1, payload.nbytes)
 
-    out = walk(message)
+    out = _each_payload(message, wire)
     if fds:
-        out["_fds"] = len(fds)
+        out = msgspec.structs.replace(out, fds=len(fds))
     return out, fds
 
 
-def attach(message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-    """The inverse of :func:`detach` on the receiving side: each description becomes a
-    :class:`Payload` owning its descriptor. Descriptors no description names are closed;
-    a description naming none raises ValueError (a forged message)."""
+def attach(message: _M, fds: list[int]) -> _M:
+    """The inverse of :func:`detach` on the receiving side: each :class:`Payload` in
+    ``message`` owns the descriptor it names. Descriptors no payload names are closed; a
+    payload naming none (or one another payload names) raises ValueError: a forged
+    message, which must not make this process pass on descriptors of its own."""
     used: set[int] = set()
 
-    def walk(value: Any) -> Any:
-        if isinstance(value, dict):
-            if _KEY in value:
-                index = value.get("fd")
-                if not isinstance(index, int) or not 0 <= index < len(fds) or index in used:
-                    raise ValueError("a shared-memory payload names no descriptor sent with it")
-                used.add(index)
-                return Payload(bytes(value[_KEY]), fds[index], int(value.get("nbytes") or 0))
-            return {k: walk(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [walk(v) for v in value]
-        return value
+    def bind(payload: Payload) -> Payload:
+        index = payload.fd
+        if not 0 <= index < len(fds) or index in used:
+            raise ValueError("a shared-memory payload names no descriptor sent with it")
+        used.add(index)
+        return Payload.owning(payload.header, fds[index], payload.nbytes)
 
     try:
-        return dict(walk({k: v for k, v in message.items() if k != "_fds"}))
+        return _each_payload(message, bind)
     finally:
         for i, fd in enumerate(fds):
             if i not in used:
                 _close_quietly(fd)
 
 
+def _each_payload(message: _M, change: Callable[[Payload], Payload]) -> _M:
+    """``message`` with ``change`` applied to every :class:`Payload` in its fields (and
+    in lists and structs in them), in field order: the order both sides agree on."""
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, Payload):
+            return change(value)
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, msgspec.Struct):
+            changed = {}
+            for name in value.__struct_fields__:
+                old = getattr(value, name)
+                new = walk(old)
+                if new is not old:
+                    changed[name] = new
+            return msgspec.structs.replace(value, **changed) if changed else value
+        return value
+
+    return typing.cast(_M, walk(message))
+
+
 def receive_fds(
     sock: socket.socket, count: Any, poll: Callable[[float], bool], timeout_s: float
 ) -> list[int]:
-    """The ``count`` descriptors that follow a message that says ``_fds``, within
+    """The ``count`` descriptors that follow a message whose ``fds`` says so, within
     ``timeout_s``; ValueError where they do not come as announced."""
     if not isinstance(count, int) or not 0 < count <= MAX_FDS:
         raise ValueError(f"a message announced {count!r} descriptors")
@@ -415,7 +448,7 @@ def receive_fds(
 
 
 def send_fds(sock: socket.socket, fds: list[int]) -> None:
-    """The descriptors of a message just sent with ``_fds`` (after it, on its socket)."""
+    """The descriptors of a message just sent (after it, on its socket)."""
     if fds:
         socket.send_fds(sock, [b"\0"], fds)
 
@@ -423,8 +456,8 @@ def send_fds(sock: socket.socket, fds: list[int]) -> None:
 def send_message(
     send_bytes: Callable[[bytes], None],
     sock: socket.socket,
-    encode: Callable[[dict[str, Any]], bytes],
-    message: dict[str, Any],
+    encode: Callable[[_M], bytes],
+    message: _M,
 ) -> None:
     """``message`` on a runner socket: its :class:`Payload` descriptors right after it."""
     wire, fds = detach(message)
@@ -436,12 +469,11 @@ def receive_message(
     recv_bytes: Callable[[], bytes],
     sock: socket.socket,
     poll: Callable[[float], bool],
-    decode: Callable[[bytes], dict[str, Any]],
+    decode: Callable[[bytes], _M],
     timeout_s: float,
-) -> dict[str, Any]:
+) -> _M:
     """The next message of a runner socket, its payloads' descriptors attached (the
-    ones announced must follow within ``timeout_s``; else ValueError)."""
+    ``fds`` it announces must follow within ``timeout_s``; else ValueError)."""
     message = decode(recv_bytes())
-    if "_fds" in message:
-        message = attach(message, receive_fds(sock, message["_fds"], poll, timeout_s))
-    return message
+    count = getattr(message, "fds", 0)
+    return attach(message, receive_fds(sock, count, poll, timeout_s) if count else [])

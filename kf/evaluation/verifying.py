@@ -4,6 +4,7 @@ the hidden input distributions; and the re-verification of a speed-up above 10×
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any
@@ -11,30 +12,19 @@ from typing import Any
 import msgspec
 
 from kf.evaluation.admission import _BIG_LOCKS, _big_task_bytes, _footprint, too_large
-from kf.evaluation.device import parse_device
 from kf.evaluation.grading import (
     DISTRIBUTION_FAILED,
     REVERIFY_ABOVE,
-    _after_candidate_failure,
-    _candidate,
     _CandidateFailed,
-    _Deadline,
     _evidence,
-    _given,
-    _judge,
-    _load_pair,
-    _own_inputs,
-    _phases,
-    _ref_key,
-    _reference,
-    _sandboxed,
     _seed_trials,
-    _tol,
     _trim,
     log,
 )
+from kf.evaluation.protocol import MakeInputs, Run
 from kf.evaluation.reports import ProfileReport, TrialEvidence, VerifyReport
-from kf.evaluation.sandbox import Limits, RunnerHandle, RunnerPool, default_pool
+from kf.evaluation.sandbox import Limits, RunnerPool
+from kf.evaluation.session import GradingSession, Stage
 from kf.evaluation.tolerance import Tolerance, for_dtype, resolve
 from kf.tasks import Task
 
@@ -60,53 +50,33 @@ def verify_candidate(
     dimension): the generalisation gate; failing it is ``generalisation_failed``.
     Raises :class:`TaskError` when the task itself is broken.
     """
-    leased: list[RunnerHandle] = []
-    report = _verify(
-        task,
-        source,
-        leased,
-        device=device,
-        seed=seed,
-        trials=trials,
-        timeout_s=timeout_s,
-        limits=limits,
-        pool=pool,
-        generalise=generalise,
-        tolerance=tolerance,
-    )
-    return _sandboxed(report, leased)
+    session = GradingSession(
+        task, source, device=device, seed=seed, pool=pool, limits=limits or Limits(),
+        timeout_s=timeout_s, tolerance=tolerance,
+    )  # fmt: skip
+    return verify_session(session, trials=trials, generalise=generalise)
 
 
-def _verify(
-    task: Task,
-    source: str,
-    leased: list[RunnerHandle],
-    *,
-    device: str,
-    seed: int,
-    trials: int,
-    timeout_s: float,
-    limits: Limits | None,
-    pool: RunnerPool | None,
-    generalise: bool,
-    tolerance: Tolerance | None = None,
+def verify_session(
+    session: GradingSession, *, trials: int = 5, generalise: bool = True
 ) -> VerifyReport:
-    """:func:`verify_candidate`; the runners it leases are added to ``leased``."""
-    device = parse_device(device)
-    pool = pool or default_pool()
-    limits = limits or Limits()
+    """:func:`verify_candidate` of the session's candidate."""
+    stage = Stage(session)
+    return stage.sandboxed(_verify(stage, trials, generalise))
+
+
+def _verify(stage: Stage, trials: int, generalise: bool) -> VerifyReport:
+    """:func:`verify_session` in ``stage``."""
+    session, task, device = stage.session, stage.task, stage.device
     evidence: list[TrialEvidence] = []
     variants: list[TrialEvidence] = []
     hidden: list[TrialEvidence] = []
     flags: list[str] = []
     atol = rtol = 0.0
-    chosen, chosen_from = resolve(tolerance, task.source)
-    tol = _tol(task, tolerance)
-    since = time.monotonic()
-    with pool.reference_lease(_ref_key(task, device)) as ref, pool.lease() as cand:
-        leased += [ref, cand]
+    chosen, chosen_from = resolve(session.tolerance, task.source)
+    with stage.reference_lease() as ref, stage.candidate_lease() as cand:
         start = time.monotonic()
-        deadline = _Deadline(timeout_s)
+        stage.restart_clock()
 
         def report(**kw: Any) -> VerifyReport:
             return VerifyReport(
@@ -122,22 +92,15 @@ def _verify(
                 variant_evidence=tuple(variants),
                 distribution_evidence=tuple(hidden),
                 flags=tuple(flags) + tuple(f for f in cand.findings if f not in flags),
-                phases=_phases(since, ref, cand),
+                phases=stage.phases(),
                 **kw,
             )
 
         big: threading.Lock | None = None
         try:
-            _load_pair(task, source, ref, cand, device, limits, deadline, seed)
-            for i, trial_seed in enumerate(_seed_trials(seed, trials)):
-                made = _reference(
-                    task,
-                    ref,
-                    "make_inputs",
-                    deadline,
-                    seed=trial_seed,
-                    send=not _own_inputs(cand, device),
-                )
+            stage.load_pair()
+            for i, trial_seed in enumerate(_seed_trials(session.seed, trials)):
+                made = stage.make_inputs(trial_seed)
                 refused = too_large(made, device) if i == 0 else None
                 if refused is not None:
                     log.info("candidate_rejected", task=task.name, kind="too_large")
@@ -149,43 +112,36 @@ def _verify(
                 ):
                     big = _BIG_LOCKS.setdefault(device, threading.Lock())
                     big.acquire()
-                pairs = [for_dtype(chosen, d) for d in made["output_dtypes"]]
+                pairs = [for_dtype(chosen, d) for d in made.output_dtypes]
                 atol = max((a for a, _ in pairs), default=for_dtype(chosen, "float32")[0])
                 rtol = max((r for _, r in pairs), default=for_dtype(chosen, "float32")[1])
-                ran = _candidate(
-                    task,
-                    cand,
-                    "run",
-                    deadline,
-                    **_given(cand, device, made, trial_seed),
-                    trace=i == 0,
+                ran = stage.candidate(
+                    stage.run_request(made, trial_seed, trace=i == 0),
                     what=f"forward (trial {i + 1})",
                 )
-                if ran.get("torch_ops"):
-                    ops = ", ".join(f"aten.{op}" for op in ran["torch_ops"][:8])
+                if ran.torch_ops:
+                    ops = ", ".join(f"aten.{op}" for op in ran.torch_ops[:8])
                     flags.append(f"torch_compute: forward dispatched PyTorch ops {ops}")
-                verdict = _judge(task, ref, ran, trial_seed, deadline, tol)
+                verdict = stage.judge(ran, trial_seed)
                 evidence.append(_evidence(trial_seed, verdict))
-                if not verdict["ok"]:
-                    log.info("candidate_rejected", task=task.name, kind=verdict["kind"])
+                if not verdict.ok:
+                    log.info("candidate_rejected", task=task.name, kind=verdict.kind)
                     return report(
                         correct=False,
-                        failure_kind=verdict["kind"],
-                        error=f"trial {i + 1}/{trials} (seed {trial_seed}): {verdict['reason']}",
+                        failure_kind=verdict.kind,
+                        error=f"trial {i + 1}/{trials} (seed {trial_seed}): {verdict.reason}",
                     )
             if generalise:
-                failed = _generalisation_gate(
-                    task, ref, cand, seed, deadline, variants, device, tol
-                )
+                failed = _generalisation_gate(stage, variants)
                 if failed is not None:
                     log.info("candidate_rejected", task=task.name, kind="generalisation_failed")
                     return report(correct=False, failure_kind="generalisation_failed", error=failed)
-                failed = _hidden_distributions(task, ref, cand, seed, deadline, hidden, device, tol)
+                failed = _hidden_distributions(stage, hidden)
                 if failed is not None:
                     log.info("candidate_rejected", task=task.name, kind=DISTRIBUTION_FAILED)
                     return report(correct=False, failure_kind=DISTRIBUTION_FAILED, error=failed)
         except _CandidateFailed as exc:
-            _after_candidate_failure(ref, exc, device)
+            stage.after_candidate_failure(exc)
             log.info("candidate_rejected", task=task.name, kind=exc.kind)
             detail = (
                 f"\n{exc.log[-1500:]}" if exc.kind in ("crash", "exception") and exc.log else ""
@@ -199,16 +155,7 @@ def _verify(
     return report(correct=True)
 
 
-def _hidden_distributions(
-    task: Task,
-    ref: RunnerHandle,
-    cand: RunnerHandle,
-    seed: int,
-    deadline: _Deadline,
-    evidence: list[TrialEvidence],
-    device: str,
-    tol: dict[str, Any] | None = None,
-) -> str | None:
+def _hidden_distributions(stage: Stage, evidence: list[TrialEvidence]) -> str | None:
     """Run the candidate on the task's inputs scaled by each of
     :data:`kf.evaluation.variants.SCALES` (never seen before); None, or why it failed.
 
@@ -216,82 +163,46 @@ def _hidden_distributions(
     skipped."""
     from kf.evaluation.variants import SCALES
 
-    for scale, trial_seed in zip(SCALES, _seed_trials(seed ^ 0xD157, len(SCALES)), strict=True):
-        own = _own_inputs(cand, device)
-        made = _reference(
-            task, ref, "make_inputs", deadline, seed=trial_seed, scale=scale, send=not own
-        )
-        if "input_shapes" not in made:  # the reference rejects them
+    seeds = _seed_trials(stage.session.seed ^ 0xD157, len(SCALES))
+    for scale, trial_seed in zip(SCALES, seeds, strict=True):
+        made = stage.make_inputs(trial_seed, scale)
+        if made.missing:  # the reference rejects them
             continue
         label = f"inputs ×{scale:g}"
-        given = _given(cand, device, made, trial_seed, scale)
-        failed = _unseen_trial(
-            task,
-            ref,
-            cand,
-            deadline,
-            evidence,
-            device,
-            tol,
-            trial_seed,
-            label,
-            given,
-            "hidden inputs",
-        )
+        run = stage.run_request(made, trial_seed, scale)
+        failed = _unseen_trial(stage, evidence, trial_seed, label, run, "hidden inputs")
         if failed is not None:
             return failed
     return None
 
 
 def _unseen_trial(
-    task: Task,
-    ref: RunnerHandle,
-    cand: RunnerHandle,
-    deadline: _Deadline,
-    evidence: list[TrialEvidence],
-    device: str,
-    tol: dict[str, Any] | None,
-    trial_seed: int,
-    label: str,
-    given: dict[str, Any],
-    check: str,
+    stage: Stage, evidence: list[TrialEvidence], trial_seed: int, label: str, run: Run, check: str
 ) -> str | None:
-    """One trial on inputs the candidate never saw (``given``, :func:`_given`), judged by
-    the reference and added to ``evidence``; None, or why ``check`` failed."""
+    """One trial on inputs the candidate never saw (``run``), judged by the reference
+    and added to ``evidence``; None, or why ``check`` failed."""
     try:
-        ran = _candidate(task, cand, "run", deadline, **given, what=f"forward on {label}")
+        ran = stage.candidate(run, what=f"forward on {label}")
     except _CandidateFailed as exc:
-        _after_candidate_failure(ref, exc, device)
+        stage.after_candidate_failure(exc)
         evidence.append(TrialEvidence(seed=trial_seed, ok=False, reason=exc.error, label=label))
         return f"{check}, {label} (never seen before): {exc.kind}: {exc.error}"
-    verdict = _judge(task, ref, ran, trial_seed, deadline, tol)
+    verdict = stage.judge(ran, trial_seed)
     evidence.append(_evidence(trial_seed, verdict, label))
-    if not verdict["ok"]:
-        return f"{check}, {label} (never seen before): {verdict['kind']}: {verdict['reason']}"
+    if not verdict.ok:
+        return f"{check}, {label} (never seen before): {verdict.kind}: {verdict.reason}"
     return None
 
 
-def _generalisation_gate(
-    task: Task,
-    ref: RunnerHandle,
-    cand: RunnerHandle,
-    seed: int,
-    deadline: _Deadline,
-    evidence: list[TrialEvidence],
-    device: str,
-    tol: dict[str, Any] | None = None,
-) -> str | None:
+def _generalisation_gate(stage: Stage, evidence: list[TrialEvidence]) -> str | None:
     """Run the candidate on input shapes it never saw; None, or why it failed."""
-    for variant, trial_seed in enumerate(_seed_trials(seed ^ 0x6E4E, 4)):
-        made = _reference(task, ref, "make_inputs", deadline, seed=trial_seed, variant=variant)
-        if made.get("inputs") is None:
+    for variant, trial_seed in enumerate(_seed_trials(stage.session.seed ^ 0x6E4E, 4)):
+        made = stage.reference(MakeInputs(seed=trial_seed, variant=variant))
+        if made.missing or made.inputs is None:
             break
-        label = str(made.get("variant", ""))
-        given = {"inputs": made["inputs"]}  # the reference chose the shapes: they travel
-        failed = _unseen_trial(
-            task, ref, cand, deadline, evidence, device, tol, trial_seed, label, given,
-            "generalisation gate",
-        )  # fmt: skip
+        run = Run(inputs=made.inputs)  # the reference chose the shapes: they travel
+        gate = "generalisation gate"
+        failed = _unseen_trial(stage, evidence, trial_seed, made.variant, run, gate)
         if failed is not None:
             return failed
     return None
@@ -314,17 +225,20 @@ def reverify_fast(
     re-verification and a ``speedup_over_10x`` flag, and fails (``reverify_failed``)
     when the re-verification does.
     """
+    session = GradingSession(
+        task, source, device=device, seed=seed, pool=pool, timeout_s=timeout_s,
+        tolerance=tolerance,
+    )  # fmt: skip
+    return reverify_session(session, report)
+
+
+def reverify_session(session: GradingSession, report: ProfileReport) -> ProfileReport:
+    """:func:`reverify_fast` of the session's candidate: on the seed after the session's,
+    with the runners' default limits."""
     if not report.ok or report.speedup <= REVERIFY_ABOVE:
         return report
-    again = verify_candidate(
-        task,
-        source,
-        device=device,
-        seed=seed + 1,
-        timeout_s=timeout_s,
-        pool=pool,
-        tolerance=tolerance,
-    )
+    again = verify_session(dataclasses.replace(session, seed=session.seed + 1, limits=Limits()))
+    task = session.task
     note = (
         f"speedup_over_10x: {report.speedup:.1f}× re-verified on {again.trials} fresh inputs "
         f"and {len(again.variant_evidence)} unseen shapes: "
