@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from kf.evaluation import RunnerPool, shared_memory
+from kf.evaluation import RunnerPool, file_maker, shared_memory
 from kf.evaluation.protocol import Check, MakeInputs, Ran, Run, decode_from_runner, encode
 from kf.evaluation.runner import Runner
 from tests.runner_cases import FIXTURES, check_default_verdict, pool_under, runner_pair
@@ -230,7 +230,7 @@ def _pack_under_file_limit(limit: int, nbytes: int, maker: bool, out: Any) -> No
     import resource
 
     if maker:
-        shared_memory.start_file_maker()
+        file_maker.start_file_maker()
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     values = [torch.arange(nbytes, dtype=torch.uint8), torch.randn(3)]
     payload = shared_memory.pack(torch, values, min_bytes=0)
@@ -239,7 +239,7 @@ def _pack_under_file_limit(limit: int, nbytes: int, maker: bool, out: Any) -> No
         return
     back = shared_memory.unpack(torch, payload)
     out.put((payload.nbytes, all(_same(a, b) for a, b in zip(values, back, strict=True))))
-    shared_memory.stop_file_maker()
+    file_maker.stop_file_maker()
 
 
 @pytest.mark.parametrize(
@@ -264,7 +264,7 @@ def test_a_payload_over_the_runners_file_limit(nbytes: int, maker: bool, as_file
 
 
 def test_a_file_maker_that_is_gone_means_bytes() -> None:
-    maker = shared_memory.FileMaker()
+    maker = file_maker.FileMaker()
     assert maker.make(4096) is not None
     maker.proc.kill()
     maker.proc.wait(10)

@@ -13,8 +13,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from kf.evaluation import file_maker, shared_memory
 from kf.evaluation import protocol as p
-from kf.evaluation import shared_memory
 from kf.evaluation.baseline_settings import apply_tf32
 from kf.evaluation.runner_guard import _Watch
 from kf.evaluation.transport import Exports, is_ipc, pack, unpack
@@ -237,7 +237,7 @@ class RunnerBase:
         self.torch.set_num_threads(msg.threads)
         if msg.file_bytes and self.shm is not None:
             # before any limit: large payloads stay memory files under the file limit
-            shared_memory.start_file_maker()
+            file_maker.start_file_maker()
         if msg.memory_bytes:
             resource.setrlimit(resource.RLIMIT_AS, (msg.memory_bytes, msg.memory_bytes))
         if msg.cpu_s:

@@ -23,24 +23,20 @@ contiguous tensors still travel as ``torch.save`` bytes inside it. Nothing is un
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import io
 import mmap
 import os
-import resource
 import socket
 import stat
-import struct
-import subprocess
-import sys
-import threading
 import typing
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
+
+from kf.evaluation import file_maker
 
 __all__ = [
     "MIN_BYTES",
@@ -73,7 +69,7 @@ def _seals() -> int:
 
 def available() -> bool:
     """Whether this system has sealable memory files (Linux 3.17 and later)."""
-    return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
+    return file_maker.available()
 
 
 class Payload(msgspec.Struct, frozen=True, weakref=True):
@@ -140,7 +136,9 @@ def pack(torch: Any, values: list[Any], min_bytes: int = MIN_BYTES) -> Payload |
     tensors = [v for v in values if _plain(torch, v)]
     if not tensors or sum(t.numel() * t.element_size() for t in tensors) < min_bytes:
         return None
-    if not _may_write(sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors)):
+    if not file_maker.may_write(
+        sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors)
+    ):
         return None  # over this process's file limit, and no file maker to ask
     entries: list[dict[str, Any]] = []
     placed: list[tuple[Any, int, int]] = []
@@ -166,7 +164,7 @@ def pack(torch: Any, values: list[Any], min_bytes: int = MIN_BYTES) -> Payload |
             entries.append({"saved": buf.getvalue()})
     if offset == 0:  # only empty tensors (a threshold of 0): nothing for a file to hold
         return None
-    fd = _new_file(offset)
+    fd = file_maker.new_file(offset)
     if fd is None:
         return None
     try:
@@ -182,130 +180,6 @@ def pack(torch: Any, values: list[Any], min_bytes: int = MIN_BYTES) -> Payload |
         os.close(fd)
         raise
     return Payload.owning(MAGIC + _encoder.encode(entries), fd, offset)
-
-
-def _may_write(nbytes: int) -> bool:
-    """Whether this process can have a memory file of ``nbytes``: its own file limit
-    (``RLIMIT_FSIZE``, which guards a runner's log on the host's disk) counts memory files
-    too, and over it only the :class:`FileMaker` can make one; without it, the payload
-    goes as bytes."""
-    if _maker is not None:
-        return True
-    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    return soft == resource.RLIM_INFINITY or nbytes <= soft
-
-
-def _new_file(nbytes: int) -> int | None:
-    """A sealable memory file of ``nbytes``, this process's own or the file maker's."""
-    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if soft == resource.RLIM_INFINITY or nbytes <= soft:
-        fd = os.memfd_create("kf-payload", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, nbytes)
-            return fd
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno != errno.EFBIG:
-                raise
-    return _maker.make(nbytes) if _maker is not None else None
-
-
-#: The file maker's program: it makes empty memory files of the sizes asked, nothing else.
-_MAKER = r"""
-import os, socket, struct, sys
-sock = socket.socket(fileno=int(sys.argv[1]))
-while True:
-    data = sock.recv(8)
-    if len(data) != 8:
-        break
-    size = struct.unpack("<Q", data)[0]
-    try:
-        fd = os.memfd_create("kf-payload", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(fd, size)
-    except OSError as exc:
-        sock.send(struct.pack("<q", -exc.errno))
-        continue
-    socket.send_fds(sock, [struct.pack("<q", size)], [fd])
-    os.close(fd)
-"""
-
-
-class FileMaker:
-    """A small process, started before a runner limits its file size, that makes empty
-    memory files of any size for it.
-
-    A runner's ``RLIMIT_FSIZE`` guards its log on the host's disk, but the kernel counts
-    memory files against it too: at KernelBench's sizes a candidate's outputs (6.4 GB)
-    could not be a file, and went as bytes through two sockets. The maker only creates
-    and sizes a file (memory, like any allocation; no path, no disk) and hands over its
-    descriptor; the runner fills it through a mapping (which the limit does not count)
-    and seals it as before. A file of the wrong size or none (the maker gone) means
-    bytes for that payload. Candidate code in the runner could ask it for files too,
-    which gives it nothing it lacks: it can allocate memory anyway.
-    """
-
-    def __init__(self) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _MAKER, str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-            )
-        finally:
-            theirs.close()
-        ours.settimeout(30.0)
-        self.sock = ours
-        self._lock = threading.Lock()
-
-    def make(self, nbytes: int) -> int | None:
-        """A sealable memory file of exactly ``nbytes``, or None."""
-        with self._lock:
-            try:
-                self.sock.send(struct.pack("<Q", nbytes))
-                data, fds, _, _ = socket.recv_fds(self.sock, 8, 1)
-            except OSError:
-                return None
-        fd = fds[0] if fds else None
-        if fd is None:
-            return None
-        info = os.fstat(fd)
-        sealable = True
-        try:
-            sealable = not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SEAL
-        except OSError:
-            sealable = False
-        if (
-            len(data) != 8
-            or not stat.S_ISREG(info.st_mode)
-            or info.st_size != nbytes
-            or not sealable
-        ):
-            os.close(fd)
-            return None
-        return fd
-
-    def close(self) -> None:
-        self.sock.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
-
-
-_maker: FileMaker | None = None
-
-
-def start_file_maker() -> None:
-    """Start this process's :class:`FileMaker` (a runner, before it limits its file size)."""
-    global _maker
-    if _maker is None and available():
-        _maker = FileMaker()
-
-
-def stop_file_maker() -> None:
-    global _maker
-    if _maker is not None:
-        _maker.close()
-        _maker = None
 
 
 def _view(torch: Any, mm: Any, start: int, nbytes: int, dtype: Any, shape: Any) -> Any:
