@@ -2,7 +2,7 @@
 
 A worker for several GPUs runs one compiler per GPU, but builds use the host's cores,
 not a GPU: so the compilers draw from one pool of slots (as many as one compiler would
-use alone, :func:`hardware_agents.cuda_agent.compile_concurrency`), and a free slot goes
+use alone, :func:`agents.worker.compile_concurrency`), and a free slot goes
 to the device with the least work built or being built for it — the one closest to
 running dry — the oldest request first among equals. A GPU whose queue is long cannot
 take every slot while another GPU's candidate waits to be built, and no slot stands

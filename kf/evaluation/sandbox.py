@@ -31,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -40,6 +40,7 @@ import structlog
 
 from kf.evaluation import box, shared_memory
 from kf.evaluation.protocol import decode, encode
+from kf.settings import applied, current
 
 __all__ = [
     "REQUESTS",
@@ -52,9 +53,9 @@ __all__ = [
     "RunnerPool",
     "RunnerStartError",
     "RunnerTimeout",
+    "configure_default_pool",
     "default_pool",
     "default_threads",
-    "reconfigure_default_pool",
 ]
 
 log = structlog.get_logger("kf.evaluation.sandbox")
@@ -90,7 +91,7 @@ def network_namespace_available() -> bool:
     global _netns
     if _netns is None:
         unshare = shutil.which("unshare")
-        if os.environ.get("KF_EVAL_NETNS", "1") == "0" or unshare is None:
+        if not current().eval_netns or unshare is None:
             _netns = False
         else:
             try:
@@ -105,9 +106,9 @@ def network_namespace_available() -> bool:
 
 def default_threads() -> int:
     """Threads for torch and OpenMP in every runner: ``$KF_EVAL_THREADS`` or the usable cores."""
-    env = os.environ.get("KF_EVAL_THREADS")
-    if env:
-        return max(1, int(env))
+    threads = current().eval_threads
+    if threads is not None:
+        return threads
     return max(1, len(os.sched_getaffinity(0)))
 
 
@@ -115,10 +116,11 @@ def default_threads() -> int:
 class Limits:
     """Resource limits applied to a runner for its job (0 means no limit)."""
 
-    memory_bytes: int = int(os.environ.get("KF_EVAL_MEMORY_MB", "8192")) * 2**20
+    #: ``$KF_EVAL_MEMORY_MB`` (8192), where an address-space limit applies
+    memory_bytes: int = field(default_factory=lambda: current().eval_memory_mb * 2**20)
     cpu_s: int = 0  # derived from the stage's timeout when 0
     #: per file, the runner's own output log included (``$KF_EVAL_FILE_MB``, 256)
-    file_bytes: int = int(os.environ.get("KF_EVAL_FILE_MB", "256")) * 2**20
+    file_bytes: int = field(default_factory=lambda: current().eval_file_mb * 2**20)
 
 
 class RunnerError(Exception):
@@ -188,7 +190,9 @@ class RunnerHandle:
         self.log_path = self.scratch / "runner.log"
         self.threads = threads
         parent_sock, child_sock = socket.socketpair()
-        env = dict(os.environ)
+        # the environment with this process's settings (kf.settings.apply: a command's
+        # flags), which the runner reads as its own
+        env = {**os.environ, **applied()}
         env.update(
             TMPDIR=str(self.scratch),
             # build tools the runner starts add their verdicts to its log (kf.cuda.objcache)
@@ -651,13 +655,22 @@ _default: RunnerPool | None = None
 _default_lock = threading.Lock()
 
 
+#: what the process's worker asked of its pool (:func:`configure_default_pool`)
+_configured: tuple[int, str | None] | None = None
+
+
 def _pool_settings() -> tuple[int, str | None]:
-    return int(os.environ.get("KF_EVAL_POOL", "2")), os.environ.get("KF_RUNNER_WARM") or None
+    if _configured is not None:
+        return _configured
+    settings = current()
+    size = settings.eval_pool
+    return (2 if size is None else size), settings.runner_warm
 
 
 def default_pool() -> RunnerPool:
     """The process-wide pool (size ``$KF_EVAL_POOL``, default 2, runners warmed for
-    ``$KF_RUNNER_WARM``), closed at exit."""
+    ``$KF_RUNNER_WARM``, unless :func:`configure_default_pool` said otherwise), closed
+    at exit."""
     global _default
     with _default_lock:
         if _default is None or _default._closed:
@@ -667,12 +680,13 @@ def default_pool() -> RunnerPool:
         return _default
 
 
-def reconfigure_default_pool() -> None:
-    """Apply ``$KF_EVAL_POOL`` and ``$KF_RUNNER_WARM`` to the process-wide pool if it
-    exists already (a task check made it before a worker set them); see
-    :meth:`RunnerPool.configure`."""
+def configure_default_pool(*, size: int, warm: str | None) -> None:
+    """Give the process-wide pool ``size`` idle runners warmed for ``warm`` (a worker's
+    choice for its device): now if the pool exists already (a task check made it before
+    the worker started; see :meth:`RunnerPool.configure`), else when it is made."""
+    global _configured
     with _default_lock:
+        _configured = (size, warm)
         pool = _default if _default is not None and not _default._closed else None
     if pool is not None:
-        size, warm = _pool_settings()
         pool.configure(size=size, warm=warm)
