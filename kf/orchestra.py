@@ -93,6 +93,24 @@ def worker_agents(device: str = "cpu", *, devices: int = 1) -> list[type[Agent[A
     return device_agents(device)
 
 
+def llm_roles(llm: bool) -> tuple[list[Any], Any, list[Any]]:
+    """``(hosted decision agents, the mutator, worker-side agents)`` an LLM-driven run
+    adds to ``kf run``.
+
+    With an LLM: the prompt evolver (hosted by the archivist) and the LLM mutator instead
+    of the offline one. Without: nothing extra and the offline mutator. (The template
+    tuner is a worker agent in every run: :func:`worker_agents`.)
+    """
+    from agents.mutator import OfflineMutator
+
+    if not llm:
+        return [], OfflineMutator, []
+    from agents.llm_mutator import LlmMutator
+    from agents.prompt_evolver import PromptEvolver
+
+    return [PromptEvolver], LlmMutator, []
+
+
 def prepare_worker(device: str) -> None:
     """Start, before a local worker for ``device`` exists, what it would otherwise wait
     for: on a GPU, the device's description (``kf run`` does this while it checks its
@@ -290,7 +308,6 @@ async def run_search(
     from agents.archive import ArchiveAgent
     from agents.archivist import Archivist
     from agents.mutator import OFFLINE_MUTATOR
-    from kf.llm.roles import llm_roles
 
     resume = o.db is not None and o.db.exists() and not o.join
     if resume and o.db is not None:
