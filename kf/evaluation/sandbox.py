@@ -680,11 +680,14 @@ def default_pool() -> RunnerPool:
         return _default
 
 
-def configure_default_pool(*, size: int, warm: str | None) -> None:
-    """Give the process-wide pool ``size`` idle runners warmed for ``warm`` (a worker's
-    choice for its device): now if the pool exists already (a task check made it before
-    the worker started; see :meth:`RunnerPool.configure`), else when it is made."""
+def configure_default_pool(*, size: int | None = None, warm: str | None) -> None:
+    """Give the process-wide pool ``size`` idle runners (None: ``$KF_EVAL_POOL``, 2)
+    warmed for ``warm`` (a worker's choice for its device): now if the pool exists
+    already (a task check made it before the worker started; see
+    :meth:`RunnerPool.configure`), else when it is made."""
     global _configured
+    if size is None:
+        size = _pool_settings()[0]
     with _default_lock:
         _configured = (size, warm)
         pool = _default if _default is not None and not _default._closed else None
