@@ -34,7 +34,10 @@ class SettingError(ValueError):
 def _kf(environ: Mapping[str, str]) -> dict[str, str]:
     """The part of ``environ`` settings are made of: ``KF_*``, and ``OPENAI_API_KEY``
     (the LLM key's fallback)."""
-    return {k: v for k, v in environ.items() if k.startswith("KF_") or k == "OPENAI_API_KEY"}
+    names = [k for k in list(environ) if k.startswith("KF_") or k == "OPENAI_API_KEY"]
+    # looked up one by one: another thread may change the environment meanwhile
+    found = {k: environ.get(k) for k in names}
+    return {k: v for k, v in found.items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,7 @@ class Settings:
 
     def megabytes(self, name: str) -> int | None:
         """``KF_SANDBOX_SCRATCH_MB`` or ``KF_SANDBOX_SHM_MB``: a box's tmpfs size in MiB,
-        at least 1 (None: the box's default, 1024 and 512)."""
+        at least 1 (None: the box's default, 1024 and 64)."""
         mb = self._number(name, "a whole number of MiB")
         return None if mb is None else max(1, mb)
 
