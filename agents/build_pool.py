@@ -2,14 +2,14 @@
 
 A worker for several GPUs runs one compiler per GPU, but builds use the host's cores,
 not a GPU: so the compilers draw from one pool of slots (as many as one compiler would
-use alone, :func:`hardware_agents.cuda_agent.compile_concurrency`), and a free slot goes
+use alone, :func:`agents.worker.compile_concurrency`), and a free slot goes
 to the device with the least work built or being built for it — the one closest to
 running dry — the oldest request first among equals. A GPU whose queue is long cannot
 take every slot while another GPU's candidate waits to be built, and no slot stands
 idle while any device's candidate waits. A built candidate counts as the device's work
 until its verification rejects it or its timing ends (:meth:`BuildPool.consumed`).
 
-One pool per process and event loop (as the device gates are, :func:`agents.evaluator.gate_for`).
+One pool per process and event loop (as the device gates are, :func:`kf.device_gate.gate_for`).
 With one device it behaves as the compiler's own concurrency limit did.
 """
 

@@ -45,6 +45,7 @@ from kf.llm.parse import ResponseError, parse_edit
 from kf.llm.prompts import Prompt
 from kf.llm.tools import ToolReply
 from kf.llm_facts import EpisodeEnded, ToolCalled
+from kf.settings import current
 
 __all__ = ["CliSpec", "agent_label", "run_cli_episode"]
 
@@ -141,7 +142,7 @@ def _files(folder: Path) -> tuple[str, ...]:
 
 async def run_cli_episode(spec: CliSpec, tool: ToolFn) -> EpisodeResult:
     """Run the agent command for one selection; never raises for the agent's failures."""
-    base = os.environ.get("KF_AGENT_DIR") or None
+    base = current().agent_dir
     folder = Path(tempfile.mkdtemp(prefix="kf-agent-", dir=base))
     events: list[Any] = []
     calls = 0
@@ -262,7 +263,7 @@ async def run_cli_episode(spec: CliSpec, tool: ToolFn) -> EpisodeResult:
         reason, source = "the agent's candidate duplicates one already proposed", None
     elif source is None:
         reason = f"agent command ended without a candidate ({ended}: {cause})"
-    if not os.environ.get("KF_AGENT_KEEP"):
+    if not current().agent_keep:
         shutil.rmtree(folder, ignore_errors=True)
     out = transcript.decode(errors="replace")
     if len(out) > TRANSCRIPT_LIMIT:

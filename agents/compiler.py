@@ -6,7 +6,8 @@ import asyncio
 from collections.abc import Sequence
 
 from agents.build_pool import build_pool
-from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
+from agents.evaluator import EvaluatorAgent, EvaluatorState
+from kf.device_gate import gate_for
 from kf.devices import runner_pool
 from kf.evaluation import CompileReport, GradingSession, compile_session
 from kf.events import Event, Record

@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
+from agents.evaluator import EvaluatorAgent, EvaluatorState
 from kf.cuda.ncu import find_ncu
+from kf.device_gate import gate_for
 from kf.devices import runner_pool
 from kf.evaluation import GradingSession
 from kf.evaluation.counters import counters_session

@@ -1,5 +1,5 @@
 """What the compiler, verifier and profiler share: the run's tasks and candidate sources
-for their device, and a gate that keeps timing alone on the device.
+for their device (the gate that keeps timing alone on it is :mod:`kf.device_gate`).
 
 Each of the three is its own agent (its own kind, its own reactions); a worker process
 hosts them next to the device they serve. The blocking evaluation calls run in threads
@@ -23,71 +23,9 @@ from kf.search_facts import CandidateProposed
 from kf.tasks import Seed, Task
 from kf.tuning import bind_shape
 
-__all__ = ["DeviceGate", "EvaluatorAgent", "EvaluatorState", "gate_for"]
+__all__ = ["EvaluatorAgent", "EvaluatorState"]
 
 _R = TypeVar("_R")
-
-
-class DeviceGate:
-    """A readers-writer gate per device: timing is exclusive; compiling and verifying share.
-
-    On a CPU every stage competes for the same cores, so a profile waits until no
-    compile or verification is running, and none starts while it times.
-    """
-
-    def __init__(self) -> None:
-        self._cond = asyncio.Condition()
-        self._shared = 0
-        self._exclusive = False
-        self._waiting_exclusive = 0
-
-    async def shared(self) -> _Hold:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._exclusive and self._waiting_exclusive == 0)
-            self._shared += 1
-        return _Hold(self, exclusive=False)
-
-    async def exclusive(self) -> _Hold:
-        async with self._cond:
-            self._waiting_exclusive += 1
-            try:
-                await self._cond.wait_for(lambda: not self._exclusive and self._shared == 0)
-            finally:
-                self._waiting_exclusive -= 1
-            self._exclusive = True
-        return _Hold(self, exclusive=True)
-
-    async def _release(self, exclusive: bool) -> None:
-        async with self._cond:
-            if exclusive:
-                self._exclusive = False
-            else:
-                self._shared -= 1
-            self._cond.notify_all()
-
-
-class _Hold:
-    def __init__(self, gate: DeviceGate, *, exclusive: bool) -> None:
-        self.gate = gate
-        self.exclusive = exclusive
-
-    async def __aenter__(self) -> _Hold:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.gate._release(self.exclusive)
-
-
-_GATES: dict[tuple[int, str], DeviceGate] = {}
-
-
-def gate_for(device: str) -> DeviceGate:
-    """The gate of ``device`` in this process and event loop."""
-    key = (id(asyncio.get_running_loop()), device)
-    gate = _GATES.get(key)
-    if gate is None:
-        gate = _GATES[key] = DeviceGate()
-    return gate
 
 
 class EvaluatorState(msgspec.Struct, kw_only=True):

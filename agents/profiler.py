@@ -13,7 +13,8 @@ import asyncio
 from collections.abc import Sequence
 
 from agents.build_pool import consumed
-from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
+from agents.evaluator import EvaluatorAgent, EvaluatorState
+from kf.device_gate import gate_for
 from kf.devices import runner_pool
 from kf.evaluation import ProfileReport
 from kf.evaluation.policy import Incumbent, relative_noise, stated_profile

@@ -8,7 +8,7 @@ or the local worker of ``kf run``) therefore serves tool requests for its device
 :class:`BusTools` and gets the answer on ``kf.<run>.toolreply.<device>.<nonce>``, a
 subject only that device's worker may publish on (:mod:`kf.auth`). Compiling and checking
 share the device with the pipeline's builds and verifications; timing and counters wait
-for the device to themselves (the worker's :class:`~agents.evaluator.DeviceGate`).
+for the device to themselves (the worker's :class:`~kf.device_gate.DeviceGate`).
 
 The server is not an agent: it folds nothing and records nothing (the mutator records
 every tool result as ``episode.tool_called``). A request carries the task's source, so
@@ -27,6 +27,7 @@ import msgspec
 import structlog
 
 from kf import bus
+from kf.device_gate import gate_for
 from kf.llm.tools import DEVICE_TOOLS, ToolReply, run_device_tool
 
 __all__ = ["BusTools", "ToolServer"]
@@ -94,8 +95,6 @@ class ToolServer:
             reply = ToolReply(ok=False, text=f"bad tool request: {exc}", error=str(exc))
             await self.nc.publish(msg.reply, _ENC.encode(reply.wire()))
             return
-        from agents.evaluator import gate_for
-
         async with self._slots:
             gate = gate_for(self.device)
             hold = await (gate.exclusive() if tool in ("time", "counters") else gate.shared())

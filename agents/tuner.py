@@ -29,8 +29,9 @@ from typing import Any
 
 import msgspec
 
-from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
+from agents.evaluator import EvaluatorAgent, EvaluatorState
 from kf import params
+from kf.device_gate import gate_for
 from kf.evaluation import profile_candidate
 from kf.events import Event, Record
 from kf.facts import RunStarted

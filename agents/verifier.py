@@ -12,8 +12,9 @@ import asyncio
 from collections.abc import Sequence
 
 from agents.build_pool import consumed
-from agents.evaluator import EvaluatorAgent, EvaluatorState, gate_for
+from agents.evaluator import EvaluatorAgent, EvaluatorState
 from kf.agent import AgentContext
+from kf.device_gate import gate_for
 from kf.devices import runner_pool
 from kf.evaluation import GradingSession, VerifyReport, verify_session
 from kf.evaluation.audit import audit_task

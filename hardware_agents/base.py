@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from hardware_agents.cpu import host_id
 from kf.agent import Agent, AgentContext
+from kf.device_gate import gate_for
 from kf.events import Event, Record
 from kf.facts import DeviceAnnounced, DeviceHeartbeat, DeviceLeft
 from kf.runtime import cancel_and_wait
@@ -71,8 +72,6 @@ class HardwareAgent(Agent[None]):
 
     async def _measure(self) -> None:
         """Measure with the device to ourselves, then announce the measured figures."""
-        from agents.evaluator import gate_for
-
         try:
             async with await gate_for(self.device).exclusive():
                 capabilities = await asyncio.to_thread(self.probe, True)

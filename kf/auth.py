@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import re
 import secrets
 import sys
@@ -45,6 +44,7 @@ from nats.aio.client import Client
 
 from kf import bus
 from kf.events import Decision, Envelope, Event, Observation, decode_event, event_class
+from kf.settings import current
 
 __all__ = [
     "ROLES",
@@ -344,7 +344,7 @@ class RunBus:
             if url is None:
                 creds = RunCredentials.generate(run_id, devices)
                 server = bus.EmbeddedServer(
-                    credentials=creds, max_restarts=int(os.environ.get("KF_NATS_RESTARTS", "3"))
+                    credentials=creds, max_restarts=current().nats_restarts
                 ).start()
                 url = server.url
                 roles = {

@@ -39,6 +39,8 @@ import nats
 import structlog
 from nats.aio.client import Client
 
+from kf.settings import current
+
 __all__ = [
     "BusDown",
     "BusOptions",
@@ -373,10 +375,11 @@ class BusOptions:
     @classmethod
     def from_env(cls, url: str, **overrides: Any) -> BusOptions:
         """Options from ``url`` plus ``KF_NATS_TOKEN``/``KF_NATS_USER``/``KF_NATS_PASSWORD``."""
+        settings = current()
         base: dict[str, Any] = {
-            "token": os.environ.get("KF_NATS_TOKEN"),
-            "user": os.environ.get("KF_NATS_USER"),
-            "password": os.environ.get("KF_NATS_PASSWORD"),
+            "token": settings.nats_token,
+            "user": settings.nats_user,
+            "password": settings.nats_password,
         }
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(url=url, **base)
@@ -386,10 +389,10 @@ class BusOptions:
         with ``KF_NATS_<ROLE>_USER`` set, that user and ``KF_NATS_<ROLE>_PASSWORD``
         replace the credentials (a process hosting several roles against a
         role-separated server); otherwise unchanged."""
-        user = os.environ.get(f"KF_NATS_{role.upper()}_USER")
-        if not user:
+        credentials = current().nats_role(role)
+        if credentials is None:
             return self
-        password = os.environ.get(f"KF_NATS_{role.upper()}_PASSWORD", "")
+        user, password = credentials
         return replace(self, token=None, user=user, password=password)
 
 

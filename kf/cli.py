@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kf.logs import configure
+from kf.settings import apply, current
 
 __all__ = ["main"]
 
@@ -302,13 +302,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.select is not None:
         opts.extra["task_selection"] = args.select
     # the baselines' settings (kf.evaluation.baseline_settings): the local worker's grader
-    # reads them from the environment; recorded as asked, and each profile says what ran
-    if args.compile_mode:
-        os.environ["KF_COMPILE_MODE"] = args.compile_mode
-    if args.tf32:
-        os.environ["KF_TF32"] = args.tf32
-    opts.extra["compile_mode"] = os.environ.get("KF_COMPILE_MODE") or "default"
-    opts.extra["tf32"] = os.environ.get("KF_TF32") or "off"
+    # reads them from the process's settings; recorded as asked, and each profile says
+    # what ran
+    asked = {"KF_COMPILE_MODE": args.compile_mode, "KF_TF32": args.tf32}
+    settings = apply({k: v for k, v in asked.items() if v})
+    opts.extra["compile_mode"] = settings.get("KF_COMPILE_MODE") or "default"
+    opts.extra["tf32"] = settings.get("KF_TF32") or "off"
     if llm:
         opts.llm_url = args.llm_url
         opts.extra.update(llm)
@@ -376,7 +375,7 @@ def _require_sandbox(unsafe: bool) -> str | None:
     from kf.evaluation.box import SandboxUnavailable, require
 
     if unsafe:
-        os.environ["KF_UNSAFE_NO_SANDBOX"] = "1"
+        apply({"KF_UNSAFE_NO_SANDBOX": "1"})
     try:
         require()
     except SandboxUnavailable as exc:
@@ -749,7 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (
         level is None
         and args.verb in ("run", "eval", "report", "replay", "export")
-        and not (os.environ.get("KF_LOG_LEVEL"))
+        and not current().log_level
     ):
         level = "WARNING"  # interactive verbs show their own progress; agents' logs are noise
     configure(level)

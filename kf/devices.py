@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import atexit
 import math
-import os
 import re
 import subprocess
 import sys
@@ -33,6 +32,8 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from kf.settings import current
 
 if TYPE_CHECKING:
     from kf.evaluation.sandbox import RunnerPool
@@ -183,8 +184,9 @@ def configure_runner_pools(devices: Sequence[str], build_slots: int) -> None:
     gpus = list(dict.fromkeys(d for d in devices if d.startswith("cuda")))
     if len(gpus) < 2:
         return
-    env = os.environ.get("KF_EVAL_POOL")
-    size = int(env) if env else math.ceil(build_slots / len(gpus)) + 4
+    size = current().eval_pool
+    if size is None:
+        size = math.ceil(build_slots / len(gpus)) + 4
     with _pools_lock:
         for d in gpus:
             old = _pools.get(d)
@@ -226,7 +228,7 @@ def looks_like_device_error(kind: str | None, text: str) -> bool:
 def _injected(device_id: str) -> str | None:
     """The fault ``$KF_DEVICE_FAULTS`` arms for ``device_id`` from its N-th stage on
     (None: none armed, or not yet)."""
-    spec = os.environ.get("KF_DEVICE_FAULTS", "")
+    spec = current().device_faults
     for item in filter(None, (s.strip() for s in spec.split(","))):
         dev, _, after = item.rpartition("@")
         if dev == device_id and after.isdigit() and _stages.get(device_id, 0) >= int(after):

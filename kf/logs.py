@@ -6,10 +6,11 @@ Context (agent, run, event ids) is bound through ``contextvars`` so every line c
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import structlog
+
+from kf.settings import current
 
 __all__ = ["configure"]
 
@@ -22,7 +23,7 @@ def configure(level: str | None = None, *, json: bool | None = None) -> None:
     if _configured:
         return
     _configured = True
-    lvl = getattr(logging, (level or os.environ.get("KF_LOG_LEVEL", "INFO")).upper(), logging.INFO)
+    lvl = getattr(logging, (level or current().log_level or "INFO").upper(), logging.INFO)
     as_json = (not sys.stderr.isatty()) if json is None else json
     renderer: structlog.types.Processor = (
         structlog.processors.JSONRenderer()

@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 
+from kf.settings import current
+
 __all__ = [
     "NativeCompileError",
     "build",
@@ -43,8 +45,7 @@ class NativeCompileError(RuntimeError):
 
 def cache_dir() -> Path:
     """The build cache: ``$KF_CACHE_DIR/native`` or ``~/.cache/kf/native``."""
-    root = os.environ.get("KF_CACHE_DIR") or str(Path.home() / ".cache" / "kf")
-    path = Path(root) / "native"
+    path = current().cache_dir / "native"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -53,8 +54,8 @@ def shared_cache(kind: str) -> Path | None:
     """``$KF_CACHE_SHARED/<kind>``: in kf's runner box, the grader's build cache, bound
     read-only. Builds are looked up there first; a miss is built into the box's own
     ``$KF_CACHE_DIR``, so no candidate can rewrite an entry another build will load."""
-    root = os.environ.get("KF_CACHE_SHARED")
-    return Path(root) / kind if root else None
+    root = current().cache_shared
+    return root / kind if root else None
 
 
 def _compiler() -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import secrets
 import sys
 import time
@@ -28,6 +27,7 @@ from kf.events import Envelope, Record, decode_event, derived_id, make_envelope
 from kf.facts import RunFinished, RunStarted, TaskSpec
 from kf.log import EventLog
 from kf.runtime import AgentRunner, CommittedFeed, Outbox, supervise
+from kf.settings import current
 from kf.tasks import Task
 
 __all__ = ["RunOptions", "run_search", "run_worker", "worker_agents"]
@@ -67,7 +67,8 @@ def new_run_id() -> str:
 
 
 def worker_agents(device: str = "cpu", *, devices: int = 1) -> list[type[Agent[Any]]]:
-    """The agents a worker process hosts next to each of its devices (``cpu``/``cuda:N``).
+    """The agents a worker process hosts next to each of its devices (``cpu``/``cuda:N``,
+    :func:`agents.worker.device_agents`), its runner pool made ready for them.
 
     For a GPU: the CUDA hardware agent, and a compiler that builds many candidates at
     once on the host's cores while the GPU verifies (two at once) and times others; the
@@ -76,32 +77,38 @@ def worker_agents(device: str = "cpu", *, devices: int = 1) -> list[type[Agent[A
     (:func:`kf.devices.configure_runner_pools`, sized by the caller) and the compilers
     share the host's build slots (:mod:`agents.build_pool`).
     """
-    from agents.compiler import Compiler
-    from agents.profiler import Profiler
-    from agents.tuner import Tuner
-    from agents.verifier import Verifier
+    from agents.worker import compile_concurrency, device_agents
 
-    if device.startswith("cuda"):
-        from agents.counters import CounterCollector
-        from hardware_agents.cuda_agent import (
-            CudaCompiler,
-            CudaHardwareAgent,
-            CudaVerifier,
-            compile_concurrency,
+    if device.startswith("cuda") and devices == 1:
+        from kf.evaluation.sandbox import configure_default_pool
+
+        settings = current()
+        size = settings.eval_pool
+        # idle runners make their CUDA context and load the op tracer before a stage
+        # needs them; `kf run` checked its tasks first, which may have made the pool
+        configure_default_pool(
+            size=compile_concurrency(settings) + 4 if size is None else size,
+            warm=settings.runner_warm or device,
         )
-        from kf.evaluation.sandbox import reconfigure_default_pool
+    return device_agents(device)
 
-        if devices == 1:
-            os.environ.setdefault("KF_EVAL_POOL", str(compile_concurrency() + 4))
-            # idle runners make their CUDA context and load the op tracer before a stage
-            # needs them
-            os.environ.setdefault("KF_RUNNER_WARM", device)
-            # `kf run` checked its tasks first, which made the process's pool with neither
-            reconfigure_default_pool()
-        return [CudaHardwareAgent, CudaCompiler, CudaVerifier, Profiler, CounterCollector, Tuner]
-    from hardware_agents.cpu_agent import CpuHardwareAgent
 
-    return [CpuHardwareAgent, Compiler, Verifier, Profiler, Tuner]
+def llm_roles(llm: bool) -> tuple[list[Any], Any, list[Any]]:
+    """``(hosted decision agents, the mutator, worker-side agents)`` an LLM-driven run
+    adds to ``kf run``.
+
+    With an LLM: the prompt evolver (hosted by the archivist) and the LLM mutator instead
+    of the offline one. Without: nothing extra and the offline mutator. (The template
+    tuner is a worker agent in every run: :func:`worker_agents`.)
+    """
+    from agents.mutator import OfflineMutator
+
+    if not llm:
+        return [], OfflineMutator, []
+    from agents.llm_mutator import LlmMutator
+    from agents.prompt_evolver import PromptEvolver
+
+    return [PromptEvolver], LlmMutator, []
 
 
 def prepare_worker(device: str) -> None:
@@ -130,7 +137,7 @@ def worker_plan(
     slots = device_slots(devices, host_id(), name)
     agents = worker_agents(devices[0], devices=len(devices))
     if devices[0].startswith("cuda") and len(devices) > 1:
-        from hardware_agents.cuda_agent import compile_concurrency
+        from agents.worker import compile_concurrency
 
         configure_runner_pools(devices, compile_concurrency())
     return slots, agents
@@ -175,7 +182,7 @@ async def run_worker(
             # against a role-separated server each device has its own worker user
             # (docs/authorization.md): its password in $KF_NATS_WORKER_<ID>_PASSWORD
             for s in slots:
-                password = os.environ.get(password_env("worker", s.device_id))
+                password = current().get(password_env("worker", s.device_id))
                 if password:
                     conns[s.device_id] = await bus.connect(
                         replace(opts, token=None, user=worker_user(s.device_id), password=password)
@@ -301,7 +308,6 @@ async def run_search(
     from agents.archive import ArchiveAgent
     from agents.archivist import Archivist
     from agents.mutator import OFFLINE_MUTATOR
-    from kf.llm.roles import llm_roles
 
     resume = o.db is not None and o.db.exists() and not o.join
     if resume and o.db is not None:
@@ -550,4 +556,4 @@ def _version() -> str:
 
     with contextlib.suppress(PackageNotFoundError):
         return version("kf")
-    return os.environ.get("KF_VERSION", "dev")
+    return current().version

@@ -315,20 +315,19 @@ def test_warmed_runners_trace_and_verify() -> None:
 
 
 def test_default_pool_takes_settings_made_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`kf run` checks its tasks (making the process's pool) before a CUDA worker sets
-    $KF_EVAL_POOL and $KF_RUNNER_WARM; reconfiguring applies them to that pool."""
+    """`kf run` checks its tasks (making the process's pool) before a CUDA worker gives
+    the pool its size and warm-up device; configuring applies them to that pool."""
     from kf.evaluation import sandbox
 
     monkeypatch.delenv("KF_EVAL_POOL", raising=False)
     monkeypatch.delenv("KF_RUNNER_WARM", raising=False)
     monkeypatch.setattr(sandbox, "_default", None)
+    monkeypatch.setattr(sandbox, "_configured", None)
     first = sandbox.default_pool()
     try:
         first.start()
         assert (first.size, first.warm) == (2, None)
-        monkeypatch.setenv("KF_EVAL_POOL", "3")
-        monkeypatch.setenv("KF_RUNNER_WARM", "cpu")
-        sandbox.reconfigure_default_pool()
+        sandbox.configure_default_pool(size=3, warm="cpu")  # as kf.orchestra's worker does
         assert sandbox.default_pool() is first
         assert (first.size, first.warm) == (3, "cpu")
         idle = list(first._idle)

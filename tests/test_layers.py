@@ -1,6 +1,13 @@
-"""The layer rules, held by a test: the event core and the evaluation library import no
-agent (``agents`` or ``hardware_agents``), anywhere in a module, a function's body
-included. The application layer (cli, orchestra, report, dashboard) may."""
+"""The layer rules, held by a test, reading every import of a module (a function's body
+included):
+
+- the runtime (every module of ``kf`` but the application layer: cli, orchestra, report,
+  dashboard) imports no agent (``agents`` or ``hardware_agents``);
+- device agents (``hardware_agents``) only describe devices: they import nothing of
+  ``agents``;
+- ``KF_*`` environment variables are read in one place, :mod:`kf.settings`, and no module
+  of kf, ``agents`` or ``hardware_agents`` writes one into its own environment (a runner
+  gets its settings in the environment its pool starts it with)."""
 
 from __future__ import annotations
 
@@ -10,12 +17,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = ["events", "log", "chain", "bus", "runtime", "agent", "replay", "schemas"]
-LIBRARIES = [
-    *sorted((ROOT / "kf" / "evaluation").glob("*.py")),
-    *(ROOT / "kf" / "cuda").glob("*.py"),
-]
-MODULES = [ROOT / "kf" / f"{name}.py" for name in CORE] + LIBRARIES
+#: the application layer: the commands and the composition of processes, which may
+#: import agents
+APPLICATION = {"kf/cli.py", "kf/orchestra.py", "kf/report.py"}
+RUNTIME = sorted(
+    p
+    for p in (ROOT / "kf").rglob("*.py")
+    if str(p.relative_to(ROOT)) not in APPLICATION and "dashboard" not in p.parts
+)
+HARDWARE = sorted((ROOT / "hardware_agents").glob("*.py"))
+EVERY = sorted([*(ROOT / "kf").rglob("*.py"), *(ROOT / "agents").glob("*.py"), *HARDWARE])
+SETTINGS = ROOT / "kf" / "settings.py"
 
 
 def _imports(path: Path) -> set[str]:
@@ -28,14 +40,82 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_core_and_library_modules_import_no_agent(path: Path) -> None:
-    agents = sorted(n for n in _imports(path) if n.split(".")[0] in ("agents", "hardware_agents"))
-    assert not agents, f"{path.relative_to(ROOT)} imports {agents}"
+def _package(name: str) -> str:
+    return name.split(".", maxsplit=1)[0]
 
 
-def test_the_rule_would_catch_an_import(tmp_path: Path) -> None:
-    """The check reads function bodies too (kf imports lazily in many places)."""
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("path", RUNTIME, ids=_rel)
+def test_runtime_modules_import_no_agent(path: Path) -> None:
+    """No module of kf below the application layer imports ``agents`` or ``hardware_agents``."""
+    agents = sorted(n for n in _imports(path) if _package(n) in ("agents", "hardware_agents"))
+    assert not agents, f"{_rel(path)} imports {agents}"
+
+
+@pytest.mark.parametrize("path", HARDWARE, ids=_rel)
+def test_hardware_agents_import_no_agent(path: Path) -> None:
+    """A device agent describes its device; the agents beside it live in ``agents``."""
+    agents = sorted(n for n in _imports(path) if _package(n) == "agents")
+    assert not agents, f"{_rel(path)} imports {agents}"
+
+
+def _is_environ(node: ast.expr) -> bool:
+    """``os.environ`` or a bare ``environ``."""
+    return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
+        isinstance(node, ast.Name) and node.id == "environ"
+    )
+
+
+def _names_kf(node: ast.expr | None) -> bool:
+    """A key that names a ``KF_*`` variable: a literal or an f-string starting so."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value.startswith("KF_")
+    if isinstance(node, ast.JoinedStr) and node.values:
+        return _names_kf(node.values[0])
+    return False
+
+
+def _environment_uses(path: Path) -> list[int]:
+    """The lines where ``path`` reads or writes a ``KF_*`` variable of its process's
+    environment."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        key: ast.expr | None = None
+        if isinstance(node, ast.Subscript) and _is_environ(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            func = node.func
+            if func.attr == "getenv" or (
+                _is_environ(func.value) and func.attr in ("get", "setdefault", "pop")
+            ):
+                key = node.args[0]
+        if _names_kf(key):
+            found.append(node.lineno)
+    return found
+
+
+@pytest.mark.parametrize("path", [p for p in EVERY if p != SETTINGS], ids=_rel)
+def test_kf_variables_are_read_only_by_the_settings(path: Path) -> None:
+    """``KF_*`` variables are read through :class:`kf.settings.Settings`, never from
+    ``os.environ`` by name, and never written into the process's environment."""
+    lines = _environment_uses(path)
+    assert not lines, f"{_rel(path)} uses KF_* variables of os.environ on lines {lines}"
+
+
+def test_the_rules_would_catch_an_import_or_a_read(tmp_path: Path) -> None:
+    """The checks read function bodies too (kf imports lazily in many places), and see
+    a read, a write and an f-string name alike."""
     probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    from agents.archive import Archive\n    return Archive\n")
+    probe.write_text(
+        "import os\n"
+        "def f(role):\n"
+        "    from agents.archive import Archive\n"
+        "    os.environ['KF_TF32'] = 'on'\n"
+        "    os.environ.setdefault('KF_EVAL_POOL', '3')\n"
+        "    return Archive, os.environ.get(f'KF_NATS_{role}_USER'), os.getenv('KF_NCU')\n"
+    )
     assert "agents.archive" in _imports(probe)
+    assert sorted(_environment_uses(probe)) == [4, 5, 6, 6]

@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kf.settings import current
+
 __all__ = [
     "BuildRecord",
     "binding_key",
@@ -85,7 +87,7 @@ def builds() -> tuple[BuildRecord, ...]:
 
 def cache_root() -> Path:
     """``$KF_CACHE_DIR`` or ``~/.cache/kf``: where the build caches live."""
-    return Path(os.environ.get("KF_CACHE_DIR") or str(Path.home() / ".cache" / "kf"))
+    return current().cache_dir
 
 
 def cache_dir() -> Path:
@@ -301,7 +303,7 @@ def load_inline(*args: Any, **kwargs: Any) -> Any:
         seconds=time.perf_counter() - start,
     )
     _BUILDS.append(record)
-    if os.environ.get("KF_CUDA_REPORT"):
+    if current().cuda_report:
         how = "cache hit" if cached else "built"
         print(
             f"kf.cuda.inline: {record['name']} {key[:12]} {how} in {record['seconds']:.2f}s",

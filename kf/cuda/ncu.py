@@ -23,6 +23,8 @@ import shutil
 import subprocess
 from typing import Any
 
+from kf.settings import current
+
 __all__ = ["METRICS", "command", "find_ncu", "parse", "permission_refused", "summarise", "version"]
 
 #: ncu metric → the name kf records it under.
@@ -42,7 +44,7 @@ _PERMISSION = ("ERR_NVGPUCTRPERM", "permission")
 
 def find_ncu() -> str | None:
     """``$KF_NCU`` (``0`` switches counters off), ``ncu`` on PATH, or a standard install."""
-    env = os.environ.get("KF_NCU")
+    env = current().ncu
     if env == "0":
         return None
     if env:

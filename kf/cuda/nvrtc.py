@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
-import os
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -21,6 +20,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+from kf.settings import current
 
 __all__ = [
     "CompiledProgram",
@@ -147,17 +148,16 @@ def _check_nvrtc(err: Any, what: str, log: str = "") -> None:
 
 def cache_dir() -> Path:
     """``$KF_CACHE_DIR/cuda`` or ``~/.cache/kf/cuda``."""
-    root = os.environ.get("KF_CACHE_DIR") or str(Path.home() / ".cache" / "kf")
-    path = Path(root) / "cuda"
+    path = current().cache_dir / "cuda"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 def default_arch() -> str:
     """``$KF_CUDA_ARCH``, else the current device's ``sm_XY`` (through torch), else sm_90."""
-    env = os.environ.get("KF_CUDA_ARCH")
-    if env:
-        return env
+    arch = current().cuda_arch
+    if arch:
+        return arch
     try:
         import torch
 
@@ -272,7 +272,7 @@ def compile_cubin(
 def _report(program: CompiledProgram) -> CompiledProgram:
     """Record the program; in a kf runner (``$KF_CUDA_REPORT``) also print its resources."""
     _PROGRAMS.append(program)
-    if os.environ.get("KF_CUDA_REPORT"):
+    if current().cuda_report:
         for line in program.describe().splitlines():
             print(f"kf.cuda: {line.strip()}", flush=True)
     return program

@@ -87,6 +87,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kf.cuda.inline import cache_root
+from kf.settings import current
 
 __all__ = [
     "KEY_ENVIRONMENT",
@@ -256,7 +257,7 @@ _TOO_NEW_NS = 1_000_000_000
 
 def enabled() -> bool:
     """False when ``KF_OBJCACHE=0``: every compile then runs the real compiler."""
-    return os.environ.get("KF_OBJCACHE", "1") != "0"
+    return current().objcache
 
 
 def objects_dir() -> Path:
@@ -663,7 +664,7 @@ def _say(text: str) -> None:
     line = f"kf.cuda.objcache: {text}\n"
     sys.stderr.write(line)
     sys.stderr.flush()
-    target = os.environ.get("KF_OBJCACHE_LOG")
+    target = current().objcache_log
     if target:
         try:  # one append of one short line: whole, even with other writers
             fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -4,10 +4,10 @@ is refused before any trial, with the estimate (:func:`too_large`); tasks above
 
 from __future__ import annotations
 
-import os
 import threading
 
 from kf.evaluation.protocol import InputsMade
+from kf.settings import current
 
 _BIG_LOCKS: dict[str, threading.Lock] = {}
 
@@ -16,7 +16,7 @@ def _big_task_bytes() -> int:
     """Inputs plus outputs above which a task's verifications run one at a time on a GPU
     (``$KF_BIG_TASK_MB``, default 2048): two of KernelBench's 6 GB tasks side by side,
     each with a reference and a candidate process, do not fit in an H200."""
-    return int(float(os.environ.get("KF_BIG_TASK_MB", "2048")) * (1 << 20))
+    return current().big_task_bytes
 
 
 def _footprint(made: InputsMade) -> int:

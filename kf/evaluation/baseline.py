@@ -7,22 +7,23 @@ from __future__ import annotations
 import os
 
 from kf.evaluation import baseline_settings
-from kf.evaluation.grading import _OFF, _ref_key, log
+from kf.evaluation.grading import _ref_key, log
 from kf.evaluation.protocol import BaselineCompiled, CompileBaseline
 from kf.evaluation.sandbox import RunnerCrashed, RunnerFailed, RunnerHandle, RunnerTimeout
+from kf.settings import current
 from kf.tasks import Task
 
 
 def compile_baseline_wanted() -> bool:
     """Whether profiles also time the reference under ``torch.compile``
     (``$KF_COMPILE_BASELINE``, default on; ``0`` turns it off)."""
-    return os.environ.get("KF_COMPILE_BASELINE", "1").strip().lower() not in _OFF
+    return current().compile_baseline
 
 
 def _compile_timeout_s() -> float:
     """How long one ``torch.compile`` of a reference may take (``$KF_COMPILE_BASELINE_TIMEOUT_S``,
     default 600 s); it does not count against the profile's own timeout."""
-    return float(os.environ.get("KF_COMPILE_BASELINE_TIMEOUT_S") or 600.0)
+    return current().compile_baseline_timeout_s
 
 
 def _inductor_cache_dir() -> str | None:
@@ -31,7 +32,7 @@ def _inductor_cache_dir() -> str | None:
     from the cache in about a second; None (the runner's own scratch directory, lost
     with it) with ``$KF_COMPILE_CACHE=0``, and None when ``$TORCHINDUCTOR_CACHE_DIR``
     is set (runners inherit it)."""
-    if os.environ.get("KF_COMPILE_CACHE", "1").strip().lower() in _OFF:
+    if not current().compile_cache:
         return None
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         return None
@@ -42,8 +43,7 @@ def _inductor_cache_dir() -> str | None:
         # write would let a candidate plant pickles for the next reference runner: inside
         # the box inductor compiles into the runner's own scratch, lost with it
         return None
-    root = os.environ.get("KF_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kf")
-    return os.path.join(root, "inductor")
+    return os.path.join(current().cache_dir, "inductor")
 
 
 class _BaselineLost(Exception):

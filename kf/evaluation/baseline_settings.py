@@ -22,8 +22,9 @@ and the profile records what the runners said (``ProfileReport.compile_mode``,
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from kf.settings import current
 
 __all__ = [
     "COMPILE_MODES",
@@ -48,7 +49,7 @@ class BaselineSettingError(ValueError):
 
 def compile_mode() -> str:
     """``$KF_COMPILE_MODE`` (default ``default``); raises :class:`BaselineSettingError`."""
-    mode = os.environ.get("KF_COMPILE_MODE", "").strip() or "default"
+    mode = current().compile_mode
     if mode not in COMPILE_MODES:
         raise BaselineSettingError(
             f"KF_COMPILE_MODE={mode!r}: not a torch.compile mode kf knows "
@@ -59,7 +60,7 @@ def compile_mode() -> str:
 
 def tf32_setting() -> str:
     """``$KF_TF32`` (default ``off``); raises :class:`BaselineSettingError`."""
-    value = os.environ.get("KF_TF32", "").strip().lower() or "off"
+    value = current().tf32
     if value not in TF32_SETTINGS:
         raise BaselineSettingError(f"KF_TF32={value!r}: expected off or on")
     return value

@@ -39,6 +39,8 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from kf.settings import SettingError, current
+
 __all__ = [
     "BOX_UID",
     "MODE_BWRAP",
@@ -136,24 +138,24 @@ class SandboxUnavailable(RuntimeError):
 
 def unsafe_requested() -> bool:
     """Whether ``$KF_UNSAFE_NO_SANDBOX=1`` asks for runners without the box."""
-    return os.environ.get("KF_UNSAFE_NO_SANDBOX", "") == "1"
+    return current().unsafe_no_sandbox
 
 
 def bwrap_path() -> str | None:
     """``$KF_BWRAP`` when set (even if it does not exist: the probe says so), else
     ``bwrap`` on ``PATH``, else None."""
-    given = os.environ.get("KF_BWRAP")
+    given = current().bwrap
     if given:
         return given
     return shutil.which("bwrap")
 
 
 def _megabytes(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
     try:
-        return max(1, int(raw)) if raw else default
-    except ValueError as exc:
-        raise SandboxUnavailable(f"${name}={raw!r} is not a whole number of MiB") from exc
+        mb = current().megabytes(name)
+    except SettingError as exc:
+        raise SandboxUnavailable(str(exc)) from exc
+    return default if mb is None else mb
 
 
 def scratch_bytes() -> int:
@@ -171,7 +173,7 @@ def environment(base: Mapping[str, str], scratch: Path, extra: Mapping[str, str]
     in ``$KF_SANDBOX_ENV`` (comma-separated, never one that looks like a secret), the
     box's own paths, then ``extra``."""
     names = set(ALLOWED_ENV)
-    names |= {n.strip() for n in os.environ.get("KF_SANDBOX_ENV", "").split(",") if n.strip()}
+    names |= set(current().sandbox_env)
     env = {k: v for k, v in base.items() if k in names and _allowed(k)}
     cache = shared_cache()
     env.update(
@@ -193,8 +195,7 @@ def environment(base: Mapping[str, str], scratch: Path, extra: Mapping[str, str]
 def shared_cache() -> Path | None:
     """The grader's build cache (``$KF_CACHE_DIR`` or ``~/.cache/kf``), if it exists:
     bound read-only into every box, so runners reuse builds but cannot rewrite them."""
-    root = Path(os.environ.get("KF_CACHE_DIR") or Path.home() / ".cache" / "kf")
-    root = root.absolute()
+    root = current().cache_dir.absolute()
     # made here, so that it is bound from the first box on and builds the grader does
     # for boxed runners (kf.evaluation.builds) show up in every box
     with contextlib.suppress(OSError):
@@ -299,7 +300,7 @@ def _ro_paths(python: str, extra: Iterable[str]) -> list[Path]:
     for entry in os.environ.get("LD_LIBRARY_PATH", "").split(":"):
         if entry:
             paths.append(Path(entry))
-    paths += [Path(p) for p in os.environ.get("KF_SANDBOX_RO_PATHS", "").split(":") if p]
+    paths += current().sandbox_ro_paths
     paths += [Path(p) for p in extra]
     cache = shared_cache()
     if cache is not None:

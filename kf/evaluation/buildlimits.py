@@ -18,6 +18,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+from kf.settings import current
+
 __all__ = ["DEFAULT_BUILD_TIMEOUT_S", "build_jobs", "build_slot", "build_timeout_s", "waiting"]
 
 DEFAULT_BUILD_TIMEOUT_S = 600.0
@@ -32,22 +34,14 @@ def build_timeout_s(given: float | None = None) -> float:
     """``given`` when set, else ``$KF_BUILD_TIMEOUT_S``, else 600 s."""
     if given is not None and given > 0:
         return float(given)
-    env = os.environ.get("KF_BUILD_TIMEOUT_S", "").strip()
-    if env:
-        try:
-            value = float(env)
-        except ValueError as exc:
-            raise ValueError(f"$KF_BUILD_TIMEOUT_S={env!r} is not a number of seconds") from exc
-        if value > 0:
-            return value
-    return DEFAULT_BUILD_TIMEOUT_S
+    return current().build_timeout_s or DEFAULT_BUILD_TIMEOUT_S
 
 
 def build_jobs() -> int:
     """Builds at once in this process: ``$KF_BUILD_JOBS``, else the cores it may use."""
-    env = os.environ.get("KF_BUILD_JOBS", "").strip()
-    if env:
-        return max(1, int(env))
+    jobs = current().build_jobs
+    if jobs is not None:
+        return jobs
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - not Linux

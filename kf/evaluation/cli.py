@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -19,8 +18,9 @@ from kf.evaluation.box import SandboxUnavailable, require
 from kf.evaluation.device import DeviceError, parse_device
 from kf.evaluation.pipeline import evaluate
 from kf.evaluation.reports import FLAG_REASONS, EvalResult, ProfileReport
-from kf.evaluation.sandbox import RunnerStartError
+from kf.evaluation.sandbox import RunnerStartError, configure_default_pool
 from kf.evaluation.tolerance import describe, tolerance_from_args
+from kf.settings import apply, current
 from kf.tasks import TaskError, load_task
 
 __all__ = ["main"]
@@ -159,11 +159,11 @@ def main(argv: list[str]) -> int:
         print(f"kf eval: {tolerance}", file=sys.stderr)
         return 2
     if args.unsafe_no_sandbox:
-        os.environ["KF_UNSAFE_NO_SANDBOX"] = "1"  # kf.evaluation.box reads it
+        apply({"KF_UNSAFE_NO_SANDBOX": "1"})  # kf.evaluation.box reads it
     try:
         device = parse_device(args.device)
         if device.startswith("cuda"):  # idle runners make their CUDA context ahead of use
-            os.environ.setdefault("KF_RUNNER_WARM", device)
+            configure_default_pool(warm=current().runner_warm or device)
         task = load_task(args.task)
         candidate = Path(args.candidate)
         try:

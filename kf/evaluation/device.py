@@ -111,13 +111,12 @@ class CUDABackend(Backend):
 
     def __init__(self, device: str, clock_ns: Callable[[], int]) -> None:
         super().__init__(clock_ns)
-        import os
-
         import torch
 
         from kf.cuda import inline
+        from kf.settings import apply
 
-        os.environ["KF_CUDA_REPORT"] = "1"
+        apply({"KF_CUDA_REPORT": "1"})  # this runner's CUDA builds report their resources
         inline.install()
         self.device = torch.device(device)
         torch.cuda.set_device(self.device)

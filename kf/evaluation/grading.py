@@ -6,7 +6,6 @@ the request log's phases, trial seeds and verdicts.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import threading
 import time
@@ -25,6 +24,7 @@ from kf.evaluation.reports import (
     VerifyReport,
 )
 from kf.evaluation.sandbox import REQUESTS, Limits, RunnerError, RunnerHandle
+from kf.settings import current
 from kf.tasks import Task
 
 log = structlog.get_logger("kf.evaluation")
@@ -36,7 +36,6 @@ CACHE_SUSPECTED = "cache_suspected"
 REVERIFY_ABOVE = 10.0  # a speed-up above this is re-verified and flagged
 DISTRIBUTION_FAILED = "distribution_failed"  # wrong on the task's inputs scaled or negated
 _FRESH_SETS = 3
-_OFF = frozenset({"0", "false", "no", "off"})
 _device_locks: dict[str, threading.Lock] = {}
 _device_locks_guard = threading.Lock()
 
@@ -131,7 +130,7 @@ def _ipc_transport(handle: RunnerHandle) -> bool:
     ``ipc`` or ``bytes``; by default yes for unboxed runners, and not (yet) between
     boxes, whose separate PID and IPC namespaces CUDA IPC has not been shown to cross
     (docs/sandbox.md)."""
-    chosen = os.environ.get("KF_TENSOR_TRANSPORT", "")
+    chosen = current().tensor_transport
     if chosen in ("ipc", "bytes"):
         return chosen == "ipc"
     return handle.sandbox != box.MODE_BWRAP and chosen != "seed"
@@ -141,9 +140,10 @@ def _shm_min_bytes() -> int | None:
     """From how many bytes of tensors a payload that does not go by IPC goes as a sealed
     memory file (``$KF_SHM_MIN_BYTES``, 1 MiB by default); None, always as ``torch.save``
     bytes, where ``$KF_TENSOR_TRANSPORT=bytes`` asks for that or the system cannot."""
-    if os.environ.get("KF_TENSOR_TRANSPORT", "") == "bytes" or not shared_memory.available():
+    settings = current()
+    if settings.tensor_transport == "bytes" or not shared_memory.available():
         return None
-    return int(os.environ.get("KF_SHM_MIN_BYTES") or shared_memory.MIN_BYTES)
+    return settings.shm_min_bytes or shared_memory.MIN_BYTES
 
 
 def _own_inputs(handle: RunnerHandle, device: str) -> bool:
@@ -155,7 +155,7 @@ def _own_inputs(handle: RunnerHandle, device: str) -> bool:
     after the call; the candidate runner checks its inputs against a host copy itself,
     which is no less trusted than the ``inputs_after`` bytes the same process would
     send. Inputs of generalisation variants still travel (the reference chooses them)."""
-    chosen = os.environ.get("KF_TENSOR_TRANSPORT", "")
+    chosen = current().tensor_transport
     if chosen in ("ipc", "bytes", "seed"):
         return chosen == "seed"
     return device.startswith("cuda") and handle.sandbox == box.MODE_BWRAP
@@ -163,8 +163,7 @@ def _own_inputs(handle: RunnerHandle, device: str) -> bool:
 
 def _reference_cache_bytes() -> int:
     """``$KF_REFERENCE_CACHE_MB`` in bytes, or -1: the runner's default for its device."""
-    env = os.environ.get("KF_REFERENCE_CACHE_MB")
-    return int(float(env) * (1 << 20)) if env else -1
+    return current().reference_cache_bytes
 
 
 def _build_niceness() -> int:
@@ -173,7 +172,7 @@ def _build_niceness() -> int:
     Builds keep every core busy on a GPU worker while verification and timing of
     earlier candidates, which the GPU waits on, need the host too: those come first.
     """
-    return max(0, int(os.environ.get("KF_BUILD_NICE", "10")))
+    return current().build_nice
 
 
 def _after_candidate_failure(ref: RunnerHandle, exc: _CandidateFailed, device: str) -> None:

@@ -22,6 +22,7 @@ from kf.evaluation.runner_candidate import CandidateRole, _remote_build, _remote
 from kf.evaluation.runner_common import _describe, _Failure, _tb
 from kf.evaluation.runner_guard import _Integrity, _OpRecorder, _Watch
 from kf.evaluation.runner_reference import ReferenceRole
+from kf.settings import current
 
 __all__ = ["Runner", "main"]
 
@@ -103,7 +104,8 @@ def main(argv: list[str]) -> int:
     receive_message = functools.partial(
         shared_memory.receive_message, recv, fd_sock, conn.poll, decode, 60.0
     )
-    if os.environ.get("KF_BUILD_SERVICE") == "1":  # in the box: the grader builds
+    settings = current()  # this runner's, from the environment its pool gave it
+    if settings.build_service:  # in the box: the grader builds
         import kf.native
 
         kf.native.remote_builder = functools.partial(_remote_build, send, recv, encode, decode)
@@ -113,8 +115,8 @@ def main(argv: list[str]) -> int:
             _remote_inline_build, send, recv, encode, decode
         )
     runner = Runner(clock_ns, watch)
-    if os.environ.get("KF_RUNNER_WARM"):
-        _warm(runner.torch, os.environ["KF_RUNNER_WARM"])
+    if settings.runner_warm:
+        _warm(runner.torch, settings.runner_warm)
     send(encode(protocol.Ready(pid=os.getpid(), torch=str(runner.torch.__version__))))
     guard: _Integrity | None = None
     while True:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import sys
 import threading
 import time
@@ -36,6 +35,7 @@ from kf.evaluation.runner_handle import (
     RunnerTimeout,
 )
 from kf.evaluation.spawn import Limits, default_threads, network_namespace_available
+from kf.settings import current
 
 __all__ = [
     "REQUESTS",
@@ -48,10 +48,10 @@ __all__ = [
     "RunnerPool",
     "RunnerStartError",
     "RunnerTimeout",
+    "configure_default_pool",
     "default_pool",
     "default_threads",
     "network_namespace_available",
-    "reconfigure_default_pool",
 ]
 
 log = structlog.get_logger("kf.evaluation.sandbox")
@@ -230,13 +230,22 @@ _default: RunnerPool | None = None
 _default_lock = threading.Lock()
 
 
+#: what the process's worker asked of its pool (:func:`configure_default_pool`)
+_configured: tuple[int, str | None] | None = None
+
+
 def _pool_settings() -> tuple[int, str | None]:
-    return int(os.environ.get("KF_EVAL_POOL", "2")), os.environ.get("KF_RUNNER_WARM") or None
+    if _configured is not None:
+        return _configured
+    settings = current()
+    size = settings.eval_pool
+    return (2 if size is None else size), settings.runner_warm
 
 
 def default_pool() -> RunnerPool:
     """The process-wide pool (size ``$KF_EVAL_POOL``, default 2, runners warmed for
-    ``$KF_RUNNER_WARM``), closed at exit."""
+    ``$KF_RUNNER_WARM``, unless :func:`configure_default_pool` said otherwise), closed
+    at exit."""
     global _default
     with _default_lock:
         if _default is None or _default._closed:
@@ -246,12 +255,16 @@ def default_pool() -> RunnerPool:
         return _default
 
 
-def reconfigure_default_pool() -> None:
-    """Apply ``$KF_EVAL_POOL`` and ``$KF_RUNNER_WARM`` to the process-wide pool if it
-    exists already (a task check made it before a worker set them); see
-    :meth:`RunnerPool.configure`."""
+def configure_default_pool(*, size: int | None = None, warm: str | None) -> None:
+    """Give the process-wide pool ``size`` idle runners (None: ``$KF_EVAL_POOL``, 2)
+    warmed for ``warm`` (a worker's choice for its device): now if the pool exists
+    already (a task check made it before the worker started; see
+    :meth:`RunnerPool.configure`), else when it is made."""
+    global _configured
+    if size is None:
+        size = _pool_settings()[0]
     with _default_lock:
+        _configured = (size, warm)
         pool = _default if _default is not None and not _default._closed else None
     if pool is not None:
-        size, warm = _pool_settings()
         pool.configure(size=size, warm=warm)

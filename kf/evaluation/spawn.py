@@ -20,11 +20,12 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 from kf.evaluation import box
+from kf.settings import applied, current
 
 __all__ = ["Limits", "Started", "default_threads", "network_namespace_available", "start"]
 
@@ -36,7 +37,7 @@ def network_namespace_available() -> bool:
     global _netns
     if _netns is None:
         unshare = shutil.which("unshare")
-        if os.environ.get("KF_EVAL_NETNS", "1") == "0" or unshare is None:
+        if not current().eval_netns or unshare is None:
             _netns = False
         else:
             try:
@@ -51,9 +52,9 @@ def network_namespace_available() -> bool:
 
 def default_threads() -> int:
     """Threads for torch and OpenMP in every runner: ``$KF_EVAL_THREADS`` or the usable cores."""
-    env = os.environ.get("KF_EVAL_THREADS")
-    if env:
-        return max(1, int(env))
+    threads = current().eval_threads
+    if threads is not None:
+        return threads
     return max(1, len(os.sched_getaffinity(0)))
 
 
@@ -61,10 +62,11 @@ def default_threads() -> int:
 class Limits:
     """Resource limits applied to a runner for its job (0 means no limit)."""
 
-    memory_bytes: int = int(os.environ.get("KF_EVAL_MEMORY_MB", "8192")) * 2**20
+    #: ``$KF_EVAL_MEMORY_MB`` (8192), where an address-space limit applies
+    memory_bytes: int = field(default_factory=lambda: current().eval_memory_mb * 2**20)
     cpu_s: int = 0  # derived from the stage's timeout when 0
     #: per file, the runner's own output log included (``$KF_EVAL_FILE_MB``, 256)
-    file_bytes: int = int(os.environ.get("KF_EVAL_FILE_MB", "256")) * 2**20
+    file_bytes: int = field(default_factory=lambda: current().eval_file_mb * 2**20)
 
 
 class Started(NamedTuple):
@@ -94,7 +96,9 @@ def start(
     scratch = Path(tempfile.mkdtemp(prefix="kf-runner-"))
     log_path = scratch / "runner.log"
     parent_sock, child_sock = socket.socketpair()
-    env = dict(os.environ)
+    # the environment with this process's settings (kf.settings.apply: a command's
+    # flags), which the runner reads as its own
+    env = {**os.environ, **applied()}
     env.update(
         TMPDIR=str(scratch),
         # build tools the runner starts add their verdicts to its log (kf.cuda.objcache)

@@ -10,7 +10,6 @@ local servers (vLLM, Ollama, llama.cpp) usually need none, and then a placeholde
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 import openai
 
 from kf.llm.budget import Pricing
+from kf.settings import Settings, current
 
 __all__ = ["CallOutcome", "ClientSettings", "LlmClient", "api_key_from_env"]
 
@@ -27,8 +27,7 @@ _RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 
 def api_key_from_env(env: dict[str, str] | None = None) -> str | None:
     """``KF_LLM_API_KEY``, else ``OPENAI_API_KEY``, else None."""
-    env = dict(os.environ) if env is None else env
-    return env.get("KF_LLM_API_KEY") or env.get("OPENAI_API_KEY") or None
+    return (current() if env is None else Settings.from_env(env)).llm_api_key
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,76 @@
+"""The agents a worker hosts next to each device it serves, by device kind.
+
+Every device gets its hardware agent (:mod:`hardware_agents`: it only describes the
+device), a compiler, a verifier, a profiler and a tuner. A GPU gets the CUDA variants of
+the first two and a counter collector besides: :class:`CudaCompiler` builds on the host's
+cores, not on the GPU, so compiles neither wait for nor block the device gate that keeps
+timing alone on the GPU (:mod:`kf.device_gate`), and several run at once;
+:class:`CudaVerifier` verifies two candidates at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from agents.compiler import Compiler
+from agents.counters import CounterCollector
+from agents.profiler import Profiler
+from agents.tuner import Tuner
+from agents.verifier import Verifier
+from hardware_agents.cpu_agent import CpuHardwareAgent
+from hardware_agents.cuda_agent import CudaHardwareAgent
+from kf.agent import Agent
+from kf.devices import runner_pool
+from kf.evaluation import CompileReport, compile_candidate
+from kf.settings import Settings, current
+from kf.tasks import Task
+
+__all__ = ["CudaCompiler", "CudaVerifier", "compile_concurrency", "device_agents"]
+
+
+def compile_concurrency(settings: Settings | None = None) -> int:
+    """Compiles at once on a CUDA worker: ``$KF_CUDA_COMPILE_JOBS``, else all cores but one.
+
+    A ``load_inline`` build is one nvcc process for the candidate's ``.cu`` (the shared
+    ``main.cpp`` comes from kf's object cache after the first build) and NVRTC builds
+    are single-threaded, so one build per core keeps the host's cores busy; one core is
+    left for the grader, the agents and the runner on the GPU.
+    """
+    jobs = (settings or current()).cuda_compile_jobs
+    if jobs is not None:
+        return jobs
+    return max(2, len(os.sched_getaffinity(0)) - 1)
+
+
+class CudaCompiler(Compiler):
+    """Builds candidates for a GPU on the host's cores, many at once, beside the timing."""
+
+    concurrency = compile_concurrency()
+
+    async def build(self, task: Task, source: str) -> CompileReport:
+        """Compile without the device gate: the GPU is not what a build uses."""
+        return await asyncio.to_thread(
+            compile_candidate,
+            task,
+            source,
+            device=self.device,
+            timeout_s=self.build_timeout_s,
+            pool=runner_pool(self.device),
+        )
+
+
+class CudaVerifier(Verifier):
+    """Two verifications at once on a GPU: each is mostly host work (runners, set-up,
+    comparisons launched from Python), verification only shares the device, and the
+    GPU otherwise waits on one candidate's host side at a time."""
+
+    concurrency = 2
+
+
+def device_agents(device: str) -> list[type[Agent[Any]]]:
+    """The agent types a worker hosts next to ``device`` (``cpu`` or ``cuda:N``)."""
+    if device.startswith("cuda"):
+        return [CudaHardwareAgent, CudaCompiler, CudaVerifier, Profiler, CounterCollector, Tuner]
+    return [CpuHardwareAgent, Compiler, Verifier, Profiler, Tuner]
