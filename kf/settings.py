@@ -213,6 +213,12 @@ class Settings:
         return self._text("KF_TENSOR_TRANSPORT")
 
     @property
+    def device_inputs(self) -> bool:
+        """``KF_DEVICE_INPUTS``: on a GPU, the task's ``get_inputs()`` makes its tensors
+        on the device (default on; ``0`` makes them on the host, as KernelBench does)."""
+        return self._text("KF_DEVICE_INPUTS").strip().lower() not in OFF
+
+    @property
     def shm_min_bytes(self) -> int | None:
         """``KF_SHM_MIN_BYTES``: from how many bytes a payload goes as a memory file (1 MiB)."""
         raw = self._text("KF_SHM_MIN_BYTES")

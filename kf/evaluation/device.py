@@ -67,6 +67,8 @@ class Backend:
 
     def __init__(self, clock_ns: Callable[[], int]) -> None:
         self.clock_ns = clock_ns
+        #: the torch device tensors are made on and moved to
+        self.device: Any = "cpu"
 
     def synchronize(self) -> None:
         """Wait for queued work to finish (nothing is queued on a CPU)."""

@@ -115,6 +115,9 @@ def _setup_request(
         ipc=device.startswith("cuda") and _ipc_transport(handle),
         # else large tensors as sealed memory files (kf.evaluation.shared_memory)
         shm=_shm_min_bytes(),
+        # a GPU runner's trial inputs made on the GPU: at KernelBench's sizes, making
+        # a 6.4 GB input on the host took longer than everything else in a trial
+        device_inputs=device.startswith("cuda") and current().device_inputs,
         # or a candidate runner makes its trial inputs from the seed itself
         own_inputs=not reference and _own_inputs(handle, device),
         # a reused reference keeps the input sets it made (the trial seeds repeat)

@@ -245,6 +245,8 @@ class Setup(Request[SetUp], frozen=True, kw_only=True, tag="setup"):
     tf32: str | None = None
     #: how much lower than grading the runner (a build) runs
     nice: int = 0
+    #: the task's ``get_inputs()`` makes its tensors on the device (a CUDA device only)
+    device_inputs: bool = False
 
 
 class LoadTask(Request[TaskLoaded], frozen=True, kw_only=True, tag="load_task"):

@@ -143,6 +143,8 @@ class RunnerBase:
         # a candidate runner that makes its trial inputs from the seed itself (the grader
         # then moves only outputs: kf.evaluation.grading._own_inputs)
         self.own_inputs = False
+        #: the task's get_inputs() makes its tensors on the (CUDA) device
+        self.device_inputs = False
         # a reused reference runner keeps the inputs and outputs it made, per seed
         self.made: OrderedDict[tuple[int, int, int | None, float | None], _Made] = OrderedDict()
         self.trial_scale: dict[int, float | None] = {}  # hidden distributions (variants.SCALES)
@@ -233,6 +235,7 @@ class RunnerBase:
         self.ipc = msg.ipc and self.backend.name == "cuda"
         self.shm = msg.shm if msg.shm is not None and not self.ipc else None
         self.own_inputs = msg.own_inputs
+        self.device_inputs = msg.device_inputs and self.backend.name == "cuda"
         self.made_budget = self._cache_budget(msg)
         self.torch.set_num_threads(msg.threads)
         if msg.file_bytes and self.shm is not None:
@@ -297,11 +300,31 @@ class RunnerBase:
         return list(init)
 
     def _get_inputs(self, seed: int) -> list[Any]:
+        """The task's ``get_inputs()`` after seeding with ``seed``: on a GPU (with
+        ``device_inputs``) its tensors are made on the device, where making a 6.4 GB
+        input takes milliseconds instead of seconds on the host. The values are the
+        device's random stream's, the same in every runner on that device (the candidate
+        runner that makes its own inputs included), not the host's that KernelBench's
+        harness draws; a task whose ``get_inputs()`` cannot run so is a task error that
+        says how to make inputs on the host."""
         self.torch.manual_seed(seed)
+        on_device = self.device_inputs
         try:
-            raw = self.task_module.get_inputs()
+            if on_device:
+                with self.torch.device(self.backend.device):
+                    raw = self.task_module.get_inputs()
+            else:
+                raw = self.task_module.get_inputs()
         except BaseException as exc:
-            raise _Failure("task_error", f"get_inputs() raised {_describe(exc)}", _tb()) from exc
+            where = (
+                f" with its tensors made on {self.backend.device} ($KF_DEVICE_INPUTS=0 "
+                "makes them on the host)"
+                if on_device
+                else ""
+            )
+            raise _Failure(
+                "task_error", f"get_inputs(){where} raised {_describe(exc)}", _tb()
+            ) from exc
         if not isinstance(raw, list | tuple):
             raise _Failure("task_error", f"get_inputs() returned {type(raw).__name__}, not a list")
         return list(raw)
