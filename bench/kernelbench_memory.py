@@ -91,7 +91,12 @@ def sampled(cmd: list[str], timeout: float, env: dict[str, str]) -> tuple[float,
         )
         out, rc = done.stdout + done.stderr[-3000:], done.returncode
     except subprocess.TimeoutExpired as exc:
-        out, rc = f"timed out after {timeout:.0f} s: {str(exc.stdout or '')[-2000:]}", 124
+        # what kf said before it was stopped (its log, at INFO): where the time went
+        said = [
+            (x.decode("utf-8", "replace") if isinstance(x, bytes) else x or "")
+            for x in (exc.stdout, exc.stderr)
+        ]
+        out, rc = f"timed out after {timeout:.0f} s: {said[0][-1000:]}\n{said[1][-3000:]}", 124
     seconds = time.monotonic() - start
     stop.set()
     t.join()
@@ -104,7 +109,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="per evaluation")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # kf at INFO: a kf eval stopped by --timeout still shows which stage it was in
+    level = os.environ.get("KF_LOG_LEVEL", "INFO")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", KF_LOG_LEVEL=level)
     rows = []
     for task in args.tasks:
         kb_mb, kb_s, kb_out, kb_rc = sampled(
@@ -129,6 +136,8 @@ def main() -> int:
             verdict = f"exit {kf_rc}: {kf_out.strip().splitlines()[-1:]}"
         row = {
             "task": task.stem,
+            # a kf eval that did not finish: the end of what it logged
+            **({"kf_log_tail": kf_out[-3000:]} if kf_rc == 124 else {}),
             "kernelbench_peak_gb": kb_mb / 1024,
             "kernelbench_s": kb_s,
             "kernelbench": kb_out.strip().splitlines()[-1:] if kb_out.strip() else [kb_rc],
