@@ -333,18 +333,33 @@ class RunnerBase:
         self, seed: int, scale: float | None = None, *, check: bool = True
     ) -> tuple[list[Any], list[Any]]:
         """The trial inputs for ``seed`` (scaled by ``scale``, a hidden distribution) made
-        here, as the reference makes them: on the device, and a host copy to check them
-        against after the call."""
+        here, as the reference makes them: on the device, and a pristine copy to check
+        them against after the call — on the device too where it has room for it (at
+        KernelBench's sizes a host copy and the check against it were two 6.4 GB
+        transfers and a host-side comparison a trial), else in host memory."""
         raw = self._get_inputs(seed)
         if scale is not None:
             from kf.evaluation.variants import scale_inputs
 
             raw = scale_inputs(self.torch, raw, scale) or raw
+        inputs = [self.backend.to_device(v) for v in raw]
+        if not check:
+            return inputs, []
         tensor = self.torch.Tensor
-        pristine = (
-            [v.detach().cpu().clone() if isinstance(v, tensor) else v for v in raw] if check else []
-        )
-        return [self.backend.to_device(v) for v in raw], pristine
+        where = self.backend.device if self._room_for(inputs) else "cpu"
+        pristine = [v.detach().to(where, copy=True) if isinstance(v, tensor) else v for v in inputs]
+        return inputs, pristine
+
+    def _room_for(self, values: list[Any]) -> bool:
+        """Whether the device has room for a copy of ``values`` and as much again (the
+        candidate's outputs), with 1 GiB to spare; always on a CPU, whose device is the
+        host."""
+        if self.backend.name != "cuda":
+            return True
+        tensor = self.torch.Tensor
+        need = sum(v.numel() * v.element_size() for v in values if isinstance(v, tensor))
+        free = int(self.torch.cuda.mem_get_info()[0])
+        return free >= 2 * need + (1 << 30)
 
     def _signature(self, values: list[Any]) -> tuple[Any, ...]:
         """What a compiled graph is specialised on: each input's shape, dtype and device
