@@ -233,8 +233,7 @@ class Setup(Request[SetUp], frozen=True, kw_only=True, tag="setup"):
     memory_bytes: int = 0
     cpu_s: int = 0
     file_bytes: int = 0
-    #: tensors as CUDA IPC handles (a CUDA device only)
-    ipc: bool = False
+    ipc: bool = False  #: tensors as CUDA IPC handles (a CUDA device only)
     #: payloads of at least this many bytes of tensors as sealed memory files; None: never
     shm: int | None = None
     #: a candidate runner makes each trial's inputs from its seed itself
@@ -245,8 +244,7 @@ class Setup(Request[SetUp], frozen=True, kw_only=True, tag="setup"):
     tf32: str | None = None
     #: how much lower than grading the runner (a build) runs
     nice: int = 0
-    #: the task's ``get_inputs()`` makes its tensors on the device (a CUDA device only)
-    device_inputs: bool = False
+    device_inputs: bool = False  #: ``get_inputs()`` makes its tensors on the (CUDA) device
 
 
 class LoadTask(Request[TaskLoaded], frozen=True, kw_only=True, tag="load_task"):
