@@ -59,5 +59,10 @@ class Compiler(EvaluatorAgent):
         """Compile in a sandbox, sharing the device with verification (timing waits)."""
         async with await gate_for(self.device).shared():
             pool = runner_pool(self.device)
-            session = GradingSession(task, source, device=self.device, pool=pool)
-            return await asyncio.to_thread(compile_session, session, self.build_timeout_s)
+            # made in the thread: for a GPU, a session imports torch and counts the devices
+            return await asyncio.to_thread(
+                lambda: compile_session(
+                    GradingSession(task, source, device=self.device, pool=pool),
+                    self.build_timeout_s,
+                )
+            )

@@ -13,6 +13,7 @@ without slowing the search by a profiler run per candidate. Without ``ncu`` (or 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 
 from agents.evaluator import EvaluatorAgent, EvaluatorState
@@ -72,7 +73,8 @@ class CounterCollector(EvaluatorAgent):
             return ()
         task, source = found
         async with await gate_for(self.device).exclusive():
-            session = GradingSession(
+            session = functools.partial(
+                GradingSession,
                 task,
                 source,
                 device=self.device,
@@ -80,7 +82,8 @@ class CounterCollector(EvaluatorAgent):
                 pool=runner_pool(self.device),
                 timeout_s=self.timeout_s,
             )
-            report = await asyncio.to_thread(counters_session, session)
+            # made in the thread: for a GPU, a session imports torch and counts the devices
+            report = await asyncio.to_thread(lambda: counters_session(session()))
         return [
             CountersMeasured(
                 candidate_id=ev.candidate_id, task=ev.task, device_id=self.device_id, report=report

@@ -9,6 +9,7 @@ many workers ran it.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 
 from agents.build_pool import consumed
@@ -77,7 +78,8 @@ class Verifier(EvaluatorAgent):
         async def verify() -> VerifyReport:
             async with await gate_for(self.device).shared():
                 await self._audit(state, task)
-                session = GradingSession(
+                session = functools.partial(
+                    GradingSession,
                     task,
                     source,
                     device=self.device,
@@ -87,7 +89,9 @@ class Verifier(EvaluatorAgent):
                     tolerance=state.tolerance,
                 )
                 try:
-                    return await asyncio.to_thread(verify_session, session)
+                    # made in the thread: for a GPU, a session imports torch and counts
+                    # the devices, which must not hold up the event loop
+                    return await asyncio.to_thread(lambda: verify_session(session()))
                 except TaskError as exc:
                     # the reference failed mid-verification: the candidate still gets a
                     # verdict (else it waits forever), one that blames the task
