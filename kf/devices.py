@@ -44,6 +44,8 @@ __all__ = [
     "configure_runner_pools",
     "device_slots",
     "failure",
+    "free_device_memory",
+    "gpu_pool_size",
     "looks_like_device_error",
     "mark_failed",
     "parse_devices",
@@ -51,6 +53,7 @@ __all__ = [
     "probe_health",
     "record_stage",
     "runner_pool",
+    "runners_that_fit",
 ]
 
 DEVICE_HELP = (
@@ -171,6 +174,51 @@ _pools: dict[str, RunnerPool] = {}
 _pools_lock = threading.Lock()
 
 
+def free_device_memory(device: str) -> int | None:
+    """Free bytes of GPU ``device`` (``cuda:N``) as ``nvidia-smi`` reports them, or None
+    where it cannot tell (no ``nvidia-smi``, no answer). The worker process itself makes
+    no CUDA context: its runners do."""
+    import os
+
+    index = device.partition(":")[2] or "0"
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    if any(visible) and int(index) < len(visible):
+        index = visible[int(index)]  # PyTorch's index N is the N-th visible device
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--id={index}", "--query-gpu=memory.free",
+             "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=False,
+        )  # fmt: skip
+        return int(float(out.stdout.split()[0]) * (1 << 20)) if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
+def runners_that_fit(requested: int, free_bytes: int | None, context_bytes: int) -> int:
+    """How many of ``requested`` warm runners a GPU with ``free_bytes`` free gets: their
+    CUDA contexts (``context_bytes`` each) take at most a quarter of its free memory,
+    the rest being the tasks' tensors; at least 2 (a reference and a candidate)."""
+    if free_bytes is None or context_bytes <= 0:
+        return requested
+    return max(2, min(requested, free_bytes // 4 // context_bytes))
+
+
+def gpu_pool_size(device: str, requested: int) -> int:
+    """``requested`` warm runners for GPU ``device``, fewer where they would not fit in
+    its free memory (:func:`runners_that_fit`), said in the log when they do not."""
+    free = free_device_memory(device)
+    size = runners_that_fit(requested, free, current().runner_context_bytes)
+    if size < requested and free is not None:
+        import structlog
+
+        structlog.get_logger("kf.devices").info(
+            "runner_pool_sized", device=device, runners=size, asked=requested,
+            free_gb=round(free / 1e9, 1),
+        )  # fmt: skip
+    return size
+
+
 def configure_runner_pools(devices: Sequence[str], build_slots: int) -> None:
     """Give each GPU of a multi-GPU worker its own pool of runners warmed for it.
 
@@ -184,11 +232,14 @@ def configure_runner_pools(devices: Sequence[str], build_slots: int) -> None:
     gpus = list(dict.fromkeys(d for d in devices if d.startswith("cuda")))
     if len(gpus) < 2:
         return
-    size = current().eval_pool
-    if size is None:
-        size = math.ceil(build_slots / len(gpus)) + 4
+    asked = current().eval_pool
+    sizes = {
+        d: asked if asked is not None else gpu_pool_size(d, math.ceil(build_slots / len(gpus)) + 4)
+        for d in gpus
+    }
     with _pools_lock:
         for d in gpus:
+            size = sizes[d]
             old = _pools.get(d)
             if old is not None and not old._closed:
                 old.configure(size=size, warm=d)

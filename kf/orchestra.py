@@ -86,8 +86,11 @@ def worker_agents(device: str = "cpu", *, devices: int = 1) -> list[type[Agent[A
         size = settings.eval_pool
         # idle runners make their CUDA context and load the op tracer before a stage
         # needs them; `kf run` checked its tasks first, which may have made the pool
+        from kf.devices import gpu_pool_size
+
         configure_default_pool(
-            size=compile_concurrency(settings) + 4 if size is None else size,
+            # as many as fit in the GPU's free memory beside the tasks' tensors
+            size=gpu_pool_size(device, compile_concurrency(settings) + 4) if size is None else size,
             warm=settings.runner_warm or device,
         )
     return device_agents(device)

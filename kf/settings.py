@@ -203,6 +203,12 @@ class Settings:
         return int(raw) if raw else None
 
     @property
+    def runner_context_bytes(self) -> int:
+        """``KF_RUNNER_CONTEXT_MB`` in bytes: the device memory one warm GPU runner holds
+        (its CUDA context; 512), which sizes a GPU's pool from its free memory."""
+        return int(float(self._text("KF_RUNNER_CONTEXT_MB", "512")) * (1 << 20))
+
+    @property
     def runner_warm(self) -> str | None:
         """``KF_RUNNER_WARM``: the device idle runners do their start-up work for."""
         return self._text("KF_RUNNER_WARM") or None

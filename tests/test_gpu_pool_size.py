@@ -1,0 +1,69 @@
+"""A GPU's runner pool sized from its free memory (kf.devices.gpu_pool_size): a GPU
+worker keeps compile jobs + 4 warm runners, each holding a CUDA context; on a small GPU
+that many contexts would take the memory the tasks' tensors need. ``nvidia-smi`` here is
+a real executable on PATH that answers as the driver's would (no GPU on CI)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from kf.devices import free_device_memory, gpu_pool_size, runners_that_fit
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("requested", "free", "expected"),
+    [
+        (19, None, 19),  # cannot tell: as asked
+        (19, 139 * 1024 * MIB, 19),  # an H200: a quarter of its memory holds 69 contexts
+        (19, 24 * 1024 * MIB, 12),  # a 24 GB card: 6 GB for contexts of 512 MiB
+        (19, 1024 * MIB, 2),  # nearly full: still a reference and a candidate
+    ],
+)
+def test_runners_fit_in_a_quarter_of_the_free_memory(
+    requested: int, free: int | None, expected: int
+) -> None:
+    assert runners_that_fit(requested, free, 512 * MIB) == expected
+
+
+def _fake_smi(folder: Path, free_mib: str, rc: int = 0) -> Path:
+    script = folder / "nvidia-smi"
+    script.write_text(f'#!/bin/sh\necho "$@" > "{folder}/args"\necho "{free_mib}"\nexit {rc}\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return folder / "args"
+
+
+def test_free_memory_asks_nvidia_smi_for_the_visible_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = _fake_smi(tmp_path, "20480")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert free_device_memory("cuda:1") == 20480 * MIB
+    assert "--id=5" in args.read_text()  # PyTorch's cuda:1 is the second visible GPU
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    free_device_memory("cuda:1")
+    assert "--id=1" in args.read_text()
+
+
+@pytest.mark.parametrize(("answer", "rc"), [("20480", 9), ("No devices were found", 0)])
+def test_free_memory_is_unknown_when_nvidia_smi_fails(
+    answer: str, rc: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_smi(tmp_path, answer, rc)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert free_device_memory("cuda:0") is None
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert free_device_memory("cuda:0") is None
+
+
+def test_a_small_gpu_gets_a_smaller_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_smi(tmp_path, "4096")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("KF_RUNNER_CONTEXT_MB", "256")
+    assert gpu_pool_size("cuda:0", 19) == 4  # 1 GiB of 4 for contexts of 256 MiB
