@@ -285,3 +285,23 @@ def test_the_reference_runner_has_no_file_limit() -> None:
     ref = _setup_request(_Handle(), "cpu", limits, _Deadline(10), reference=True)  # type: ignore[arg-type]
     cand = _setup_request(_Handle(), "cpu", limits, _Deadline(10))  # type: ignore[arg-type]
     assert ref.file_bytes == 0 and cand.file_bytes == 1 << 20
+
+
+def test_descriptors_received_are_close_on_exec() -> None:
+    """A payload's descriptor, from the file maker or over a runner socket, is not
+    inherited by a program the receiver starts (a build tool)."""
+    maker = file_maker.FileMaker()
+    try:
+        fd = maker.make(4096)
+        assert fd is not None and os.get_inheritable(fd) is False
+        os.close(fd)
+    finally:
+        maker.close()
+    a, b = socket.socketpair()
+    with a, b:
+        payload = shared_memory.pack(torch, [torch.zeros(1024)], min_bytes=0)
+        assert payload is not None
+        shared_memory.send_fds(a, [payload.fd])
+        (got,) = shared_memory.receive_fds(b, 1, lambda _t: True, 5)
+        assert os.get_inheritable(got) is False
+        os.close(got)

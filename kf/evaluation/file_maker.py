@@ -103,18 +103,27 @@ class FileMaker:
         ours.settimeout(30.0)
         self.sock = ours
         self._lock = threading.Lock()
+        self.broken = False
 
     def make(self, nbytes: int) -> int | None:
         """A sealable memory file of exactly ``nbytes``, or None."""
         with self._lock:
+            if self.broken:
+                return None
             try:
                 self.sock.send(struct.pack("<Q", nbytes))
                 data, fds, _, _ = socket.recv_fds(self.sock, 8, 1)
             except OSError:
+                # gone, or late: a reply that comes after this would answer the next
+                # request, so the maker is not asked again
+                self.broken = True
                 return None
         fd = fds[0] if fds else None
         if fd is None:
             return None
+        # close-on-exec, as the runner's own files are: a build tool it starts must not
+        # inherit the payload (socket.recv_fds drops its flags argument: set it here)
+        os.set_inheritable(fd, False)
         info = os.fstat(fd)
         sealable = True
         try:

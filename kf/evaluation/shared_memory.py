@@ -314,6 +314,8 @@ def receive_fds(
     if not poll(timeout_s):
         raise ValueError(f"the {count} descriptors announced did not come")
     data, fds, flags, _ = socket.recv_fds(sock, 1, count)
+    for fd in fds:  # close-on-exec (socket.recv_fds drops a flags argument)
+        os.set_inheritable(fd, False)
     if data != b"\0" or len(fds) != count or flags & socket.MSG_CTRUNC:
         for fd in fds:
             _close_quietly(fd)
