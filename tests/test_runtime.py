@@ -146,13 +146,26 @@ async def test_runtime_nats_restart_midstream_loses_nothing(db_path: Path) -> No
             o.put(pings("b", 300, RUN))
             await asyncio.sleep(2.0)  # the outage itself, not a synchronisation
             server = EmbeddedServer(port=port).start()
-            assert await o.flush(60)
+
+            def where() -> str:  # this test once hung past its 300 s limit, twice
+                log = server.folder / "nats.log" if server.folder else None
+                tail = log.read_text()[-1500:] if log and log.exists() else ""
+                return (
+                    f"committed {arch.stats.committed}, observer folded {observer.folded}, "
+                    f"outbox backlog {o.backlog}, clients connected "
+                    f"{nc.is_connected}/{sub_nc.is_connected}; nats-server log:\n{tail}"
+                )
+
+            assert await o.flush(60), f"the outbox did not flush: {where()}"
             total = arch.log_.head if arch.log_ else 0
             await wait_for(
                 lambda: observer.folded >= total, timeout_s=30, what="observer caught up"
             )
             stop.set()
-            await obs_task
+            try:
+                await asyncio.wait_for(obs_task, 30)
+            except TimeoutError:
+                pytest.fail(f"the observer did not stop within 30 s: {where()}")
             t.cancel()
             assert observer.state.count == 600
     finally:
