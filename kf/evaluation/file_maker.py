@@ -35,16 +35,18 @@ def may_write(nbytes: int) -> bool:
     (``RLIMIT_FSIZE``, which guards a runner's log on the host's disk) counts memory files
     too, and over it only the :class:`FileMaker` can make one; without it, the payload
     goes as bytes."""
-    if _maker is not None:
-        return True
+    return _maker is not None or _within_limit(nbytes)
+
+
+def _within_limit(nbytes: int) -> bool:
+    """Whether this process's own file limit lets it make a file of ``nbytes``."""
     soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     return soft == resource.RLIM_INFINITY or nbytes <= soft
 
 
 def new_file(nbytes: int) -> int | None:
     """A sealable memory file of ``nbytes``, this process's own or the file maker's."""
-    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if soft == resource.RLIM_INFINITY or nbytes <= soft:
+    if _within_limit(nbytes):
         fd = os.memfd_create("kf-payload", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, nbytes)
