@@ -2,6 +2,7 @@
 # One device call's worth of GPU checks, each step under its own time limit, every output
 # in OUT (at most 8 files come back from the device tool, so the steps share a few):
 #   bench/gpu_check.sh OUT tests       # GPU tests, then the boxed LLM end-to-end test
+#   bench/gpu_check.sh OUT gpu|llm     # only the GPU tests, or only the LLM end-to-end test
 #   bench/gpu_check.sh OUT ipc         # the unboxed IPC test alone, with its own limit
 #   bench/gpu_check.sh OUT memory      # bench/kernelbench_memory.py on shared-kb/mem
 #   bench/gpu_check.sh OUT trust       # bench/trust_table.py and bench/transport.py on cuda:0
@@ -28,13 +29,13 @@ backup() {  # backup DB DEST: a consistent copy of a SQLite file in WAL mode
 }
 for what in "$@"; do
   case "$what" in
-    tests)
+    tests|gpu|llm)
       # -v: a step killed by its limit still names the tests that ran; each test 120 s;
       # the IPC comparison has its own step (ipc)
-      step gputests 240 python3 -m pytest -v -p no:cacheprovider --timeout 120 -rfE \
+      [ "$what" != llm ] && step gputests 240 python3 -m pytest -v -p no:cacheprovider --timeout 120 -rfE \
         tests/test_cuda.py tests/test_adversarial_gpu.py tests/test_device_inputs.py \
         --deselect tests/test_cuda.py::test_cuda_verification_over_ipc_matches_bytes_and_still_rejects
-      step llm_gpu 330 python3 -m pytest -v -x -p no:cacheprovider --basetemp=/tmp/bt \
+      [ "$what" != gpu ] && step llm_gpu 330 python3 -m pytest -v -x -p no:cacheprovider --basetemp=/tmp/bt \
         tests/test_llm_gpu.py
       [ -f /tmp/bt/llmgpu0/run.db ] && backup /tmp/bt/llmgpu0/run.db "$out/llm.db"
       ;;
