@@ -71,15 +71,51 @@ def used_mb() -> float:
     return float(out.stdout.strip().splitlines()[0])
 
 
-def sampled(cmd: list[str], timeout: float, env: dict[str, str]) -> tuple[float, float, str, int]:
-    """(peak MB above idle, seconds, stdout, exit code) of one command."""
+def per_process_mb() -> dict[int, float]:
+    """Device memory each process holds now (``--query-compute-apps``), by pid."""
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits",
+         "-i", "0"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    held: dict[int, float] = {}
+    for line in out.stdout.strip().splitlines():
+        try:
+            pid, mb = (part.strip() for part in line.split(","))
+            held[int(pid)] = float(mb)
+        except ValueError:
+            continue
+    return held
+
+
+def _role(pid: int) -> str:
+    """A process's role, from its command line (a kf runner says which it is)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    text = " ".join(a.decode("utf-8", "replace") for a in argv if a)
+    return text[-120:]
+
+
+def sampled(
+    cmd: list[str], timeout: float, env: dict[str, str]
+) -> tuple[float, float, str, int, dict[str, float]]:
+    """(peak MB above idle, seconds, stdout and log, exit code, peak MB per process) of
+    one command; the processes are named by their command lines' ends."""
     idle = used_mb()
     peak = [idle]
+    procs: dict[int, float] = {}
+    roles: dict[int, str] = {}
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.is_set():
             peak[0] = max(peak[0], used_mb())
+            for pid, mb in per_process_mb().items():
+                if mb > procs.get(pid, 0.0):
+                    procs[pid] = mb
+                    roles.setdefault(pid, _role(pid))
             time.sleep(0.1)
 
     t = threading.Thread(target=sample, daemon=True)
@@ -89,7 +125,7 @@ def sampled(cmd: list[str], timeout: float, env: dict[str, str]) -> tuple[float,
         done = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env, check=False
         )
-        out, rc = done.stdout + done.stderr[-3000:], done.returncode
+        out, rc = done.stdout + "\n--- log ---\n" + done.stderr[-4000:], done.returncode
     except subprocess.TimeoutExpired as exc:
         # what kf said before it was stopped (its log, at INFO): where the time went
         said = [
@@ -100,7 +136,8 @@ def sampled(cmd: list[str], timeout: float, env: dict[str, str]) -> tuple[float,
     seconds = time.monotonic() - start
     stop.set()
     t.join()
-    return peak[0] - idle, seconds, out, rc
+    by_process = {f"{pid} {roles.get(pid, '?')}": mb for pid, mb in procs.items()}
+    return peak[0] - idle, seconds, out, rc, by_process
 
 
 def main() -> int:
@@ -114,30 +151,38 @@ def main() -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", KF_LOG_LEVEL=level)
     rows = []
     for task in args.tasks:
-        kb_mb, kb_s, kb_out, kb_rc = sampled(
+        kb_mb, kb_s, kb_out, kb_rc, _ = sampled(
             [sys.executable, "-c", KERNELBENCH_PROTOCOL, str(task)], args.timeout, env
         )
         with tempfile.TemporaryDirectory() as tmp:
             cand = Path(tmp) / "candidate.py"
             cand.write_text(task.read_text() + "\n\nclass ModelNew(Model):\n    pass\n")
-            kf_mb, kf_s, kf_out, kf_rc = sampled(
+            kf_mb, kf_s, kf_out, kf_rc, kf_procs = sampled(
                 [sys.executable, "-m", "kf.cli", "eval", str(task), str(cand), "--device",
                  "cuda:0", "--json"],
                 args.timeout, env,
             )  # fmt: skip
         verdict = "?"
+        stages: dict[str, object] = {}
         try:
-            result = json.loads(kf_out[kf_out.index("{") : kf_out.rindex("}") + 1])
+            report = kf_out.split("\n--- log ---\n")[0]  # the JSON report is kf's stdout
+            result = json.loads(report[report.index("{") : report.rindex("}") + 1])
             verdict = "correct" if result["correct"] else f"failed: {result['failure_kind']}"
             if result.get("speedup"):
                 verdict += f", {result['speedup']:.2f}x vs eager"
             verdict += f" (sandbox {result.get('sandbox', '?')})"
+            stages = {
+                k: (result.get(k) or {}).get("duration_s")
+                for k in ("compile", "audit", "verify", "profile")
+            }
+            stages["verify_phases"] = (result.get("verify") or {}).get("phases")
         except (ValueError, KeyError):
             verdict = f"exit {kf_rc}: {kf_out.strip().splitlines()[-1:]}"
         row = {
             "task": task.stem,
             # a kf eval that did not finish: the end of what it logged
-            **({"kf_log_tail": kf_out[-3000:]} if kf_rc == 124 else {}),
+            "kf_log_tail": kf_out[-3000:],
+            "kf_peak_gb_per_process": {k: round(v / 1024, 2) for k, v in kf_procs.items()},
             "kernelbench_peak_gb": kb_mb / 1024,
             "kernelbench_s": kb_s,
             "kernelbench": kb_out.strip().splitlines()[-1:] if kb_out.strip() else [kb_rc],
@@ -145,6 +190,7 @@ def main() -> int:
             "kf_s": kf_s,
             "ratio": kf_mb / kb_mb if kb_mb > 0 else None,
             "kf": verdict,
+            "kf_stage_s": stages,
         }
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -110,7 +110,7 @@ def test_gate_scales_the_tasks_size_constants() -> None:
         return list(module.get_inputs())  # type: ignore[attr-defined]
 
     for variant, size in ((0, 33), (1, 97)):
-        options = derived_shapes(torch, module, get_inputs, 1, variant)
+        options = list(derived_shapes(torch, module, get_inputs, 1, variant))
         assert [tuple(t.shape) for t in options[0][1]] == [(size, size), (size, size)]
         assert all("first input" not in label for label, _ in options)
     assert module.N == 64  # type: ignore[attr-defined]

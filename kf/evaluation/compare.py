@@ -7,9 +7,9 @@ Tensors are compared on the reference's device (the GPU for a GPU task).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["compare_inputs", "compare_outputs", "tolerance"]
+__all__ = ["Fingerprint", "compare_inputs", "compare_outputs", "fingerprint", "tolerance"]
 
 _HALF = ("float16", "bfloat16")
 
@@ -120,12 +120,74 @@ def compare_outputs(
     return verdict
 
 
+class Fingerprint(NamedTuple):
+    """What :func:`compare_inputs` keeps of a large input instead of a copy: its shape,
+    dtype and checksums of its bytes (:func:`fingerprint`)."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    sums: tuple[int, ...]
+
+
+_ROW = 1 << 18  # words a partial sum covers: |word × weight| < 2**44, so a row's sum < 2**62
+_ROWS = 1 << 6  # rows reduced at once on the device (64 Mi words, 512 MiB of int64 temporaries)
+_MODULI = (8191, 8179)  # position weights (index mod a prime) + 1
+
+
+def fingerprint(torch: Any, tensor: Any) -> Fingerprint:
+    """Checksums of a tensor's bytes, computed where it lives a bounded chunk at a time:
+    the sum of its 32-bit words (bytes where its size is not a multiple of 4) and two
+    sums weighted by position. Exact integer arithmetic: each row's partial sum fits in
+    int64 on the device, the rows are added in Python. Any change to one word changes
+    the first; a reordering changes the others unless the words it swaps lie a multiple
+    of 8191 × 8179 apart. A checksum, not a copy: a candidate that means to mutate its
+    inputs unseen could defeat it, as it could overwrite a copy kept in its own process
+    (docs/threat-model.md)."""
+    t = tensor.detach()
+    flat = (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)
+    if flat.numel() % 4 == 0:
+        try:
+            words = flat.view(torch.int32)
+        except RuntimeError:  # a storage offset that is not a multiple of 4 bytes: a copy
+            words = flat.clone().view(torch.int32)
+    else:
+        words = flat
+    n = words.numel()
+    sums = [0] * (1 + len(_MODULI))
+    step = _ROW * _ROWS
+    for start in range(0, n, step):
+        chunk = words[start : start + step].to(torch.int64)
+        pad = (-chunk.numel()) % _ROW
+        if pad:
+            chunk = torch.nn.functional.pad(chunk, (0, pad))
+        rows = chunk.view(-1, _ROW)
+        index = torch.arange(start, start + rows.numel(), device=chunk.device).view(-1, _ROW)
+        parts = [rows.sum(dim=1)]
+        for m in _MODULI:
+            parts.append((rows * (index % m + 1)).sum(dim=1))
+        for k, part in enumerate(torch.stack(parts).cpu().tolist()):
+            sums[k] += sum(part)
+        del chunk, rows, index, parts
+    return Fingerprint(tuple(t.shape), t.dtype, tuple(sums))
+
+
 def compare_inputs(torch: Any, pristine: list[Any], after: Any) -> str | None:
-    """Why the candidate's inputs changed during its call, or None when they did not."""
+    """Why the candidate's inputs changed during its call, or None when they did not.
+
+    ``pristine`` holds copies of the inputs, or :class:`Fingerprint` s of the large ones."""
     if not isinstance(after, list | tuple) or len(after) != len(pristine):
         return "the candidate's inputs could not be read back"
     for i, (before, now) in enumerate(zip(pristine, after, strict=True)):
-        if isinstance(before, torch.Tensor):
+        if isinstance(before, Fingerprint):
+            same = (
+                isinstance(now, torch.Tensor)
+                and tuple(now.shape) == before.shape
+                and now.dtype == before.dtype
+                and fingerprint(torch, now) == before
+            )
+            if not same:
+                return f"input {i} was modified by the candidate's forward"
+        elif isinstance(before, torch.Tensor):
             same = (
                 isinstance(now, torch.Tensor)
                 and now.shape == before.shape

@@ -10,7 +10,7 @@ import io
 import os
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from kf.evaluation import file_maker, shared_memory
@@ -78,6 +78,10 @@ class _Made(NamedTuple):
     expected: list[Any] = []
     nbytes: int = 0
 
+
+#: Input tensors of at least this many bytes on a GPU are checked for mutation against
+#: checksums rather than a copy (:meth:`RunnerBase._seeded`).
+FINGERPRINT_ABOVE = 1 << 28
 
 #: The longest single bytes object a payload is sent as (see :meth:`Runner.dump`).
 PAYLOAD_PIECE = 1 << 30
@@ -333,10 +337,11 @@ class RunnerBase:
         self, seed: int, scale: float | None = None, *, check: bool = True
     ) -> tuple[list[Any], list[Any]]:
         """The trial inputs for ``seed`` (scaled by ``scale``, a hidden distribution) made
-        here, as the reference makes them: on the device, and a pristine copy to check
-        them against after the call — on the device too where it has room for it (at
-        KernelBench's sizes a host copy and the check against it were two 6.4 GB
-        transfers and a host-side comparison a trial), else in host memory."""
+        here, as the reference makes them, and what to check them against after the call:
+        a pristine copy beside them, or on a GPU, for a tensor of at least
+        :data:`FINGERPRINT_ABOVE` bytes, its checksums (:func:`kf.evaluation.compare.
+        fingerprint`): at KernelBench's sizes a copy is 6.4 GB more device memory, or two
+        6.4 GB transfers and a host-side comparison a trial when kept on the host."""
         raw = self._get_inputs(seed)
         if scale is not None:
             from kf.evaluation.variants import scale_inputs
@@ -345,21 +350,20 @@ class RunnerBase:
         inputs = [self.backend.to_device(v) for v in raw]
         if not check:
             return inputs, []
-        tensor = self.torch.Tensor
-        where = self.backend.device if self._room_for(inputs) else "cpu"
-        pristine = [v.detach().to(where, copy=True) if isinstance(v, tensor) else v for v in inputs]
-        return inputs, pristine
+        from kf.evaluation.compare import fingerprint
 
-    def _room_for(self, values: list[Any]) -> bool:
-        """Whether the device has room for a copy of ``values`` and as much again (the
-        candidate's outputs), with 1 GiB to spare; always on a CPU, whose device is the
-        host."""
-        if self.backend.name != "cuda":
-            return True
         tensor = self.torch.Tensor
-        need = sum(v.numel() * v.element_size() for v in values if isinstance(v, tensor))
-        free = int(self.torch.cuda.mem_get_info()[0])
-        return free >= 2 * need + (1 << 30)
+        pristine = [
+            (
+                fingerprint(self.torch, v)
+                if self.backend.name == "cuda" and v.numel() * v.element_size() >= FINGERPRINT_ABOVE
+                else v.detach().clone()
+            )
+            if isinstance(v, tensor)
+            else v
+            for v in inputs
+        ]
+        return inputs, pristine
 
     def _signature(self, values: list[Any]) -> tuple[Any, ...]:
         """What a compiled graph is specialised on: each input's shape, dtype and device
@@ -399,10 +403,13 @@ class RunnerBase:
         """One timed call on each of several fresh input sets (a cache would miss here)."""
         torch = self.torch
         model, backend = self.model, self.backend
+        # one set made (or loaded) at a time, the last one let go first: at KernelBench's
+        # sizes each set is gigabytes of device memory
+        sets: Iterator[list[Any]]
         if msg.seeds is not None and self.own_inputs:
-            sets = [self._seeded(s, check=False)[0] for s in msg.seeds]
+            sets = (self._seeded(s, check=False)[0] for s in msg.seeds)
         else:
-            sets = [[backend.to_device(v) for v in self.load(data)] for data in msg.inputs or []]
+            sets = ([backend.to_device(v) for v in self.load(d)] for d in msg.inputs or [])
         samples: list[int] = []
         repeated: list[int] = []  # with "paired": the last inputs, timed the same way after each
         try:
@@ -417,6 +424,9 @@ class RunnerBase:
                                 float(v.sum())
                         backend.flush_cache()
                         into.append(backend.time_call_ns(functools.partial(model, *which)))
+                    del inputs, which
+        except _Failure:  # making a set (the task's get_inputs): not the candidate's doing
+            raise
         except BaseException as exc:
             raise _Failure(
                 "exception", f"forward raised {_describe(exc)} on fresh inputs", _tb()

@@ -6,6 +6,7 @@ under ``torch.compile``. No candidate code ever runs in a reference runner.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -46,7 +47,7 @@ class ReferenceRole(RunnerBase):
         self.model = self.backend.to_device(model)
         return p.TaskLoaded(init=self.dump(init))
 
-    def _variant_candidates(self, seed: int, variant: int) -> list[tuple[str, list[Any]]]:
+    def _variant_candidates(self, seed: int, variant: int) -> Iterable[tuple[str, list[Any]]]:
         """Input sets for generalisation variant ``variant``, most preferred first.
 
         The task's own ``get_extra_inputs()`` when it defines one; otherwise shapes the
@@ -86,6 +87,7 @@ class ReferenceRole(RunnerBase):
         made = self.made.get(key)
         reused = made is not None
         if made is None:
+            self._make_room()
             made = self._make_inputs(seed, variant, scale)
             self._remember(key, made)
         else:
@@ -109,6 +111,22 @@ class ReferenceRole(RunnerBase):
             return reply
         return msgspec.structs.replace(reply, inputs=self._dump_inputs(made.pristine))
 
+    def _make_room(self) -> None:
+        """Before a new input set is made: let go of the last timed inputs (replaced
+        after it anyway) and of the oldest trials while those kept and one more of the
+        last one's size would exceed the budget. At KernelBench's sizes one trial's
+        inputs and outputs are 12.8 GB; a trial dropped here is made again if a check
+        asks for it (its inputs and outputs are a pure function of the seed)."""
+        self.inputs = []
+        if not self.trials:
+            return
+        budget = max(self.made_budget, 1 << 30)
+        sizes = [self._nbytes(t) for t in self.trials.values()]
+        last = sizes[-1]
+        while self.trials and sum(sizes) + last > budget:
+            del self.trials[next(iter(self.trials))]
+            sizes.pop(0)
+
     def _nbytes(self, trial: tuple[list[Any], list[Any]]) -> int:
         torch = self.torch
         return sum(
@@ -130,45 +148,41 @@ class ReferenceRole(RunnerBase):
         seed: int,
         variant: int | None,
         scale: float | None = None,
-        options: list[tuple[str, list[Any]]] | None = None,
+        options: Iterable[tuple[str, list[Any]]] | None = None,
     ) -> _Made:
         torch = self.torch
         if scale is not None:  # a hidden input distribution (kf.evaluation.variants)
             return self._scaled_inputs(seed, scale)
-        if options is not None:
-            pass
-        elif variant is None:
-            options = [("", self._get_inputs(seed))]
-        else:
-            options = self._variant_candidates(seed, variant)
-        out: Any = None
-        raw: list[Any] = []
-        how = ""
-        for label, option in options:
-            how, raw = label, option
+        if options is None:
             if variant is None:
-                out = True  # the one option: the timed call below says whether it works
-                break
+                options = [("", self._get_inputs(seed))]
+            else:
+                options = self._variant_candidates(seed, variant)
+        # Each option in turn (one at a time: at KernelBench's sizes a set is several GB):
+        # the inputs as made, kept; the reference's forward gets a copy it may write to (one
+        # copy, not two). A variant the reference rejects is not used: the next one is tried.
+        # Nothing is kept of an option the reference rejects before the next is made.
+        how = ""
+        for label, raw in options:
+            how = label
+            inputs = pristine = [self.backend.to_device(v) for v in raw]
+            del raw
+            given = self.clone(pristine)
+            start = self.clock_ns()
             try:
                 with torch.no_grad():
-                    out = self.model(*self.clone([self.backend.to_device(v) for v in raw]))
-                break
-            except BaseException:
-                out = None
-        out = out is not None
-        if variant is not None and not out:
+                    out = self.model(*given)
+                self.backend.synchronize()
+            except BaseException as exc:
+                if variant is None:
+                    raise _Failure(
+                        "task_error", f"Model.forward raised {_describe(exc)}", _tb()
+                    ) from exc
+                del given, inputs, pristine
+                continue
+            break
+        else:
             return _Made(p.InputsMade(missing="the task has no other input shapes kf could derive"))
-        # the inputs as made, kept; the reference's forward gets a copy it may write to (one
-        # copy, not two: at KernelBench's sizes each is a 6.4 GB tensor on the device)
-        inputs = pristine = [self.backend.to_device(v) for v in raw]
-        given = self.clone(pristine)
-        start = self.clock_ns()
-        try:
-            with torch.no_grad():
-                out = self.model(*given)
-        except BaseException as exc:
-            raise _Failure("task_error", f"Model.forward raised {_describe(exc)}", _tb()) from exc
-        self.backend.synchronize()
         eager_ms = (self.clock_ns() - start) / 1e6
         outs = _flatten(torch, out, "Model.forward", "task_error")
         del out

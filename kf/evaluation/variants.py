@@ -25,7 +25,7 @@ input tensor multiplied by the factor, integer inputs (indices, sizes) left alon
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["SCALES", "derived_shapes", "scale_inputs", "size_constants"]
@@ -77,18 +77,22 @@ def derived_shapes(
     get_inputs: Callable[[int], list[Any]],
     seed: int,
     variant: int,
-) -> list[tuple[str, list[Any]]]:
+) -> Iterator[tuple[str, list[Any]]]:
     """Input sets for generalisation variant ``variant`` (0 or 1), most preferred first,
-    without ``get_extra_inputs()`` (the runner reads that itself); [] when there is none.
+    without ``get_extra_inputs()`` (the runner reads that itself); none when there is none.
 
-    ``get_inputs(seed)`` seeds torch and calls the task's ``get_inputs()``.
+    ``get_inputs(seed)`` seeds torch and calls the task's ``get_inputs()``. The sets are
+    made one at a time, as they are asked for: at KernelBench's sizes each is several GB
+    of device memory, and the runner uses the first its reference accepts.
     """
     if variant > 1:
-        return []
+        return
     base = get_inputs(seed)
     names = size_constants(torch, module, base)
+    base_shapes = _shapes(torch, base)
+    found = False
     if names:
-        options: list[tuple[str, list[Any]]] = []
+        del base  # the sets below are made afresh; at these sizes the base is gigabytes
         groups = [names] + ([[n] for n in names] if len(names) > 1 else [])
         if variant == 1:  # growing every size at once can multiply memory: one at a time
             groups = [[n] for n in names]
@@ -101,27 +105,31 @@ def derived_shapes(
                 made = _with_constants(module, values, lambda: get_inputs(seed))
             except Exception:  # the task cannot make inputs of that size
                 continue
-            if _shapes(torch, made) == _shapes(torch, base):
+            if _shapes(torch, made) == base_shapes:
                 continue  # get_inputs() does not read the constants
             what = ", ".join(f"{n}={getattr(module, n)}→{v}" for n, v in values.items())
-            options.append((f"task size constants {what}", made))
-        if options:
-            return options
+            found = True
+            yield f"task size constants {what}", made
+            del made
+        if found:
+            return
+        base = get_inputs(seed)
     tensors = [i for i, v in enumerate(base) if isinstance(v, torch.Tensor) and v.dim() > 0]
     if not tensors:
-        return []
-    more = get_inputs(seed ^ 0x5EED)
+        return
     lead = int(base[tensors[0]].shape[0])
     size = _rescaled(lead, variant)
     if size == lead:
-        return []
+        return
+    more = get_inputs(seed ^ 0x5EED) if size > lead else None
     out = list(base)
     for i in tensors:
         if int(base[i].shape[0]) != lead:
             continue
-        both = torch.cat([base[i], more[i]]) if size > lead else base[i]
+        both = torch.cat([base[i], more[i]]) if more is not None else base[i]
         out[i] = both[:size].clone()
-    return [("leading dimension", out)]
+    del base, more
+    yield "leading dimension", out
 
 
 def scale_inputs(torch: Any, values: list[Any], factor: float) -> list[Any] | None:
