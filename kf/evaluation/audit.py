@@ -30,6 +30,8 @@ if TYPE_CHECKING:  # the runner imports this module: the grader's side imports l
 
 __all__ = ["TaskAudit", "audit_reference", "audit_session", "audit_task"]
 
+_CHUNK = 1 << 25  # elements compared at once
+
 
 class TaskAudit(msgspec.Struct, frozen=True, kw_only=True):
     """Whether a task's reference outputs depend on its inputs (see the module doc)."""
@@ -68,9 +70,26 @@ def audit_reference(runner: Any, msg: Audit) -> Audited:
                 yield scaled
 
     def zeros_pass(expected: list[Any]) -> bool:
-        return bool(
-            compare_outputs(torch, expected, [torch.zeros_like(o) for o in expected], tol)["ok"]
-        )
+        """Whether all zeros pass against ``expected``: compared a chunk at a time, since
+        a whole tensor of zeros is one more output's worth of device memory."""
+        for o in expected:
+            flat = o.reshape(-1)
+            for start in range(0, max(flat.numel(), 1), _CHUNK):
+                part = flat[start : start + _CHUNK]
+                zero = torch.zeros_like(part)
+                if not compare_outputs(torch, [part], [zero], tol)["ok"]:
+                    return False
+                del zero
+        return True
+
+    def gap(a: Any, b: Any) -> float:
+        """max |a − b|, a chunk at a time (no whole-size temporaries)."""
+        fa, fb = a.reshape(-1), b.reshape(-1)
+        worst = 0.0
+        for start in range(0, fa.numel(), _CHUNK):
+            part = (_num(fa[start : start + _CHUNK]) - _num(fb[start : start + _CHUNK])).abs()
+            worst = max(worst, float(part.max()))
+        return worst
 
     first: list[Any] | None = None
     used = passes = 0
@@ -98,16 +117,15 @@ def audit_reference(runner: Any, msg: Audit) -> Audited:
         constant_all = constant_all and constant
         passes += int(constant)
         if same_shape:
-            gap = max(
-                (
-                    float((_num(a) - _num(b)).abs().max())
-                    for a, b in zip(first, other, strict=True)
-                    if a.numel()
-                ),
+            moved = max(
+                (gap(a, b) for a, b in zip(first, other, strict=True) if a.numel()),
                 default=0.0,
             )
-            spread = max(spread, gap / scale if scale > 0 else (0.0 if gap == 0 else float("inf")))
+            spread = max(
+                spread, moved / scale if scale > 0 else (0.0 if moved == 0 else float("inf"))
+            )
         del other
+        runner._trim_device_cache()  # what a set took goes back to the other runners
     if used < 2:
         return Audited(degenerate=False, input_sets=used, reason="too few input sets")
     degenerate = constant_all or zeros_all

@@ -82,12 +82,15 @@ class CandidateRole(RunnerBase):
         outs = _flatten(torch, out, "ModelNew.forward", "exception")
         ops = [] if recorder is None else [op for op in recorder.ops if op not in _DATA_OPS]
         outputs = self.dump(outs)
+        del out, outs
         if pristine is None:
             inputs_after: Any = self.dump(self.inputs)
             problem = None
         else:  # checked here; this process's word, as inputs_after bytes would be
             inputs_after = None
             problem = compare_inputs(torch, pristine, self.inputs)
+        del pristine
+        self._trim_device_cache()
         return p.Ran(
             torch_ops=ops,
             outputs=outputs,

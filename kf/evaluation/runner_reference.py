@@ -16,7 +16,6 @@ from kf.evaluation.baseline_settings import compile_kwargs, describe_compile
 from kf.evaluation.runner_common import (
     _MAX_COMPILED,
     _TRIALS_KEPT,
-    _TRIM_ABOVE_BYTES,
     RunnerBase,
     _aliases,
     _Compiled,
@@ -256,16 +255,6 @@ class ReferenceRole(RunnerBase):
             return p.Checked(verdict=msgspec.convert(self._check(msg), p.Verdict))
         finally:
             self._trim_device_cache()
-
-    def _trim_device_cache(self) -> None:
-        """Give cached GPU blocks back once they are large: a reference runner's peak at
-        KernelBench's sizes is several 6 GB tensors, and blocks its caching allocator keeps
-        are memory the candidates' processes on the same GPU cannot have."""
-        if self.backend.name != "cuda":
-            return
-        cuda = self.torch.cuda
-        if cuda.memory_reserved() - cuda.memory_allocated() > _TRIM_ABOVE_BYTES:
-            cuda.empty_cache()
 
     def _check(self, msg: p.Check) -> dict[str, Any]:
         from kf.evaluation.compare import compare_inputs, compare_outputs
