@@ -23,8 +23,10 @@ import asyncio
 import contextlib
 import os
 import queue
+import random
 import re
 import shutil
+import socket
 import ssl
 import subprocess
 import sysconfig
@@ -194,6 +196,40 @@ class ServerConfig(Protocol):
         ...
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux's default
+    where it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def quiet_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port on ``host`` outside the ephemeral range (see
+    :meth:`EmbeddedServer.start`): random in 10000 up to the range's start (or above its
+    end when the range starts low), checked by binding it."""
+    low, high = _ephemeral_range()
+    spans = [(10000, low - 1)] if low - 1 > 10000 else []
+    if high < 65000:
+        spans.append((high + 1, 65535))
+    if not spans:  # the whole range is ephemeral: the kernel's choice
+        spans = [(0, 0)]
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    pick = random.SystemRandom()  # not the global generator a seeded run may use
+    for _ in range(50):
+        a, b = pick.choice(spans)
+        port = pick.randint(a, b) if b else 0
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return int(probe.getsockname()[1])
+    raise RuntimeError(f"no free port outside the ephemeral range {low}-{high} on {host}")
+
+
 class EmbeddedServer:
     """A ``nats-server`` child process on a loopback port (random unless given).
 
@@ -256,12 +292,28 @@ class EmbeddedServer:
         return argv
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedServer:
-        """Start the server and wait until it listens; return self."""
+        """Start the server and wait until it listens; return self.
+
+        A random port is chosen outside the kernel's ephemeral range (:func:`quiet_port`):
+        while the server is down between restarts, a client retrying a port inside that
+        range can be given the same port as its own source and connect to itself (TCP
+        self-connect), then wait forever on its own CONNECT; the test of a restart
+        mid-run hung so twice."""
         if self._logdir is None:
             self._logdir = tempfile.mkdtemp(prefix="kf-nats-")
         self._stopping = False
+        chosen = self.port == -1
         try:
-            self._spawn(timeout_s)
+            for attempt in range(5):
+                if chosen:
+                    self.port = quiet_port(self.host)
+                try:
+                    self._spawn(timeout_s)
+                    break
+                except RuntimeError:
+                    if not chosen or attempt == 4:
+                        raise
+                    # taken between the check and the server's bind: another port
         except BaseException:
             self.stop()
             raise

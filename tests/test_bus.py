@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from kf.bus import EmbeddedServer, redact, valid_run_id
@@ -31,3 +33,22 @@ def test_bus_run_ids_are_safe_subject_tokens() -> None:
     assert valid_run_id("demo-1_a") == "demo-1_a"
     with pytest.raises(ValueError, match="must be 1-64 characters"):
         valid_run_id("a.b")
+
+
+def test_bus_random_ports_lie_outside_the_ephemeral_range() -> None:
+    """A client retrying a dead server's port inside the kernel's ephemeral range can be
+    given that port as its own source and connect to itself (TCP self-connect); the
+    embedded server's random port is never in that range, and is free when chosen."""
+    from kf.bus import _ephemeral_range, quiet_port
+
+    low, high = _ephemeral_range()
+    ports = {quiet_port() for _ in range(200)}
+    assert all(not low <= p <= high for p in ports)
+    assert len(ports) > 150  # random, not one port over and over
+    server = EmbeddedServer().start()
+    try:
+        assert not low <= server.port <= high
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as conn:
+            assert conn.recv(4096).startswith(b"INFO ")
+    finally:
+        server.stop()
