@@ -27,6 +27,9 @@ _TRIM_ABOVE_BYTES = 1 << 30  # cached-but-free GPU memory a reference runner giv
 
 _TRIALS_KEPT = 4  # trials (pristine inputs, expected outputs) a reference runner holds
 
+#: the bytes of trials a reference runner may hold whatever its cache budget
+_TRIALS_FLOOR = 1 << 30
+
 
 _MAX_LOG = 20_000
 
@@ -79,8 +82,8 @@ class _Made(NamedTuple):
     nbytes: int = 0
 
 
-#: Input tensors of at least this many bytes on a GPU are checked for mutation against
-#: checksums rather than a copy (:meth:`RunnerBase._seeded`).
+#: Input tensors of at least this many bytes are checked for mutation against checksums
+#: rather than a copy (:meth:`RunnerBase._seeded`).
 FINGERPRINT_ABOVE = 1 << 28
 
 #: The longest single bytes object a payload is sent as (see :meth:`Runner.dump`).
@@ -338,7 +341,7 @@ class RunnerBase:
     ) -> tuple[list[Any], list[Any]]:
         """The trial inputs for ``seed`` (scaled by ``scale``, a hidden distribution) made
         here, as the reference makes them, and what to check them against after the call:
-        a pristine copy beside them, or on a GPU, for a tensor of at least
+        a pristine copy beside them, or, for a tensor of at least
         :data:`FINGERPRINT_ABOVE` bytes, its checksums (:func:`kf.evaluation.compare.
         fingerprint`): at KernelBench's sizes a copy is 6.4 GB more device memory, or two
         6.4 GB transfers and a host-side comparison a trial when kept on the host."""
@@ -356,7 +359,7 @@ class RunnerBase:
         pristine = [
             (
                 fingerprint(self.torch, v)
-                if self.backend.name == "cuda" and v.numel() * v.element_size() >= FINGERPRINT_ABOVE
+                if v.numel() * v.element_size() >= FINGERPRINT_ABOVE
                 else v.detach().clone()
             )
             if isinstance(v, tensor)

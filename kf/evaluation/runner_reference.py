@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from kf.evaluation import protocol as p
+from kf.evaluation import runner_common
 from kf.evaluation.baseline_settings import compile_kwargs, describe_compile
 from kf.evaluation.runner_common import (
     _MAX_COMPILED,
@@ -103,7 +104,8 @@ class ReferenceRole(RunnerBase):
         self.trial_scale[seed] = scale
         while len(self.trials) > 1 and (
             len(self.trials) > _TRIALS_KEPT
-            or sum(map(self._nbytes, self.trials.values())) > max(self.made_budget, 1 << 30)
+            or sum(map(self._nbytes, self.trials.values()))
+            > max(self.made_budget, runner_common._TRIALS_FLOOR)
         ):
             del self.trials[next(iter(self.trials))]
         if not msg.send:  # the candidate runner makes its own (own_inputs)
@@ -119,7 +121,7 @@ class ReferenceRole(RunnerBase):
         self.inputs = []
         if not self.trials:
             return
-        budget = max(self.made_budget, 1 << 30)
+        budget = max(self.made_budget, runner_common._TRIALS_FLOOR)
         sizes = [self._nbytes(t) for t in self.trials.values()]
         last = sizes[-1]
         while self.trials and sum(sizes) + last > budget:

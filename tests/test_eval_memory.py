@@ -1,0 +1,96 @@
+"""What bounds an evaluation's memory at KernelBench's sizes, tested at small sizes with
+the limits made small: a reference runner drops old trials before it makes a new one, the
+generalisation gate's shapes are made one at a time, and a candidate's large inputs are
+checked against checksums instead of a copy (the H200 figures: README, "KernelBench at
+its real size")."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from kf.evaluation import runner_common
+from kf.evaluation.compare import Fingerprint
+from kf.evaluation.protocol import Check, MakeInputs, Run
+from kf.evaluation.variants import derived_shapes
+from tests.runner_cases import FIXTURES, runner_pair
+
+
+def test_reference_lets_old_trials_go_before_making_a_new_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a budget smaller than one trial, the trials held while the next set is made
+    are none (at KernelBench's sizes each held trial is 12.8 GB more at the peak), and a
+    check of a dropped trial still gets the right verdict (it is made again)."""
+    monkeypatch.setattr(runner_common, "_TRIALS_FLOOR", 1)
+    ref, cand = runner_pair((FIXTURES / "honest_cpp.py").read_text(), {}, {"own_inputs": True})
+    ref.made_budget = 1
+    held_while_making: list[int] = []
+    module = ref.task_module
+    original = module.get_inputs
+
+    def spy() -> list[torch.Tensor]:
+        held_while_making.append(len(ref.trials))
+        return original()
+
+    monkeypatch.setattr(module, "get_inputs", spy)
+    for seed in (1, 2, 3):
+        ref.op_make_inputs(MakeInputs(seed=seed, send=False))
+    assert held_while_making == [0, 0, 0]
+    assert list(ref.trials) == [3]
+    ran = cand.op_run(Run(seed=1))
+    assert ref.op_check(Check.of(ran, 1)).verdict.ok  # seed 1 made again for its check
+    assert not ref.op_check(Check.of(ran, 3)).verdict.ok
+
+
+def test_gate_shapes_are_made_one_at_a_time() -> None:
+    """The gate takes the first set the reference accepts: later sets are not made
+    before they are asked for (each is gigabytes at KernelBench's sizes)."""
+    module = types.ModuleType("task_two_sizes")
+    module.B = 8  # type: ignore[attr-defined]
+    module.N = 64  # type: ignore[attr-defined]
+    module.get_inputs = lambda: [torch.randn(module.B, module.N)]  # type: ignore[attr-defined]
+    calls: list[tuple[int, int]] = []
+
+    def get_inputs(seed: int) -> list[torch.Tensor]:
+        torch.manual_seed(seed)
+        calls.append((module.B, module.N))  # type: ignore[attr-defined]
+        return list(module.get_inputs())  # type: ignore[attr-defined]
+
+    sets = derived_shapes(torch, module, get_inputs, 1, 0)
+    label, first = next(sets)
+    assert tuple(first[0].shape) == (5, 33) and "B=8→5" in label and "N=64→33" in label
+    assert calls == [(8, 64), (5, 33)]  # the task's own set (for its sizes), then one
+    rest = list(sets)
+    assert [tuple(s[0].shape) for _, s in rest] == [(5, 64), (8, 33)]
+    assert module.B == 8 and module.N == 64  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("fixture", "problem"), [("honest_cpp", None), ("input_write", "input 0")])
+def test_candidate_checks_large_inputs_against_checksums(
+    monkeypatch: pytest.MonkeyPatch, fixture: str, problem: str | None
+) -> None:
+    """Above the size limit (here 0 bytes) the candidate runner keeps checksums of its
+    inputs, not a copy, and still reports an input its kernel wrote to."""
+    monkeypatch.setattr(runner_common, "FINGERPRINT_ABOVE", 0)
+    kept: list[list[object]] = []
+    ref, cand = runner_pair((FIXTURES / f"{fixture}.py").read_text(), {}, {"own_inputs": True})
+    seeded = cand._seeded
+
+    def spy(seed: int, scale: float | None = None, *, check: bool = True):  # type: ignore[no-untyped-def]
+        inputs, pristine = seeded(seed, scale, check=check)
+        kept.append(pristine)
+        return inputs, pristine
+
+    monkeypatch.setattr(cand, "_seeded", spy)
+    ref.op_make_inputs(MakeInputs(seed=4, send=False))
+    ran = cand.op_run(Run(seed=4))
+    assert kept and all(isinstance(v, Fingerprint) for v in kept[0] if not isinstance(v, int))
+    if problem is None:
+        assert ran.inputs_problem is None
+        assert ref.op_check(Check.of(ran, 4)).verdict.ok
+    else:
+        assert ran.inputs_problem is not None and ran.inputs_problem.startswith(problem)
+        assert not ref.op_check(Check.of(ran, 4)).verdict.ok
