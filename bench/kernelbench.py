@@ -4,6 +4,11 @@ memory and time per task, and KernelBench's scores per level.
 
     python bench/kernelbench.py PATH/level1 --tasks 1,19,23-26 [--device cuda:0] [--out DIR]
     python bench/kernelbench.py PATH/level2 --tasks 1-10 --llm-url URL --model NAME --budget 8
+    python bench/kernelbench.py PATH/level1 --tasks 1-10 --device cuda:0 --wall 500 --resume
+
+``--wall`` stops ``kf run`` after that many seconds (as Ctrl-C does: the log keeps what
+was committed) and reports what the log holds; ``--resume`` continues the run of an
+existing ``--out``, so a table longer than one sitting is made in several.
 
 With ``--llm-url`` it runs ``kf run PATH --tasks … --llm-url …`` on the folder itself.
 Without one there is no model to write kernels, so it checks the harness instead: each
@@ -29,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -149,6 +155,22 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def run_for(cmd: list[str], env: dict[str, str], wall: float | None) -> tuple[int, bool]:
+    """Run ``kf run``; after ``wall`` seconds interrupt it as Ctrl-C would (it commits
+    what it has and exits), killing it if it has not exited 60 s later. (exit code,
+    whether it was stopped)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    try:
+        return proc.wait(timeout=wall), False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.wait(timeout=60), True
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(), True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path, help="a KernelBench level folder (…/level1)")
@@ -162,6 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per candidate stage")
     ap.add_argument("--sample-s", type=float, default=0.5, help="nvidia-smi sampling period")
     ap.add_argument("--unsafe-no-sandbox", action="store_true")
+    ap.add_argument(
+        "--wall", type=float, default=None,
+        help="stop kf run after this many seconds (SIGINT: the log keeps what was "
+        "committed) and report what it has; --resume continues it",
+    )  # fmt: skip
+    ap.add_argument(
+        "--resume", action="store_true",
+        help="continue the run in --out's kernelbench.db (same tasks, budget, seed, device)",
+    )  # fmt: skip
     ap.add_argument("kf_args", nargs="*", help="after --: more `kf run` options")
     args = ap.parse_args(argv)
 
@@ -174,8 +205,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     db = args.out / "kernelbench.db"
-    if db.exists():
-        print(f"bench/kernelbench.py: {db} exists; choose another --out", file=sys.stderr)
+    if db.exists() and not args.resume:
+        print(
+            f"bench/kernelbench.py: {db} exists; choose another --out, or --resume it",
+            file=sys.stderr,
+        )
         return 2
     scratch = Path(tempfile.mkdtemp(prefix="kf-kernelbench-"))
     try:
@@ -204,13 +238,14 @@ def main(argv: list[str] | None = None) -> int:
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         }
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, check=False)
+        returncode, stopped = run_for(cmd, env, args.wall)
         wall = time.time() - t0
         sampler.stop()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if not db.exists():
-        print(f"bench/kernelbench.py: kf run exited {proc.returncode} before a log existed")
+        when = f"was stopped at --wall {args.wall:g} s" if stopped else f"exited {returncode}"
+        print(f"bench/kernelbench.py: kf run {when} before a log existed")
         return 1
     report = build_report(db)
     with EventLog(db, readonly=True) as elog:
@@ -233,7 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"\n{mode}; device {args.device}; budget {budget} per task; torch.compile mode "
-        f"{kb['compile_mode']}; kf run exited {proc.returncode} after {wall:.1f} s"
+        f"{kb['compile_mode']}; kf run exited {returncode} after {wall:.1f} s"
+        + (
+            f" (stopped at --wall {args.wall:g} s: the tasks it had not finished are "
+            "partial; --resume continues the run)"
+            if stopped
+            else ""
+        )
     )
     if args.device.startswith("cuda"):
         print(
@@ -259,14 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "kernelbench.csv").write_text(rows_to_csv(kb["rows"]))
     (args.out / "kernelbench.json").write_text(
         json.dumps(
-            {"command": cmd, "exit": proc.returncode, "wall_s": wall, "rows": kb["rows"],
+            {"command": cmd, "exit": returncode, "stopped_at_wall": stopped, "wall_s": wall,
+             "resumed": args.resume, "rows": kb["rows"],
              "levels": kb["levels"], "memory_samples": sampler.samples,
              "memory_error": sampler.error, "report": report},
             indent=1, default=str,
         )
     )  # fmt: skip
     print(f"wrote {args.out}/kernelbench.{{db,json,csv}}", file=sys.stderr)
-    return 0 if proc.returncode == 0 else 1
+    return 0 if returncode == 0 or stopped else 1
 
 
 if __name__ == "__main__":

@@ -273,6 +273,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (TaskError, DeviceError) as exc:
         print(f"kf run: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("kf run: interrupted while checking the tasks; no run was started", file=sys.stderr)
+        return 130
     opts = RunOptions(
         budget=args.budget,
         seed=args.seed,

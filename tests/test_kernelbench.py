@@ -327,6 +327,45 @@ def test_bench_checks_the_harness_on_a_folder(tmp_path: Path) -> None:
     assert len(proposed) == 1 and "class ModelNew(Model):" in proposed[0].source  # type: ignore[attr-defined]
 
 
+def test_bench_stops_at_its_wall_limit_and_resumes(tmp_path: Path) -> None:
+    """bench/kernelbench.py --wall stops kf run as Ctrl-C does and reports what the log
+    holds; a second call without --resume refuses the existing log; with it the same run
+    continues to the end: each task's one candidate proposed once, the log replays."""
+    import os
+    import subprocess
+    import sys
+
+    from kf.events import decode_event
+    from kf.log import EventLog
+    from kf.replay import check, deciding_agent_types
+
+    out = tmp_path / "out"
+    env = dict(os.environ, KF_COMPILE_BASELINE="0", KF_EVAL_THREADS="1", KF_LOG_LEVEL="WARNING")
+
+    def bench(*more: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "bench/kernelbench.py", "tests/fixtures/kernelbench/level1",
+             "--tasks", "19,23", "--out", str(out), *more],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    first = bench("--wall", "12")  # past the task checks (the log exists), not the run's end
+    assert first.returncode == 0, first.stderr[-2000:] + first.stdout[-2000:]
+    assert "stopped at --wall 12 s" in first.stdout
+    assert json.loads((out / "kernelbench.json").read_text())["stopped_at_wall"] is True
+    again = bench()
+    assert again.returncode == 2 and "--resume" in again.stderr
+    done = bench("--resume")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "level1: 2 task(s), compiled 2/2, correct 2/2" in done.stdout
+    with EventLog(out / "kernelbench.db", readonly=True) as elog:
+        events = list(elog.read())
+        assert check(elog, deciding_agent_types(None)).ok
+    assert sum(e.type == "run.started" for e in events) == 1
+    proposed = [decode_event(e) for e in events if e.type == "kernel.candidate_proposed"]
+    assert sorted(p.task for p in proposed) == ["19_ReLU", "23_Softmax"]  # type: ignore[attr-defined]
+
+
 def test_export_states_every_baseline(kb_log: Path, tmp_path: Path) -> None:
     """`kf export` heads the module with the speed-up against eager, torch.compile and the
     better of the two; a task without a compiled time says so."""
