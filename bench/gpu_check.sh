@@ -7,6 +7,7 @@
 #   bench/gpu_check.sh OUT memory      # bench/kernelbench_memory.py on shared-kb/mem
 #   bench/gpu_check.sh OUT trust       # bench/trust_table.py and bench/transport.py on cuda:0
 #   bench/gpu_check.sh OUT kernelbench # kf run on shared-kb/level1 with the scripted LLM
+#   bench/gpu_check.sh OUT kbtable     # bench/kernelbench.py on shared-kb/kb/<level>, resumable
 # Sets up like bench/gpu_llm_session.sh (carry .whl, .bwrap and shared-kb). A run's log
 # is copied with SQLite's backup API: a plain copy of a log in WAL mode can be empty.
 set -uo pipefail
@@ -61,6 +62,19 @@ for what in "$@"; do
         ${KB_ARGS:-}
       [ -f "$out/kb/kernelbench_llm.db" ] && backup "$out/kb/kernelbench_llm.db" "$out/kb.db" \
         && rm -rf "$out/kb/kernelbench_tasks" "$out/kb/kernelbench_llm.db"*
+      ;;
+    kbtable)
+      # bench/kernelbench.py's harness check (each reference as its own candidate, eager and
+      # torch.compile baselines) on KBT_LEVEL (level1) tasks KBT_TASKS (1-10), stopped after
+      # KBT_WALL s (480); a log brought back before (runs/kbt-<level>/kernelbench.db,
+      # carried) is resumed, and the log comes back as OUT/kbt-<level>.db
+      lvl=${KBT_LEVEL:-level1}
+      mkdir -p "$out/kbt"
+      [ -f "runs/kbt-$lvl/kernelbench.db" ] && backup "runs/kbt-$lvl/kernelbench.db" "$out/kbt/kernelbench.db"
+      step "kbt-$lvl" $(( ${KBT_WALL:-480} + 90 )) python3 bench/kernelbench.py "shared-kb/kb/$lvl" \
+        --tasks "${KBT_TASKS:-1-10}" --device cuda:0 --out "$out/kbt" --wall "${KBT_WALL:-480}" --resume
+      [ -f "$out/kbt/kernelbench.db" ] && backup "$out/kbt/kernelbench.db" "$out/kbt-$lvl.db" \
+        && rm -f "$out/kbt/kernelbench.db"*
       ;;
     *) echo "unknown step $what" >&2 ;;
   esac
