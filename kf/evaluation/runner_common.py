@@ -425,9 +425,9 @@ class RunnerBase:
             sets = ([backend.to_device(v) for v in self.load(d)] for d in msg.inputs or [])
         samples: list[int] = []
         repeated: list[int] = []  # with "paired": the last inputs, timed the same way after each
-        try:
-            with torch.no_grad():
-                for inputs in sets:
+        for inputs in sets:  # a set that cannot be made fails as its maker says (task_error)
+            try:
+                with torch.no_grad():
                     for which, into in ((inputs, samples), (self.inputs, repeated)):
                         if into is repeated and not msg.paired:
                             continue
@@ -437,12 +437,10 @@ class RunnerBase:
                                 float(v.sum())
                         backend.flush_cache()
                         into.append(backend.time_call_ns(functools.partial(model, *which)))
-                    del inputs, which
-        except _Failure:  # making a set (the task's get_inputs): not the candidate's doing
-            raise
-        except BaseException as exc:
-            raise _Failure(
-                "exception", f"forward raised {_describe(exc)} on fresh inputs", _tb()
-            ) from exc
+            except BaseException as exc:  # whatever the candidate's call raised, a _Failure too
+                raise _Failure(
+                    "exception", f"forward raised {_describe(exc)} on fresh inputs", _tb()
+                ) from exc
+            del inputs, which
         self._trim_device_cache()
         return p.InputsTimed(samples_ns=samples, repeated_ns=repeated)
