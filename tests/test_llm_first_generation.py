@@ -64,7 +64,12 @@ def test_seedless_run_ends_with_a_verified_llm_kernel(seedless_run: Any) -> None
     proposed = {c.candidate_id: c for c in _events(db, "kernel.candidate_proposed")}
     best = proposed[task["best_candidate_id"]]
     assert best.mutator == f"llm: scripted via {url}"
-    assert {c.operator for c in proposed.values()} <= {"init", "diff", "rewrite"}
+    # kf's tuner may also propose a "tune" variant of an LLM-written template, when it
+    # gets to one before the budget is spent (that depends on timing: CI saw both); every
+    # other candidate came through the LLM path
+    assert {c.operator for c in proposed.values()} <= {"init", "diff", "rewrite", "tune"}
+    written = [c for c in proposed.values() if c.operator != "tune"]
+    assert all(c.mutator.startswith("llm: scripted via ") for c in written)
     verified = {v.candidate_id for v in _events(db, "kernel.candidate_verified")}
     assert best.candidate_id in verified
 
