@@ -30,8 +30,6 @@ if TYPE_CHECKING:  # the runner imports this module: the grader's side imports l
 
 __all__ = ["TaskAudit", "audit_reference", "audit_session", "audit_task"]
 
-_CHUNK = 1 << 25  # elements compared at once
-
 
 class TaskAudit(msgspec.Struct, frozen=True, kw_only=True):
     """Whether a task's reference outputs depend on its inputs (see the module doc)."""
@@ -53,7 +51,7 @@ def _num(t: Any) -> Any:
 def audit_reference(runner: Any, msg: Audit) -> Audited:
     """The reference runner's side (``op_audit``): run ``Model`` on each seed's inputs
     and scaled copies of the first, and judge whether a constant would pass."""
-    from kf.evaluation.compare import compare_outputs
+    from kf.evaluation.compare import _CHUNK, compare_outputs
     from kf.evaluation.variants import scale_inputs
 
     torch = runner.torch

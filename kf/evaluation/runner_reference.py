@@ -104,8 +104,7 @@ class ReferenceRole(RunnerBase):
         self.trial_scale[seed] = scale
         while len(self.trials) > 1 and (
             len(self.trials) > _TRIALS_KEPT
-            or sum(map(self._nbytes, self.trials.values()))
-            > max(self.made_budget, runner_common._TRIALS_FLOOR)
+            or sum(map(self._nbytes, self.trials.values())) > self._trials_budget()
         ):
             del self.trials[next(iter(self.trials))]
         if not msg.send:  # the candidate runner makes its own (own_inputs)
@@ -121,12 +120,16 @@ class ReferenceRole(RunnerBase):
         self.inputs = []
         if not self.trials:
             return
-        budget = max(self.made_budget, runner_common._TRIALS_FLOOR)
+        budget = self._trials_budget()
         sizes = [self._nbytes(t) for t in self.trials.values()]
         last = sizes[-1]
         while self.trials and sum(sizes) + last > budget:
             del self.trials[next(iter(self.trials))]
             sizes.pop(0)
+
+    def _trials_budget(self) -> int:
+        """Bytes of trials this runner may hold: its cache budget, at least the floor."""
+        return max(self.made_budget, runner_common._TRIALS_FLOOR)
 
     def _nbytes(self, trial: tuple[list[Any], list[Any]]) -> int:
         torch = self.torch
