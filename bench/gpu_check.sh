@@ -51,8 +51,8 @@ for what in "$@"; do
         ${MEM_TASKS:-shared-kb/mem/*.py} --timeout "${MEM_TIMEOUT:-300}" --out "$out/memory.json"
       ;;
     trust)
-      step trust 300 python3 bench/trust_table.py --device cuda:0
-      step transport 240 python3 bench/transport.py --device cuda:0 --mb 256 --repeat 1 \
+      step trust "${TRUST_LIMIT:-300}" python3 bench/trust_table.py --device cuda:0 --out "$out/trust.json"
+      [ "${TRUST_TRANSPORT:-1}" = 1 ] && step transport 240 python3 bench/transport.py --device cuda:0 --mb 256 --repeat 1 \
         --out "$out/transport.json"
       ;;
     kernelbench)

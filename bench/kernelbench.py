@@ -193,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         "--resume", action="store_true",
         help="continue the run in --out's kernelbench.db (same tasks, budget, seed, device)",
     )  # fmt: skip
+    ap.add_argument(
+        "--table-only", action="store_true",
+        help="run nothing: make the table again from --out's kernelbench.db, with the "
+        "nvidia-smi samples its kernelbench.json kept (a log brought back from a GPU)",
+    )  # fmt: skip
     ap.add_argument("kf_args", nargs="*", help="after --: more `kf run` options")
     args = ap.parse_args(argv)
 
@@ -205,12 +210,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     db = args.out / "kernelbench.db"
-    if db.exists() and not args.resume:
+    saved_json = args.out / "kernelbench.json"
+    before: dict[str, Any] = json.loads(saved_json.read_text()) if saved_json.exists() else {}
+    if db.exists() and not (args.resume or args.table_only):
         print(
             f"bench/kernelbench.py: {db} exists; choose another --out, or --resume it",
             file=sys.stderr,
         )
         return 2
+    sampler = MemorySampler(args.device, args.sample_s)
+    # a resumed table's earlier sittings were sampled too: their spans are in the log
+    sampler.samples = [(float(t), float(mb)) for t, mb in before.get("memory_samples") or []]
+    if args.table_only:
+        if not db.exists():
+            print(f"bench/kernelbench.py: --table-only: no {db}", file=sys.stderr)
+            return 2
+        cmd, returncode = list(before.get("command") or []), int(before.get("exit") or 0)
+        stopped, wall = bool(before.get("stopped_at_wall")), float(before.get("wall_s") or 0.0)
+        sampler.error = before.get("memory_error")
+        budget = args.budget or (8 if args.llm_url else 1)
+        return _finish(args, db, report_of(db), cmd, returncode, stopped, wall, sampler, budget)
     scratch = Path(tempfile.mkdtemp(prefix="kf-kernelbench-"))
     try:
         if args.llm_url:
@@ -230,7 +249,6 @@ def main(argv: list[str] | None = None) -> int:
             *(["--unsafe-no-sandbox"] if args.unsafe_no_sandbox else []), *args.kf_args,
         ]  # fmt: skip
         print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
-        sampler = MemorySampler(args.device, args.sample_s)
         if args.device.startswith("cuda"):
             sampler.start()
         t0 = time.time()
@@ -247,9 +265,30 @@ def main(argv: list[str] | None = None) -> int:
         when = f"was stopped at --wall {args.wall:g} s" if stopped else f"exited {returncode}"
         print(f"bench/kernelbench.py: kf run {when} before a log existed")
         return 1
+    return _finish(args, db, report_of(db), cmd, returncode, stopped, wall, sampler, budget)
+
+
+def report_of(db: Path) -> dict[str, Any]:
+    """``kf report``'s report of the log, with each task's span of device work."""
     report = build_report(db)
     with EventLog(db, readonly=True) as elog:
-        windows = task_windows(elog.read())
+        report["task_windows"] = task_windows(elog.read())
+    return report
+
+
+def _finish(
+    args: argparse.Namespace,
+    db: Path,
+    report: dict[str, Any],
+    cmd: list[str],
+    returncode: int,
+    stopped: bool,
+    wall: float,
+    sampler: MemorySampler,
+    budget: int,
+) -> int:
+    """Print the table and the levels' scores, write the CSV and JSON."""
+    windows = report.pop("task_windows")
     kb = report["kernelbench"]
     for r in kb["rows"]:
         r["peak_source"] = ""
@@ -269,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{mode}; device {args.device}; budget {budget} per task; torch.compile mode "
         f"{kb['compile_mode']}; kf run exited {returncode} after {wall:.1f} s"
+        + (" (the table made again from the log: --table-only)" if args.table_only else "")
         + (
             f" (stopped at --wall {args.wall:g} s: the tasks it had not finished are "
             "partial; --resume continues the run)"

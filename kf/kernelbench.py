@@ -143,29 +143,43 @@ def level_scores(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def task_windows(envelopes: Iterable[Envelope]) -> dict[str, tuple[float, float]]:
-    """Each task's span of evaluation work (producer clocks): from the earliest stage's
-    start (its event's time less the stage's ``duration_s``) to the last stage's end.
-    Time a candidate spent queued behind other tasks' is outside it."""
+    """Each task's span of device work (producer clocks): from the earliest verification
+    or profile's start (its event's time less the stage's ``duration_s``) to the last one's
+    end. A task's compile is left out: a run builds every task's seeds at once at the
+    start, and a span from the compile would take in the other tasks' verifications and
+    profiles while this one's candidates waited (on the H200 every level-2 task's span then
+    held the same device-wide peak). Compile-only tasks span their compiles."""
     return {t: (w[0], w[1]) for t, w in _scan(envelopes)[0].items()}
 
 
-def _scan(envelopes: Iterable[Envelope]) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """Per task: ``[start, end]`` of its stages (:func:`task_windows`), and the largest
-    ``peak_device_mb`` its stage reports state (reports that carry one)."""
-    window: dict[str, list[float]] = {}
+_DEVICE_STAGES = _STAGES - {"kernel.candidate_compiled"}
+
+
+def _scan(
+    envelopes: Iterable[Envelope],
+) -> tuple[dict[str, list[float]], dict[str, float], dict[str, float]]:
+    """Per task: ``[start, end]`` of its device stages (:func:`task_windows`), the largest
+    ``peak_device_mb`` its stage reports state (reports that carry one), and its seconds
+    of evaluation work: the sum of its stages' ``duration_s`` (compiles, verifications,
+    profiles), time queued behind other tasks left out."""
+    device: dict[str, list[float]] = {}
+    builds: dict[str, list[float]] = {}
     peak: dict[str, float] = {}
+    work: dict[str, float] = {}
     for env in envelopes:
         if env.type in _STAGES:
             ev = decode_event(env)
             task = str(getattr(ev, "task", ""))
             report = getattr(ev, "report", None)
-            began = env.time - float(getattr(report, "duration_s", 0.0) or 0.0)
-            w = window.setdefault(task, [began, env.time])
-            w[0], w[1] = min(w[0], began), max(w[1], env.time)
+            took = max(0.0, float(getattr(report, "duration_s", 0.0) or 0.0))
+            work[task] = work.get(task, 0.0) + took
+            spans = device if env.type in _DEVICE_STAGES else builds
+            w = spans.setdefault(task, [env.time - took, env.time])
+            w[0], w[1] = min(w[0], env.time - took), max(w[1], env.time)
             mb = getattr(report, "peak_device_mb", None)
             if isinstance(mb, int | float) and mb > 0:
                 peak[task] = max(peak.get(task, 0.0), float(mb))
-    return window, peak
+    return {**builds, **device}, peak, work
 
 
 def kernelbench_section(tasks: list[dict[str, Any]], envelopes: list[Envelope]) -> dict[str, Any]:
@@ -175,8 +189,7 @@ def kernelbench_section(tasks: list[dict[str, Any]], envelopes: list[Envelope]) 
     specs = {t.name: t for t in getattr(started, "tasks", ())}
     config: dict[str, Any] = dict(getattr(started, "config", {}) or {})
     compile_mode = str(config.get("compile_mode") or "default")
-    windows, peaks = _scan(envelopes)
-    times = {t: max(0.0, w[1] - w[0]) for t, w in windows.items()}
+    _, peaks, times = _scan(envelopes)
     rows: list[dict[str, Any]] = []
     for t in tasks:
         name = t["task"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,7 @@ def _profile(ref: float, cand: float, compiled: float | None) -> ProfileReport:
     best = min(ref, compiled) if compiled is not None else None
     return ProfileReport(
         ok=True, runtime_ms=cand, runtime_std_ms=0.01, ref_runtime_ms=ref, speedup=ref / cand,
-        compiled_runtime_ms=compiled,
+        compiled_runtime_ms=compiled, duration_s=2.0,
         speedup_vs_compiled=compiled / cand if compiled is not None else None,
         speedup_vs_best=best / cand if best is not None else None,
         compile_baseline_error=None if compiled is not None else "torch.compile failed: boom",
@@ -178,7 +179,7 @@ def _write_log(db: Path) -> None:
             bad = VerifyReport(correct=False, failure_kind="mismatch", error="off by 1", trials=1)
             feed(CandidateRejected(report=bad, **at))
             continue
-        feed(CandidateVerified(report=VerifyReport(correct=True, trials=5), **at))
+        feed(CandidateVerified(report=VerifyReport(correct=True, trials=5, duration_s=3.0), **at))
         feed(CandidateProfiled(report=outcome, **at))
     with EventLog(db) as elog:
         elog.append(envelopes)
@@ -214,8 +215,9 @@ def test_report_rows_and_fast_p_follow_kernelbench(kb_log: Path) -> None:
     assert (mm["speedup"], mm["speedup_vs_compile"], mm["speedup_vs_best"]) == (4.0, 2.0, 2.0)
     assert mm["runtime_stats"] == {"mean": 1.0, "std": 0.01}
     assert mm["candidate_id"] == "c-1_Square_matrix_multiplication_"
-    # from the compile's start (its event less its 5 s) to the profile: 5 + 2 events × 10 s
-    assert mm["time_s"] == pytest.approx(25.0)
+    # the task's work: compile 5 s + verification 3 s + profile 2 s (not the 25 s from the
+    # compile's start to the profile's end, time spent queued included)
+    assert mm["time_s"] == pytest.approx(10.0)
     soft = rows["23_Softmax.py"]
     assert soft["compiled"] is True and soft["correctness"] is False
     assert soft["runtime"] == -1.0 and soft["speedup"] is None  # KernelBench's "no result"
@@ -288,6 +290,34 @@ def test_hand_made_log_replays(kb_log: Path) -> None:
     with EventLog(kb_log, readonly=True) as elog:
         result = check(elog, deciding_agent_types(None))
     assert result.ok, result.difference
+
+
+def test_task_windows_are_device_work_without_the_compile(kb_log: Path) -> None:
+    """The span bench/kernelbench.py reads nvidia-smi's peak over runs from a task's first
+    verification's start to its last stage's end: a run compiles every task's seeds at
+    the start, and a span from there held the other tasks' device work too."""
+    from kf.events import decode_event
+    from kf.kernelbench import task_windows
+    from kf.log import EventLog
+
+    with EventLog(kb_log, readonly=True) as elog:
+        envelopes = list(elog.read())
+    at = {
+        (e.type, str(getattr(decode_event(e), "task", ""))): e.time
+        for e in envelopes
+        if e.type.startswith("kernel.candidate_")
+    }
+    windows = task_windows(envelopes)
+    mm = "1_Square_matrix_multiplication_"
+    start, end = windows[mm]
+    assert start == pytest.approx(at[("kernel.candidate_verified", mm)] - 3.0)
+    assert end == at[("kernel.candidate_profiled", mm)]
+    assert start > at[("kernel.candidate_compiled", mm)]
+    soft = "23_Softmax"  # rejected: its span is the rejection's
+    assert windows[soft][1] == at[("kernel.candidate_rejected", soft)]
+    # one task's device work does not overlap the next one's
+    spans = sorted(windows[t] for t in (mm, "19_ReLU", soft, "24_LogSoftmax", "5_Conv_Add"))
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
 
 
 def test_bench_checks_the_harness_on_a_folder(tmp_path: Path) -> None:
@@ -364,6 +394,17 @@ def test_bench_stops_at_its_wall_limit_and_resumes(tmp_path: Path) -> None:
     assert sum(e.type == "run.started" for e in events) == 1
     proposed = [decode_event(e) for e in events if e.type == "kernel.candidate_proposed"]
     assert sorted(p.task for p in proposed) == ["19_ReLU", "23_Softmax"]  # type: ignore[attr-defined]
+    # the table made again from the log alone, as from a log brought back from a GPU
+    saved = json.loads((out / "kernelbench.json").read_text())
+    (out / "kernelbench.csv").unlink()
+    again = bench("--table-only")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "level1: 2 task(s), compiled 2/2, correct 2/2" in again.stdout
+    assert "--table-only" in again.stdout and (out / "kernelbench.csv").exists()
+    remade = json.loads((out / "kernelbench.json").read_text())
+    assert remade["rows"] == saved["rows"] and remade["command"] == saved["command"]
+    with EventLog(out / "kernelbench.db", readonly=True) as elog:
+        assert len(list(elog.read())) == len(events)  # it ran nothing
 
 
 def test_export_states_every_baseline(kb_log: Path, tmp_path: Path) -> None:
