@@ -19,12 +19,16 @@ kernel. For that the task files are copied, unchanged, into a temporary ``levelN
 (outside the repository, removed afterwards) beside a ``seeds/`` folder holding those
 rewrites.
 
-Tasks run one at a time (``--max-in-flight 1``), so each task's span in the log is its own.
-Peak device memory per task is ``peak_device_mb`` from the task's stage reports when the
-evaluation reports it (``torch.cuda.max_memory_allocated`` in the runners); otherwise, on
-a GPU, the largest device-wide ``memory.used`` that ``nvidia-smi`` showed (sampled every
-``--sample-s``) during the task's span, which includes every runner's CUDA context; on a
-CPU there is none. Writes ``kernelbench.db`` (the log), ``kernelbench.json`` (rows, levels,
+Candidates are evaluated one at a time (``--max-in-flight 1``), though every task's seeds
+are compiled at the start. A task's time is its stages' work (compiles, verifications,
+profiles; queueing left out). Peak device memory per task is ``peak_device_mb`` from the
+task's stage reports when the evaluation reports one (none does yet); otherwise, on a GPU,
+the largest device-wide ``memory.used`` that ``nvidia-smi`` showed (sampled every
+``--sample-s``) during the task's span of device work (``kf.kernelbench.task_windows``):
+that includes every runner's CUDA context and what the run's other runners still hold, so
+it is not the task's own footprint (``bench/kernelbench_memory.py`` measures that). On a
+CPU there is none. ``--table-only`` makes the table again from ``--out``'s log and the
+samples its JSON kept, running nothing. Writes ``kernelbench.db`` (the log), ``kernelbench.json`` (rows, levels,
 memory samples) and ``kernelbench.csv`` (``kf report --csv``) into ``--out``.
 """
 
