@@ -6,6 +6,7 @@ its real size")."""
 
 from __future__ import annotations
 
+import time
 import types
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from kf.evaluation import runner_common
 from kf.evaluation.compare import Fingerprint
 from kf.evaluation.protocol import Check, MakeInputs, Run
+from kf.evaluation.runner import Runner
 from kf.evaluation.variants import derived_shapes
 from tests.runner_cases import FIXTURES, runner_pair
 
@@ -94,3 +96,78 @@ def test_candidate_checks_large_inputs_against_checksums(
     else:
         assert ran.inputs_problem is not None and ran.inputs_problem.startswith(problem)
         assert not ref.op_check(Check.of(ran, 4)).verdict.ok
+
+
+_CALLED_ON = '''
+import torch
+
+CALLS = []
+N = 64
+
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        CALLS.append(x.data_ptr())
+        if WRITES:
+            x.mul_(2)  # the task's own forward writes its input
+            return x + 1
+        return x * 2 + 1
+
+
+def get_inputs():
+    return [torch.randn(N, 8)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def _reference(writes: bool) -> Runner:
+    from kf.evaluation.protocol import LoadTask, Setup
+
+    ref = Runner(time.perf_counter_ns)
+    ref.op_setup(Setup(device="cpu", threads=1))
+    source = f"WRITES = {writes}\n" + _CALLED_ON
+    ref.op_load_task(LoadTask(source=source, name="called_on", seed=3))
+    return ref
+
+
+@pytest.mark.parametrize("large", [True, False])
+def test_reference_forward_gets_large_inputs_themselves_with_checksums(
+    monkeypatch: pytest.MonkeyPatch, large: bool
+) -> None:
+    """An input of FINGERPRINT_ABOVE bytes or more (here: every one) is the kept input
+    itself in the reference's forward, not a copy (a copy is 8.6 GB more for the
+    mat-vec task); a small one is still a copy. Either way the expected outputs are the
+    forward's on the trial's inputs."""
+    if large:
+        monkeypatch.setattr(runner_common, "FINGERPRINT_ABOVE", 0)
+    ref = _reference(writes=False)
+    calls = ref.task_module.CALLS
+    ref.op_make_inputs(MakeInputs(seed=1, send=False))
+    pristine, expected = ref.trials[1]
+    assert (calls == [pristine[0].data_ptr()]) is large
+    assert torch.equal(expected[0], pristine[0] * 2 + 1)
+    assert not ref.forward_on_copies
+
+
+def test_reference_that_writes_a_large_input_is_made_again_with_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reference whose forward writes its (large) input changes its checksums: the set
+    is made again, the forward given a copy, and so for every later set; the kept inputs
+    are the task's as made and the expected outputs are computed from them."""
+    monkeypatch.setattr(runner_common, "FINGERPRINT_ABOVE", 0)
+    ref = _reference(writes=True)
+    module = ref.task_module
+    for seed in (1, 2):
+        ref.op_make_inputs(MakeInputs(seed=seed, send=False))
+        pristine, expected = ref.trials[seed]
+        torch.manual_seed(seed)
+        (made,) = module.get_inputs()
+        assert torch.equal(pristine[0], made)  # not doubled by the forward
+        assert torch.equal(expected[0], made * 2 + 1)
+        assert module.CALLS[-1] != pristine[0].data_ptr()  # the last call was on a copy
+    assert ref.forward_on_copies
+    assert len(module.CALLS) == 3  # seed 1 twice (on the set itself, then a copy), seed 2 once

@@ -59,7 +59,8 @@ class CandidateRole(RunnerBase):
         torch = self.torch
         t0 = self.clock_ns()
         pristine: list[Any] | None = None
-        self.inputs = []  # the last trial's let go before this one's are made (GBs each)
+        self.inputs = []  # the last trial's let go before this one's are made (GBs each),
+        self._trim_device_cache()  # and their blocks given back: the next set may differ in size
         if msg.inputs is None and msg.seed is not None and self.own_inputs:
             self.inputs, pristine = self._seeded(msg.seed, msg.scale)
         elif msg.inputs is None:

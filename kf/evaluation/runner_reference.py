@@ -29,8 +29,16 @@ from kf.evaluation.runner_common import (
 )
 
 
+class _WroteItsInputs(Exception):
+    """The reference's forward changed an input it was called on in place of a copy."""
+
+
 class ReferenceRole(RunnerBase):
     """Request handlers of a reference runner (the task's Model)."""
+
+    #: whether the reference's forward is given copies of its large inputs too: set once
+    #: it is seen to write to one (:meth:`_given`)
+    forward_on_copies = False
 
     def op_load_task(self, msg: p.LoadTask) -> p.TaskLoaded:
         module = self._import_task(msg.source, msg.name)
@@ -88,7 +96,7 @@ class ReferenceRole(RunnerBase):
         reused = made is not None
         if made is None:
             self._make_room()
-            made = self._make_inputs(seed, variant, scale)
+            made = self._make(seed, variant, scale)
             self._remember(key, made)
         else:
             self.made.move_to_end(key)
@@ -118,14 +126,16 @@ class ReferenceRole(RunnerBase):
         inputs and outputs are 12.8 GB; a trial dropped here is made again if a check
         asks for it (its inputs and outputs are a pure function of the seed)."""
         self.inputs = []
-        if not self.trials:
-            return
-        budget = self._trials_budget()
-        sizes = [self._nbytes(t) for t in self.trials.values()]
-        last = sizes[-1]
-        while self.trials and sum(sizes) + last > budget:
-            del self.trials[next(iter(self.trials))]
-            sizes.pop(0)
+        if self.trials:
+            budget = self._trials_budget()
+            sizes = [self._nbytes(t) for t in self.trials.values()]
+            last = sizes[-1]
+            while self.trials and sum(sizes) + last > budget:
+                del self.trials[next(iter(self.trials))]
+                sizes.pop(0)
+        # the blocks of what was let go, given back: a set of another size (a gate
+        # variant) cannot reuse them, and the caching allocator would keep them reserved
+        self._trim_device_cache()
 
     def _trials_budget(self) -> int:
         """Bytes of trials this runner may hold: its cache budget, at least the floor."""
@@ -147,6 +157,44 @@ class ReferenceRole(RunnerBase):
         while sum(m.nbytes for m in self.made.values()) > self.made_budget:
             self.made.popitem(last=False)
 
+    def _make(self, seed: int, variant: int | None, scale: float | None) -> _Made:
+        """:meth:`_make_inputs`, made again with copies when the reference turns out to
+        write to a large input it was called on (the set is a pure function of its
+        seed, variant and scale)."""
+        try:
+            return self._make_inputs(seed, variant, scale)
+        except _WroteItsInputs:
+            self.forward_on_copies = True
+            return self._make_inputs(seed, variant, scale)
+
+    def _given(self, pristine: list[Any]) -> tuple[list[Any], list[Any]]:
+        """What the reference's forward is called on, and what to check after it.
+
+        A copy of each input it may write to, as the candidate's inputs are compared with
+        the kept ones; but an input of :data:`~kf.evaluation.runner_common.FINGERPRINT_ABOVE`
+        bytes or more is the kept one itself, with its checksums to check after the call
+        (:func:`kf.evaluation.compare.fingerprint`): at KernelBench's sizes a copy is as
+        large as the set (8.6 GB for the mat-vec task's matrix), and no candidate runs
+        here to defeat a checksum. A forward that writes one gets copies from then on."""
+        from kf.evaluation.compare import fingerprint
+
+        torch = self.torch
+        if self.forward_on_copies:
+            return self.clone(pristine), []
+        limit = runner_common.FINGERPRINT_ABOVE
+        large = [
+            isinstance(v, torch.Tensor) and v.numel() * v.element_size() >= limit for v in pristine
+        ]
+        if not any(large):
+            return self.clone(pristine), []
+        given = [v if big else self.clone([v])[0] for v, big in zip(pristine, large, strict=True)]
+        sums = [
+            (i, fingerprint(torch, v))
+            for i, (v, big) in enumerate(zip(pristine, large, strict=True))
+            if big
+        ]
+        return given, sums
+
     def _make_inputs(
         self,
         seed: int,
@@ -163,15 +211,16 @@ class ReferenceRole(RunnerBase):
             else:
                 options = self._variant_candidates(seed, variant)
         # Each option in turn (one at a time: at KernelBench's sizes a set is several GB):
-        # the inputs as made, kept; the reference's forward gets a copy it may write to (one
-        # copy, not two). A variant the reference rejects is not used: the next one is tried.
-        # Nothing is kept of an option the reference rejects before the next is made.
+        # the inputs as made, kept; the reference's forward gets a copy of each it may
+        # write to, or a large one itself with checksums (_given). A variant the reference
+        # rejects is not used: the next one is tried. Nothing is kept of an option the
+        # reference rejects before the next is made.
         how = ""
         for label, raw in options:
             how = label
             inputs = pristine = [self.backend.to_device(v) for v in raw]
             del raw
-            given = self.clone(pristine)
+            given, sums = self._given(pristine)
             start = self.clock_ns()
             try:
                 with torch.no_grad():
@@ -188,6 +237,11 @@ class ReferenceRole(RunnerBase):
         else:
             return _Made(p.InputsMade(missing="the task has no other input shapes kf could derive"))
         eager_ms = (self.clock_ns() - start) / 1e6
+        if sums:
+            from kf.evaluation.compare import fingerprint
+
+            if any(fingerprint(torch, pristine[i]) != fp for i, fp in sums):
+                raise _WroteItsInputs
         outs = _flatten(torch, out, "Model.forward", "task_error")
         del out
         # the reference's own outputs; one that shares storage with what it was given (a
@@ -267,7 +321,7 @@ class ReferenceRole(RunnerBase):
         seed = msg.seed
         if seed not in self.trials:
             # evicted to bound memory: the inputs and outputs are a pure function of the seed
-            made = self._make_inputs(seed, self.trial_variant.get(seed), self.trial_scale.get(seed))
+            made = self._make(seed, self.trial_variant.get(seed), self.trial_scale.get(seed))
             self.trials[seed] = (made.pristine or [], made.expected or [])
         pristine, expected = self.trials[seed]
         try:
