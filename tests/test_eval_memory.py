@@ -98,7 +98,7 @@ def test_candidate_checks_large_inputs_against_checksums(
         assert not ref.op_check(Check.of(ran, 4)).verdict.ok
 
 
-_CALLED_ON = '''
+_CALLED_ON = """
 import torch
 
 CALLS = []
@@ -120,7 +120,7 @@ def get_inputs():
 
 def get_init_inputs():
     return []
-'''
+"""
 
 
 def _reference(writes: bool) -> Runner:
@@ -171,3 +171,25 @@ def test_reference_that_writes_a_large_input_is_made_again_with_copies(
         assert module.CALLS[-1] != pristine[0].data_ptr()  # the last call was on a copy
     assert ref.forward_on_copies
     assert len(module.CALLS) == 3  # seed 1 twice (on the set itself, then a copy), seed 2 once
+
+
+@pytest.mark.parametrize(("fixture", "problem"), [("honest_cpp", None), ("input_write", "input 0")])
+def test_candidate_checks_large_sent_inputs_itself(
+    monkeypatch: pytest.MonkeyPatch, fixture: str, problem: str | None
+) -> None:
+    """Large inputs sent to the candidate (a gate variant's: the reference makes those)
+    are checked in the candidate runner against checksums, as those it makes itself are,
+    instead of coming back whole for the reference to compare; an input its kernel wrote
+    to is still reported, and the verdict is the same."""
+    monkeypatch.setattr(runner_common, "FINGERPRINT_ABOVE", 0)
+    ref, cand = runner_pair((FIXTURES / f"{fixture}.py").read_text(), {}, {})
+    made = ref.op_make_inputs(MakeInputs(seed=4, send=True))
+    assert made.inputs is not None
+    ran = cand.op_run(Run(inputs=made.inputs))
+    assert ran.inputs_after is None
+    verdict = ref.op_check(Check.of(ran, 4)).verdict
+    if problem is None:
+        assert ran.inputs_problem is None and verdict.ok
+    else:
+        assert ran.inputs_problem is not None and ran.inputs_problem.startswith(problem)
+        assert not verdict.ok and verdict.kind == "input_mutated"

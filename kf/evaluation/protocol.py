@@ -141,7 +141,7 @@ class InputsMade(Reply, frozen=True, kw_only=True, tag="inputs_made"):
 
 class Ran(Reply, frozen=True, kw_only=True, tag="ran"):
     """The candidate's outputs for one input set, and its inputs after the call (or,
-    where it made them itself, what it found changed in them)."""
+    where it made them itself or they are large, what it found changed in them)."""
 
     outputs: Blob
     inputs_after: Blob | None = None

@@ -67,6 +67,10 @@ class CandidateRole(RunnerBase):
             raise _Failure("protocol", "a run request with no inputs and no seed to make them")
         else:
             self.inputs = [self.backend.to_device(v) for v in self.load(msg.inputs)]
+            if self._large(self.inputs):
+                # checked here against checksums, as inputs made here are: sending a gate
+                # variant's 12.9 GB back for the reference to compare would hold it twice
+                pristine = self._checkable(self.inputs)
         t1 = self.clock_ns()
         recorder = _OpRecorder(torch) if msg.trace else None
         try:

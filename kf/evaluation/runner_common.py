@@ -353,10 +353,23 @@ class RunnerBase:
         inputs = [self.backend.to_device(v) for v in raw]
         if not check:
             return inputs, []
+        return inputs, self._checkable(inputs)
+
+    def _large(self, values: list[Any]) -> bool:
+        """Whether a tensor among ``values`` has :data:`FINGERPRINT_ABOVE` bytes or more."""
+        tensor = self.torch.Tensor
+        return any(
+            isinstance(v, tensor) and v.numel() * v.element_size() >= FINGERPRINT_ABOVE
+            for v in values
+        )
+
+    def _checkable(self, inputs: list[Any]) -> list[Any]:
+        """What ``inputs`` are checked against after a call: a copy of each tensor, or
+        its checksums when it has :data:`FINGERPRINT_ABOVE` bytes or more."""
         from kf.evaluation.compare import fingerprint
 
         tensor = self.torch.Tensor
-        pristine = [
+        return [
             (
                 fingerprint(self.torch, v)
                 if v.numel() * v.element_size() >= FINGERPRINT_ABOVE
@@ -366,7 +379,6 @@ class RunnerBase:
             else v
             for v in inputs
         ]
-        return inputs, pristine
 
     def _trim_device_cache(self) -> None:
         """Give cached GPU blocks back once they are large: a runner's peak at
