@@ -64,7 +64,7 @@ def test_gate_shapes_are_made_one_at_a_time() -> None:
     sets = derived_shapes(torch, module, get_inputs, 1, 0)
     label, first = next(sets)
     assert tuple(first[0].shape) == (5, 33) and "B=8→5" in label and "N=64→33" in label
-    assert calls == [(8, 64), (5, 33)]  # the task's own set (for its sizes), then one
+    assert calls == [(5, 33)]  # the task's own set sized on the meta device, not made
     rest = list(sets)
     assert [tuple(s[0].shape) for _, s in rest] == [(5, 64), (8, 33)]
     assert module.B == 8 and module.N == 64  # type: ignore[attr-defined]
@@ -193,3 +193,71 @@ def test_candidate_checks_large_sent_inputs_itself(
     else:
         assert ran.inputs_problem is not None and ran.inputs_problem.startswith(problem)
         assert not verdict.ok and verdict.kind == "input_mutated"
+
+
+def _matvec_module(m: int = 64, k: int = 1024) -> types.ModuleType:
+    module = types.ModuleType("task_matvec")
+    module.M, module.K = m, k  # type: ignore[attr-defined]
+    module.get_inputs = lambda: [torch.randn(module.M, module.K), torch.randn(module.K, 1)]  # type: ignore[attr-defined]
+    return module
+
+
+def _seeded_get_inputs(module: types.ModuleType, calls: list[int]):  # type: ignore[no-untyped-def]
+    def get_inputs(seed: int) -> list[torch.Tensor]:
+        torch.manual_seed(seed)
+        calls.append(seed)
+        return list(module.get_inputs())  # type: ignore[attr-defined]
+
+    return get_inputs
+
+
+def _set_bytes(values: list[torch.Tensor]) -> int:
+    return sum(v.numel() * v.element_size() for v in values)
+
+
+@pytest.mark.parametrize("large", [True, False])
+def test_gate_grows_a_large_set_by_an_eighth_at_most(
+    monkeypatch: pytest.MonkeyPatch, large: bool
+) -> None:
+    """Variant 1 grows each size constant alone to about 1.5×; a set of GROW_CAP_ABOVE
+    bytes or more (here: any) grows to at most GROW_CAP × its bytes, still odd and
+    larger than the task's (KernelBench's mat-vec: a 12.9 GB matrix instead of 8.6 GB,
+    held in both runners, put kf at 3.07× KernelBench's peak on the H200)."""
+    from kf.evaluation import variants
+
+    if large:
+        monkeypatch.setattr(variants, "GROW_CAP_ABOVE", 0)
+    module = _matvec_module()
+    base = _set_bytes(module.get_inputs())  # type: ignore[attr-defined]
+    calls: list[int] = []
+    sets = list(derived_shapes(torch, module, _seeded_get_inputs(module, calls), 1, 1))
+    shapes = [tuple(s[0].shape) for _, s in sets]
+    if large:
+        assert shapes == [(69, 1024), (64, 1089)]
+        assert all(_set_bytes(s) <= variants.GROW_CAP * base for _, s in sets)
+        assert "M=64→69" in sets[0][0] and "K=1024→1089" in sets[1][0]
+    else:
+        assert shapes == [(97, 1024), (64, 1537)]
+    assert calls == [1, 1]  # the two sets made; the task's own only sized, on meta
+    assert (module.M, module.K) == (64, 1024)  # type: ignore[attr-defined]
+
+
+def test_gate_sizes_a_task_that_cannot_run_on_meta_from_a_real_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A task whose get_inputs() cannot run on the meta device (here an .item()) is
+    sized from a real set, as before, and grows to about 1.5× (no estimate to cap by)."""
+    from kf.evaluation import variants
+
+    monkeypatch.setattr(variants, "GROW_CAP_ABOVE", 0)
+    module = _matvec_module()
+
+    def get_inputs() -> list[torch.Tensor]:
+        scale = float(torch.ones(1).sum().item())
+        return [torch.randn(module.M, module.K) * scale, torch.randn(module.K, 1)]  # type: ignore[attr-defined]
+
+    module.get_inputs = get_inputs  # type: ignore[attr-defined]
+    calls: list[int] = []
+    sets = list(derived_shapes(torch, module, _seeded_get_inputs(module, calls), 1, 1))
+    assert [tuple(s[0].shape) for _, s in sets] == [(97, 1024), (64, 1537)]
+    assert calls == [1, 1, 1]  # the task's own set made to be measured, then the two

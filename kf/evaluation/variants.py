@@ -11,8 +11,10 @@ asks for). In order of preference:
 1. the task's ``get_extra_inputs()`` (a list of input lists), when it defines one;
 2. the task's module-level size constants (``N = 2048``, ``batch_size = 16``: ints whose
    values appear in the input shapes), scaled, with ``get_inputs()`` called again: first
-   all of them together, then each alone, to about one half (variant 0) or one and a half
-   (variant 1), odd sizes;
+   all of them together, then each alone, to about one half (variant 0), or each alone to
+   about one and a half (variant 1), odd sizes. A set of :data:`GROW_CAP_ABOVE` bytes or
+   more grows by less, to at most :data:`GROW_CAP` of its bytes (sized on PyTorch's meta
+   device first, where the task's ``get_inputs()`` can run there);
 3. only for a task with no such constant (shapes written into ``get_inputs``): the
    leading dimension of every input that shares the first input's, sliced or extended.
 
@@ -40,6 +42,39 @@ def _odd(size: int) -> int:
 
 def _rescaled(size: int, variant: int) -> int:
     return _odd(size // 2 + 1 if variant == 0 else size + size // 2 + 1)
+
+
+#: a set of at least this many bytes grows (variant 1) by at most :data:`GROW_CAP` in bytes
+GROW_CAP_ABOVE = 1 << 30
+GROW_CAP = 1.125
+
+
+def _growths(size: int) -> list[int]:
+    """Odd sizes above ``size``, largest first: about 1.5×, 1.25×, 1.125×, … down to
+    the next odd size."""
+    out: list[int] = []
+    step = size // 2
+    while step >= 1:
+        out.append(_odd(size + step + 1))
+        step //= 2
+    out.append(_odd(size + 1))
+    return [g for i, g in enumerate(out) if g > size and g not in out[:i]]
+
+
+def _nbytes(torch: Any, values: list[Any]) -> int:
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def _on_meta(torch: Any, module: Any, values: dict[str, int]) -> list[Any] | None:
+    """The task's ``get_inputs()`` with its size constants set to ``values``, made on
+    PyTorch's meta device: shapes and dtypes, no memory. None when the task cannot make
+    its inputs there (a ``.item()``, an explicit ``.cuda()``)."""
+    try:
+        with torch.device("meta"):
+            made = _with_constants(module, values, module.get_inputs)
+        return list(made)
+    except Exception:
+        return None
 
 
 def _shapes(torch: Any, values: list[Any]) -> list[tuple[int, ...]]:
@@ -87,17 +122,25 @@ def derived_shapes(
     """
     if variant > 1:
         return
-    base = get_inputs(seed)
+    # the task's own sizes, from a set made on the meta device where it can be (at
+    # KernelBench's sizes a real one is gigabytes, made only to be measured)
+    probe = _on_meta(torch, module, {})
+    base = probe if probe is not None else get_inputs(seed)
     names = size_constants(torch, module, base)
     base_shapes = _shapes(torch, base)
+    base_bytes = _nbytes(torch, base)
     found = False
     if names:
         del base  # the sets below are made afresh; at these sizes the base is gigabytes
         groups = [names] + ([[n] for n in names] if len(names) > 1 else [])
         if variant == 1:  # growing every size at once can multiply memory: one at a time
             groups = [[n] for n in names]
+        capped = variant == 1 and probe is not None and base_bytes >= GROW_CAP_ABOVE
         for group in groups:
-            values = {n: _rescaled(int(getattr(module, n)), variant) for n in group}
+            if capped:  # a large set grows by at most GROW_CAP of its bytes
+                values = {group[0]: _capped_growth(torch, module, group[0], base_bytes)}
+            else:
+                values = {n: _rescaled(int(getattr(module, n)), variant) for n in group}
             values = {n: v for n, v in values.items() if v != getattr(module, n)}
             if not values:
                 continue
@@ -114,6 +157,8 @@ def derived_shapes(
         if found:
             return
         base = get_inputs(seed)
+    elif probe is not None:
+        base = get_inputs(seed)  # the leading dimension's sets are cut from a real one
     tensors = [i for i, v in enumerate(base) if isinstance(v, torch.Tensor) and v.dim() > 0]
     if not tensors:
         return
@@ -130,6 +175,20 @@ def derived_shapes(
         out[i] = both[:size].clone()
     del base, more
     yield "leading dimension", out
+
+
+def _capped_growth(torch: Any, module: Any, name: str, base_bytes: int) -> int:
+    """The largest of :func:`_growths` for constant ``name`` whose set (sized on the meta
+    device) stays within :data:`GROW_CAP` × ``base_bytes``; the smallest when none does.
+    At KernelBench's sizes a 1.5× mat-vec matrix is 12.9 GB against the task's 8.6 GB,
+    held by the reference and the candidate at once; 1.125× of it still is a size no
+    kernel was written for, odd, and larger than the task's."""
+    sizes = _growths(int(getattr(module, name)))
+    for size in sizes:
+        made = _on_meta(torch, module, {name: size})
+        if made is not None and _nbytes(torch, made) <= GROW_CAP * base_bytes:
+            return size
+    return sizes[-1]
 
 
 def scale_inputs(torch: Any, values: list[Any], factor: float) -> list[Any] | None:
