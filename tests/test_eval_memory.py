@@ -261,3 +261,24 @@ def test_gate_sizes_a_task_that_cannot_run_on_meta_from_a_real_set(
     sets = list(derived_shapes(torch, module, _seeded_get_inputs(module, calls), 1, 1))
     assert [tuple(s[0].shape) for _, s in sets] == [(97, 1024), (64, 1537)]
     assert calls == [1, 1, 1]  # the task's own set made to be measured, then the two
+
+
+@pytest.mark.parametrize("large", [True, False])
+def test_reference_times_a_large_set_it_does_not_write_without_a_copy(
+    monkeypatch: pytest.MonkeyPatch, large: bool
+) -> None:
+    """The reference's timed calls get a copy of a small set, but share a large one its
+    forward was seen not to write; one whose forward writes it gets copies."""
+    from kf.evaluation.protocol import Time
+
+    if large:
+        monkeypatch.setattr(runner_common, "FINGERPRINT_ABOVE", 0)
+    for writes in (False, True):
+        ref = _reference(writes=writes)
+        ref.op_make_inputs(MakeInputs(seed=1, send=False))
+        pristine = ref.trials[1][0]
+        ref.op_time(Time(n=2))
+        shared = ref.inputs[0].data_ptr() == pristine[0].data_ptr()
+        assert shared is (large and not writes)
+        torch.manual_seed(1)
+        assert torch.equal(pristine[0], ref.task_module.get_inputs()[0])

@@ -167,12 +167,16 @@ class RunnerBase:
         the made set, cloned on first use (a verification never uses it, and at
         KernelBench's sizes each copy is gigabytes of device memory)."""
         if self._inputs is None:
-            self._inputs, self._inputs_from = self.clone(self._inputs_from), []
+            self._inputs, self._inputs_from = self._private(self._inputs_from), []
         return self._inputs
 
     @inputs.setter
     def inputs(self, values: list[Any]) -> None:
         self._inputs, self._inputs_from = values, []
+
+    def _private(self, values: list[Any]) -> list[Any]:
+        """The timed calls' own copy of a made set (:attr:`inputs`)."""
+        return self.clone(values)
 
     # -- serialisation -------------------------------------------------------------
     def dump(self, value: Any) -> p.Blob:
