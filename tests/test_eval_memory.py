@@ -282,3 +282,31 @@ def test_reference_times_a_large_set_it_does_not_write_without_a_copy(
         assert shared is (large and not writes)
         torch.manual_seed(1)
         assert torch.equal(pristine[0], ref.task_module.get_inputs()[0])
+
+
+def test_profile_trims_the_reference_before_the_fresh_timing() -> None:
+    """The candidate holds two input sets while it times fresh ones against repeated ones;
+    the reference is asked to let its sets go first (it does when they are large), so
+    the two runners do not hold three sets at once."""
+    from kf.evaluation import RunnerPool, evaluate
+    from kf.evaluation.runner_handle import REQUESTS
+    from kf.tasks import load_task
+
+    REQUESTS.clear()
+    pool = RunnerPool(size=2, threads=1)
+    pool.start()
+    try:
+        result = evaluate(
+            load_task(FIXTURES / "task_gelu.py"), (FIXTURES / "honest_cpp.py").read_text(),
+            pool=pool, timeout_s=90, profile_options={"min_time_s": 0.05, "warmup": 2,
+            "min_trials": 10}, profile=True,
+        )  # fmt: skip
+    finally:
+        pool.close()
+    assert result.passed, result.error
+    ops = [r.op for r in REQUESTS]
+    fresh = len(ops) - 1 - ops[::-1].index("time_inputs")
+    assert "trim" in ops[:fresh]
+    last_trim = fresh - 1 - ops[:fresh][::-1].index("trim")
+    # nothing between that trim and the fresh timing asks the reference for a set
+    assert "make_inputs" not in ops[last_trim:fresh] and "check" not in ops[last_trim:fresh]

@@ -26,6 +26,7 @@ from kf.evaluation.grading import (
     _CandidateFailed,
     _device_lock,
     _seed_trials,
+    _trim,
     log,
 )
 from kf.evaluation.protocol import Batch, Ping, Time, TimeInputs
@@ -277,6 +278,9 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
                     duration_s=time.monotonic() - start,
                 )
             given = [f.inputs for f in fresh if f.inputs is not None]
+            # the reference's sets are not needed while the candidate times its fresh
+            # ones (the candidate holds two at once): at KernelBench's sizes each is GBs
+            _trim(ref)
             sets = (
                 TimeInputs(seeds=fresh_seeds, paired=True)
                 if stage.own_inputs
