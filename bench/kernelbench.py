@@ -22,7 +22,8 @@ rewrites.
 Candidates are evaluated one at a time (``--max-in-flight 1``), though every task's seeds
 are compiled at the start. A task's time is its stages' work (compiles, verifications,
 profiles; queueing left out). Peak device memory per task is ``peak_device_mb`` from the
-task's stage reports when the evaluation reports one (none does yet); otherwise, on a GPU,
+task's stage reports where they carry one (on a GPU: the most its stage's runners held at
+once, as they state it; docs/kernelbench.md); otherwise (older logs), on a GPU,
 the largest device-wide ``memory.used`` that ``nvidia-smi`` showed (sampled every
 ``--sample-s``) during the task's span of device work (``kf.kernelbench.task_windows``):
 that includes every runner's CUDA context and what the run's other runners still hold, so

@@ -140,6 +140,11 @@ def test_cuda_evaluate_seed_is_correct_and_faster(seed: str) -> None:
     result = evaluate(load_task(TASK), (SEEDS / seed).read_text(), device="cuda:0")
     assert result.correct, result.error
     assert result.profile is not None and result.profile.speedup > 1.0
+    # the stages state the most device memory their runners held at once: at least the
+    # task's one 134 MB input and its output (4096 x 8192 fp32 each)
+    assert result.verify is not None
+    for stage in (result.verify, result.profile):
+        assert stage.peak_device_mb is not None and stage.peak_device_mb > 2 * 134
 
 
 @needs_gpu

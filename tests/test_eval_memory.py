@@ -310,3 +310,33 @@ def test_profile_trims_the_reference_before_the_fresh_timing() -> None:
     last_trim = fresh - 1 - ops[:fresh][::-1].index("trim")
     # nothing between that trim and the fresh timing asks the reference for a set
     assert "make_inputs" not in ops[last_trim:fresh] and "check" not in ops[last_trim:fresh]
+
+
+def test_a_stages_peak_is_one_runners_peak_plus_what_the_others_hold() -> None:
+    """A stage's requests go one at a time: the most its runners held at once is, over its
+    requests, the handler's peak plus what the other runners held at the end of their last
+    request (one from before the stage included); None when no runner states any (a CPU)."""
+    from kf.evaluation.grading import _peak_device_mb
+    from kf.evaluation.runner_handle import REQUESTS, RequestTiming
+
+    ref, cand, other = (types.SimpleNamespace(pid=p) for p in (11, 12, 13))
+    gb = 10**9
+    REQUESTS.clear()
+    for op, ended, pid, peak, held in [
+        ("make_inputs", 1.0, 11, 9 * gb, 9 * gb),  # before the stage: the reference holds 9
+        ("run", 2.0, 13, 50 * gb, 50 * gb),  # another stage's runner: not this stage's
+        ("lease_wait", 2.5, 12, 0, 0),
+        ("run", 3.0, 12, 12 * gb, 10 * gb),  # 12 + the reference's 9
+        ("check", 4.0, 11, 11 * gb, 2 * gb),  # 11 + the candidate's 10
+        ("run", 5.0, 12, 15 * gb, 0),  # 15 + the reference's 2
+    ]:
+        REQUESTS.append(RequestTiming(op, 0.1, 0.1, ended, pid, None, peak, held))
+    try:
+        assert _peak_device_mb(1.5, ref, cand) == 21_000.0  # type: ignore[arg-type]
+        assert _peak_device_mb(4.5, ref, cand) == 17_000.0  # type: ignore[arg-type]
+        assert _peak_device_mb(1.5, other) == 50_000.0  # type: ignore[arg-type]
+        REQUESTS.clear()
+        REQUESTS.append(RequestTiming("run", 0.1, 0.1, 3.0, 12, None))
+        assert _peak_device_mb(0.0, cand) is None  # type: ignore[arg-type]
+    finally:
+        REQUESTS.clear()

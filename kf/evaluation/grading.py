@@ -196,6 +196,27 @@ def _phases(since: float, *handles: RunnerHandle) -> dict[str, float]:
     return {op: round(s, 4) for op, s in sorted(spent.items())}
 
 
+def _peak_device_mb(since: float, *handles: RunnerHandle) -> float | None:
+    """The most device memory the stage's runners held at once since ``since``, in MB, as
+    they state it (their allocators' reserved bytes; CUDA contexts not counted); None off
+    a GPU. A stage's requests go one at a time, so while one runner handles a request the
+    others hold what they held at the end of their last one (a reused runner's last one
+    may be from before the stage)."""
+    pids = {h.pid for h in handles}
+    held: dict[int, int] = {}
+    peak = 0
+    for r in list(REQUESTS):
+        if r.pid not in pids or r.op == "lease_wait":
+            continue
+        if r.ended < since:
+            held[r.pid] = r.held_bytes
+            continue
+        others = sum(b for pid, b in held.items() if pid != r.pid)
+        peak = max(peak, r.peak_bytes + others)
+        held[r.pid] = r.held_bytes
+    return round(peak / 1e6, 1) if peak else None
+
+
 def _trim(ref: RunnerHandle) -> None:
     """Ask a reference runner to drop large per-stage tensors before it idles."""
     with contextlib.suppress(RunnerError):

@@ -145,7 +145,11 @@ def profile_session(
         # the reference runner was lost to torch.compile; the failure is remembered, so
         # this second session, with fresh runners, times against eager only
         report = _profile(stage, options, want)
-    return stage.sandboxed(msgspec.structs.replace(report, phases=stage.phases()))
+    return stage.sandboxed(
+        msgspec.structs.replace(
+            report, phases=stage.phases(), peak_device_mb=stage.peak_device_mb()
+        )
+    )
 
 
 def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileReport:

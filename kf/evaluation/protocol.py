@@ -70,12 +70,17 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
 
 
 class Reply(Message, frozen=True, kw_only=True):
-    """A runner's answer to request ``id``: ``took_ns`` in its handler, and the
-    findings of its audit hook so far."""
+    """A runner's answer to request ``id``: ``took_ns`` in its handler, the findings of
+    its audit hook so far, and on a GPU the device memory its caching allocator reserved
+    at most during the handler (``peak_bytes``) and still held at its end
+    (``held_bytes``), as the runner states them: diagnostics for the stage reports'
+    ``peak_device_mb``, never part of a verdict."""
 
     id: int = 0
     took_ns: int = 0
     findings: tuple[str, ...] = ()
+    peak_bytes: int = 0
+    held_bytes: int = 0
 
 
 _R = TypeVar("_R", bound=Reply)

@@ -137,6 +137,9 @@ class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
     tolerance_source: str = ""
     # the hidden input distributions: the task's inputs scaled by 3, 0.01 and -1
     distribution_evidence: tuple[TrialEvidence, ...] = ()
+    # the most device memory the stage's runners held at once, as they state it (MB; their
+    # allocators' reserved bytes, CUDA contexts not counted); None off a GPU and in older logs
+    peak_device_mb: float | None = None
 
 
 class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -197,6 +200,8 @@ class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
     # the grader's wall ms of one call that does nothing in the same timing loop, from the
     # candidate-free runner: subtracted before the wall clock is compared with the samples
     empty_call_ms: float | None = None
+    # as VerifyReport's: the most device memory the profile's runners held at once (MB)
+    peak_device_mb: float | None = None
 
 
 class CountersReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -9,6 +9,7 @@ it by name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
@@ -136,6 +137,10 @@ def main(argv: list[str]) -> int:
             getattr(runner, f"op_{msg.op}", None) if isinstance(msg, protocol.Request) else None
         )
         began = clock_ns()
+        cuda = _cuda_of(runner)
+        if cuda is not None:
+            with contextlib.suppress(Exception):
+                cuda.reset_peak_memory_stats()
         reply: protocol.Reply
         try:
             if handler is None:
@@ -157,10 +162,31 @@ def main(argv: list[str]) -> int:
             id=msg.id if isinstance(msg, protocol.Request) else 0,
             took_ns=clock_ns() - began,  # the handler's time, for the grader's request log
             findings=tuple(watch.drain()),
+            **_memory(cuda),
         )
         sys.stdout.flush()
         send_message(reply)
         del reply
+
+
+def _cuda_of(runner: Any) -> Any:
+    """``torch.cuda`` once the runner's backend is a GPU's, else None."""
+    backend = getattr(runner, "backend", None)
+    return runner.torch.cuda if getattr(backend, "name", "") == "cuda" else None
+
+
+def _memory(cuda: Any) -> dict[str, int]:
+    """The reply's device-memory fields: the caching allocator's reserved bytes, at most
+    during the request and at its end (none off a GPU)."""
+    if cuda is None:
+        return {}
+    try:
+        return {
+            "peak_bytes": int(cuda.max_memory_reserved()),
+            "held_bytes": int(cuda.memory_reserved()),
+        }
+    except Exception:  # a device lost mid-request: the reply says so already
+        return {}
 
 
 if __name__ == "__main__":

@@ -64,6 +64,10 @@ class RequestTiming(NamedTuple):
     pid: int
     #: the handler's own breakdown where it gives one (``run``: inputs, forward, outputs)
     detail: dict[str, float] | None = None
+    #: device memory the runner's allocator reserved at most during the request, and held
+    #: at its end, as the runner states them (:class:`kf.evaluation.protocol.Reply`)
+    peak_bytes: int = 0
+    held_bytes: int = 0
 
 
 class RunnerError(Exception):
@@ -301,7 +305,9 @@ class RunnerHandle:
         runner_s = answer.took_ns / 1e9 if answer is not None else 0.0
         phases = reply.phases_ns if isinstance(reply, protocol.Ran) else None
         detail = {k: v / 1e9 for k, v in phases.items()} if phases else None
-        REQUESTS.append(RequestTiming(op, ended - began, runner_s, ended, self.pid, detail))
+        peak, held = (answer.peak_bytes, answer.held_bytes) if answer is not None else (0, 0)
+        timing = RequestTiming(op, ended - began, runner_s, ended, self.pid, detail, peak, held)
+        REQUESTS.append(timing)
         expected = protocol.reply_type(message)
         forged = answer is None or answer.id != request_id
         forged = forged or not isinstance(reply, expected | protocol.Failed)

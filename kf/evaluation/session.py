@@ -23,6 +23,7 @@ from kf.evaluation.grading import (
     _CandidateFailed,
     _Deadline,
     _own_inputs,
+    _peak_device_mb,
     _phases,
     _ref_key,
     _Report,
@@ -165,6 +166,11 @@ class Stage:
     def phases(self) -> dict[str, float]:
         """Seconds per request op of the stage's runners so far."""
         return _phases(self.since, *self.leased)
+
+    def peak_device_mb(self) -> float | None:
+        """The most device memory the stage's runners held at once so far (MB; None off a
+        GPU): :func:`kf.evaluation.grading._peak_device_mb`."""
+        return _peak_device_mb(self.since, *self.leased)
 
     def sandboxed(self, report: _Report) -> _Report:
         """``report`` saying where the stage's runners ran."""

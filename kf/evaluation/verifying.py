@@ -93,6 +93,7 @@ def _verify(stage: Stage, trials: int, generalise: bool) -> VerifyReport:
                 distribution_evidence=tuple(hidden),
                 flags=tuple(flags) + tuple(f for f in cand.findings if f not in flags),
                 phases=stage.phases(),
+                peak_device_mb=stage.peak_device_mb(),
                 **kw,
             )
 
