@@ -29,8 +29,9 @@ the largest device-wide ``memory.used`` that ``nvidia-smi`` showed (sampled ever
 that includes every runner's CUDA context and what the run's other runners still hold, so
 it is not the task's own footprint (``bench/kernelbench_memory.py`` measures that). On a
 CPU there is none. ``--table-only`` makes the table again from ``--out``'s log and the
-samples its JSON kept, running nothing. Writes ``kernelbench.db`` (the log), ``kernelbench.json`` (rows, levels,
-memory samples) and ``kernelbench.csv`` (``kf report --csv``) into ``--out``.
+samples its JSON kept, running nothing. Writes ``kernelbench.db`` (the log),
+``kernelbench.json`` (rows, levels, memory samples) and ``kernelbench.csv`` (``kf report
+--csv``) into ``--out``.
 """
 
 from __future__ import annotations
