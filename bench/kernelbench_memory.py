@@ -176,6 +176,11 @@ def main() -> int:
                 for k in ("compile", "audit", "verify", "profile")
             }
             stages["verify_phases"] = (result.get("verify") or {}).get("phases")
+            # what kf's own stage reports state: the most their runners held at once (MB,
+            # the allocators' reserved bytes, CUDA contexts not counted)
+            stages["peak_device_mb"] = {
+                k: (result.get(k) or {}).get("peak_device_mb") for k in ("verify", "profile")
+            }
         except (ValueError, KeyError):
             verdict = f"exit {kf_rc}: {kf_out.strip().splitlines()[-1:]}"
         row = {
