@@ -340,3 +340,22 @@ def test_a_stages_peak_is_one_runners_peak_plus_what_the_others_hold() -> None:
         assert _peak_device_mb(0.0, cand) is None  # type: ignore[arg-type]
     finally:
         REQUESTS.clear()
+
+
+@pytest.mark.parametrize(("free", "kept"), [(90, True), (55, False)])
+def test_reference_keeps_made_sets_only_while_the_device_stays_half_free(
+    monkeypatch: pytest.MonkeyPatch, free: int, kept: bool
+) -> None:
+    """A reference runner's cache of made sets (for the task's later candidates) takes a
+    set only while the device would stay at least half free with it (here a 100-unit
+    device; the set, inputs and outputs, is 4096 bytes: 20 % of it)."""
+    ref = _reference(writes=False)
+    ref.made_budget = 1 << 20
+    unit = 2048 // 10
+    monkeypatch.setattr(
+        ref, "_device_memory",
+        lambda: {"device_free_bytes": free * unit, "device_total_bytes": 100 * unit},
+    )  # fmt: skip
+    ref.op_make_inputs(MakeInputs(seed=1, send=False))
+    assert bool(ref.made) is kept
+    assert 1 in ref.trials  # the trial itself is held either way

@@ -150,8 +150,14 @@ class ReferenceRole(RunnerBase):
         )
 
     def _remember(self, key: tuple[int, int, int | None, float | None], made: _Made) -> None:
-        """Keep what was made for later candidates, within ``made_budget`` bytes."""
+        """Keep what was made for later candidates, within ``made_budget`` bytes, and on a
+        GPU only while the device stays at least half free with it kept: every task's
+        reference runner keeps such a cache while idle, and those of a many-task run add
+        up beside the task being evaluated."""
         if made.nbytes > self.made_budget:
+            return
+        memory = self._device_memory()
+        if memory and memory["device_free_bytes"] - made.nbytes < memory["device_total_bytes"] // 2:
             return
         self.made[key] = made
         while sum(m.nbytes for m in self.made.values()) > self.made_budget:
