@@ -50,6 +50,7 @@ def run_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
     db = tmp_path_factory.mktemp("dash") / "run.db"
     cmd = [sys.executable, "-m", "kf.cli", "run", str(FIXTURES), "--budget", "4"]
     cmd += ["--seed", "3", "--db", str(db), "--serve", "--serve-port", "0"]
+    cmd += ["--tune-budget", "0"]  # the tuning table's test has a tuned run of its own
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=kf_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

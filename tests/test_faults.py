@@ -259,6 +259,8 @@ def test_faults_archivist_killed_and_restarted_resumes(
         "--islands",
         "1",
         "--json",
+        "--tune-budget",  # the archivist's restart is the point; tuning adds its own
+        "0",
     )
     arch2: subprocess.Popen[str] | None = None
     try:

@@ -256,9 +256,12 @@ def test_log_written_before_the_chain_is_read_and_said_unchained(db_path: Path) 
 
 @pytest.fixture(scope="module")
 def run_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real `kf run` on a small CPU task; its log, finished."""
+    """A real `kf run` on a small CPU task (no tuning); its log, finished."""
     db = tmp_path_factory.mktemp("forge") / "run.db"
-    proc = kf("run", str(TASK), "--budget", "2", "--seed", "1", "--db", str(db), timeout=280)
+    proc = kf(
+        "run", str(TASK), "--budget", "2", "--seed", "1", "--db", str(db), "--tune-budget", "0",
+        timeout=280,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return db
 

@@ -57,6 +57,8 @@ def kf_run(db: Path, budget: int, env: dict[str, str] | None = None) -> subproce
             "--heartbeat-timeout",
             "5",
             "--json",
+            "--tune-budget",  # the server's restart is the point; tuning adds its own
+            "0",
         ],
         cwd=ROOT,
         env={**ENV, **(env or {})},
