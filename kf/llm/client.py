@@ -15,8 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import openai
-
 from kf.llm.budget import Pricing
 from kf.settings import Settings, current
 
@@ -71,6 +69,11 @@ class LlmClient:
     """Chat completions with timeout, retries, backoff, a concurrency limit and costs."""
 
     def __init__(self, settings: ClientSettings) -> None:
+        # imported here, not with the module: every `kf` command imports this one (through
+        # kf.cli's parser), and openai's import is about a second of the commands that
+        # never call a model (report, replay, export, eval)
+        import openai
+
         self.settings = settings
         self._client = openai.AsyncOpenAI(
             base_url=settings.base_url,
@@ -107,6 +110,8 @@ class LlmClient:
         text: they come back in ``tool_calls`` and ``response`` is then the text beside
         them ("" when none).
         """
+        import openai  # imported by __init__ already: a lookup
+
         extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
         s = self.settings
         attempts: list[tuple[int | None, str | None, float]] = []
