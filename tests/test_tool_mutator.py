@@ -314,15 +314,16 @@ def test_tools_run_on_the_devices_worker_over_nats_and_answers_cannot_be_forged(
 
 @pytest.fixture(scope="module")
 def mixed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], str]:
-    """`kf run` with single-shot, tool-using and CLI mutators on a seedless CPU task; the
-    scripted server is stopped when it ends."""
+    """`kf run` with single-shot, tool-using and CLI mutators on a seedless CPU task (no
+    tuning of their templates after the search: tests/test_tuning.py tunes an LLM-written
+    one); the scripted server is stopped when it ends."""
     db = tmp_path_factory.mktemp("mixed") / "run.db"
     with ScriptedServer(responder=ToolEpisodeResponder()) as server:
         proc = run_kf(
             "run", str(TASK), "--llm-url", server.url, "--model", "scripted", "--budget", "3",
             "--init", "3", "--seed", "1", "--db", str(db), "--json", "--max-in-flight", "2",
             "--mutators", "single=1,tools=1,cli=1", "--agent-cmd", FAKE_AGENT,
-            timeout=500,
+            "--tune-budget", "0", timeout=500,
         )  # fmt: skip
         url = server.url
     assert proc.returncode == 0, proc.stderr[-4000:]
