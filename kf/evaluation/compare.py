@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["Fingerprint", "compare_inputs", "compare_outputs", "fingerprint", "tolerance"]
+__all__ = [
+    "Fingerprint",
+    "checkable",
+    "compare_inputs",
+    "compare_outputs",
+    "fingerprint",
+    "is_large",
+    "tolerance",
+]
 
 _HALF = ("float16", "bfloat16")
 
@@ -169,6 +177,22 @@ def fingerprint(torch: Any, tensor: Any) -> Fingerprint:
             sums[k] += sum(part)
         del chunk, rows, index, parts
     return Fingerprint(tuple(t.shape), t.dtype, tuple(sums))
+
+
+def is_large(torch: Any, value: Any, above: int) -> bool:
+    """Whether ``value`` is a tensor of ``above`` bytes or more (checked by checksums)."""
+    return isinstance(value, torch.Tensor) and value.numel() * value.element_size() >= above
+
+
+def checkable(torch: Any, inputs: list[Any], above: int) -> list[Any]:
+    """What ``inputs`` are checked against after a call (:func:`compare_inputs`): a copy
+    of each tensor, or its :func:`fingerprint` when it has ``above`` bytes or more."""
+    return [
+        (fingerprint(torch, v) if is_large(torch, v, above) else v.detach().clone())
+        if isinstance(v, torch.Tensor)
+        else v
+        for v in inputs
+    ]
 
 
 def compare_inputs(torch: Any, pristine: list[Any], after: Any) -> str | None:

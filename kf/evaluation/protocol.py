@@ -44,8 +44,6 @@ __all__ = [
 #: bytes in pieces, or a sealed memory file.
 Blob = bytes | list[bytes] | Payload
 
-_TRIM_ABOVE_BYTES = 1 << 30
-
 
 class ProtocolError(ValueError):
     """Bytes on a runner socket that are not a message of this protocol (here: not
@@ -70,16 +68,13 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
 
 
 class Reply(Message, frozen=True, kw_only=True):
-    """A runner's answer to request ``id``: ``took_ns`` in its handler, the findings of
-    its audit hook so far, and on a GPU the device memory its caching allocator reserved
-    at most during the handler (``peak_bytes``) and still held at its end
-    (``held_bytes``), as the runner states them: diagnostics for the stage reports'
-    ``peak_device_mb``, never part of a verdict."""
+    """A runner's answer to request ``id``: ``took_ns`` in its handler, its audit hook's
+    findings so far, and (CUDA) its allocator's reserved bytes, most and last, as it says."""
 
     id: int = 0
     took_ns: int = 0
     findings: tuple[str, ...] = ()
-    peak_bytes: int = 0
+    peak_bytes: int = 0  # diagnostics (peak_device_mb), never part of a verdict
     held_bytes: int = 0
 
 
@@ -343,7 +338,7 @@ class Counters(Request[CountersRan], frozen=True, kw_only=True, tag="counters"):
 class Trim(Request[Trimmed], frozen=True, kw_only=True, tag="trim"):
     """Drop the trials' tensors when they hold more than ``keep_bytes``."""
 
-    keep_bytes: int = _TRIM_ABOVE_BYTES
+    keep_bytes: int = 1 << 30  # as runner_common._TRIM_ABOVE_BYTES
 
 
 class Audit(Request[Audited], frozen=True, kw_only=True, tag="audit"):

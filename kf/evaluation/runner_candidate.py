@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kf.evaluation import protocol as p
+from kf.evaluation import runner_common
 from kf.evaluation.runner_common import RunnerBase, _describe, _Failure, _flatten, _tb
 from kf.evaluation.runner_guard import _DATA_OPS, _OpRecorder
 
@@ -54,7 +55,7 @@ class CandidateRole(RunnerBase):
         return p.CandidateLoaded()
 
     def op_run(self, msg: p.Run) -> p.Ran:
-        from kf.evaluation.compare import compare_inputs
+        from kf.evaluation.compare import checkable, compare_inputs, is_large
 
         torch = self.torch
         t0 = self.clock_ns()
@@ -67,10 +68,11 @@ class CandidateRole(RunnerBase):
             raise _Failure("protocol", "a run request with no inputs and no seed to make them")
         else:
             self.inputs = [self.backend.to_device(v) for v in self.load(msg.inputs)]
-            if self._large(self.inputs):
+            above = runner_common.FINGERPRINT_ABOVE
+            if any(is_large(torch, v, above) for v in self.inputs):
                 # checked here against checksums, as inputs made here are: sending a gate
                 # variant's 12.9 GB back for the reference to compare would hold it twice
-                pristine = self._checkable(self.inputs)
+                pristine = checkable(torch, self.inputs, above)
         t1 = self.clock_ns()
         recorder = _OpRecorder(torch) if msg.trace else None
         try:

@@ -357,32 +357,9 @@ class RunnerBase:
         inputs = [self.backend.to_device(v) for v in raw]
         if not check:
             return inputs, []
-        return inputs, self._checkable(inputs)
+        from kf.evaluation.compare import checkable
 
-    def _large(self, values: list[Any]) -> bool:
-        """Whether a tensor among ``values`` has :data:`FINGERPRINT_ABOVE` bytes or more."""
-        tensor = self.torch.Tensor
-        return any(
-            isinstance(v, tensor) and v.numel() * v.element_size() >= FINGERPRINT_ABOVE
-            for v in values
-        )
-
-    def _checkable(self, inputs: list[Any]) -> list[Any]:
-        """What ``inputs`` are checked against after a call: a copy of each tensor, or
-        its checksums when it has :data:`FINGERPRINT_ABOVE` bytes or more."""
-        from kf.evaluation.compare import fingerprint
-
-        tensor = self.torch.Tensor
-        return [
-            (
-                fingerprint(self.torch, v)
-                if v.numel() * v.element_size() >= FINGERPRINT_ABOVE
-                else v.detach().clone()
-            )
-            if isinstance(v, tensor)
-            else v
-            for v in inputs
-        ]
+        return inputs, checkable(self.torch, inputs, FINGERPRINT_ABOVE)
 
     def _trim_device_cache(self) -> None:
         """Give cached GPU blocks back once they are large: a runner's peak at

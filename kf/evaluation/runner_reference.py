@@ -182,15 +182,12 @@ class ReferenceRole(RunnerBase):
         (:func:`kf.evaluation.compare.fingerprint`): at KernelBench's sizes a copy is as
         large as the set (8.6 GB for the mat-vec task's matrix), and no candidate runs
         here to defeat a checksum. A forward that writes one gets copies from then on."""
-        from kf.evaluation.compare import fingerprint
+        from kf.evaluation.compare import fingerprint, is_large
 
         torch = self.torch
         if self.forward_on_copies:
             return self.clone(pristine), []
-        limit = runner_common.FINGERPRINT_ABOVE
-        large = [
-            isinstance(v, torch.Tensor) and v.numel() * v.element_size() >= limit for v in pristine
-        ]
+        large = [is_large(torch, v, runner_common.FINGERPRINT_ABOVE) for v in pristine]
         if not any(large):
             return self.clone(pristine), []
         given = [v if big else self.clone([v])[0] for v, big in zip(pristine, large, strict=True)]
@@ -206,16 +203,12 @@ class ReferenceRole(RunnerBase):
         forward was seen not to write when the set was made (:meth:`_given`), which is
         shared: at KernelBench's sizes the copy was a third set on the device while the
         candidate's was timed."""
+        from kf.evaluation.compare import is_large
+
         if self.forward_on_copies:
             return self.clone(values)
-        limit = runner_common.FINGERPRINT_ABOVE
-        torch = self.torch
-        return [
-            v
-            if isinstance(v, torch.Tensor) and v.numel() * v.element_size() >= limit
-            else self.clone([v])[0]
-            for v in values
-        ]
+        above = runner_common.FINGERPRINT_ABOVE
+        return [v if is_large(self.torch, v, above) else self.clone([v])[0] for v in values]
 
     def _make_inputs(
         self,
