@@ -224,6 +224,10 @@ async def fetch_range(
     return int(reply["head"]), list(reply["events"])
 
 
+class _FeedClosed(Exception):
+    """:meth:`CommittedFeed.close` was called while the feed was fetching."""
+
+
 class CommittedFeed:
     """Committed envelopes of one run, in ``seq`` order, with no gaps and no repeats."""
 
@@ -235,8 +239,16 @@ class CommittedFeed:
         self._queue: asyncio.Queue[bytes] = asyncio.Queue()
         self._early: dict[int, Envelope] = {}
         self._sub: Any = None
+        self._closed = False
         self.gaps_filled = 0
         self.bad_messages = 0
+
+    def close(self) -> None:
+        """End the iteration within ``idle_poll_s`` (and any fetch retries), whether or not
+        a cancellation reaches it: Python 3.11's ``asyncio.wait_for`` can swallow one
+        that arrives as its inner wait completes, and a runner stopping then waited on
+        the feed for ever (the NATS-restart test's rare hang, reproduced 1 run in 7)."""
+        self._closed = True
 
     async def subscribe(self) -> None:
         """Start buffering live events (call before catching up)."""
@@ -271,6 +283,8 @@ class CommittedFeed:
     async def _fetch(self, start: int) -> tuple[int, list[bytes]]:
         delay = 0.05
         while True:
+            if self._closed:
+                raise _FeedClosed
             try:
                 return await fetch_range(self.nc, self.run_id, start)
             except asyncio.CancelledError:
@@ -281,7 +295,14 @@ class CommittedFeed:
                 delay = min(delay * 2, 1.0)
 
     async def __aiter__(self) -> AsyncIterator[Envelope]:
-        while True:
+        try:
+            async for env in self._follow():
+                yield env
+        except _FeedClosed:
+            return
+
+    async def _follow(self) -> AsyncIterator[Envelope]:
+        while not self._closed:
             try:
                 data = await asyncio.wait_for(self._queue.get(), self.idle_poll_s)
             except TimeoutError:
@@ -438,6 +459,7 @@ class AgentRunner:
                         {nxt, stop_wait}, return_when=asyncio.FIRST_COMPLETED
                     )
                     if nxt not in done:
+                        feed.close()  # ends it even if the cancel below is swallowed
                         nxt.cancel()
                         with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
                             await nxt
