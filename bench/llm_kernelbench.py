@@ -110,6 +110,9 @@ def main() -> int:
     ap.add_argument("--max-in-flight", type=int, default=6)
     ap.add_argument("--timeout", type=float, default=560.0, help="kf run's wall-clock limit")
     ap.add_argument("--stage-timeout", type=float, default=300.0)
+    ap.add_argument(
+        "--tune-budget", type=int, default=None, help="kf run's --tune-budget (default: kf's)"
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     folder = args.out / "kernelbench_tasks"
@@ -129,6 +132,8 @@ def main() -> int:
             "--init", str(args.init), "--max-in-flight", str(args.max_in_flight),
             "--timeout", str(args.stage_timeout), "--db", str(db),
         ]  # fmt: skip
+        if args.tune_budget is not None:
+            cmd += ["--tune-budget", str(args.tune_budget)]
         print("$", " ".join(cmd), flush=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         try:
