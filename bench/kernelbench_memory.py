@@ -140,6 +140,21 @@ def sampled(
     return peak[0] - idle, seconds, out, rc, by_process
 
 
+def request_peaks(path: Path) -> dict[str, dict[str, float]]:
+    """From a ``kf eval --request-log`` file: per runner pid, per request op, the most
+    that runner's allocator reserved during such a request (MB)."""
+    peaks: dict[str, dict[str, float]] = {}
+    if not path.exists():
+        return peaks
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if not r["peak_mb"]:
+            continue
+        ops = peaks.setdefault(str(r["pid"]), {})
+        ops[r["op"]] = max(ops.get(r["op"], 0.0), r["peak_mb"])
+    return peaks
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("tasks", nargs="+", type=Path)
@@ -157,11 +172,13 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             cand = Path(tmp) / "candidate.py"
             cand.write_text(task.read_text() + "\n\nclass ModelNew(Model):\n    pass\n")
+            requests = Path(tmp) / "requests.jsonl"
             kf_mb, kf_s, kf_out, kf_rc, kf_procs = sampled(
                 [sys.executable, "-m", "kf.cli", "eval", str(task), str(cand), "--device",
-                 "cuda:0", "--json"],
+                 "cuda:0", "--json", "--request-log", str(requests)],
                 args.timeout, env,
             )  # fmt: skip
+            by_op = request_peaks(requests)
         verdict = "?"
         stages: dict[str, object] = {}
         try:
@@ -190,7 +207,11 @@ def main() -> int:
             "kf_peak_gb_per_process": {k: round(v / 1024, 2) for k, v in kf_procs.items()},
             "kernelbench_peak_gb": kb_mb / 1024,
             "kernelbench_s": kb_s,
-            "kernelbench": kb_out.strip().splitlines()[-1:] if kb_out.strip() else [kb_rc],
+            "kernelbench": [ln for ln in kb_out.splitlines() if ln.startswith("correct ")]
+            or [kb_rc],
+            # per runner (pid) and request: the most its allocator reserved (MB, kf's own
+            # figures, CUDA contexts not counted), from `kf eval --request-log`
+            "kf_request_peaks_mb": by_op,
             "kf_peak_gb": kf_mb / 1024,
             "kf_s": kf_s,
             "ratio": kf_mb / kb_mb if kb_mb > 0 else None,

@@ -359,3 +359,91 @@ def test_reference_keeps_made_sets_only_while_the_device_stays_half_free(
     ref.op_make_inputs(MakeInputs(seed=1, send=False))
     assert bool(ref.made) is kept
     assert 1 in ref.trials  # the trial itself is held either way
+
+
+def test_scaled_inputs_are_scaled_in_place_unless_the_task_keeps_them() -> None:
+    """A hidden distribution's set is the task's fresh one scaled in place (a scaled copy
+    beside it was one more set on the device: 8 GiB for the mat-vec task's matrix); a
+    tensor the task keeps and returns again, or one sharing its storage, is copied and
+    left as it was; the values are those of an out-of-place product either way."""
+    from kf.evaluation.variants import scale_inputs
+
+    kept = torch.randn(8)
+    before = kept.clone()
+    fresh = torch.randn(8)
+    want = [fresh * 3.0, kept * 3.0, kept * 3.0, kept[2:] * 3.0, torch.arange(3)]
+    values = [fresh, kept, kept.detach(), kept[2:], torch.arange(3)]
+    fresh_ptr = fresh.data_ptr()
+    del fresh
+    got = scale_inputs(torch, values, 3.0)
+    assert got is not None
+    assert got[0].data_ptr() == fresh_ptr  # nothing else held it: scaled where it lay
+    assert all(g.data_ptr() != kept.data_ptr() for g in got[1:4])
+    assert torch.equal(kept, before)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert scale_inputs(torch, [torch.arange(3)], 3.0) is None
+
+
+def test_audit_makes_each_set_with_no_earlier_one_alive() -> None:
+    """The audit's input sets (trial seeds, then the first's scaled) are made one at a
+    time: when the task's get_inputs() runs, no set the reference was called on is still
+    held (a scaled set kept across the generator's yield was a second set on the device)."""
+    import weakref
+
+    from kf.evaluation.protocol import Audit
+
+    ref, _ = runner_pair((FIXTURES / "honest_cpp.py").read_text(), {}, {})
+    seen: list[weakref.ref[torch.Tensor]] = []
+    alive_at_make: list[int] = []
+    model, module = ref.model, ref.task_module
+    original = module.get_inputs
+
+    def forward(*inputs: torch.Tensor) -> torch.Tensor:
+        seen.extend(weakref.ref(v) for v in inputs)
+        return model(*inputs)
+
+    def get_inputs() -> list[torch.Tensor]:
+        alive_at_make.append(sum(r() is not None for r in seen))
+        return original()
+
+    ref.model = forward
+    module.get_inputs = get_inputs
+    try:
+        reply = ref.op_audit(Audit(seeds=[1, 2, 3], scales=[3.0, 0.01]))
+    finally:
+        module.get_inputs = original
+    assert reply.input_sets == 5
+    assert alive_at_make == [0, 0, 0, 0, 0]
+
+
+def test_profile_reference_makes_only_the_fresh_set_it_judges(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When the candidate makes its own inputs from seeds, the reference makes only the
+    fresh set whose output it judges before the fresh timing, not every set the candidate
+    times (each was another set on the device at KernelBench's sizes); the candidate
+    still times every fresh set."""
+    from kf.evaluation import RunnerPool, evaluate
+    from kf.evaluation.grading import _FRESH_SETS
+    from kf.evaluation.runner_handle import REQUESTS
+    from kf.tasks import load_task
+
+    monkeypatch.setenv("KF_TENSOR_TRANSPORT", "seed")
+    REQUESTS.clear()
+    pool = RunnerPool(size=2, threads=1)
+    pool.start()
+    try:
+        result = evaluate(
+            load_task(FIXTURES / "task_gelu.py"), (FIXTURES / "honest_cpp.py").read_text(),
+            pool=pool, timeout_s=90, profile_options={"min_time_s": 0.05, "warmup": 2,
+            "min_trials": 10}, profile=True,
+        )  # fmt: skip
+    finally:
+        pool.close()
+    assert result.passed, result.error
+    assert result.profile is not None and result.profile.fresh_runtime_ms > 0
+    ops = [r.op for r in REQUESTS]
+    fresh = len(ops) - 1 - ops[::-1].index("time_inputs")
+    batch = fresh - 1 - ops[:fresh][::-1].index("batch")
+    assert ops[batch:fresh].count("make_inputs") == 1
+    assert _FRESH_SETS > 1

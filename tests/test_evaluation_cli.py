@@ -22,9 +22,16 @@ def single_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KF_EVAL_THREADS", "1")
 
 
-def test_eval_honest_json_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
-    """An honest candidate exits 0 and prints JSON with the documented fields."""
-    assert main([TASK, str(FIXTURES / "honest.py"), "--json", "--seed", "3"]) == 0
+def test_eval_honest_json_exits_zero(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """An honest candidate exits 0 and prints JSON with the documented fields; its
+    request log holds every stage's runner requests, with no device memory on a CPU."""
+    log = tmp_path / "requests.jsonl"
+    argv = [TASK, str(FIXTURES / "honest.py"), "--json", "--seed", "3", "--request-log", str(log)]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    ops = {r["op"] for r in rows}
+    assert {"load_candidate", "make_inputs", "run", "check", "time", "time_inputs"} <= ops
+    assert all(r["peak_mb"] == 0 and r["wall_s"] >= 0 and r["pid"] > 0 for r in rows)
     out = json.loads(capsys.readouterr().out)
     for key in (
         "compiled",

@@ -59,13 +59,15 @@ def audit_reference(runner: Any, msg: Audit) -> Audited:
     tol = None if msg.tol is None else msgspec.to_builtins(msg.tol)
 
     def sets() -> Iterator[list[Any]]:
-        """The input sets, one at a time (at KernelBench's sizes a set is gigabytes)."""
+        """The input sets, one at a time (at KernelBench's sizes a set is gigabytes): none
+        is held here while the next is made (a set kept in a local across the ``yield``
+        was a second one on the device)."""
         for s in seeds:
             yield runner._get_inputs(s)
         for factor in scales:
-            scaled = scale_inputs(torch, runner._get_inputs(seeds[0]), factor)
-            if scaled is not None:
-                yield scaled
+            scaled = [scale_inputs(torch, runner._get_inputs(seeds[0]), factor) or []]
+            if scaled[0]:
+                yield scaled.pop()
 
     def zeros_pass(expected: list[Any]) -> bool:
         """Whether all zeros pass against ``expected``: compared a chunk at a time, since
@@ -95,12 +97,14 @@ def audit_reference(runner: Any, msg: Audit) -> Audited:
     spread = scale = 0.0
     for raw in sets():
         inputs = [runner.backend.to_device(v) for v in raw]
+        del raw
         try:
             with torch.no_grad():
                 out = runner.model(*inputs)
         except Exception:  # a distribution the reference rejects is not part of the audit
             continue
-        del inputs, raw
+        finally:
+            del inputs  # before the next set is made
         flat = [out] if isinstance(out, torch.Tensor) else list(out)
         other = [o.detach() for o in flat if isinstance(o, torch.Tensor)]
         del out, flat

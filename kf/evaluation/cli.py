@@ -53,6 +53,13 @@ def _parser() -> argparse.ArgumentParser:
 
     add_options(p)
     p.add_argument(
+        "--request-log",
+        metavar="FILE",
+        help="write every runner request as a JSON line (its op, the runner's pid, the "
+        "seconds it took, and on a GPU the device memory the runner reserved at most "
+        "during it and held after it, in MB): where an evaluation's time and memory go",
+    )
+    p.add_argument(
         "--unsafe-no-sandbox",
         action="store_true",
         help="run the candidate outside kf's bubblewrap box (it can then read kf's "
@@ -143,6 +150,24 @@ def _compiled_line(p: ProfileReport) -> str:
     )
 
 
+def _write_request_log(path: Path) -> None:
+    """The evaluation's runner requests (:data:`kf.evaluation.sandbox.REQUESTS`) as JSON
+    lines, in the order they ended."""
+    from kf.evaluation.sandbox import REQUESTS
+
+    with path.open("w", encoding="utf-8") as out:
+        for r in list(REQUESTS):
+            row = {
+                "op": r.op,
+                "pid": r.pid,
+                "wall_s": round(r.wall_s, 4),
+                "runner_s": round(r.runner_s, 4),
+                "peak_mb": round(r.peak_bytes / 1e6, 1),
+                "held_mb": round(r.held_bytes / 1e6, 1),
+            }
+            out.write(json.dumps(row) + "\n")
+
+
 def main(argv: list[str]) -> int:
     """Run ``kf eval`` with ``argv`` (the arguments after ``eval``); return the exit status."""
     if not structlog.is_configured():  # keep stdout for the result (--json)
@@ -185,6 +210,8 @@ def main(argv: list[str]) -> int:
     except (TaskError, DeviceError, RunnerStartError, SandboxUnavailable) as exc:
         print(f"kf eval: {exc}", file=sys.stderr)
         return 2
+    if args.request_log:
+        _write_request_log(Path(args.request_log))
     if args.json:
         print(json.dumps(result.summary()))
     else:

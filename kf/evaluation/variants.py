@@ -27,6 +27,7 @@ input tensor multiplied by the factor, integer inputs (indices, sizes) left alon
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -193,8 +194,44 @@ def _capped_growth(torch: Any, module: Any, name: str, base_bytes: int) -> int:
 
 def scale_inputs(torch: Any, values: list[Any], factor: float) -> list[Any] | None:
     """``values`` with every floating-point tensor multiplied by ``factor``; None when
-    there is no floating-point input to scale."""
+    there is no floating-point input to scale.
+
+    ``values`` is a set the caller has just made and lets go of (``get_inputs()``'s), so
+    a tensor that nothing else holds (no other reference to it or to its storage, not a
+    view) is scaled in place: at KernelBench's sizes a scaled copy beside the original is
+    one more set of device memory (8 GiB for the mat-vec task's matrix). A tensor the
+    task keeps elsewhere (a module-level input it returns each time) is copied, so later
+    sets are not scaled too; in place or not, the values are the same."""
     floats = [isinstance(v, torch.Tensor) and v.is_floating_point() for v in values]
     if not any(floats):
         return None
-    return [v * factor if is_float else v for v, is_float in zip(values, floats, strict=True)]
+    alone = _unshared(torch, values)
+    return [
+        (v.mul_(factor) if own else v * factor) if is_float else v
+        for v, is_float, own in zip(values, floats, alone, strict=True)
+    ]
+
+
+def _unshared(torch: Any, values: list[Any]) -> list[bool]:
+    """For each of ``values``: whether it is a tensor held only by ``values`` (one
+    reference, one user of its storage, not a view), judged against a tensor made here
+    and held the same way, since the counts differ by Python and PyTorch version."""
+    uses = getattr(torch._C, "_storage_Use_Count", None)
+    if uses is None:  # no way to see who shares a storage: copy every one
+        return [False] * len(values)
+    probe = [torch.empty(1)]
+    (refs_alone,) = _references(probe)
+    uses_alone = uses(probe[0].untyped_storage()._cdata)
+    refs = _references(values)
+    return [
+        isinstance(v, torch.Tensor)
+        and v._base is None
+        and n <= refs_alone
+        and uses(v.untyped_storage()._cdata) <= uses_alone
+        for v, n in zip(values, refs, strict=True)
+    ]
+
+
+def _references(values: list[Any]) -> list[int]:
+    """``sys.getrefcount`` of each of ``values``, each counted the same way."""
+    return [sys.getrefcount(v) for v in values]
