@@ -179,6 +179,9 @@ def main() -> int:
                 args.timeout, env,
             )  # fmt: skip
             by_op = request_peaks(requests)
+            # the whole log, in order: which request held what, while which other runner
+            # held what (per-op maxima alone do not say)
+            log_rows = requests.read_text().splitlines() if requests.exists() else []
         verdict = "?"
         stages: dict[str, object] = {}
         try:
@@ -212,6 +215,7 @@ def main() -> int:
             # per runner (pid) and request: the most its allocator reserved (MB, kf's own
             # figures, CUDA contexts not counted), from `kf eval --request-log`
             "kf_request_peaks_mb": by_op,
+            "kf_request_log": [json.loads(line) for line in log_rows],
             "kf_peak_gb": kf_mb / 1024,
             "kf_s": kf_s,
             "ratio": kf_mb / kb_mb if kb_mb > 0 else None,

@@ -36,10 +36,14 @@ def test_adversarial_gpu_side_stream_is_flagged_and_timed() -> None:
     assert result.profile is None or result.profile.speedup < 10 or not result.profile.ok
 
 
-def test_adversarial_gpu_microsecond_kernel_not_suspect_side_stream_still_is() -> None:
+def test_adversarial_gpu_microsecond_kernel_not_suspect_side_stream_still_caught() -> None:
     """An honest Triton kernel of a few µs a call (64 × 1024) is not suspect, although the
     grader's wall clock sees the launch, synchronisation and L2 flush of every sample; the
-    side-stream cheat on a task big enough to matter still is (timer_disagreement)."""
+    side-stream cheat on a task big enough to matter is flagged (``stream``) and either
+    suspect (timer_disagreement) or timed as it really runs: its stated time is not under
+    two thirds of the grader's wall clock a call over a batch (the cross-check's ratio).
+    Which of the two depends on the run (on the H200 in 2026-12-01's trust table it was
+    suspect; in 2026-12-02's test run its two clocks agreed: 0.17 ms a call)."""
     quick = {"min_time_s": 0.05, "warmup": 2, "min_trials": 10}
     honest = evaluate(
         load_task(FIXTURES / "task_gelu.py"),
@@ -60,5 +64,11 @@ def test_adversarial_gpu_microsecond_kernel_not_suspect_side_stream_still_is() -
         device="cuda:0",
         profile_options=quick,
     )
-    assert cheat.suspect, cheat.flags
-    assert any(f.startswith("timer_disagreement:") for f in cheat.flags), cheat.flags
+    assert any(f.startswith("stream:") for f in cheat.flags), cheat.flags
+    profile = cheat.profile
+    assert profile is not None and profile.ok, cheat.error
+    if not cheat.suspect:  # then the side stream's work was in its stated time
+        assert profile.runtime_ms * 1.5 >= profile.outside_wall_ms, (
+            profile.runtime_ms,
+            profile.outside_wall_ms,
+        )
