@@ -7,6 +7,7 @@ Tensors are compared on the reference's device (the GPU for a GPU task).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -179,9 +180,14 @@ def fingerprint(torch: Any, tensor: Any) -> Fingerprint:
     return Fingerprint(tuple(t.shape), t.dtype, tuple(sums))
 
 
+def tensor_bytes(torch: Any, values: Iterable[Any]) -> int:
+    """The bytes of the tensors among ``values`` (anything else counts nothing)."""
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
 def is_large(torch: Any, value: Any, above: int) -> bool:
     """Whether ``value`` is a tensor of ``above`` bytes or more (checked by checksums)."""
-    return isinstance(value, torch.Tensor) and value.numel() * value.element_size() >= above
+    return isinstance(value, torch.Tensor) and tensor_bytes(torch, [value]) >= above
 
 
 def checkable(torch: Any, inputs: list[Any], above: int) -> list[Any]:

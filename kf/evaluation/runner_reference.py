@@ -97,12 +97,14 @@ class ReferenceRole(RunnerBase):
         if made is None:
             self._make_room()
             made = self._make(seed, variant, scale)
-            self._remember(key, made)
-        else:
+        memory = self._device_memory()  # with the set made: for the cache and the reply
+        if reused:
             self.made.move_to_end(key)
+        else:
+            self._remember(key, made, memory)
         if made.pristine is None:
             return msgspec.structs.replace(made.reply, reused=reused)
-        reply = msgspec.structs.replace(made.reply, reused=reused, **self._device_memory())
+        reply = msgspec.structs.replace(made.reply, reused=reused, **memory)
         self._inputs, self._inputs_from = None, made.pristine
         # a check follows its own trial's inputs; keeping every trial's inputs and outputs
         # would hold tens of GB at KernelBench's sizes
@@ -142,21 +144,20 @@ class ReferenceRole(RunnerBase):
         return max(self.made_budget, runner_common._TRIALS_FLOOR)
 
     def _nbytes(self, trial: tuple[list[Any], list[Any]]) -> int:
-        torch = self.torch
-        return sum(
-            v.numel() * v.element_size()
-            for v in (*trial[0], *trial[1])
-            if isinstance(v, torch.Tensor)
-        )
+        """The bytes of a trial's inputs and outputs."""
+        from kf.evaluation.compare import tensor_bytes
 
-    def _remember(self, key: tuple[int, int, int | None, float | None], made: _Made) -> None:
+        return tensor_bytes(self.torch, (*trial[0], *trial[1]))
+
+    def _remember(
+        self, key: tuple[int, int, int | None, float | None], made: _Made, memory: dict[str, int]
+    ) -> None:
         """Keep what was made for later candidates, within ``made_budget`` bytes, and on a
         GPU only while the device stays at least half free with it kept: every task's
         reference runner keeps such a cache while idle, and those of a many-task run add
         up beside the task being evaluated."""
         if made.nbytes > self.made_budget:
             return
-        memory = self._device_memory()
         if memory and memory["device_free_bytes"] - made.nbytes < memory["device_total_bytes"] // 2:
             return
         self.made[key] = made
@@ -284,12 +285,7 @@ class ReferenceRole(RunnerBase):
                 else ""
             ),
         )
-        nbytes = sum(
-            v.numel() * v.element_size()
-            for v in (*pristine, *expected)
-            if isinstance(v, torch.Tensor)
-        )
-        return _Made(reply, pristine, expected, nbytes)
+        return _Made(reply, pristine, expected, self._nbytes((pristine, expected)))
 
     def _scaled_inputs(self, seed: int, scale: float) -> _Made:
         """The task's inputs for ``seed`` with floating-point tensors scaled: none when

@@ -31,6 +31,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from kf.evaluation.compare import tensor_bytes
+
 __all__ = ["SCALES", "derived_shapes", "scale_inputs", "size_constants"]
 
 #: hidden input distributions: factors applied to the task's floating-point inputs
@@ -60,10 +62,6 @@ def _growths(size: int) -> list[int]:
         step //= 2
     out.append(_odd(size + 1))
     return [g for i, g in enumerate(out) if g > size and g not in out[:i]]
-
-
-def _nbytes(torch: Any, values: list[Any]) -> int:
-    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
 def _on_meta(torch: Any, module: Any, values: dict[str, int]) -> list[Any] | None:
@@ -129,7 +127,7 @@ def derived_shapes(
     base = probe if probe is not None else get_inputs(seed)
     names = size_constants(torch, module, base)
     base_shapes = _shapes(torch, base)
-    base_bytes = _nbytes(torch, base)
+    base_bytes = tensor_bytes(torch, base)
     found = False
     if names:
         del base  # the sets below are made afresh; at these sizes the base is gigabytes
@@ -187,7 +185,7 @@ def _capped_growth(torch: Any, module: Any, name: str, base_bytes: int) -> int:
     sizes = _growths(int(getattr(module, name)))
     for size in sizes:
         made = _on_meta(torch, module, {name: size})
-        if made is not None and _nbytes(torch, made) <= GROW_CAP * base_bytes:
+        if made is not None and tensor_bytes(torch, made) <= GROW_CAP * base_bytes:
             return size
     return sizes[-1]
 
