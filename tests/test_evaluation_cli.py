@@ -31,7 +31,9 @@ def test_eval_honest_json_exits_zero(capsys: pytest.CaptureFixture[str], tmp_pat
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     ops = {r["op"] for r in rows}
     assert {"load_candidate", "make_inputs", "run", "check", "time", "time_inputs"} <= ops
-    assert all(r["peak_mb"] == 0 and r["wall_s"] >= 0 and r["pid"] > 0 for r in rows)
+    assert all(
+        r["peak_mb"] == r["allocated_mb"] == 0 and r["wall_s"] >= 0 and r["pid"] > 0 for r in rows
+    )
     out = json.loads(capsys.readouterr().out)
     for key in (
         "compiled",

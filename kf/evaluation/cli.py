@@ -56,8 +56,9 @@ def _parser() -> argparse.ArgumentParser:
         "--request-log",
         metavar="FILE",
         help="write every runner request as a JSON line (its op, the runner's pid, the "
-        "seconds it took, and on a GPU the device memory the runner reserved at most "
-        "during it and held after it, in MB): where an evaluation's time and memory go",
+        "seconds it took, and on a GPU the device memory the runner's allocator reserved "
+        "and allocated, at most during it and after it, in MB): where an evaluation's "
+        "time and memory go",
     )
     p.add_argument(
         "--unsafe-no-sandbox",
@@ -164,6 +165,8 @@ def _write_request_log(path: Path) -> None:
                 "runner_s": round(r.runner_s, 4),
                 "peak_mb": round(r.peak_bytes / 1e6, 1),
                 "held_mb": round(r.held_bytes / 1e6, 1),
+                "peak_allocated_mb": round(r.peak_allocated_bytes / 1e6, 1),
+                "allocated_mb": round(r.allocated_bytes / 1e6, 1),
             }
             out.write(json.dumps(row) + "\n")
 

@@ -69,13 +69,18 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
 
 class Reply(Message, frozen=True, kw_only=True):
     """A runner's answer to request ``id``: ``took_ns`` in its handler, its audit hook's
-    findings so far, and (CUDA) its allocator's reserved bytes, most and last, as it says."""
+    findings so far, and (CUDA) its allocator's reserved and allocated bytes, most and
+    last, as it says."""
 
     id: int = 0
     took_ns: int = 0
     findings: tuple[str, ...] = ()
     peak_bytes: int = 0  # diagnostics (peak_device_mb), never part of a verdict
     held_bytes: int = 0
+    #: of those, the bytes in live tensors (the rest is the allocator's cache and
+    #: fragments), most and last: diagnostics only
+    peak_allocated_bytes: int = 0
+    allocated_bytes: int = 0
 
 
 _R = TypeVar("_R", bound=Reply)

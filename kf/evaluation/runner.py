@@ -176,14 +176,16 @@ def _cuda_of(runner: Any) -> Any:
 
 
 def _memory(cuda: Any) -> dict[str, int]:
-    """The reply's device-memory fields: the caching allocator's reserved bytes, at most
-    during the request and at its end (none off a GPU)."""
+    """The reply's device-memory fields: the caching allocator's reserved and allocated
+    bytes, at most during the request and at its end (none off a GPU)."""
     if cuda is None:
         return {}
     try:
         return {
             "peak_bytes": int(cuda.max_memory_reserved()),
             "held_bytes": int(cuda.memory_reserved()),
+            "peak_allocated_bytes": int(cuda.max_memory_allocated()),
+            "allocated_bytes": int(cuda.memory_allocated()),
         }
     except Exception:  # a device lost mid-request: the reply says so already
         return {}

@@ -68,6 +68,9 @@ class RequestTiming(NamedTuple):
     #: at its end, as the runner states them (:class:`kf.evaluation.protocol.Reply`)
     peak_bytes: int = 0
     held_bytes: int = 0
+    #: of those, the bytes in live tensors, most and last
+    peak_allocated_bytes: int = 0
+    allocated_bytes: int = 0
 
 
 class RunnerError(Exception):
@@ -305,8 +308,13 @@ class RunnerHandle:
         runner_s = answer.took_ns / 1e9 if answer is not None else 0.0
         phases = reply.phases_ns if isinstance(reply, protocol.Ran) else None
         detail = {k: v / 1e9 for k, v in phases.items()} if phases else None
-        peak, held = (answer.peak_bytes, answer.held_bytes) if answer is not None else (0, 0)
-        timing = RequestTiming(op, ended - began, runner_s, ended, self.pid, detail, peak, held)
+        memory = (
+            (answer.peak_bytes, answer.held_bytes, answer.peak_allocated_bytes,
+             answer.allocated_bytes)
+            if answer is not None
+            else (0, 0, 0, 0)
+        )  # fmt: skip
+        timing = RequestTiming(op, ended - began, runner_s, ended, self.pid, detail, *memory)
         REQUESTS.append(timing)
         expected = protocol.reply_type(message)
         forged = answer is None or answer.id != request_id
