@@ -447,3 +447,17 @@ def test_profile_reference_makes_only_the_fresh_set_it_judges(
     batch = fresh - 1 - ops[:fresh][::-1].index("batch")
     assert ops[batch:fresh].count("make_inputs") == 1
     assert _FRESH_SETS > 1
+
+
+@pytest.mark.parametrize(("budget", "kept"), [(1 << 20, True), (8192, False)])
+def test_reference_keeps_only_sets_small_beside_its_cache_budget(budget: int, kept: bool) -> None:
+    """A made set is kept for the task's later candidates only when it is at most an
+    eighth of the cache budget (here the set is 4096 bytes): at KernelBench's sizes a
+    kept set within the budget was gigabytes beside every later request (HuberLoss: its
+    gate's smaller shape, 5.4 GB, through the whole profile)."""
+    ref = _reference(writes=False)
+    ref.made_budget = budget
+    ref.op_make_inputs(MakeInputs(seed=1, send=False))
+    assert bool(ref.made) is kept
+    assert 1 in ref.trials  # the trial itself is held either way
+    assert ref.op_make_inputs(MakeInputs(seed=1, send=False)).reused is kept

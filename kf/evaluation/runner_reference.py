@@ -28,6 +28,9 @@ from kf.evaluation.runner_common import (
     _tb,
 )
 
+#: the largest share of a reference runner's cache budget one kept set may take
+CACHED_SET_SHARE = 1 / 8
+
 
 class _WroteItsInputs(Exception):
     """The reference's forward changed an input it was called on in place of a copy."""
@@ -152,11 +155,15 @@ class ReferenceRole(RunnerBase):
     def _remember(
         self, key: tuple[int, int, int | None, float | None], made: _Made, memory: dict[str, int]
     ) -> None:
-        """Keep what was made for later candidates, within ``made_budget`` bytes, and on a
-        GPU only while the device stays at least half free with it kept: every task's
-        reference runner keeps such a cache while idle, and those of a many-task run add
-        up beside the task being evaluated."""
-        if made.nbytes > self.made_budget:
+        """Keep what was made for later candidates, within ``made_budget`` bytes, a set
+        of at most :data:`CACHED_SET_SHARE` of it, and on a GPU only while the device
+        stays at least half free with it kept: every task's reference runner keeps such a
+        cache while idle, and those of a many-task run add up beside the task being
+        evaluated. A kept set spares a reference forward, which is worth its memory for
+        small sets made often; at KernelBench's sizes a kept set was gigabytes held beside
+        every later request (HuberLoss: its gate's smaller shape, 5.4 GB, through the
+        whole profile, while the task's own sets, just over the budget, were not kept)."""
+        if made.nbytes > self.made_budget * CACHED_SET_SHARE:
             return
         if memory and memory["device_free_bytes"] - made.nbytes < memory["device_total_bytes"] // 2:
             return
