@@ -132,14 +132,17 @@ def test_cuda_probe_reports_device_and_measurements() -> None:
 
 @needs_gpu
 @pytest.mark.parametrize("seed", ["gelu_residual.py", "gelu_residual.triton.py"])
-def test_cuda_evaluate_seed_is_correct_and_faster(seed: str) -> None:
-    """The NVRTC and Triton seeds pass verification on the GPU and beat eager PyTorch."""
+def test_cuda_evaluate_seed_is_correct_and_profiled(seed: str) -> None:
+    """The NVRTC and Triton seeds pass verification on the GPU and are profiled against
+    eager PyTorch (how much faster they are is bench/gpu_pipeline.py's to say: a timing
+    is no test's assertion)."""
     from kf.evaluation import evaluate
     from kf.tasks import load_task
 
     result = evaluate(load_task(TASK), (SEEDS / seed).read_text(), device="cuda:0")
     assert result.correct, result.error
-    assert result.profile is not None and result.profile.speedup > 1.0
+    assert result.profile is not None and result.profile.ok, result.error
+    assert result.profile.runtime_ms > 0 and result.profile.ref_runtime_ms > 0
     # the stages state the most device memory their runners held at once: at least the
     # task's one 134 MB input and its output (4096 x 8192 fp32 each)
     assert result.verify is not None
