@@ -284,10 +284,9 @@ def test_reference_times_a_large_set_it_does_not_write_without_a_copy(
         assert torch.equal(pristine[0], ref.task_module.get_inputs()[0])
 
 
-def test_profile_trims_the_reference_before_the_fresh_timing() -> None:
-    """The candidate holds two input sets while it times fresh ones against repeated ones;
-    the reference is asked to let its sets go first (it does when they are large), so
-    the two runners do not hold three sets at once."""
+def _profiled_requests() -> list[str]:
+    """The runner requests' ops, in order, of a whole evaluation (profiled, its fresh
+    inputs timed) of the honest candidate on the small task."""
     from kf.evaluation import RunnerPool, evaluate
     from kf.evaluation.runner_handle import REQUESTS
     from kf.tasks import load_task
@@ -304,7 +303,15 @@ def test_profile_trims_the_reference_before_the_fresh_timing() -> None:
     finally:
         pool.close()
     assert result.passed, result.error
-    ops = [r.op for r in REQUESTS]
+    assert result.profile is not None and result.profile.fresh_runtime_ms > 0
+    return [r.op for r in REQUESTS]
+
+
+def test_profile_trims_the_reference_before_the_fresh_timing() -> None:
+    """The candidate holds two input sets while it times fresh ones against repeated ones;
+    the reference is asked to let its sets go first (it does when they are large), so
+    the two runners do not hold three sets at once."""
+    ops = _profiled_requests()
     fresh = len(ops) - 1 - ops[::-1].index("time_inputs")
     assert "trim" in ops[:fresh]
     last_trim = fresh - 1 - ops[:fresh][::-1].index("trim")
@@ -382,6 +389,8 @@ def test_scaled_inputs_are_scaled_in_place_unless_the_task_keeps_them() -> None:
     assert torch.equal(kept, before)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert scale_inputs(torch, [torch.arange(3)], 3.0) is None
+    leaf = scale_inputs(torch, [torch.ones(3, requires_grad=True)], 3.0)  # copied, no error
+    assert leaf is not None and torch.equal(leaf[0].detach(), torch.full((3,), 3.0))
 
 
 def test_audit_makes_each_set_with_no_earlier_one_alive() -> None:
@@ -423,26 +432,10 @@ def test_profile_reference_makes_only_the_fresh_set_it_judges(
     fresh set whose output it judges before the fresh timing, not every set the candidate
     times (each was another set on the device at KernelBench's sizes); the candidate
     still times every fresh set."""
-    from kf.evaluation import RunnerPool, evaluate
     from kf.evaluation.grading import _FRESH_SETS
-    from kf.evaluation.runner_handle import REQUESTS
-    from kf.tasks import load_task
 
     monkeypatch.setenv("KF_TENSOR_TRANSPORT", "seed")
-    REQUESTS.clear()
-    pool = RunnerPool(size=2, threads=1)
-    pool.start()
-    try:
-        result = evaluate(
-            load_task(FIXTURES / "task_gelu.py"), (FIXTURES / "honest_cpp.py").read_text(),
-            pool=pool, timeout_s=90, profile_options={"min_time_s": 0.05, "warmup": 2,
-            "min_trials": 10}, profile=True,
-        )  # fmt: skip
-    finally:
-        pool.close()
-    assert result.passed, result.error
-    assert result.profile is not None and result.profile.fresh_runtime_ms > 0
-    ops = [r.op for r in REQUESTS]
+    ops = _profiled_requests()
     fresh = len(ops) - 1 - ops[::-1].index("time_inputs")
     batch = fresh - 1 - ops[:fresh][::-1].index("batch")
     assert ops[batch:fresh].count("make_inputs") == 1

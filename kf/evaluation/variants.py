@@ -212,8 +212,9 @@ def scale_inputs(torch: Any, values: list[Any], factor: float) -> list[Any] | No
 
 def _unshared(torch: Any, values: list[Any]) -> list[bool]:
     """For each of ``values``: whether it is a tensor held only by ``values`` (one
-    reference, one user of its storage, not a view), judged against a tensor made here
-    and held the same way, since the counts differ by Python and PyTorch version."""
+    reference, one user of its storage, not a view, not needing grad), judged against a
+    tensor made here and held the same way, since the counts differ by Python and
+    PyTorch version."""
     uses = getattr(torch._C, "_storage_Use_Count", None)
     if uses is None:  # no way to see who shares a storage: copy every one
         return [False] * len(values)
@@ -223,6 +224,7 @@ def _unshared(torch: Any, values: list[Any]) -> list[bool]:
     refs = _references(values)
     return [
         isinstance(v, torch.Tensor)
+        and not v.requires_grad  # an in-place product of a leaf that needs grad raises
         and v._base is None
         and n <= refs_alone
         and uses(v.untyped_storage()._cdata) <= uses_alone
