@@ -69,16 +69,15 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
 
 class Reply(Message, frozen=True, kw_only=True):
     """A runner's answer to request ``id``: ``took_ns`` in its handler, its audit hook's
-    findings so far, and (CUDA) its allocator's reserved and allocated bytes, most and
-    last, as it says."""
+    findings so far, and (CUDA) its allocator's bytes reserved (``peak``, ``held``) and
+    in live tensors (``allocated``), most and last, as it says: diagnostics only
+    (``peak_device_mb``), never part of a verdict."""
 
     id: int = 0
     took_ns: int = 0
     findings: tuple[str, ...] = ()
-    peak_bytes: int = 0  # diagnostics (peak_device_mb), never part of a verdict
+    peak_bytes: int = 0
     held_bytes: int = 0
-    #: of those, the bytes in live tensors (the rest is the allocator's cache and
-    #: fragments), most and last: diagnostics only
     peak_allocated_bytes: int = 0
     allocated_bytes: int = 0
 
@@ -134,8 +133,7 @@ class InputsMade(Reply, frozen=True, kw_only=True, tag="inputs_made"):
     output_shapes: list[list[int]] = []
     output_dtypes: list[str] = []
     eager_ms: float = 0.0
-    #: which variant (its shapes), when one was asked for
-    variant: str = ""
+    variant: str = ""  #: which variant (its shapes), when one was asked for
     missing: str = ""
     #: the inputs for the candidate runner; None where it makes its own
     inputs: Blob | None = None
@@ -241,14 +239,11 @@ class Setup(Request[SetUp], frozen=True, kw_only=True, tag="setup"):
     ipc: bool = False  #: tensors as CUDA IPC handles (a CUDA device only)
     #: payloads of at least this many bytes of tensors as sealed memory files; None: never
     shm: int | None = None
-    #: a candidate runner makes each trial's inputs from its seed itself
-    own_inputs: bool = False
+    own_inputs: bool = False  #: a candidate runner makes each trial's inputs from its seed
     #: bytes of made inputs a reference runner keeps (-1: its device's default)
     reference_cache_bytes: int = 0
-    #: ``on``, ``off``, or None: as PyTorch starts
-    tf32: str | None = None
-    #: how much lower than grading the runner (a build) runs
-    nice: int = 0
+    tf32: str | None = None  #: ``on``, ``off``, or None: as PyTorch starts
+    nice: int = 0  #: how much lower than grading the runner (a build) runs
     device_inputs: bool = False  #: ``get_inputs()`` makes its tensors on the (CUDA) device
 
 
