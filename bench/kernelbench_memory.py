@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -140,14 +141,11 @@ def sampled(
     return peak[0] - idle, seconds, out, rc, by_process
 
 
-def request_peaks(path: Path) -> dict[str, dict[str, float]]:
-    """From a ``kf eval --request-log`` file: per runner pid, per request op, the most
+def request_peaks(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """From a ``kf eval --request-log``'s rows: per runner pid, per request op, the most
     that runner's allocator reserved during such a request (MB)."""
     peaks: dict[str, dict[str, float]] = {}
-    if not path.exists():
-        return peaks
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
+    for r in rows:
         if not r["peak_mb"]:
             continue
         ops = peaks.setdefault(str(r["pid"]), {})
@@ -178,10 +176,13 @@ def main() -> int:
                  "cuda:0", "--json", "--request-log", str(requests)],
                 args.timeout, env,
             )  # fmt: skip
-            by_op = request_peaks(requests)
             # the whole log, in order: which request held what, while which other runner
             # held what (per-op maxima alone do not say)
-            log_rows = requests.read_text().splitlines() if requests.exists() else []
+            log_rows = (
+                [json.loads(line) for line in requests.read_text().splitlines()]
+                if requests.exists()
+                else []
+            )
         verdict = "?"
         stages: dict[str, object] = {}
         try:
@@ -214,8 +215,8 @@ def main() -> int:
             or [kb_rc],
             # per runner (pid) and request: the most its allocator reserved (MB, kf's own
             # figures, CUDA contexts not counted), from `kf eval --request-log`
-            "kf_request_peaks_mb": by_op,
-            "kf_request_log": [json.loads(line) for line in log_rows],
+            "kf_request_peaks_mb": request_peaks(log_rows),
+            "kf_request_log": log_rows,
             "kf_peak_gb": kf_mb / 1024,
             "kf_s": kf_s,
             "ratio": kf_mb / kb_mb if kb_mb > 0 else None,
