@@ -41,13 +41,14 @@ for what in "$@"; do
       [ -f /tmp/bt/llmgpu0/run.db ] && backup /tmp/bt/llmgpu0/run.db "$out/llm.db"
       ;;
     ipc)  # the unboxed IPC comparison alone (it outlasted the tests step's limit)
-      KF_UNSAFE_NO_SANDBOX=1 step ipc "${IPC_LIMIT:-300}" python3 -m pytest -v -p no:cacheprovider \
+      step ipc "${IPC_LIMIT:-300}" env KF_UNSAFE_NO_SANDBOX=1 python3 -m pytest -v -p no:cacheprovider \
         --timeout "${IPC_LIMIT:-300}" --durations=5 \
         "tests/test_cuda.py::test_cuda_verification_over_ipc_matches_bytes_and_still_rejects"
       ;;
     memory)
       # MEM_TASKS (shared-kb/mem/*.py), MEM_LIMIT (560 s), MEM_TIMEOUT (300 s an eval)
-      KF_COMPILE_BASELINE=0 step memory "${MEM_LIMIT:-560}" python3 bench/kernelbench_memory.py \
+      # env, not a prefix assignment: before a shell function a prefix can outlive the call
+      step memory "${MEM_LIMIT:-560}" env KF_COMPILE_BASELINE=0 python3 bench/kernelbench_memory.py \
         ${MEM_TASKS:-shared-kb/mem/*.py} --timeout "${MEM_TIMEOUT:-300}" --out "$out/memory.json"
       ;;
     trust)
