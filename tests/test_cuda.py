@@ -205,3 +205,53 @@ def test_cuda_verification_over_ipc_matches_bytes_and_still_rejects(
         assert not bad.correct and bad.failure_kind == "mismatch", bad.error
         verdicts[transport] = ok.max_abs_err
     assert verdicts["ipc"] == pytest.approx(verdicts["bytes"], rel=1e-6, abs=1e-9)
+
+
+_BIG_TEMPORARY = """
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def forward(self, x):
+        return (x.repeat(8, 1) * 2).sum()  # 2 GiB of temporaries for a 128 MiB input
+
+def get_inputs():
+    return [torch.rand(8192, 4096)]
+
+def get_init_inputs():
+    return []
+"""
+
+
+@needs_gpu
+def test_cuda_timing_gives_its_temporaries_back_and_warms_up_first() -> None:
+    """The reference and candidate runners time in turn on one GPU: each gives the blocks
+    its calls' temporaries took back at the end of its turn (at KernelBench's HuberLoss
+    size, 8 GB each), and makes one untimed call before its next turn, so no sample pays
+    for allocating them again."""
+    import time
+
+    from kf.evaluation import runner_common
+    from kf.evaluation.protocol import LoadTask, MakeInputs, Setup, Time
+    from kf.evaluation.runner import Runner
+
+    ref = Runner(time.perf_counter_ns)
+    ref.op_setup(Setup(device="cuda:0", threads=1))
+    ref.op_load_task(LoadTask(source=_BIG_TEMPORARY, name="big_temporary", seed=3))
+    ref.op_make_inputs(MakeInputs(seed=1, send=False))
+    calls = 0
+    model = ref.model
+
+    def counted(*args: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return model(*args)
+
+    ref.model = counted
+    first = ref.op_time(Time(n=3))
+    cuda = torch.cuda
+    assert cuda.memory_reserved() - cuda.memory_allocated() <= runner_common._TRIM_ABOVE_BYTES
+    assert ref.cold and len(first.samples_ns) == 3
+    calls = 0
+    ref.op_time(Time(n=3))
+    assert calls == 4  # the warm-up, then the three timed

@@ -51,7 +51,7 @@ def _num(t: Any) -> Any:
 def audit_reference(runner: Any, msg: Audit) -> Audited:
     """The reference runner's side (``op_audit``): run ``Model`` on each seed's inputs
     and scaled copies of the first, and judge whether a constant would pass."""
-    from kf.evaluation.compare import _CHUNK, compare_outputs
+    from kf.evaluation.compare import _CHUNK, compact, compare_outputs
     from kf.evaluation.variants import scale_inputs
 
     torch = runner.torch
@@ -106,7 +106,8 @@ def audit_reference(runner: Any, msg: Audit) -> Audited:
         finally:
             del inputs  # before the next set is made
         flat = [out] if isinstance(out, torch.Tensor) else list(out)
-        other = [o.detach() for o in flat if isinstance(o, torch.Tensor)]
+        # compact: a loss's 0-d result can hold its full-size buffer (compare.oversized)
+        other = [compact(torch, o) for o in flat if isinstance(o, torch.Tensor)]
         del out, flat
         used += 1
         zeros_all = zeros_all and zeros_pass(other)

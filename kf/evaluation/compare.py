@@ -185,6 +185,35 @@ def tensor_bytes(torch: Any, values: Iterable[Any]) -> int:
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
+def aliases(torch: Any, a: Any, b: Any) -> bool:
+    """Whether two tensors share storage."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return True
+
+
+def oversized(torch: Any, value: Any) -> bool:
+    """Whether ``value`` is a tensor whose storage is much larger than its elements: a
+    reduction PyTorch computed in a full-size buffer (``smooth_l1_loss``'s 0-d result
+    keeps the elementwise loss's storage, 4.3 GB at KernelBench's size). Kept as it is,
+    the buffer stays on the device as long as the result does."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    try:
+        held = value.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool(held > 2 * tensor_bytes(torch, [value]) + (64 << 10))
+
+
+def compact(torch: Any, value: Any) -> Any:
+    """A tensor to keep: ``value`` detached, copied when it is :func:`oversized`."""
+    return value.detach().clone() if oversized(torch, value) else value.detach()
+
+
 def is_large(torch: Any, value: Any, above: int) -> bool:
     """Whether ``value`` is a tensor of ``above`` bytes or more (checked by checksums)."""
     return isinstance(value, torch.Tensor) and tensor_bytes(torch, [value]) >= above
