@@ -63,12 +63,18 @@ def test_eval_wrong_candidate_exits_one(capsys: pytest.CaptureFixture[str]) -> N
     assert "candidate failed" in captured.err
 
 
-def test_eval_broken_task_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
-    """A task that cannot be imported exits 2 with the file and cause on stderr."""
-    assert main([str(FIXTURES / "broken_task.py"), str(FIXTURES / "honest.py")]) == 2
+def test_eval_broken_task_exits_two(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A task that cannot be imported exits 2 with the file and cause on stderr; the
+    request log asked for is written all the same (an evaluation that ends in an error
+    is the one whose runner requests are looked at)."""
+    log = tmp_path / "requests.jsonl"
+    argv = [str(FIXTURES / "broken_task.py"), str(FIXTURES / "honest.py")]
+    assert main([*argv, "--request-log", str(log)]) == 2
     err = capsys.readouterr().err
     assert "broken_task.py" in err
     assert "ModuleNotFoundError" in err
+    assert log.exists()
+    assert all(json.loads(line)["op"] for line in log.read_text().splitlines())
 
 
 def test_eval_bad_usage_exits_two(capsys: pytest.CaptureFixture[str]) -> None:

@@ -213,8 +213,9 @@ def main(argv: list[str]) -> int:
     except (TaskError, DeviceError, RunnerStartError, SandboxUnavailable) as exc:
         print(f"kf eval: {exc}", file=sys.stderr)
         return 2
-    if args.request_log:
-        _write_request_log(Path(args.request_log))
+    finally:  # an evaluation that ends in an error is the one whose requests matter most
+        if args.request_log:
+            _write_request_log(Path(args.request_log))
     if args.json:
         print(json.dumps(result.summary()))
     else:
