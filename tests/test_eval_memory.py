@@ -490,3 +490,29 @@ def test_a_loss_result_is_kept_without_its_elementwise_buffer() -> None:
     assert torch.equal(expected[0], want)
     audited = ref.op_audit(Audit(seeds=[1, 2, 3]))
     assert audited.input_sets >= 2 and not audited.degenerate
+
+
+@pytest.mark.parametrize("writes", [False, True])
+def test_compile_check_calls_on_a_large_set_it_does_not_write_without_a_copy(
+    monkeypatch: pytest.MonkeyPatch, writes: bool
+) -> None:
+    """The check of ``torch.compile``'s output against eager calls both on the timed
+    inputs as the timed calls get them: a large input the forward does not write is
+    shared (copies were 6.4 GB each at KernelBench's sizes, in a ``kf run``'s profile);
+    a forward that writes its input gets copies, and the kept set is unchanged. The
+    compiler is left out (the identity): what is checked is what each call is given."""
+    from kf.evaluation.protocol import CompileBaseline
+
+    monkeypatch.setattr(runner_common, "FINGERPRINT_ABOVE", 0)
+    monkeypatch.setattr(torch, "compile", lambda model, **_: model)
+    ref = _reference(writes=writes)
+    ref.op_make_inputs(MakeInputs(seed=1, send=False))
+    pristine = ref.trials[1][0]
+    calls = ref.task_module.CALLS
+    calls.clear()
+    reply = ref.op_compile_baseline(CompileBaseline())
+    assert not reply.error, reply.error
+    assert len(calls) == 2  # compiled, then eager
+    assert all((ptr == pristine[0].data_ptr()) is not writes for ptr in calls)
+    torch.manual_seed(1)
+    assert torch.equal(pristine[0], ref.task_module.get_inputs()[0])
