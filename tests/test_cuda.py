@@ -225,14 +225,14 @@ def get_init_inputs():
 
 @needs_gpu
 def test_cuda_timing_gives_its_temporaries_back_and_warms_up_first() -> None:
-    """The reference and candidate runners time in turn on one GPU: each gives the blocks
-    its calls' temporaries took back at the end of its turn (at KernelBench's HuberLoss
-    size, 8 GB each), and makes one untimed call before its next turn, so no sample pays
-    for allocating them again."""
+    """The reference and candidate runners time in turn on one GPU: after its turn each
+    gives back the blocks its calls' temporaries took (``settle``; at KernelBench's
+    HuberLoss size, 8 GB each), and before its next makes one untimed call, so no
+    sample pays for allocating them again; the timed request makes only its own calls."""
     import time
 
     from kf.evaluation import runner_common
-    from kf.evaluation.protocol import LoadTask, MakeInputs, Setup, Time
+    from kf.evaluation.protocol import LoadTask, MakeInputs, Settle, Setup, Time
     from kf.evaluation.runner import Runner
 
     ref = Runner(time.perf_counter_ns)
@@ -248,10 +248,14 @@ def test_cuda_timing_gives_its_temporaries_back_and_warms_up_first() -> None:
         return model(*args)
 
     ref.model = counted
-    first = ref.op_time(Time(n=3))
+    ref.op_settle(Settle(warm=True))
+    assert len(ref.op_time(Time(n=3)).samples_ns) == 3
     cuda = torch.cuda
+    assert cuda.memory_reserved() - cuda.memory_allocated() > runner_common._TRIM_ABOVE_BYTES
+    ref.op_settle(Settle())
     assert cuda.memory_reserved() - cuda.memory_allocated() <= runner_common._TRIM_ABOVE_BYTES
-    assert ref.cold and len(first.samples_ns) == 3
+    assert ref.cold
     calls = 0
+    ref.op_settle(Settle(warm=True))
     ref.op_time(Time(n=3))
-    assert calls == 4  # the warm-up, then the three timed
+    assert calls == 4 and not ref.cold  # the warm-up, then the three timed

@@ -317,6 +317,7 @@ def test_profile_trims_the_reference_before_the_fresh_timing() -> None:
     last_trim = fresh - 1 - ops[:fresh][::-1].index("trim")
     # nothing between that trim and the fresh timing asks the reference for a set
     assert "make_inputs" not in ops[last_trim:fresh] and "check" not in ops[last_trim:fresh]
+    assert "settle" not in ops  # turns between timed requests: a GPU's (its cache)
 
 
 def test_a_stages_peak_is_one_runners_peak_plus_what_the_others_hold() -> None:
@@ -516,3 +517,26 @@ def test_compile_check_calls_on_a_large_set_it_does_not_write_without_a_copy(
     assert all((ptr == pristine[0].data_ptr()) is not writes for ptr in calls)
     torch.manual_seed(1)
     assert torch.equal(pristine[0], ref.task_module.get_inputs()[0])
+
+
+def test_settle_warms_up_outside_the_timed_requests_and_only_when_cold() -> None:
+    """On a GPU the runners take turns: after its turn a runner gives its cached blocks
+    back, and before its next one a ``settle`` request makes the untimed call that
+    allocates them again. The timed requests themselves make exactly the calls they
+    time (the grader's wall clock around them is compared with the samples), however
+    cold the runner is. On a CPU nothing is given back, so nothing is warmed."""
+    from kf.evaluation.protocol import Settle, Time
+
+    ref = _reference(writes=False)
+    ref.op_make_inputs(MakeInputs(seed=1, send=False))
+    calls = ref.task_module.CALLS
+    calls.clear()
+    ref.cold = True  # as after a GPU runner gave blocks back (a CPU runner never does)
+    assert len(ref.op_time(Time(n=3)).samples_ns) == 3
+    assert len(calls) == 3  # no warm-up inside the timed request
+    ref.op_settle(Settle(warm=True))
+    assert len(calls) == 4 and not ref.cold
+    ref.op_settle(Settle(warm=True))
+    assert len(calls) == 4  # warm already: no call
+    ref.op_settle(Settle())
+    assert not ref.cold  # nothing to give back on a CPU

@@ -61,6 +61,7 @@ EXAMPLES: list[p.Message] = [
     p.Time(id=8, n=20, compiled=True),
     p.TimeInputs(id=9, inputs=[BLOB, PIECES, SHARED], paired=True),
     p.Batch(id=10, n=1000),
+    p.Settle(id=10, warm=True, compiled=True),
     p.Counters(id=11),
     p.Trim(id=12, keep_bytes=0),
     p.Audit(id=13, seeds=[1, 2, 3], scales=[3.0, 0.01], tol=None),

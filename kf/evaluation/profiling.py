@@ -29,7 +29,7 @@ from kf.evaluation.grading import (
     _trim,
     log,
 )
-from kf.evaluation.protocol import Batch, Ping, Time, TimeInputs
+from kf.evaluation.protocol import Batch, Ping, Settle, Time, TimeInputs
 from kf.evaluation.reports import ProfileReport
 from kf.evaluation.sandbox import (
     Limits,
@@ -193,14 +193,23 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
             # Per request: (calls, wall ms less the round trip, sum of the samples in ms).
             batches: list[tuple[int, float, float]] = []
 
+            # On a GPU the two runners take turns: each gives its calls' temporaries back
+            # after its turn and allocates them again, untimed, before its next one;
+            # requests of their own, outside the wall clock around the timed ones
+            turns = device.startswith("cuda")
+
             def timed(is_candidate: bool, n: int) -> list[float]:
                 call = stage.candidate if is_candidate else stage.reference
+                if turns:
+                    call(Settle(warm=True), what="a warm-up call")
                 t0 = time.perf_counter_ns()
                 reply = call(Time(n=n), what=f"timing {n} calls")
                 samples = [ns / 1e6 for ns in reply.samples_ns]
                 if is_candidate:
                     spent = max(0, time.perf_counter_ns() - t0 - rtt_ns) / 1e6
                     batches.append((len(samples), spent, sum(samples)))
+                if turns:
+                    call(Settle(), what="giving cached blocks back")
                 return samples
 
             def timed_compiled(n: int) -> list[float]:
@@ -208,11 +217,15 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
                 if not compiled["on"]:
                     return []
                 try:
+                    if turns:
+                        ref.request(Settle(warm=True, compiled=True), stage.deadline.left())
                     reply = ref.request(
                         Time(n=n, compiled=True),
                         stage.deadline.left(),
                         what=f"timing {n} compiled",
                     )
+                    if turns:
+                        ref.request(Settle(), stage.deadline.left())
                 except (RunnerTimeout, RunnerCrashed) as exc:
                     why = f"the compiled reference lost its runner while timed: {exc}"
                     _baseline_lost[f"{session.reference_key}:{seed}"] = why
@@ -245,9 +258,13 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
 
             # Outside view: wall time of K back-to-back calls, minus one request's overhead.
             k = max(5, min(10_000, math.ceil(50.0 / max(c["mean"], 1e-3))))
+            if turns:
+                stage.candidate(Settle(warm=True), what="a warm-up call")
             t0 = time.perf_counter_ns()
             batch = stage.candidate(Batch(n=k), what=f"a batch of {k} calls")
             outside_ms = max(0.0, (time.perf_counter_ns() - t0 - rtt_ns) / 1e6 / k)
+            if turns:
+                stage.candidate(Settle(), what="giving cached blocks back")
             inside_ms = batch.total_ns / 1e6 / k
             # Same K calls seen by both clocks: machine noise cancels, a tampered clock does not.
             flags = list(cross_check_flags(inside_ms, outside_ms))

@@ -1,23 +1,19 @@
 """The grader ↔ runner protocol: one frozen struct per request and per reply, MessagePack
 on the runner's socket, decoded by one typed decoder per direction.
 
-Every message is a tagged struct (the tag, ``op``, is the request's name: ``run``,
-``check``…, and the reply's: ``ran``, ``checked``…). The grader sends a
-:class:`Request` and gets its reply (the request's type says which, :func:`reply_type`)
-or :class:`Failed`; in the middle of ``load_candidate`` a boxed runner may ask the grader
-for a build (:class:`BuildNative`, :class:`BuildInline`, answered with :class:`Built`);
-a runner's first message is :class:`Ready`. Bytes that do not decode to a message of the
-direction they travel in raise :class:`ForeignMessage` (and bytes that are not
-MessagePack :class:`ProtocolError`), which says what was wrong and where (``Expected
-`int`, got `str` - at `$.seed```): never a ``KeyError`` later. The grader takes a
-foreign message from a runner for tampering, garbled bytes for a crash.
-
-Tensors travel in :data:`Blob` fields, as ``torch.save`` bytes (in pieces over 1 GiB),
-CUDA IPC handles (:mod:`kf.evaluation.transport`, bytes too) or sealed memory files
-(:class:`kf.evaluation.shared_memory.Payload`, whose descriptors go beside the message).
-Nothing a runner sends is unpickled by the grader: control data is these structs, and
-payloads are opened only with ``torch.load(weights_only=True)``, in a candidate-free
-reference runner.
+Every message is a tagged struct (its tag, ``op``, names it: ``run``, ``ran``…). The
+grader sends a :class:`Request` and gets its reply (:func:`reply_type`) or :class:`Failed`;
+during ``load_candidate`` a boxed runner may ask for a build (:class:`BuildNative`,
+:class:`BuildInline`, answered with :class:`Built`); a runner's first message is
+:class:`Ready`. Bytes that do not decode to a message of their direction raise
+:class:`ForeignMessage` (not MessagePack: :class:`ProtocolError`) saying what was wrong
+and where, never a ``KeyError`` later; the grader takes a foreign message from a runner
+for tampering, garbled bytes for a crash. Tensors travel in :data:`Blob` fields:
+``torch.save`` bytes (in pieces over 1 GiB), CUDA IPC handles
+(:mod:`kf.evaluation.transport`) or sealed memory files
+(:class:`kf.evaluation.shared_memory.Payload`). Nothing a runner sends is unpickled by the
+grader: payloads are opened only with ``torch.load(weights_only=True)``, in a
+candidate-free reference runner.
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ __all__ = [
     "BuildNative", "Built", "CandidateLoaded", "Check", "Checked", "CompileBaseline",
     "Counters", "CountersRan", "Exit", "Failed", "ForeignMessage", "InputsMade", "InputsTimed",
     "LoadCandidate", "LoadTask", "MakeInputs", "Message", "Ping", "Pong", "ProtocolError",
-    "Ran", "Ready", "Reply", "Request", "Run", "SetUp", "Setup", "TaskLoaded", "Time",
+    "Ran", "Ready", "Reply", "Request", "Run", "SetUp", "Settle", "Setup", "TaskLoaded", "Time",
     "TimeInputs", "Timed", "ToGrader", "ToRunner", "Trim", "Trimmed", "Verdict",
     "decode_from_grader", "decode_from_runner", "encode", "reply_type",
 ]  # fmt: skip
@@ -69,9 +65,8 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
 
 class Reply(Message, frozen=True, kw_only=True):
     """A runner's answer to request ``id``: ``took_ns`` in its handler, its audit hook's
-    findings so far, and (CUDA) its allocator's bytes reserved (``peak``, ``held``) and
-    in live tensors (``allocated``), most and last, as it says: diagnostics only
-    (``peak_device_mb``), never part of a verdict."""
+    findings so far, and (CUDA) its allocator's bytes reserved (``peak``, ``held``) and in
+    live tensors (``allocated``), most and last, as it says: diagnostics, never a verdict."""
 
     id: int = 0
     took_ns: int = 0
@@ -237,11 +232,9 @@ class Setup(Request[SetUp], frozen=True, kw_only=True, tag="setup"):
     cpu_s: int = 0
     file_bytes: int = 0
     ipc: bool = False  #: tensors as CUDA IPC handles (a CUDA device only)
-    #: payloads of at least this many bytes of tensors as sealed memory files; None: never
-    shm: int | None = None
+    shm: int | None = None  #: payloads of this many bytes or more as memory files (None: never)
     own_inputs: bool = False  #: a candidate runner makes each trial's inputs from its seed
-    #: bytes of made inputs a reference runner keeps (-1: its device's default)
-    reference_cache_bytes: int = 0
+    reference_cache_bytes: int = 0  #: made inputs a reference runner keeps (-1: default)
     tf32: str | None = None  #: ``on``, ``off``, or None: as PyTorch starts
     nice: int = 0  #: how much lower than grading the runner (a build) runs
     device_inputs: bool = False  #: ``get_inputs()`` makes its tensors on the (CUDA) device
@@ -331,6 +324,13 @@ class Batch(Request[BatchRan], frozen=True, kw_only=True, tag="batch"):
     n: int
 
 
+class Settle(Request[Pong], frozen=True, kw_only=True, tag="settle"):
+    """Outside the grader's clock: trim the GPU cache, or (``warm``) make the call due after."""
+
+    warm: bool = False
+    compiled: bool = False
+
+
 class Counters(Request[CountersRan], frozen=True, kw_only=True, tag="counters"):
     """A warm-up call, then one between cudaProfilerStart and Stop (for ncu)."""
 
@@ -399,7 +399,7 @@ class Built(Message, frozen=True, kw_only=True, tag="built"):
 #: what the grader sends a runner: requests, and answers to its builds
 ToRunner = (
     Ping | Setup | LoadTask | LoadCandidate | MakeInputs | Run | Check | Time | TimeInputs
-    | Batch | Counters | Trim | Audit | CompileBaseline | Exit | Built
+    | Batch | Settle | Counters | Trim | Audit | CompileBaseline | Exit | Built
 )  # fmt: skip
 #: what a runner sends the grader: replies, its start-up, and builds it asks for
 ToGrader = (

@@ -127,7 +127,7 @@ class RunnerBase:
         self.trials: dict[int, tuple[list[Any], list[Any]]] = {}
         self.trial_variant: dict[int, int | None] = {}
         self.watch = watch or _Watch()
-        self.cold = False  # blocks given back since the last call (_warm_up)
+        self.cold = False  # cached blocks given back since the last call (op_settle)
         # CUDA runners hand tensors over as IPC handles (kf.evaluation.transport)
         self.ipc = False
         #: payloads of at least this many bytes of tensors go as sealed memory files
@@ -359,14 +359,6 @@ class RunnerBase:
             cuda.empty_cache()
             self.cold = True
 
-    def _warm_up(self, call: Callable[[], Any]) -> None:
-        """One untimed call after blocks were given back (:meth:`_trim_device_cache`), so
-        that no timed sample pays for allocating them again."""
-        if self.cold:
-            call()
-            self.backend.synchronize()
-            self.cold = False
-
     def _signature(self, values: list[Any]) -> tuple[Any, ...]:
         """What a compiled graph is specialised on: each input's shape, dtype and device
         (tensors) or value (anything else), with the model's seed."""
@@ -379,20 +371,41 @@ class RunnerBase:
         ]
         return (self.model_seed, *parts)
 
-    def op_time(self, msg: p.Time) -> p.Timed:
-        torch = self.torch
-        model, inputs, backend = self.model, self.inputs, self.backend
-        if msg.compiled:
-            known = self.compiled.get(self._signature(inputs))
+    def _timed_model(self, compiled: bool = False, empty: bool = False) -> Any:
+        """What a timed call calls: the model, the reference under ``torch.compile``, or
+        a function that does nothing (the timing loop's own cost)."""
+        if compiled:
+            known = self.compiled.get(self._signature(self.inputs))
             if known is None or known.fn is None:
                 raise _Failure("protocol", "no compiled reference for these inputs")
-            model = known.fn
-        elif msg.empty:  # the timing loop's own cost: a call that does nothing
-            model = _nothing
+            return known.fn
+        return _nothing if empty else self.model
+
+    def op_settle(self, msg: p.Settle) -> p.Pong:
+        """The runners on one GPU time in turn: after its turn a runner gives back what
+        its calls' temporaries took (8 GB for KernelBench's HuberLoss), and before its
+        next one makes the untimed call that allocates them again. A request of its own,
+        outside the wall clock the grader keeps around each timed request."""
+        if msg.warm and self.cold:  # blocks given back (_trim_device_cache) since a call
+            model, inputs = self._timed_model(msg.compiled), self.inputs
+            try:
+                with self.torch.no_grad():
+                    model(*inputs)
+                self.backend.synchronize()
+            except BaseException as exc:
+                raise _Failure("exception", f"forward raised {_describe(exc)}", _tb()) from exc
+            self.cold = False
+        elif not msg.warm:
+            self._trim_device_cache()
+        return p.Pong()
+
+    def op_time(self, msg: p.Time) -> p.Timed:
+        torch = self.torch
+        inputs, backend = self.inputs, self.backend
+        model = self._timed_model(msg.compiled, msg.empty)
         samples: list[int] = []
         try:
             with torch.no_grad():
-                self._warm_up(lambda: model(*inputs))
                 for _ in range(msg.n):
                     backend.flush_cache()
                     samples.append(backend.time_call_ns(lambda: model(*inputs)))
@@ -400,9 +413,6 @@ class RunnerBase:
             raise _Failure(
                 "exception", f"forward raised {_describe(exc)} while timing", _tb()
             ) from exc
-        # the runners on one GPU time in turn: what this call's intermediates took goes
-        # back before the other's turn (at KernelBench's sizes, 8 GB each for HuberLoss)
-        self._trim_device_cache()
         return p.Timed(samples_ns=samples)
 
     def op_time_inputs(self, msg: p.TimeInputs) -> p.InputsTimed:
