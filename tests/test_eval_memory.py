@@ -540,3 +540,28 @@ def test_settle_warms_up_outside_the_timed_requests_and_only_when_cold() -> None
     assert len(calls) == 4  # warm already: no call
     ref.op_settle(Settle())
     assert not ref.cold  # nothing to give back on a CPU
+
+
+def test_runners_settle_around_every_timed_request_when_they_take_turns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the runners take turns (a GPU's caching allocator; forced here on a CPU,
+    where giving blocks back is a no-op), each runner's every timed request is preceded
+    by its warm-up ``settle`` and followed by the one that gives blocks back, as requests
+    of their own; the empty calls that measure the loop's cost are not (nothing to
+    allocate); and the evaluation still passes."""
+    from kf.evaluation import profiling
+    from kf.evaluation.runner_handle import REQUESTS
+
+    monkeypatch.setattr(profiling, "_takes_turns", lambda device: True)
+    _profiled_requests()
+    per_runner: dict[int, list[str]] = {}
+    for r in REQUESTS:
+        per_runner.setdefault(r.pid, []).append(r.op)
+    settled = 0
+    for ops in per_runner.values():
+        for i, op in enumerate(ops):
+            if op == "batch" or (op == "time" and ops[i - 1] != "ping"):
+                assert ops[i - 1] == "settle" and ops[i + 1] == "settle", (i, ops)
+                settled += 1
+    assert settled >= 4  # candidate and reference, warm-up rounds and timed rounds

@@ -196,7 +196,7 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
             # On a GPU the two runners take turns: each gives its calls' temporaries back
             # after its turn and allocates them again, untimed, before its next one;
             # requests of their own, outside the wall clock around the timed ones
-            turns = device.startswith("cuda")
+            turns = _takes_turns(device)
 
             def timed(is_candidate: bool, n: int) -> list[float]:
                 call = stage.candidate if is_candidate else stage.reference
@@ -387,6 +387,11 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
         flags=report.flags,
     )
     return report
+
+
+def _takes_turns(device: str) -> bool:
+    """Whether the runners settle between timed requests (a GPU's caching allocator)."""
+    return device.startswith("cuda")
 
 
 def _empty_call(stage: Stage, n: int) -> tuple[float, float]:
