@@ -4,9 +4,11 @@ alternately, with the cross-checks of the timing.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import msgspec
@@ -200,16 +202,13 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
 
             def timed(is_candidate: bool, n: int) -> list[float]:
                 call = stage.candidate if is_candidate else stage.reference
-                if turns:
-                    call(Settle(warm=True), what="a warm-up call")
-                t0 = time.perf_counter_ns()
-                reply = call(Time(n=n), what=f"timing {n} calls")
-                samples = [ns / 1e6 for ns in reply.samples_ns]
-                if is_candidate:
-                    spent = max(0, time.perf_counter_ns() - t0 - rtt_ns) / 1e6
-                    batches.append((len(samples), spent, sum(samples)))
-                if turns:
-                    call(Settle(), what="giving cached blocks back")
+                with _turn(call, turns):
+                    t0 = time.perf_counter_ns()
+                    reply = call(Time(n=n), what=f"timing {n} calls")
+                    samples = [ns / 1e6 for ns in reply.samples_ns]
+                    if is_candidate:
+                        spent = max(0, time.perf_counter_ns() - t0 - rtt_ns) / 1e6
+                        batches.append((len(samples), spent, sum(samples)))
                 return samples
 
             def timed_compiled(n: int) -> list[float]:
@@ -217,15 +216,14 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
                 if not compiled["on"]:
                     return []
                 try:
-                    if turns:
-                        ref.request(Settle(warm=True, compiled=True), stage.deadline.left())
-                    reply = ref.request(
-                        Time(n=n, compiled=True),
-                        stage.deadline.left(),
-                        what=f"timing {n} compiled",
-                    )
-                    if turns:
-                        ref.request(Settle(), stage.deadline.left())
+                    with _turn(
+                        lambda m: ref.request(m, stage.deadline.left()), turns, compiled=True
+                    ):
+                        reply = ref.request(
+                            Time(n=n, compiled=True),
+                            stage.deadline.left(),
+                            what=f"timing {n} compiled",
+                        )
                 except (RunnerTimeout, RunnerCrashed) as exc:
                     why = f"the compiled reference lost its runner while timed: {exc}"
                     _baseline_lost[f"{session.reference_key}:{seed}"] = why
@@ -258,13 +256,10 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
 
             # Outside view: wall time of K back-to-back calls, minus one request's overhead.
             k = max(5, min(10_000, math.ceil(50.0 / max(c["mean"], 1e-3))))
-            if turns:
-                stage.candidate(Settle(warm=True), what="a warm-up call")
-            t0 = time.perf_counter_ns()
-            batch = stage.candidate(Batch(n=k), what=f"a batch of {k} calls")
-            outside_ms = max(0.0, (time.perf_counter_ns() - t0 - rtt_ns) / 1e6 / k)
-            if turns:
-                stage.candidate(Settle(), what="giving cached blocks back")
+            with _turn(stage.candidate, turns):
+                t0 = time.perf_counter_ns()
+                batch = stage.candidate(Batch(n=k), what=f"a batch of {k} calls")
+                outside_ms = max(0.0, (time.perf_counter_ns() - t0 - rtt_ns) / 1e6 / k)
             inside_ms = batch.total_ns / 1e6 / k
             # Same K calls seen by both clocks: machine noise cancels, a tampered clock does not.
             flags = list(cross_check_flags(inside_ms, outside_ms))
@@ -392,6 +387,18 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
 def _takes_turns(device: str) -> bool:
     """Whether the runners settle between timed requests (a GPU's caching allocator)."""
     return device.startswith("cuda")
+
+
+@contextlib.contextmanager
+def _turn(send: Callable[[Settle], Any], on: bool, *, compiled: bool = False) -> Iterator[None]:
+    """One runner's timing turn (when ``on``, :func:`_takes_turns`): the untimed call
+    that allocates its temporaries again before, their blocks given back after; each a
+    request of its own, outside what the caller times inside."""
+    if on:
+        send(Settle(warm=True, compiled=compiled))
+    yield
+    if on:
+        send(Settle())
 
 
 def _empty_call(stage: Stage, n: int) -> tuple[float, float]:
