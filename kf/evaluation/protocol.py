@@ -25,6 +25,7 @@ import msgspec
 
 from kf.evaluation.shared_memory import Payload
 from kf.evaluation.tolerance import Tolerance
+from kf.evaluation.verdict import Verdict
 
 __all__ = [
     "Audit", "Audited", "BaselineCompiled", "Batch", "BatchRan", "Blob", "BuildInline",
@@ -147,17 +148,6 @@ class Ran(Reply, frozen=True, kw_only=True, tag="ran"):
     torch_ops: list[str] = []
     #: where the request's time went (inputs, forward, outputs), for the request log
     phases_ns: dict[str, int] = {}
-
-
-class Verdict(msgspec.Struct, frozen=True, kw_only=True):
-    """The reference's judgement of one trial (:func:`kf.evaluation.compare.compare_outputs`)."""
-
-    ok: bool
-    kind: str | None = None
-    reason: str | None = None
-    max_abs_err: float = 0.0
-    max_rel_err: float = 0.0
-    min_tol: float = 0.0
 
 
 class Checked(Reply, frozen=True, kw_only=True, tag="checked"):
