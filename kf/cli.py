@@ -744,9 +744,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _split_eval(argv: Sequence[str]) -> tuple[list[str], list[str]] | None:
+    """``kf [--log-level L] eval ARGS``: (the global options, ARGS), so that ARGS go to
+    ``kf eval``'s own parser whole (argparse's REMAINDER drops a leading ``-h``)."""
+    for i, token in enumerate(argv):
+        if token == "eval":
+            return list(argv[:i]), list(argv[i + 1 :])
+        if not token.startswith("-") and argv[i - 1 : i] != ["--log-level"]:
+            return None
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kf`` console script."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    split = _split_eval(argv)
+    if split is not None:
+        args = build_parser().parse_args([*split[0], "eval"])
+        args.rest = split[1]
+    else:
+        args = build_parser().parse_args(argv)
     level = args.log_level
     if (
         level is None

@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -28,11 +29,63 @@ __all__ = [
     "build_key",
     "build_path",
     "cache_dir",
+    "check_flags",
     "compiler_version",
+    "refused_flag",
     "shared_cache",
 ]
 
 DEFAULT_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c++17", "-fopenmp")
+
+
+#: The compiler flags a candidate may pass (after the defaults): optimisation, debug
+#: information, warnings, the language standard, machine and code-generation options,
+#: macros and libraries by name. Nothing that runs another program (``-wrapper``,
+#: ``-fplugin``, ``-B``, ``-specs``, ``-Wl,``/``-Wa,``/``-Wp,``, ``-X...``), reads
+#: arguments from a file (``@file``), changes the system root, or names a path.
+_ALLOWED_FLAG = re.compile(
+    r"-O[0-3sgz]?|-Ofast|-g[0-3]?|-ggdb[0-3]?|-w|-pedantic(-errors)?|-pthread|-shared"
+    r"|-std=[a-z0-9+]+|-m[a-z0-9][a-z0-9=._+-]*"
+    r"|-f(?!plugin|dump|profile|auto-profile|record|opt-info|save-optimization|stack-usage"
+    r"|callgraph-info|[a-z-]*prefix-map|diagnostics)[a-z0-9][a-z0-9=._,+-]*"
+    r"|-W(?![lap],)[a-z][a-z0-9=._+-]*|-[DU][A-Za-z_][A-Za-z0-9_]*(=[^/@\s]*)?|-l[A-Za-z0-9_+.-]+"
+)
+_DEFINE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_flags(flags: Sequence[str], defines: Mapping[str, object] | None = None) -> None:
+    """Refuse a compiler flag that is not on the allow-list, or a macro name that is not an
+    identifier, with :class:`NativeCompileError` saying which (one line)."""
+    for flag in flags:
+        if not isinstance(flag, str) or not _ALLOWED_FLAG.fullmatch(flag) or refused_flag(flag):
+            raise NativeCompileError(
+                f"kf.native: refusing compiler flag {flag!r}: only optimisation, warning, "
+                "-std, -m, -f (no plugins or dumps), -D/-U and -l flags are allowed "
+                "(nothing that runs a program, names a path or reads @file)",
+                "",
+            )
+    for name in defines or {}:
+        if not _DEFINE_NAME.fullmatch(str(name)):
+            raise NativeCompileError(f"kf.native: refusing macro name {str(name)!r}", "")
+
+
+#: What no build flag may do, ``load_inline``'s (g++ and nvcc) included: run another
+#: program, load a plugin, read options from a file or change the system root.
+_REFUSED = re.compile(
+    r"-?-wrapper|-B.*|-i?prefix.*|-fplugin.*|--?sysroot.*|-i?sysroot.*|--?specs.*|@.*"
+    r"|.*-plugin.*|-ccbin.*|--compiler-bindir.*|-optf.*|--options-file.*|-Xnvlink.*"
+)
+
+
+def refused_flag(flag: str) -> str | None:
+    """Why a build flag (g++ or nvcc; each ``,``- or ``=``-separated part of it too, as
+    in ``-Wl,...`` or ``-Xcompiler=...``) is refused, or None."""
+    for part in (flag, *re.split(r"[,=]", flag)):
+        if _REFUSED.fullmatch(part.strip()):
+            return (
+                f"refusing build flag {flag!r}: it runs a program, loads a plugin or reads a file"
+            )
+    return None
 
 
 class NativeCompileError(RuntimeError):
@@ -103,6 +156,7 @@ def build_key(
 ) -> tuple[str, str, list[str]]:
     """A build's content address, its compiler and the compiler's arguments (without
     the source and output paths)."""
+    check_flags(flags, defines)
     cxx = _compiler()
     argv = [*DEFAULT_FLAGS, *(f"-D{k}={v}" for k, v in sorted((defines or {}).items())), *flags]
     key_material = "\0".join([source, *argv, compiler_version(cxx), _host_id()])
@@ -155,19 +209,12 @@ def build_path(
             src = Path(tmp) / "kernel.cpp"
             src.write_text(source)
             out = Path(tmp) / "kernel.so"
-            try:
-                proc = subprocess.run(
-                    [cxx, *argv, str(src), "-o", str(out)],
-                    capture_output=True,
-                    text=True,
-                    timeout=timeout_s,
-                    check=False,
-                )
-            except subprocess.TimeoutExpired as exc:
-                raise NativeCompileError(f"{cxx} timed out after {timeout_s:.0f}s", "") from exc
-            if proc.returncode != 0:
-                raise NativeCompileError(
-                    f"{cxx} exited with status {proc.returncode}", proc.stderr + proc.stdout
-                )
+            from kf.evaluation.builds import run_capped
+
+            code, log = run_capped([cxx, *argv, str(src), "-o", str(out)], timeout_s=timeout_s)
+            if code is None:
+                raise NativeCompileError(f"{cxx} timed out after {timeout_s:.0f}s", log)
+            if code != 0:
+                raise NativeCompileError(f"{cxx} exited with status {code}", log)
             os.replace(out, lib)
     return lib

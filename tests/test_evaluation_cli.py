@@ -124,3 +124,19 @@ def test_eval_module_subprocess_reports_json() -> None:
     assert out["compiled"] is False
     assert out["correct"] is False
     assert "ModelNew" in out["error"]
+
+
+def test_eval_help_through_the_kf_command() -> None:
+    """``kf eval -h`` and ``kf --log-level INFO eval --help`` print kf eval's own help and
+    exit 0 (argparse's REMAINDER used to drop a leading ``-h``: "unrecognized arguments")."""
+    for argv in (["eval", "-h"], ["--log-level", "INFO", "eval", "--help"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "kf.cli", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("usage: kf eval") and "candidate" in done.stdout
+        assert "unrecognized" not in done.stderr

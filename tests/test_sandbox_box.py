@@ -60,7 +60,15 @@ def _grader_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _candidate(tmp_path: Path, *, report: bool, port: int) -> Path:
+def _candidate(
+    tmp_path: Path,
+    *,
+    report: bool,
+    port: int,
+    read_paths: tuple[str, ...] = (),
+    import_name: str = "",
+    forks: int = 0,
+) -> Path:
     """escape.py with its constants filled in for this test."""
     source = (ADVERSARIAL / "escape.py").read_text()
     values = {
@@ -70,6 +78,9 @@ def _candidate(tmp_path: Path, *, report: bool, port: int) -> Path:
         "HOME": repr(str(tmp_path / "home")),
         "REPO": repr(str(ROOT)),
         "SECRET_VALUES": repr(tuple(SECRETS.values())),
+        "READ_PATHS": repr(("/proc/1/environ", *read_paths)),
+        "IMPORT": repr(import_name),
+        "FORKS": repr(forks),
     }
     for name, value in values.items():
         source, n = re.subn(rf"^{name} = .*$", f"{name} = {value}", source, count=1, flags=re.M)
@@ -77,6 +88,42 @@ def _candidate(tmp_path: Path, *, report: bool, port: int) -> Path:
     path = tmp_path / f"escape_{'report' if report else 'run'}.py"
     path.write_text(source)
     return path
+
+
+PIDS = 64
+
+
+def _user_folders(tmp_path: Path) -> tuple[dict[str, str], list[str], list[str]]:
+    """A grader environment whose PYTHONPATH holds a project folder (a ``.env``, an
+    ``.ssh/id_rsa``, a run's log) and a ``pip --target`` folder (a package, and a secret
+    beside it), whose LD_LIBRARY_PATH holds a folder with a library and a secret, and
+    whose ``CC`` is a compiler in a prefix outside ``/usr`` with a secret at its top;
+    the paths a candidate should read, and the ones it should not."""
+    project, site, libs, prefix = (tmp_path / n for n in ("project", "site", "libs", "gcc"))
+    secret = [project / ".env", project / ".ssh" / "id_rsa", project / "run.db"]
+    secret += [site / ".env", site / "notes.txt", libs / "secret.txt", prefix / "secret.txt"]
+    for path in secret:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("kf-secret-value-user-file\n")
+    (site / "kfprobe_pkg").mkdir()
+    (site / "kfprobe_pkg" / "__init__.py").write_text("")
+    (site / "kfprobe_pkg-1.0.dist-info").mkdir()
+    (site / "kfprobe_pkg-1.0.dist-info" / "RECORD").write_text(
+        "kfprobe_pkg/__init__.py,,\nkfprobe_pkg-1.0.dist-info/RECORD,,\n../../bin/x,,\n"
+    )
+    (libs / "libkfprobe.so.1").write_bytes(b"\x7fELF not loaded")
+    (prefix / "bin").mkdir()
+    (prefix / "bin" / "kfcc").symlink_to(shutil.which("gcc") or "/usr/bin/gcc")
+    env = _grader_env(
+        tmp_path,
+        PYTHONPATH=os.pathsep.join(map(str, (project, site, ROOT))),
+        LD_LIBRARY_PATH=str(libs),
+        CC=str(prefix / "bin" / "kfcc"),
+        KF_SANDBOX_PIDS=str(PIDS),
+    )
+    readable = [str(site / "kfprobe_pkg" / "__init__.py"), str(libs / "libkfprobe.so.1")]
+    readable.append(str(prefix / "bin" / "kfcc"))
+    return env, readable, [str(p) for p in secret]
 
 
 def _kf_eval(
@@ -160,7 +207,16 @@ def test_box_hostile_candidate_finds_nothing_to_take(
     """A candidate in the box runs as uid 65534 and sees no secret, home, log, repository,
     network or disk outside its size-limited scratch folder."""
     port = listener.getsockname()[1]
-    proc = _kf_eval(tmp_path, _candidate(tmp_path, report=True, port=port), _grader_env(tmp_path))
+    env, readable, secret = _user_folders(tmp_path)
+    candidate = _candidate(
+        tmp_path,
+        report=True,
+        port=port,
+        read_paths=(*readable, *secret),
+        import_name="kfprobe_pkg",
+        forks=400,
+    )
+    proc = _kf_eval(tmp_path, candidate, env)
     assert proc.returncode == 1, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["sandbox"] == "bwrap"
@@ -191,6 +247,26 @@ def test_box_hostile_candidate_finds_nothing_to_take(
     # the runner's output log is outside the box: the per-file limit holds it
     assert found["flood_stdout"]["mb"] <= FILE_MB and "too large" in found["flood_stdout"]["error"]
     assert found["orphan"] == "spawned"
+    # the grader's PYTHONPATH and LD_LIBRARY_PATH folders and a compiler's prefix: what
+    # was installed there is bound, the user's files beside it are not
+    reads = found["read_paths"]
+    assert not any(v in reads["/proc/1/environ"] for v in SECRETS.values()), reads
+    for path in secret:
+        assert reads[path].startswith("denied"), (path, reads[path])
+    for path in readable:
+        assert reads[path].startswith("read"), (path, reads[path])
+    assert found["import"] == "kfprobe_pkg"
+    for name, value in found["env_paths"].items():  # nothing named that is not there
+        assert str(tmp_path / "project") not in value, (name, value)
+    assert found["env_paths"]["LD_LIBRARY_PATH"] == str(tmp_path / "libs")
+    # a fork bomb stops at the box's own process limit (threads count too), where this
+    # machine gives kf a way to set one (docs/sandbox.md, "Processes")
+    if box.process_limit() != "none":
+        assert 0 < found["forks"]["forked"] < PIDS, found["forks"]
+        assert "Resource temporarily unavailable" in found["forks"]["error"]
+    # a build flag that runs a program is refused before any compiler starts
+    assert found["wrapper"].startswith("denied") and "refusing compiler flag" in found["wrapper"]
+    assert f"{MARKER}-wrapper-ran" not in log
 
     assert _no_connection(listener)
     assert _marked_pids() == []
@@ -254,6 +330,66 @@ def test_box_build_service_refuses_a_broken_build_with_the_compiler_log(
     assert not list((tmp_path / "cache" / "native").glob("*.so"))
     reply = build_native('extern "C" int f() { return N; }', [], {"N": "7"}, 60.0)
     assert reply["ok"] and Path(reply["path"]).parent == tmp_path / "cache" / "native"
+
+
+@needs_box
+def test_box_build_service_refuses_flags_that_run_programs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The grader refuses a candidate's build flag that would run a program, load a
+    plugin, read a file of options or change the system root, in one line, and runs no
+    compiler: the ``-wrapper`` command never runs (a candidate could skip the runner's
+    own check and send such flags over its socket)."""
+    from kf.evaluation.builds import build_native
+
+    monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
+    ran = tmp_path / "wrapper-ran"
+    source = 'extern "C" int f() { return 1; }'
+    for flags in (
+        ["-wrapper", f"/bin/sh,-c,touch {ran}"],
+        ["-B/tmp"],
+        ["-fplugin=/tmp/evil.so"],
+        ["--sysroot=/tmp"],
+        ["-specs=/tmp/evil.specs"],
+        ["@/tmp/options"],
+        ["-Wl,-plugin,/tmp/evil.so"],
+        ["-I/home"],
+    ):
+        reply = build_native(source, flags, {}, 60.0)
+        assert not reply["ok"] and reply["error"].startswith("kf.native: refusing"), reply
+        assert "\n" not in reply["error"]
+    reply = build_native(source, ["-O2", "-ffast-math", "-mavx2", "-Wall", "-DK=3", "-lm"], {}, 60)
+    assert reply["ok"], reply
+    assert not ran.exists()
+    assert not list((tmp_path / "cache" / "native").glob("*.build-*"))
+
+
+@needs_box
+def test_box_build_output_is_capped_head_and_tail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build that floods its output (a few MB of warnings here; 1.5 GB once took kf run
+    to 4.4 GB of memory) gives the grader only its head and tail, saying how much went;
+    the stream itself is read into a bounded buffer."""
+    from kf.evaluation.builds import OUTPUT_CAP_BYTES, build_native, run_capped
+
+    monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
+    noise = "#warning kf-flood " + "x" * 400 + "\n"
+    source = "#warning kf-first-line\n" + noise * 4000 + "int g() { return kf_last_error; }\n"
+    reply = build_native(source, [], {}, 120.0)
+    assert not reply["ok"]
+    log = reply["log"]
+    assert len(log) < 21_000 and "dropped" in log
+    assert "kf-first-line" in log and "kf_last_error" in log
+    # the stream: 50 MB of output read into the cap, the last line kept
+    code, text = run_capped(
+        ["sh", "-c", "head -c 50000000 /dev/zero | tr '\\0' x; echo; echo kf-the-end"],
+        timeout_s=60,
+        limit=OUTPUT_CAP_BYTES,
+    )
+    assert code == 0 and text.rstrip().endswith("kf-the-end")
+    assert len(text) < OUTPUT_CAP_BYTES + 200
+    assert re.search(r"\[\.\.\. (\d+) bytes of output dropped \.\.\.\]", text)
 
 
 def test_box_missing_bwrap_refuses_with_one_line(tmp_path: Path) -> None:

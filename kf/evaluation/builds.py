@@ -30,20 +30,109 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kf.evaluation import box
 
-__all__ = ["MAX_BUILDS_PER_RUNNER", "build_native"]
+__all__ = ["MAX_BUILDS_PER_RUNNER", "OUTPUT_CAP_BYTES", "build_native", "cap_text", "run_capped"]
 
 #: builds one runner may ask for (a candidate that asks for more is refused)
 MAX_BUILDS_PER_RUNNER = 32
+#: the most of a build's output the grader keeps (head and tail, half each): 1.5 GB of
+#: compiler output once took ``kf run`` from 30 MB to 4.4 GB of memory
+OUTPUT_CAP_BYTES = 1 << 20
 _LOG = 20_000
 
 
 def _failed(error: str, log: str = "") -> dict[str, Any]:
-    return {"ok": False, "error": error, "log": log[-_LOG:]}
+    return {"ok": False, "error": error, "log": cap_text(log, _LOG)}
+
+
+def cap_text(text: str, limit: int) -> str:
+    """``text`` cut to its first and last ``limit // 2`` characters, saying how many went."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    dropped = len(text) - 2 * half
+    return f"{text[:half]}\n[... {dropped} characters dropped ...]\n{text[-half:]}"
+
+
+class _Capture:
+    """The head and tail of a stream, at most ``limit`` bytes, and how much was dropped."""
+
+    def __init__(self, limit: int) -> None:
+        self.half = max(1, limit // 2)
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.dropped = 0
+
+    def add(self, chunk: bytes) -> None:
+        room = self.half - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        self.tail += chunk
+        if len(self.tail) > 2 * self.half:  # trimmed in batches: no copy per chunk
+            cut = len(self.tail) - self.half
+            self.dropped += cut
+            del self.tail[:cut]
+
+    def text(self) -> str:
+        if len(self.tail) > self.half:
+            cut = len(self.tail) - self.half
+            self.dropped += cut
+            del self.tail[:cut]
+        head = self.head.decode("utf-8", "replace")
+        tail = self.tail.decode("utf-8", "replace")
+        if not self.dropped:
+            return head + tail
+        return f"{head}\n[... {self.dropped} bytes of output dropped ...]\n{tail}"
+
+
+def run_capped(
+    argv: Sequence[str],
+    *,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    input_text: str | None = None,
+    limit: int = OUTPUT_CAP_BYTES,
+) -> tuple[int | None, str]:
+    """Run ``argv`` with its stdout and stderr read into at most ``limit`` bytes (the
+    head and the tail, and a line saying how much was dropped between them): its exit
+    status (None when it ran past ``timeout_s`` and was killed) and that output."""
+    proc = subprocess.Popen(
+        list(argv),
+        stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    capture = _Capture(limit)
+    assert proc.stdout is not None
+    stdout = proc.stdout
+
+    def read() -> None:
+        while chunk := os.read(stdout.fileno(), 1 << 20):
+            capture.add(chunk)
+
+    reader = threading.Thread(target=read, name="kf-build-output", daemon=True)
+    reader.start()
+    try:
+        if input_text is not None and proc.stdin is not None:
+            with proc.stdin:
+                proc.stdin.write(input_text.encode())
+        code: int | None = proc.wait(timeout_s)
+    except (subprocess.TimeoutExpired, BrokenPipeError):
+        code = proc.poll()
+        if code is None:
+            proc.kill()
+            proc.wait()
+    reader.join()
+    stdout.close()
+    return code, capture.text()
 
 
 def build_native(
@@ -87,25 +176,21 @@ def _compile(
         env=box.environment(os.environ, scratch, {}),
         rw_paths=(str(work),),
     )
-    try:
-        done = subprocess.run(
-            [*prefix, "--", cxx, *argv, str(src), "-o", str(out)],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-            env={"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"},
-        )
-    except subprocess.TimeoutExpired:
-        return _failed(f"{cxx} timed out after {timeout_s:.0f}s")
-    if done.returncode != 0:
-        return _failed(f"{cxx} exited with status {done.returncode}", done.stderr + done.stdout)
+    code, log = run_capped(
+        [*prefix, "--", *box.limited([cxx, *argv, str(src), "-o", str(out)])],
+        timeout_s=timeout_s,
+        env={"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"},
+    )
+    if code is None:
+        return _failed(f"{cxx} timed out after {timeout_s:.0f}s", log)
+    if code != 0:
+        return _failed(f"{cxx} exited with status {code}", log)
     try:
         made = os.lstat(out)
     except OSError:
-        return _failed(f"{cxx} wrote no library", done.stderr + done.stdout)
+        return _failed(f"{cxx} wrote no library", log)
     if not stat.S_ISREG(made.st_mode):
-        return _failed("the build's output is not a plain file", done.stderr + done.stdout)
+        return _failed("the build's output is not a plain file", log)
     os.chmod(out, 0o644)
     os.replace(out, lib)
     return {"ok": True, "path": str(lib), "cached": False}
@@ -159,6 +244,9 @@ def build_inline(
         return _failed(f"malformed CUDA architecture {arch!r}")
     if "name" not in arguments or set(arguments) & {"build_directory", "verbose"}:
         return _failed("malformed load_inline arguments")
+    refused = _refused_inline_flag(arguments)
+    if refused:
+        return _failed(f"load_inline: {refused}")
     try:  # the runner keys the call with PyTorch's defaults filled in: so does this
         arguments = inline.build_material(inline.bound_arguments(**arguments))
     except TypeError as exc:
@@ -179,6 +267,19 @@ def build_inline(
             return _build_inline(arguments, arch, work, final, key, module_name, timeout_s)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _refused_inline_flag(arguments: dict[str, Any]) -> str | None:
+    """Why one of a ``load_inline`` call's compiler or linker flags is refused, or None."""
+    from kf import native
+
+    for name in ("extra_cflags", "extra_cuda_cflags", "extra_sycl_cflags", "extra_ldflags"):
+        flags = arguments.get(name) or []
+        for flag in [flags] if isinstance(flags, str) else flags:
+            why = native.refused_flag(str(flag))
+            if why:
+                return why
+    return None
 
 
 def _build_inline(
@@ -207,21 +308,16 @@ def _build_inline(
         env=box.environment(os.environ, scratch, extra),
         rw_paths=(str(work),),
     )
-    try:
-        done = subprocess.run(
-            [*prefix, "--", sys.executable, "-P", "-c", _INLINE_SCRIPT],
-            input=json.dumps(arguments),
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-            env={"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"},
-        )
-    except subprocess.TimeoutExpired:
-        return _failed(f"the load_inline build timed out after {timeout_s:.0f}s")
-    log = done.stderr + done.stdout
-    if done.returncode != 0:
-        return _failed(f"the load_inline build exited with status {done.returncode}", log)
+    code, log = run_capped(
+        [*prefix, "--", *box.limited([sys.executable, "-P", "-c", _INLINE_SCRIPT])],
+        timeout_s=timeout_s,
+        input_text=json.dumps(arguments),
+        env={"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"},
+    )
+    if code is None:
+        return _failed(f"the load_inline build timed out after {timeout_s:.0f}s", log)
+    if code != 0:
+        return _failed(f"the load_inline build exited with status {code}", log)
     built = work / "cuda_ext" / key
     if not (built / f"{module_name}.so").is_file():
         left = sorted(p.name for p in (work / "cuda_ext").glob("*"))
@@ -237,4 +333,4 @@ def _build_inline(
         os.chmod(path, 0o755 if path.is_dir() else 0o644)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(built, final)
-    return {"ok": True, "path": str(final), "cached": False, "log": log[-_LOG:]}
+    return {"ok": True, "path": str(final), "cached": False, "log": cap_text(log, _LOG)}

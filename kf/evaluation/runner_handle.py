@@ -169,11 +169,13 @@ class RunnerHandle:
         return self.proc.pid
 
     def log_tail(self) -> str:
-        try:
-            data = self.log_path.read_bytes()
+        try:  # only the tail is read: the log may hold up to $KF_EVAL_FILE_MB
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - _LOG_TAIL))
+                data = f.read(_LOG_TAIL)
         except OSError:
             return ""
-        return data[-_LOG_TAIL:].decode("utf-8", "replace")
+        return data.decode("utf-8", "replace")
 
     def _receive(self, timeout_s: float, what: str) -> protocol.ToGrader:
         end = time.monotonic() + timeout_s

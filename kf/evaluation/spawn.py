@@ -136,7 +136,7 @@ def start(
             rw_paths=rw_paths,
         )
         # the grader's pid means nothing in the box's PID namespace: 0 says so
-        argv = [*prefix, "--", *wrapper, *runner, "0"]
+        argv = [*prefix, "--", *box.limited([*wrapper, *runner, "0"])]
         env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"}
     else:
         isolated_network = isolate and network_namespace_available()
