@@ -33,7 +33,7 @@ import msgspec
 import sqlite_utils
 
 from kf.chain import GENESIS, ChainVerifier, Integrity, Row, link
-from kf.events import Envelope, Record, decode_envelope, encode_envelope
+from kf.events import Envelope, EventError, Record, decode_envelope, encode_envelope
 
 __all__ = [
     "EventLog",
@@ -161,7 +161,10 @@ def _file_problem(path: Path) -> str | None:
 
 
 def _sqlite_problem(exc: sqlite3.Error) -> str:
-    text = str(exc)
+    # a garbled page's bytes can come back in SQLite's message: never print them raw
+    text = "".join(c if c.isprintable() and c != "\ufffd" else "?" for c in str(exc))[:200]
+    if "Could not decode to UTF-8" in text:
+        return "damaged (a text column holds bytes that are not UTF-8); restore it from a copy"
     if "file is not a database" in text:
         return "not an SQLite database"
     if "malformed" in text or "disk I/O" in text:
@@ -482,9 +485,17 @@ class EventLog:
     def read(
         self, start: int = 1, stop: int | None = None, *, types: Iterable[str] | None = None
     ) -> Iterator[Envelope]:
-        """Committed envelopes by range and, optionally, by type."""
+        """Committed envelopes by range and, optionally, by type; a body that is not an
+        envelope (a garbled page) is :class:`LogError`, one line."""
         for body in self.read_raw(start, stop, types=types):
-            yield decode_envelope(body)
+            try:
+                yield decode_envelope(body)
+            except EventError as exc:
+                why = str(exc).splitlines()[0][:160]
+                raise LogError(
+                    f"{self.path}: the log is damaged: a committed event cannot be read "
+                    f"({why}); restore it from a copy"
+                ) from None
 
     def records(self, start: int = 1, stop: int | None = None) -> Iterator[Record]:
         """Committed envelopes with their decoded events."""

@@ -18,8 +18,17 @@ from typing import Any
 import msgspec
 
 from kf.agent import Agent, AgentContext, agent_types, snapshot_hash
-from kf.events import Decision, Envelope, Event, Record, decode_envelope, decode_event, derived_id
-from kf.log import EventLog, Integrity
+from kf.events import (
+    Decision,
+    Envelope,
+    Event,
+    EventError,
+    Record,
+    decode_envelope,
+    decode_event,
+    derived_id,
+)
+from kf.log import EventLog, Integrity, LogError
 
 __all__ = ["CheckResult", "Difference", "FoldResult", "check", "deciding_agent_types", "fold"]
 
@@ -84,7 +93,22 @@ def _instances(
 
 
 def _load(elog: EventLog) -> list[Envelope]:
-    return [decode_envelope(b) for b in elog.read_raw()]
+    return [_decode(elog, b, n) for n, b in enumerate(elog.read_raw(), 1)]
+
+
+def _decode(elog: EventLog, body: bytes, n: int) -> Envelope:
+    """The ``n``-th committed envelope; a body that is not one (a garbled page) is
+    :class:`LogError`, one line that names it, never a traceback."""
+    try:
+        env = decode_envelope(body)
+        decode_event(env)  # its data too: a later fold step must not meet it first
+    except EventError as exc:
+        why = str(exc).splitlines()[0][:160]
+        raise LogError(
+            f"{elog.path}: the log is damaged: committed event {n} cannot be read ({why}); "
+            "restore it from a copy"
+        ) from None
+    return env
 
 
 def fold(elog: EventLog, types: Sequence[type[Agent[Any]]]) -> FoldResult:
@@ -94,8 +118,8 @@ def fold(elog: EventLog, types: Sequence[type[Agent[Any]]]) -> FoldResult:
     states = [a.initial_state() for a in agents]
     n = 0
     for body in elog.read_raw():
-        env = decode_envelope(body)
         n += 1
+        env = _decode(elog, body, n)
         run_id = run_id or env.run_id
         rec: Record | None = None
         for i, a in enumerate(agents):
