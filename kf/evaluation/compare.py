@@ -16,7 +16,9 @@ __all__ = [
     "compare_inputs",
     "compare_outputs",
     "fingerprint",
+    "float64_errors",
     "is_large",
+    "judge_float64",
     "tolerance",
 ]
 
@@ -51,6 +53,7 @@ def compare_outputs(
         "max_abs_err": 0.0,
         "max_rel_err": 0.0,
         "min_tol": 0.0,
+        "rule": "allclose",
     }
 
     def fail(kind: str, reason: str) -> dict[str, Any]:
@@ -126,6 +129,96 @@ def compare_outputs(
                 f"{describe(atol, rtol)} (max abs err {abs_err:.3g}, max rel err "
                 f"{rel_err:.3g}; would pass at atol=rtol={min_tol:.2g})",
             )
+    return verdict
+
+
+class Errors(NamedTuple):
+    """One output's errors against a float64 run of the reference: the candidate's and
+    eager fp32's root-mean-square and largest absolute errors (finite elements only)."""
+
+    rmse: float
+    eager_rmse: float
+    max_err: float
+    eager_max_err: float
+
+
+def float64_errors(torch: Any, want: Any, given: Any, exact: Any) -> Errors:
+    """:class:`Errors` of ``given`` (the candidate's) and ``want`` (eager's) against
+    ``exact`` (the float64 run's), in float64 a chunk at a time on ``exact``'s device;
+    elements where eager or the float64 run is not finite are left out."""
+    flat_g, flat_w, flat_x = (t.detach().reshape(-1) for t in (given, want, exact))
+    device = flat_x.device
+    sq_c = sq_e = 0.0
+    max_c = max_e = 0.0
+    counted = 0
+    for start in range(0, flat_x.numel(), _CHUNK):
+        x = flat_x[start : start + _CHUNK].double()
+        c = flat_g[start : start + _CHUNK].to(device).double()
+        e = flat_w[start : start + _CHUNK].to(device).double()
+        keep = torch.isfinite(x) & torch.isfinite(e) & torch.isfinite(c)
+        dc, de = (c - x)[keep], (e - x)[keep]
+        counted += int(keep.sum())
+        if dc.numel():
+            sq_c += float((dc * dc).sum())
+            sq_e += float((de * de).sum())
+            max_c = max(max_c, float(dc.abs().max()))
+            max_e = max(max_e, float(de.abs().max()))
+        del x, c, e, keep, dc, de
+    n = max(counted, 1)
+    return Errors((sq_c / n) ** 0.5, (sq_e / n) ** 0.5, max_c, max_e)
+
+
+def judge_float64(
+    torch: Any, expected: list[Any], got: list[Any], exact: list[Any], tol: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The verdict of the float64 rule (:mod:`kf.evaluation.tolerance`) on outputs that
+    failed allclose: each output is judged by allclose first, and one that fails it only
+    by its values (``mismatch``) passes when its :func:`float64_errors` are within the
+    rule's budget. Shapes, dtypes, NaN/Inf and integer outputs are judged as before.
+    ``exact``: the reference's outputs in float64, in the same order."""
+    from kf.evaluation.tolerance import Tolerance, float64_budget
+
+    choice = Tolerance(**tol) if tol else Tolerance()
+    verdict: dict[str, Any] = {"ok": True, "kind": None, "reason": None, "rule": "float64"}
+    worst = -1.0
+    notes: list[str] = []
+    for i, (want, given, ref64) in enumerate(zip(expected, got, exact, strict=True)):
+        label = f"output {i}" if len(expected) > 1 else "output"
+        one = compare_outputs(torch, [want], [given], tol)
+        for key in ("max_abs_err", "max_rel_err", "min_tol"):
+            verdict[key] = max(verdict.get(key, 0.0), one[key])
+        if one["ok"]:
+            continue
+        if one["kind"] != "mismatch":
+            reason = one["reason"].replace("output", label, 1)
+            return {**verdict, "ok": False, "kind": one["kind"], "reason": reason}
+        m, big, floor = float64_budget(choice, _name(torch, want.dtype))
+        err = float64_errors(torch, want, given, ref64)
+        rmse_bound, max_bound = m * err.eager_rmse + floor, big * err.eager_max_err + floor
+        share = max(err.rmse / rmse_bound, err.max_err / max_bound)
+        if share > worst:
+            worst = share
+            verdict.update(
+                rmse_fp64=err.rmse,
+                eager_rmse_fp64=err.eager_rmse,
+                max_err_fp64=err.max_err,
+                eager_max_err_fp64=err.eager_max_err,
+            )
+        against = (
+            f"against a float64 run of the reference, rmse {err.rmse:.3g} "
+            f"{'<=' if err.rmse <= rmse_bound else '>'} {m:g} x eager fp32's {err.eager_rmse:.3g}"
+            f" + {floor:.3g}, largest error {err.max_err:.3g} "
+            f"{'<=' if err.max_err <= max_bound else '>'} {big:g} x eager's "
+            f"{err.eager_max_err:.3g} + {floor:.3g}"
+        )
+        if share > 1.0:
+            reason = one["reason"].replace("output", label, 1)
+            return {**verdict, "ok": False, "kind": "mismatch", "reason": f"{reason}; {against}"}
+        notes.append(f"{one['reason'].replace('output', label, 1)}, but {against}")
+    if notes:
+        verdict["reason"] = "passed by the float64 rule: " + "; ".join(notes)
+    else:
+        verdict["rule"] = "allclose"
     return verdict
 
 

@@ -237,7 +237,14 @@ def _evidence(seed: int, verdict: Verdict, label: str = "") -> TrialEvidence:
         reason=verdict.reason,
         label=label,
         min_tol=verdict.min_tol,
+        **{k: getattr(verdict, k) for k in _FLOAT64_FIELDS},
     )
+
+
+#: what a trial's evidence keeps of its verdict's float64 rule (kf.evaluation.float64)
+_FLOAT64_FIELDS = (
+    "rule", "rmse_fp64", "eager_rmse_fp64", "max_err_fp64", "eager_max_err_fp64", "fp64_skipped",
+)  # fmt: skip
 
 
 def _seed_trials(seed: int, trials: int) -> list[int]:

@@ -112,6 +112,16 @@ class TrialEvidence(msgspec.Struct, frozen=True, kw_only=True):
     reason: str | None = None
     label: str = ""  # for a generalisation variant: which input shapes
     min_tol: float = 0.0  # the smallest atol = rtol at which this trial passes (0.0: older logs)
+    # which rule decided ("allclose", "float64"; "" in older logs) and, where allclose
+    # failed, the errors against a float64 run of the reference: the candidate's and eager
+    # fp32's rmse and largest error (None: no float64 run), or why there was none
+    # (kf.evaluation.verdict.Verdict)
+    rule: str = ""
+    rmse_fp64: float | None = None
+    eager_rmse_fp64: float | None = None
+    max_err_fp64: float | None = None
+    eager_max_err_fp64: float | None = None
+    fp64_skipped: str = ""
 
 
 class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,6 +150,10 @@ class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
     # the most device memory the stage's runners held at once, as they state it (MB; their
     # allocators' reserved bytes, CUDA contexts not counted); None off a GPU and in older logs
     peak_device_mb: float | None = None
+    # how outputs were judged (kf.evaluation.tolerance.rule_of; "" in older logs), and how
+    # many comparisons only the float64 rule passed (allclose failed them)
+    rule: str = ""
+    float64_passed: int = 0
 
 
 class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -334,6 +334,7 @@ class ReferenceRole(RunnerBase):
 
     def _check(self, msg: p.Check) -> dict[str, Any]:
         from kf.evaluation.compare import compare_inputs, compare_outputs
+        from kf.evaluation.float64 import check_with_float64
 
         seed = msg.seed
         if seed not in self.trials:
@@ -350,7 +351,12 @@ class ReferenceRole(RunnerBase):
                 "kind": "exception",
                 "reason": f"unreadable output: {_describe(exc)}",
             }
-        verdict = compare_outputs(self.torch, expected, got, _builtins(msg.tol))
+        tol = _builtins(msg.tol)
+        verdict = compare_outputs(self.torch, expected, got, tol)
+        if not verdict["ok"]:  # the float64 rule: a float64 run only where allclose failed
+            verdict = check_with_float64(
+                self.torch, self.model, pristine, expected, got, tol, verdict
+            )
         if verdict["ok"]:
             if after is None:  # the candidate runner made and checked its own inputs
                 problem = msg.inputs_problem

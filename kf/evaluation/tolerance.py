@@ -1,6 +1,12 @@
 """Which tolerance a candidate's outputs are judged at, and where it came from.
 
-The default is KernelBench's: atol = rtol = 1e-4 (1e-2 for half types). A run can
+The default (preset ``kf``) is KernelBench's atol = rtol = 1e-4 (1e-2 for half types),
+with a second chance that knows fp32 arithmetic: an output that fails allclose passes
+when its error against a float64 run of the reference is within
+:data:`FLOAT64_MULTIPLIER` times eager fp32's own error plus a floor (``atol/10``), as
+``torch._dynamo.utils.same`` judges (:func:`float64_rule`, :mod:`kf.evaluation.float64`).
+The presets ``kernelbench`` and ``kernelbench-verified`` are plain allclose, for tables
+comparable with KernelBench's. A run can
 choose another (``kf run`` / ``kf eval`` ``--atol``, ``--rtol``, or ``--tolerance PRESET``),
 and a task file can declare its own with module-level literals::
 
@@ -12,8 +18,15 @@ An explicit ``--atol``/``--rtol`` wins over the task file, the task file over a 
 (its code never runs in the grader); a value that is not a positive number literal is
 ignored. Presets give a tolerance per output dtype:
 
-``kernelbench``            1e-4, half types 1e-2 (the default)
-``kernelbench-verified``   1e-3, half types 1e-2 (KernelBench-Verified's fp32 tolerance)
+``kf``                     1e-4, half types 1e-2, else the float64 rule (the default)
+``kernelbench``            1e-4, half types 1e-2, plain allclose (KernelBench's)
+``kernelbench-verified``   1e-3, half types 1e-2, plain allclose (KernelBench-Verified's)
+
+The float64 rule, per output that fails allclose (:func:`kf.evaluation.compare.judge_float64`):
+``rmse(candidate, fp64) <= m * rmse(eager, fp64) + atol/10`` with m = 2 (3 for half
+types), as ``torch._dynamo.utils.same``; and, stricter than ``same``, its largest error
+``max|candidate - fp64| <= 2m * max|eager - fp64| + atol/10``, so that one wrong element
+among millions (a wrong index) is not averaged away.
 """
 
 from __future__ import annotations
@@ -23,14 +36,36 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["PRESETS", "Tolerance", "declared", "resolve"]
+__all__ = [
+    "FLOAT64_FLOOR",
+    "FLOAT64_MULTIPLIER",
+    "PRESETS",
+    "Tolerance",
+    "declared",
+    "float64_budget",
+    "float64_rule",
+    "resolve",
+    "rule_of",
+]
 
 _HALF = ("float16", "bfloat16")
 #: preset → (tolerance for full-precision dtypes, tolerance for half types)
 PRESETS: dict[str, tuple[float, float]] = {
+    "kf": (1e-4, 1e-2),
     "kernelbench": (1e-4, 1e-2),
     "kernelbench-verified": (1e-3, 1e-2),
 }
+
+
+#: the float64 rule: how many times eager fp32's error against float64 a candidate may
+#: have, for full-precision and for half types (torch._dynamo.utils.same's)
+FLOAT64_MULTIPLIER: tuple[float, float] = (2.0, 3.0)
+#: the float64 rule's floor, as a share of the output's atol (``same``'s tol/10)
+FLOAT64_FLOOR = 0.1
+#: the largest error may be this many times the multiplier times eager's largest
+MAX_ERROR_FACTOR = 2.0
+#: presets judged by allclose alone
+PLAIN_PRESETS = frozenset({"kernelbench", "kernelbench-verified"})
 
 
 class Tolerance(msgspec.Struct, frozen=True, kw_only=True):
@@ -131,6 +166,28 @@ def for_dtype(tol: Tolerance, dtype_name: str) -> tuple[float, float]:
     return (tol.atol if tol.atol is not None else base, tol.rtol if tol.rtol is not None else base)
 
 
+def float64_rule(tol: Tolerance) -> bool:
+    """Whether an output that fails allclose gets the float64 rule (not the plain presets)."""
+    return tol.preset not in PLAIN_PRESETS
+
+
+def float64_budget(tol: Tolerance, dtype_name: str) -> tuple[float, float, float]:
+    """(m, the largest error's multiple, floor) of the float64 rule for one output dtype."""
+    m = FLOAT64_MULTIPLIER[1 if dtype_name in _HALF else 0]
+    return m, MAX_ERROR_FACTOR * m, FLOAT64_FLOOR * for_dtype(tol, dtype_name)[0]
+
+
+def rule_of(tol: Tolerance) -> str:
+    """What a verification's ``rule`` says: how its outputs were judged."""
+    if not float64_rule(tol):
+        return "allclose"
+    m, _, _ = float64_budget(tol, "float32")
+    return (
+        f"allclose, else within {m:g}x eager fp32's error against float64 + atol/10 "
+        "(torch._dynamo.utils.same)"
+    )
+
+
 def describe(atol: float, rtol: float) -> str:
     """``atol=rtol=0.0001`` or ``atol=0.001 rtol=0.0001``."""
     return f"atol=rtol={atol:g}" if atol == rtol else f"atol={atol:g} rtol={rtol:g}"
@@ -158,8 +215,10 @@ def add_options(parser: Any, *, tolerance: bool = True) -> None:
         "--tolerance",
         default="",
         metavar="PRESET",
-        help=f"a named tolerance: {', '.join(sorted(PRESETS))} (kernelbench-verified: 1e-3 "
-        "for fp32); a task's KF_ATOL/KF_RTOL and --atol/--rtol take precedence",
+        help=f"a named tolerance: {', '.join(sorted(PRESETS))} (default kf: 1e-4, else within "
+        "2x eager fp32's error against a float64 run; kernelbench: KernelBench's plain "
+        "allclose; kernelbench-verified: plain allclose at 1e-3 for fp32); a task's "
+        "KF_ATOL/KF_RTOL and --atol/--rtol take precedence",
     )
 
 

@@ -25,7 +25,7 @@ from kf.evaluation.protocol import MakeInputs, Run
 from kf.evaluation.reports import ProfileReport, TrialEvidence, VerifyReport
 from kf.evaluation.sandbox import Limits, RunnerPool
 from kf.evaluation.session import GradingSession, Stage
-from kf.evaluation.tolerance import Tolerance, for_dtype, resolve
+from kf.evaluation.tolerance import Tolerance, for_dtype, resolve, rule_of
 from kf.tasks import Task
 
 
@@ -94,6 +94,10 @@ def _verify(stage: Stage, trials: int, generalise: bool) -> VerifyReport:
                 flags=tuple(flags) + tuple(f for f in cand.findings if f not in flags),
                 phases=stage.phases(),
                 peak_device_mb=stage.peak_device_mb(),
+                rule=rule_of(chosen),
+                float64_passed=sum(
+                    e.ok and e.rule == "float64" for e in (*evidence, *variants, *hidden)
+                ),
                 **kw,
             )
 
