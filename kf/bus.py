@@ -486,27 +486,68 @@ async def connect(
             await on_reconnect()
 
     last_error: list[Exception] = []
+    connecting = [True]
+    refused = asyncio.Event()
 
     async def _error(exc: Exception) -> None:
+        if connecting[0]:  # said once, in the error below, not once per retry
+            if not refused.is_set():
+                last_error[:] = [exc]
+            if "authorization violation" in str(exc).lower():
+                refused.set()
+            return
         last_error[:] = [exc]
         log.warning("nats_error", error=repr(exc))
 
     kwargs.update(disconnected_cb=_disconnected, reconnected_cb=_reconnected, error_cb=_error)
+    try:
+        nc = await _first_connect(kwargs, refused, connect_timeout_s)
+    except Exception as exc:
+        cause = last_error[0] if last_error else exc
+        if refused.is_set():
+            raise ConnectionError(
+                f"NATS at {redact(opts.url)} refused the credentials ({cause}): check "
+                "--user/--password, KF_NATS_USER/KF_NATS_PASSWORD or KF_NATS_TOKEN"
+            ) from None
+        raise ConnectionError(
+            f"cannot reach NATS at {redact(opts.url)}: {cause!r}; is the server "
+            "running and are the credentials right?"
+        ) from None
+    connecting[0] = False
+    return nc
+
+
+async def _first_connect(
+    kwargs: dict[str, Any], refused: asyncio.Event, timeout_s: float
+) -> Client:
+    """``nats.connect`` until it succeeds, the server refuses the credentials (at once:
+    retrying cannot help) or ``timeout_s`` passes; nats-py may retry an initial connect
+    forever (reconnects are unlimited), so the deadline is enforced here."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + connect_timeout_s
+    deadline = loop.time() + timeout_s
     while True:
+        attempt = asyncio.ensure_future(nats.connect(**kwargs))
+        stop = asyncio.ensure_future(refused.wait())
         try:
-            # nats-py may retry an initial connect forever (reconnects are unlimited), so
-            # the deadline is enforced here
-            return await asyncio.wait_for(nats.connect(**kwargs), max(0.5, deadline - loop.time()))
-        except Exception as exc:
-            if loop.time() >= deadline:
-                cause = last_error[0] if last_error else exc
-                raise ConnectionError(
-                    f"cannot reach NATS at {redact(opts.url)}: {cause!r}; is the server "
-                    "running and are the credentials right?"
-                ) from exc
-            await asyncio.sleep(0.25)
+            await asyncio.wait(
+                {attempt, stop},
+                timeout=max(0.5, deadline - loop.time()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            stop.cancel()
+            if not attempt.done():
+                attempt.cancel()
+                with contextlib.suppress(BaseException):
+                    await attempt
+        if attempt.done() and not attempt.cancelled() and attempt.exception() is None:
+            return attempt.result()
+        if refused.is_set():
+            raise ConnectionRefusedError("authorization violation")
+        if loop.time() >= deadline:
+            exc = attempt.exception() if attempt.done() and not attempt.cancelled() else None
+            raise exc or TimeoutError(f"no connection within {timeout_s:.0f} s")
+        await asyncio.sleep(0.25)
 
 
 def redact(url: str) -> str:

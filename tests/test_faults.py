@@ -308,13 +308,18 @@ def test_faults_malformed_events_are_rejected_and_the_run_goes_on(
 
 
 def test_faults_client_without_token_is_refused(tmp_path: Path) -> None:
-    """A server with a token refuses a worker that has none, and the worker says why."""
+    """A server with a token refuses a worker that has none, or a wrong one, and the worker
+    says why in one line, at once: no warning per retry (there were 45-50 JSON lines)."""
     with EmbeddedServer(token="s3cret-" + uuid.uuid4().hex[:8]) as srv:
         no_token = srv.url.replace(f"{srv.token}@", "")
-        proc = kf_proc("worker", "--nats", no_token, "--run", "x", "--name", "w")
-        code, _, err = finish(proc, 60)
-        assert code == 1
-        assert "cannot reach NATS" in err and "credentials" in err
+        wrong = srv.url.replace(f"{srv.token}@", "wrong-token@")
+        for url in (no_token, wrong):
+            proc = kf_proc("worker", "--nats", url, "--run", "x", "--name", "w")
+            code, _, err = finish(proc, 60)
+            assert code == 1
+            assert len(err.strip().splitlines()) == 1, err
+            assert "refused the credentials" in err and "Authorization Violation" in err
+            assert "wrong-token" not in err
 
 
 def _can_use_netns() -> str | None:
