@@ -94,6 +94,12 @@ def _human(result: EvalResult) -> str:
                 f"  tolerance {describe(v.atol, v.rtol)} ({v.tolerance_source or 'default'}); "
                 f"the smallest atol=rtol that would pass: {v.min_tolerance:.2g}"
             )
+        if v.rule:
+            lines.append(f"  rule: {v.rule}")
+        if v.float64_passed:
+            lines.append(
+                f"  {v.float64_passed} comparison(s) failed allclose and passed the float64 rule"
+            )
         if not v.correct:
             lines.append(f"  {v.error}")
     if v is not None and v.variant_evidence:

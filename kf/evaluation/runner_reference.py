@@ -391,6 +391,7 @@ class ReferenceRole(RunnerBase):
 
     def _compile_reference(self, mode: str = "default") -> tuple[Any, p.BaselineCompiled]:
         from kf.evaluation.compare import compare_outputs
+        from kf.evaluation.float64 import check_with_float64
 
         torch = self.torch
         described = describe_compile(mode, torch.__version__)
@@ -417,8 +418,11 @@ class ReferenceRole(RunnerBase):
             with torch.no_grad():
                 want = self.model(*self._private(self.inputs))
             got_list = [got] if isinstance(got, torch.Tensor) else list(got)
-            want_list = [want] if isinstance(want, torch.Tensor) else list(want)
-            verdict = compare_outputs(torch, [w.detach() for w in want_list], got_list)
+            want_list = [w.detach() for w in ([want] if isinstance(want, torch.Tensor) else want)]
+            verdict = compare_outputs(torch, want_list, got_list)
+            verdict = check_with_float64(
+                torch, self.model, self.inputs, want_list, got_list, None, verdict
+            )
         except Exception as exc:  # any failure of torch.compile is the answer
             return None, p.BaselineCompiled(
                 baseline=described,
