@@ -39,6 +39,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 from nats.aio.client import Client
 
@@ -57,6 +58,8 @@ __all__ = [
     "nats_config",
     "password_env",
     "permissions",
+    "shared_login",
+    "shared_login_refusal",
     "worker_user",
 ]
 
@@ -406,6 +409,43 @@ def _notify(message: str) -> None:
 
 
 # -- a deployment's configuration (compose.yaml) -------------------------------------------
+
+
+#: ``KF_ALLOW_SHARED_TOKEN=1``: as ``--allow-shared-token`` (tests, scripts)
+ALLOW_SHARED_ENV = "KF_ALLOW_SHARED_TOKEN"
+
+
+def shared_login(opts: bus.BusOptions) -> bool:
+    """Whether ``opts`` logs in as no per-role user: with a token (``--token``,
+    ``KF_NATS_TOKEN``, ``nats://TOKEN@host``) or with no credentials at all."""
+    if opts.user:
+        return False
+    parsed = urlsplit(opts.url)
+    return not (parsed.username and parsed.password is not None)
+
+
+def shared_login_refusal(
+    verb: str, logins: Sequence[bus.BusOptions], allowed: bool, out: Any = None
+) -> str | None:
+    """Why ``kf <verb>`` must not start on these logins (one line), or None: a run whose
+    bus has no per-role users lets every holder of the shared login forge any result,
+    decision or ``run.finished``. With ``allowed`` (``--allow-shared-token``, or
+    ``KF_ALLOW_SHARED_TOKEN=1``) it starts, after one warning line on ``out`` (stderr)."""
+    shared = [o for o in logins if shared_login(o)]
+    if not shared:
+        return None
+    what = (
+        f"NATS at {bus.redact(shared[0].url)} is reached without a per-role user (a shared "
+        "token, or no credentials), so any holder of that login can forge results, "
+        "decisions and run.finished (docs/authorization.md)"
+    )
+    if allowed or current().get(ALLOW_SHARED_ENV) == "1":
+        print(f"kf {verb}: WARNING: {what}", file=out or sys.stderr)
+        return None
+    return (
+        f"refusing to start: {what}; give each role its own user (python -m kf.auth "
+        "nats-config, KF_NATS_<ROLE>_USER/_PASSWORD) or accept this with --allow-shared-token"
+    )
 
 
 def password_env(role: str, device_id: str | None = None) -> str:

@@ -32,6 +32,24 @@ def _add_nats_options(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--tls-ca", help="CA bundle for a TLS NATS server")
     p.add_argument("--tls-cert", help="client certificate for TLS")
     p.add_argument("--tls-key", help="client key for TLS")
+    p.add_argument(
+        "--allow-shared-token",
+        action="store_true",
+        help="start even though the server has no per-role users (a token or no "
+        "credentials): any holder can then forge results (or KF_ALLOW_SHARED_TOKEN=1)",
+    )
+
+
+def _shared_login_refused(
+    verb: str, args: argparse.Namespace, opts: Any, roles: Sequence[str]
+) -> bool:
+    """Print why ``kf <verb>`` refuses a bus without per-role users (kf.auth); True then."""
+    from kf.auth import shared_login_refusal
+
+    why = shared_login_refusal(verb, [opts.for_role(r) for r in roles], args.allow_shared_token)
+    if why:
+        print(f"kf {verb}: {why}", file=sys.stderr)
+    return why is not None
 
 
 def _bus_options(args: argparse.Namespace, url: str, name: str) -> Any:
@@ -83,6 +101,8 @@ async def _agent_main(args: argparse.Namespace) -> int:
     if args.db:
         options["db"] = args.db
     opts = _bus_options(args, args.nats, agent_id)
+    if _shared_login_refused("agent", args, opts, [kind]):
+        return EXIT_USAGE
     nc = await bus.connect(opts)
     ctx = AgentContext(run_id=bus.valid_run_id(args.run), agent_id=agent_id, options=options)
     stop = asyncio.Event()
@@ -225,6 +245,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.budget < 1:
         print("kf run: --budget must be at least 1", file=sys.stderr)
         return EXIT_USAGE
+    if args.nats:  # before anything starts: a bus without per-role users is refused
+        roles = ["proposer"] if args.join else ["archivist", "proposer"]
+        roles += [] if args.no_worker else ["worker"]
+        if _shared_login_refused("run", args, _bus_options(args, args.nats, "kf-run"), roles):
+            return EXIT_USAGE
     if not (args.join and args.no_worker):  # the task checks and the worker run candidates
         refused = _require_sandbox(args.unsafe_no_sandbox)
         if refused:
@@ -405,6 +430,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     refused = _require_sandbox(args.unsafe_no_sandbox)
     if refused:
         print(f"kf worker: {refused}", file=sys.stderr)
+        return EXIT_USAGE
+    if _shared_login_refused(
+        "worker", args, _bus_options(args, args.nats, "kf-worker"), ["worker"]
+    ):
         return EXIT_USAGE
     options: dict[str, Any] = {
         "timeout_s": args.timeout,

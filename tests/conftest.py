@@ -17,6 +17,9 @@ configure("WARNING", json=True)
 # CI's 2 cores per fresh reference runner: off for the suite, on in the tests of it
 # (tests/test_compile_baseline.py), which set $KF_COMPILE_BASELINE themselves.
 os.environ.setdefault("KF_COMPILE_BASELINE", "0")
+# Many tests run kf on a plain embedded nats-server (no per-role users), which kf refuses
+# unless told (kf.auth.shared_login_refusal); the tests of that refusal unset it.
+os.environ.setdefault("KF_ALLOW_SHARED_TOKEN", "1")
 
 
 def _box_unavailable() -> str | None:

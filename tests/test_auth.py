@@ -286,3 +286,47 @@ def test_auth_deployment_config_takes_passwords_from_the_environment(tmp_path: P
         server.wait(10)
         if server.stderr is not None:
             server.stderr.close()
+
+
+def test_auth_shared_login_is_refused_unless_allowed(tmp_path: Path) -> None:
+    """kf run, kf worker and kf agent on a server without per-role users (a token, or no
+    credentials) refuse to start with one line, before connecting; --allow-shared-token
+    starts them after one warning line (a wrong token then fails on its own line)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KF_ALLOW_SHARED_TOKEN",)}
+    env.update(PYTHONPATH=str(ROOT), KF_LOG_LEVEL="WARNING")
+    task = str(ROOT / "tests/fixtures/search/scale_relu.py")
+
+    def kf(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kf.cli", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+            env=env,
+            check=False,
+        )
+
+    with EmbeddedServer(token="kf-shared-secret") as srv:
+        bare = srv.url.replace("kf-shared-secret@", "")
+        for argv in (
+            ["run", task, "--nats", srv.url, "--db", str(tmp_path / "a.db")],
+            ["run", task, "--nats", bare, "--token", "kf-shared-secret", "--budget", "1"],
+            ["worker", "--nats", srv.url, "--run", "r", "--name", "w"],
+            ["agent", "archivist", "--nats", bare, "--run", "r"],
+        ):
+            done = kf(*argv)
+            assert done.returncode == 2, (argv, done.stderr)
+            assert len(done.stderr.strip().splitlines()) == 1, (argv, done.stderr)
+            assert "refusing to start" in done.stderr and "--allow-shared-token" in done.stderr
+            assert "kf-shared-secret" not in done.stderr + done.stdout
+        assert not (tmp_path / "a.db").exists()  # nothing was started
+        wrong = srv.url.replace("kf-shared-secret@", "wrong@")
+        done = kf("worker", "--nats", wrong, "--run", "r", "--name", "w", "--allow-shared-token")
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 1 and len(lines) == 2, done.stderr
+        assert lines[0].startswith("kf worker: WARNING: NATS at nats://***@")
+        assert "refused the credentials" in lines[1]
+        # a per-role login is not refused for this (the server then judges it)
+        done = kf("worker", "--nats", bare, "--run", "r", "--user", "u", "--password", "p")
+        assert done.returncode == 1 and "refusing to start" not in done.stderr

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -490,16 +491,29 @@ def _new_cgroup(base: Path, name: str, limit: int) -> Path:
     return folder
 
 
+#: a box cgroup younger than this may not hold its box yet (made, its bwrap not started)
+_CGROUP_GRACE_S = 60.0
+
+
 def sweep_cgroups() -> None:
-    """Remove the empty box cgroups of this process and of processes that are gone."""
+    """Remove the empty box cgroups of this process and of processes that are gone (one
+    of this process only once older than a minute: its box may still be starting)."""
     base = _pids_base[0] if _pids_base else None
     if base is None:
         return
+    now = time.time()
     for folder in base.glob(f"{_CGROUP_PREFIX}*"):
         pid = folder.name[len(_CGROUP_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and (int(pid) == os.getpid() or not Path(f"/proc/{pid}").exists()):
-            with contextlib.suppress(OSError):  # busy: its box still runs
-                folder.rmdir()
+        if not pid.isdigit():
+            continue
+        if int(pid) == os.getpid():
+            with contextlib.suppress(OSError):
+                if now - folder.stat().st_mtime < _CGROUP_GRACE_S:
+                    continue
+        elif Path(f"/proc/{pid}").exists():
+            continue
+        with contextlib.suppress(OSError):  # busy: its box still runs
+            folder.rmdir()
 
 
 def process_limit() -> str:
