@@ -120,6 +120,18 @@ class Settings:
         return self._text("KF_OBJCACHE", "1") != "0"
 
     @property
+    def pch(self) -> str:
+        """``KF_PCH``: a precompiled ``torch/extension.h`` for ``load_inline``'s
+        ``main.cpp``: ``cuda`` (default) for builds with CUDA sources, ``all`` for C++-only
+        ones too, ``0`` never; needs the object cache."""
+        value = self._text("KF_PCH", "cuda").strip().lower()
+        if value in OFF:
+            return "off"
+        if value not in ("cuda", "all", "1", "on"):
+            raise SettingError(f"KF_PCH={value!r}: expected cuda, all or 0")
+        return "all" if value in ("all", "1", "on") else "cuda"
+
+    @property
     def objcache_log(self) -> str | None:
         """``KF_OBJCACHE_LOG``: a file that also gets each of the cache's verdicts."""
         return self._text("KF_OBJCACHE_LOG") or None

@@ -49,6 +49,8 @@ __all__ = [
     "cache_root",
     "install",
     "load_inline",
+    "pch_key",
+    "pch_wanted",
     "uninstall",
 ]
 
@@ -154,6 +156,32 @@ def binding_key(arguments: dict[str, Any], environment: dict[str, Any]) -> str:
     return _digest(material, environment)
 
 
+#: ``load_inline`` arguments that reach ``main.cpp``'s compile command (not its text)
+_PCH_ARGUMENTS = ("extra_cflags", "extra_include_paths", "with_cuda", "with_sycl")
+
+
+def pch_key(arguments: dict[str, Any], environment: dict[str, Any]) -> str:
+    """The key of the precompiled ``torch/extension.h`` a build's ``main.cpp`` can use
+    (:mod:`kf.cuda.pch`): the flag arguments and the toolchain, nothing of the sources."""
+    material = {k: arguments.get(k) for k in _PCH_ARGUMENTS}
+    if material.get("with_cuda") is None:
+        material["with_cuda"] = _given(arguments.get("cuda_sources"))
+    if material.get("with_sycl") is None:
+        material["with_sycl"] = _given(arguments.get("sycl_sources"))
+    return _digest({"pch": material}, environment)
+
+
+def pch_wanted(arguments: dict[str, Any]) -> bool:
+    """Whether this build's ``main.cpp`` gets the precompiled header (``$KF_PCH``)."""
+    setting = current().pch
+    if setting == "off" or not current().objcache:
+        return False
+    with_cuda = arguments.get("with_cuda")
+    return setting == "all" or bool(
+        with_cuda if with_cuda is not None else _given(arguments.get("cuda_sources"))
+    )
+
+
 def _module_name(name: str, binding: str) -> str:
     safe = re.sub(r"\W", "_", name) or "ext"
     return f"{safe}_{binding[:16]}"
@@ -181,18 +209,24 @@ def _import(module_name: str, library: Path, key: str) -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def _object_cache() -> Iterator[None]:
+def _object_cache(pch: str | None) -> Iterator[None]:
     """Point ``CXX`` and ``PYTORCH_NVCC`` at :mod:`kf.cuda.objcache` launchers meanwhile.
 
     The real compilers are the ones PyTorch would use: ``$CXX`` (else ``c++``) and
     ``$CUDA_HOME/bin/nvcc``; a ``PYTORCH_NVCC`` the user set is left alone. Nothing
-    changes when ``KF_OBJCACHE=0``.
+    changes when ``KF_OBJCACHE=0``. ``main.cpp`` gets the precompiled header of key
+    ``pch`` (:mod:`kf.cuda.pch`), made in this cache if missing, unless the grader's
+    build box already named the folders (``$KF_PCH_DIR``, ``$KF_PCH_MAKE``).
     """
     from kf.cuda import objcache
 
-    saved = {name: os.environ.get(name) for name in ("CXX", "PYTORCH_NVCC")}
+    names = ("CXX", "PYTORCH_NVCC", "KF_PCH_DIR", "KF_PCH_MAKE")
+    saved = {name: os.environ.get(name) for name in names}
     try:
         if objcache.enabled():
+            if saved["KF_PCH_DIR"] is None and saved["KF_PCH_MAKE"] is None and pch:
+                folder = str(cache_root() / "pch" / pch)
+                os.environ["KF_PCH_DIR"] = os.environ["KF_PCH_MAKE"] = folder
             import torch.utils.cpp_extension as ext
 
             cxx = shutil.which(os.environ.get("CXX", "c++"))
@@ -290,7 +324,8 @@ def load_inline(*args: Any, **kwargs: Any) -> Any:
                 work.mkdir()
                 arguments.update(name=module_name, build_directory=str(work))
                 _forget_version(module_name)
-                with _object_cache():
+                pch = pch_key(arguments, environment) if pch_wanted(arguments) else None
+                with _object_cache(pch):
                     original(**arguments)  # builds and imports from the work folder
                 sys.modules.pop(module_name, None)
                 shutil.rmtree(final, ignore_errors=True)

@@ -86,6 +86,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from kf.cuda import pch
 from kf.cuda.inline import cache_root
 from kf.settings import current
 
@@ -787,12 +788,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     compile = parse_compile(args) if enabled() and resolved else None
     if compile is None or resolved is None:
         return _exec(compiler, args)
+    extra: list[str] = []
+    pch_note = ""
+    if not os.path.basename(resolved).startswith("nvcc"):
+        extra, pch_note = pch.extra_args(resolved, compile.args, compile.source_index)
     try:
         root = objects_dir()
         key = compile_key(resolved, compile)
+        if extra:  # the depfile of a compile with a precompiled header lists no header
+            key = hashlib.sha256(json.dumps([key, extra]).encode()).hexdigest()
         lock = open(root / f"{key}.lock", "w")  # noqa: SIM115 - held until exit
     except OSError:
-        return _exec(compiler, args)
+        return _exec(compiler, [*extra, *args])
     name = os.path.basename(compile.source)
     paths = _Paths(compile)
     with lock:
@@ -808,14 +815,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0
         start_ns = time.time_ns()
         start = time.perf_counter()
-        status, stdout, stderr = _run(resolved, compile.run_args())
+        status, stdout, stderr = _run(resolved, [*extra, *compile.run_args()])
         seconds = time.perf_counter() - start
+        how = f" ({pch_note})" if pch_note else ""
         if status != 0:
-            _say(f"miss {name} {key[:12]} failed with status {status} in {seconds:.1f}s")
+            _say(f"miss {name} {key[:12]} failed with status {status} in {seconds:.1f}s{how}")
             return status
         why = _store(root, key, paths, start_ns, stdout, stderr)
         note = "" if why is None else f" (not stored: {why})"
-        _say(f"miss {name} {key[:12]} compiled in {seconds:.1f}s{note}")
+        _say(f"miss {name} {key[:12]} compiled in {seconds:.1f}s{how}{note}")
         return 0
 
 

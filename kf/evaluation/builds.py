@@ -22,6 +22,7 @@ given: a candidate can fill the entry for its own build, never another's.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -264,9 +265,73 @@ def build_inline(
             return {"ok": True, "path": str(final), "cached": True, "log": ""}
         work = Path(tempfile.mkdtemp(dir=root, prefix=f"{key}.build-"))
         try:
-            return _build_inline(arguments, arch, work, final, key, module_name, timeout_s)
+            pch = inline.pch_key(arguments, env)
+            with _pch_folders(arguments, pch, work) as pch_env:
+                return _build_inline(
+                    arguments, arch, work, final, key, module_name, timeout_s, pch_env
+                )
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+
+_pch_lock = threading.Lock()
+_pch_making: set[str] = set()
+
+
+@contextlib.contextmanager
+def _pch_folders(arguments: dict[str, Any], pch: str, work: Path) -> Iterator[dict[str, str]]:
+    """The build box's ``KF_PCH_DIR``/``KF_PCH_MAKE`` (:mod:`kf.cuda.pch`): the shared
+    cache's ``pch/<pch>`` read-only, and, for the one build at a time that makes the
+    header of a key the cache lacks, a folder in its own ``work`` to make it in, which is
+    published afterwards under ``pch`` (the key computed here, from the call's flag
+    arguments): only the ``.gch`` file is taken, the link beside it is made here."""
+    from kf.cuda import inline
+    from kf.cuda import pch as pch_mod
+
+    if not inline.pch_wanted(arguments):
+        yield {"KF_PCH": "0"}  # the box would otherwise decide by its own default
+        return
+    shared = inline.cache_root() / "pch" / pch
+    env = {"KF_PCH_DIR": str(shared)}
+    with _pch_lock:
+        maker = not pch_mod.usable(shared) and pch not in _pch_making
+        if maker:
+            _pch_making.add(pch)
+    made = work / "pch" / pch
+    if maker:
+        env["KF_PCH_MAKE"] = str(made)
+    try:
+        yield env
+        if maker and pch_mod.usable(made) and not pch_mod.usable(shared):
+            _publish_pch(made, shared)
+    finally:
+        if maker:
+            with _pch_lock:
+                _pch_making.discard(pch)
+
+
+def _publish_pch(made: Path, shared: Path) -> None:
+    from kf.cuda import pch as pch_mod
+
+    gch = made / pch_mod.GCH
+    real = (made / pch_mod.HEADER).resolve()
+    if not stat.S_ISREG(os.lstat(gch).st_mode) or real.name != "extension.h":
+        return
+    try:
+        shared.parent.mkdir(parents=True, exist_ok=True)
+        temp = Path(tempfile.mkdtemp(dir=shared.parent, prefix=".publish-"))
+    except OSError:
+        return
+    try:
+        (temp / "torch").mkdir()
+        os.replace(gch, temp / pch_mod.GCH)
+        (temp / pch_mod.HEADER).symlink_to(real)
+        (temp / pch_mod.MARK).write_text("ok")
+        for path in (temp, temp / "torch", temp / pch_mod.GCH, temp / pch_mod.MARK):
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        os.replace(temp, shared)
+    except OSError:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _refused_inline_flag(arguments: dict[str, Any]) -> str | None:
@@ -290,6 +355,7 @@ def _build_inline(
     key: str,
     module_name: str,
     timeout_s: float,
+    pch_env: dict[str, str],
 ) -> dict[str, Any]:
     import json
 
@@ -300,6 +366,7 @@ def _build_inline(
         "TORCH_CUDA_ARCH_LIST": arch,
         "CXX": os.environ.get("CXX", "c++"),
         "KF_CACHE_SHARED": "",
+        **pch_env,
     }
     prefix = box.command(
         python=sys.executable,
