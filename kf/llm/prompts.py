@@ -181,12 +181,16 @@ class Prompt:
 LANGUAGE_GUIDES: dict[str, str] = {
     "cuda": (
         "Language: CUDA C++ on the GPU, built with torch.utils.cpp_extension.load_inline as "
-        "KernelBench does: put the kernels and a host wrapper taking and returning "
-        "torch::Tensor in a `cuda_sources` string (#include <torch/extension.h>), the "
-        "wrapper's declaration in `cpp_sources`, and call load_inline(name=..., "
+        "KernelBench does. Keep PyTorch's headers out of the CUDA code, which then builds in "
+        "seconds rather than a minute: `cuda_sources` holds the kernels and a plain C++ "
+        "launcher (#include <cuda_runtime.h>; raw pointers, sizes and a cudaStream_t; no "
+        "torch headers); `cpp_sources` holds #include <torch/extension.h> and "
+        "<c10/cuda/CUDAStream.h>, the launcher's declaration and the wrapper taking and "
+        "returning torch::Tensor, which checks the inputs, allocates the outputs and calls "
+        "the launcher on c10::cuda::getCurrentCUDAStream(). Call load_inline(name=..., "
         "cpp_sources=..., cuda_sources=..., functions=[...], extra_cuda_cflags=['-O3']) at "
         "module level. ModelNew.forward calls the wrapper. Inputs arrive on the GPU; check "
-        "bounds, handle any size, and launch on the current stream."
+        "bounds and handle any size."
     ),
     "triton": (
         "Language: Triton on the GPU: `import triton`, `import triton.language as tl`, one or "
