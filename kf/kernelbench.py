@@ -13,6 +13,11 @@ for eager (``baseline_time_torch.json``) and for ``torch.compile``
   by the correct ones), for p in 0, 0.5, 0.8, 1, 1.5, 2;
 - geometric-mean speed-up over the correct problems only (0 when none is correct).
 
+Tasks kf's audit marked degenerate (their outputs do not depend on their inputs, so a
+constant passes them: KernelBench level 2's tasks 23, 80 and 83) are left out of every
+score, as KernelBench-Verified leaves them out, and scored on their own line (a level's
+``degenerate``); their rows say ``degenerate``.
+
 kf reports one sample per problem — the task's best kernel (``sample_id`` 0, as in
 KernelBench's greedy evaluation; ``candidate_id`` names it) — and states each score three
 times: against eager (KernelBench's own baseline), against ``torch.compile`` timed in the
@@ -88,6 +93,7 @@ CSV_COLUMNS = (
     "candidates",
     "peak_device_mb",
     "time_s",
+    "degenerate",
     "metadata",
 )
 
@@ -120,7 +126,23 @@ _KEYS = {"eager": "speedup", "compile": "speedup_vs_compile", "best": "speedup_v
 
 
 def level_scores(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """KernelBench's scores of one level's rows, against each baseline."""
+    """KernelBench's scores of one level's rows, against each baseline, over the rows the
+    audit did not mark degenerate (as KernelBench-Verified leaves out level 2's tasks 23,
+    80 and 83); those rows' own scores under ``degenerate`` (their ``problems``, and the
+    same scores), when there are any."""
+    kept = [r for r in rows if not r.get("degenerate")]
+    left = [r for r in rows if r.get("degenerate")]
+    scores = _level_scores(kept)
+    if left:
+        scores["degenerate"] = {
+            "problems": [r["problem_name"] for r in left],
+            **_level_scores(left),
+        }
+    return scores
+
+
+def _level_scores(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`level_scores` of ``rows``, all counted."""
     n = len(rows)
     compiled = sum(1 for r in rows if r["compiled"])
     correct = [r for r in rows if r["correctness"]]
@@ -234,6 +256,7 @@ def kernelbench_section(tasks: list[dict[str, Any]], envelopes: list[Envelope]) 
                 "candidates": t.get("candidates", 0),
                 "peak_device_mb": peaks.get(name),
                 "time_s": times.get(name),
+                "degenerate": bool(t.get("degenerate")),
                 "metadata": meta,
             }
         )
@@ -260,6 +283,7 @@ def kernelbench_section(tasks: list[dict[str, Any]], envelopes: list[Envelope]) 
                 "candidates": 0,
                 "peak_device_mb": None,
                 "time_s": None,
+                "degenerate": False,
                 "metadata": {"skipped": str(why)},
             }
         )
@@ -323,5 +347,14 @@ def format_levels(section: dict[str, Any]) -> list[str]:
             lines.append(
                 f"  {s['tasks_without_compile_baseline']} correct task(s) without a "
                 "torch.compile time: not fast against it, not in its geomean"
+            )
+        d = s.get("degenerate")
+        if d:
+            gm = d["geomean_speedup"]["eager"]
+            lines.append(
+                f"  degenerate (kf's audit: outputs do not depend on inputs), left out of the "
+                f"scores above: {', '.join(d['problems'])}: correct {d['correct']}/{d['tasks']}, "
+                + ", ".join(f"{k} = {v:.2f}" for k, v in d["fast_p"]["eager"].items())
+                + (f"; geomean vs eager {gm:.2f}×" if gm else "")
             )
     return lines

@@ -35,6 +35,7 @@ __all__ = [
     "fold_archive",
     "fold_envelopes",
     "format_table",
+    "headline",
 ]
 
 FAST_P = (0.0, 1.0, 1.5, 2.0)
@@ -77,7 +78,7 @@ def build_report(db: str | Path, *, ignore_integrity: bool = False) -> dict[str,
 
 def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
     """The JSON report from committed envelopes (a log file, or a run followed over NATS)."""
-    from agents.archive import CELLS_PER_ISLAND, best_candidate, geomean
+    from agents.archive import CELLS_PER_ISLAND, best_candidate
     from agents.archive_tuning import summary as tuning_summary
 
     state = fold_envelopes(envelopes)
@@ -149,8 +150,7 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
             speedups[name] = best.speedup
             better = entry["best_speedup_vs_best"]
             vs_best[name] = better if better is not None else best.speedup
-    n = len(state.tasks)
-    total_cells = n * state.config.islands * CELLS_PER_ISLAND
+    total_cells = len(state.tasks) * state.config.islands * CELLS_PER_ISLAND
     # the search's mutators (tuned candidates are counted per task, as tuned_candidates)
     mutators = sorted({c.mutator for c in state.candidates.values() if c.operator != "tune"})
     from kf.kernelbench import kernelbench_section
@@ -170,16 +170,9 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
         },
         "tasks": tasks,
         "archive": {"filled_cells": filled, "total_cells": total_cells},
-        "fast_p": {
-            f"fast_{p:g}": (sum(1 for s in speedups.values() if s > p) / n if n else 0.0)
-            for p in FAST_P
-        },
-        "geomean_speedup": geomean(list(speedups.values())),
-        "fast_p_vs_best": {
-            f"fast_{p:g}": (sum(1 for s in vs_best.values() if s > p) / n if n else 0.0)
-            for p in FAST_P
-        },
-        "geomean_speedup_vs_best": geomean(list(vs_best.values())),
+        **headline(
+            speedups, vs_best, len(state.tasks), {t["task"] for t in tasks if t["degenerate"]}
+        ),
         "tasks_without_compiled_baseline": sum(
             1 for t in tasks if t["best_speedup"] is not None and t["best_speedup_vs_best"] is None
         ),
@@ -198,6 +191,48 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
         # one row per task in KernelBench's terms, and scores per level (kf.kernelbench)
         "kernelbench": kernelbench_section(tasks, envelopes),
     }
+
+
+def _scores(speedups: dict[str, float], vs_best: dict[str, float], n: int) -> dict[str, Any]:
+    """fast_p (over ``n`` tasks) and the geomeans (over the tasks with a speed-up)."""
+    from agents.archive import geomean
+
+    def fast(values: dict[str, float]) -> dict[str, float]:
+        return {
+            f"fast_{p:g}": (sum(v > p for v in values.values()) / n if n else 0.0) for p in FAST_P
+        }
+
+    return {
+        "fast_p": fast(speedups),
+        "geomean_speedup": geomean(list(speedups.values())),
+        "fast_p_vs_best": fast(vs_best),
+        "geomean_speedup_vs_best": geomean(list(vs_best.values())),
+    }
+
+
+def headline(
+    speedups: dict[str, float], vs_best: dict[str, float], n: int, degenerate: set[str]
+) -> dict[str, Any]:
+    """The headline: fast_p and the geomeans over the ``n`` tasks less those the audit
+    marked ``degenerate`` (their outputs do not depend on their inputs: a constant passes
+    them, and its speed-up means nothing), as KernelBench-Verified leaves out level 2's
+    tasks 23, 80 and 83; the degenerate tasks' own scores beside it, under
+    ``degenerate``, and ``headline_tasks``, the tasks it counts."""
+    keep = {k: v for k, v in speedups.items() if k not in degenerate}
+    keep_best = {k: v for k, v in vs_best.items() if k not in degenerate}
+    out = {**_scores(keep, keep_best, n - len(degenerate)), "headline_tasks": n - len(degenerate)}
+    if degenerate:
+        left = {k: v for k, v in speedups.items() if k in degenerate}
+        left_best = {k: v for k, v in vs_best.items() if k in degenerate}
+        out["degenerate"] = {
+            "tasks": sorted(degenerate),
+            **_scores(left, left_best, len(degenerate)),
+        }
+        out["headline_note"] = (
+            f"fast_p and the geomeans leave out {len(degenerate)} degenerate task(s) (kf's "
+            "audit: their outputs do not depend on their inputs), as KernelBench-Verified does"
+        )
+    return out
 
 
 def _failures(state: Any, task: str) -> dict[str, int]:
@@ -283,6 +318,20 @@ def _tuning_line(task: str, s: dict[str, Any]) -> str:
     return f"{where} at {s['shape']}: {found}{tuned}"
 
 
+def _degenerate_lines(report: dict[str, Any]) -> list[str]:
+    """The degenerate tasks on their own line, with their scores (:func:`headline`)."""
+    d = report.get("degenerate")
+    if not d:
+        return []
+    fp = ", ".join(f"{k} = {v:.2f}" for k, v in d["fast_p"].items())
+    gm = d["geomean_speedup"]
+    return [
+        f"{report.get('headline_note', '')}; over the other {report.get('headline_tasks')} task(s)",
+        f"degenerate, left out: {', '.join(d['tasks'])}: {fp}"
+        + (f"; geomean {gm:.2f}×" if gm else ""),
+    ]
+
+
 def format_table(report: dict[str, Any]) -> str:
     """A plain-text table of the report."""
     rows = [
@@ -366,6 +415,7 @@ def format_table(report: dict[str, Any]) -> str:
                 else ""
             )
         )
+    lines += _degenerate_lines(report)
     kb = report.get("kernelbench") or {}
     if any(r["level"] is not None for r in kb.get("rows", [])):
         from kf.kernelbench import format_levels

@@ -230,7 +230,18 @@ def test_run_marks_a_degenerate_task_and_flags_its_speedups(tmp_path: Path) -> N
     (task,) = report["tasks"]
     assert task["degenerate"] and task["audit"]["degenerate"]
     assert any(f.startswith("degenerate_task:") for f in task["best_flags"])
+    # the headline leaves it out (tests/test_headline.py) and scores it on its own line
+    assert report["headline_tasks"] == 0 and not report["geomean_speedup"]
+    assert report["fast_p"]["fast_0"] == 0.0
+    assert report["degenerate"]["tasks"] == ["degen"]
+    assert report["degenerate"]["fast_p"]["fast_0"] == 1.0
+    (row,) = report["kernelbench"]["rows"]
+    assert row["degenerate"] and row["correctness"]
     table = run_kf("report", str(db))
     assert "DEGENERATE task" in table.stdout
+    assert "degenerate, left out: degen" in table.stdout
+    from kf.dashboard import report_html
+
+    assert '"degenerate_tasks":["degen"]' in report_html(db)
     replay = run_kf("replay", str(db), "--check")
     assert replay.returncode == 0, replay.stdout + replay.stderr

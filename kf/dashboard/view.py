@@ -38,6 +38,7 @@ from kf.search_facts import (
     CandidateVerified,
     EliteAdmitted,
     MutationFailed,
+    TaskAudited,
     TaskSkipped,
 )
 
@@ -124,6 +125,8 @@ class RunView:
         self.prompt_of_selection: dict[tuple[str, int], str] = {}
         self.prompt_of_candidate: dict[str, str] = {}
         self.skipped: dict[str, str] = {}
+        # tasks the audit marked degenerate, with its reason (left out of the headline)
+        self.degenerate: dict[str, str] = {}
         self.mutation_failures = 0
         self.unsandboxed = 0  # stage reports of runners outside kf's box
         self.boxed = 0  # stage reports of runners in it (older logs say neither)
@@ -153,6 +156,8 @@ class RunView:
             self.finished = ev.reason
         elif isinstance(ev, TaskSkipped):
             self.skipped[ev.task] = ev.reason
+        elif isinstance(ev, TaskAudited) and ev.audit.degenerate:
+            self.degenerate.setdefault(ev.task, ev.audit.reason)
         elif isinstance(ev, MutationFailed):
             self.mutation_failures += 1
         elif isinstance(ev, CandidateProposed):
@@ -326,9 +331,11 @@ class RunView:
                     "best_speedup": best.speedup if best is not None else None,
                     "best_candidate_id": best.id if best is not None else None,
                     "cells": cells,
+                    "degenerate": self.degenerate.get(name),
                 }
             )
         return {
+            **self._headline(tasks),
             "islands": a.config.islands,
             "dims": {
                 "memory": list(MEMORY_LEVELS),
@@ -337,6 +344,19 @@ class RunView:
             },
             "filled": sum(len(t["cells"]) for t in tasks),
             "tasks": tasks,
+        }
+
+    def _headline(self, tasks: list[dict[str, Any]]) -> dict[str, Any]:
+        """The best speed-up and the geomean over the tasks the audit did not mark
+        degenerate (kf.report.headline), and the degenerate tasks, shown on their own."""
+        from agents.archive import geomean
+
+        kept = [t["best_speedup"] for t in tasks if t["best_speedup"] and not t["degenerate"]]
+        return {
+            "headline_best": max(kept, default=None),
+            "headline_geomean": geomean(kept) if kept else None,
+            "headline_tasks": sum(1 for t in tasks if not t["degenerate"]),
+            "degenerate_tasks": sorted(t["task"] for t in tasks if t["degenerate"]),
         }
 
     def progress(self) -> dict[str, Any]:

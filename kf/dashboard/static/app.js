@@ -155,14 +155,19 @@
   function renderStats() {
     const run = state.run;
     const p = state.progress;
-    const best = Math.max(0, ...state.archive.tasks.map((t) => t.best_speedup || 0));
+    // the headline leaves out tasks the audit marked degenerate (a constant passes them)
+    const a = state.archive;
+    const best = a.headline_best;
+    const degenerate = a.degenerate_tasks || [];
     const cfg = run.config || {};
     const items = [
-      ["tasks", state.archive.tasks.length],
+      ["tasks", a.tasks.length],
       ["candidates", run.counts.proposed],
       ["correct", p.correct],
       ["failed", p.failed],
       ["best speedup", best ? fmtX(best) : "—"],
+      ["geomean speedup", a.headline_geomean ? fmtX(a.headline_geomean) : "—"],
+      ["degenerate tasks (left out)", degenerate.length ? degenerate.join(", ") : "none"],
       ["cells filled", state.archive.filled],
       ["evaluations / min", p.per_minute ? p.per_minute.toFixed(1) : "—"],
       ["mutator", cfg.mutator || "—"],
@@ -201,7 +206,8 @@
           t.task,
           el("span", {
             class: "hint",
-            text: ` · ${t.proposed} candidates, ${t.correct} correct, ${t.failed} failed, best ${fmtX(t.best_speedup)}, ${t.cells.length} elite cells`,
+            text: ` · ${t.proposed} candidates, ${t.correct} correct, ${t.failed} failed, best ${fmtX(t.best_speedup)}, ${t.cells.length} elite cells`
+              + (t.degenerate ? ` · DEGENERATE task (${t.degenerate}): left out of the headline` : ""),
           }),
         ),
       );
