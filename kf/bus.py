@@ -321,8 +321,16 @@ class EmbeddedServer:
 
     def _spawn(self, timeout_s: float) -> None:
         assert self._logdir is not None
+        from kf.shutdown import dies_with_parent
+
         self.proc = subprocess.Popen(
-            self._argv(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+            dies_with_parent(self._argv()),  # kf killed outright takes it along
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            # a terminal's Ctrl-C reaches kf, which stops the server in its turn (after
+            # the agents have said what they cut short)
+            start_new_session=True,
         )
         assert self.proc.stderr is not None
         pattern = re.compile(r"Listening for client connections on .*:(\d+)")
@@ -361,6 +369,10 @@ class EmbeddedServer:
             proc = self.proc
             if self._stopping or proc is None or proc.poll() is None:
                 continue
+            from kf.shutdown import stopping
+
+            if stopping():  # kf is stopping on a signal: no restart
+                return
             code = proc.returncode
             how = f"signal {-code}" if code < 0 else f"exit code {code}"
             if self.restarts >= self.max_restarts:

@@ -17,6 +17,11 @@ from kf.settings import apply, current
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+#: a part of the run (the embedded nats-server, an agent past its restarts) died mid-run
+#: and could not be brought back; the log keeps what was committed (README, "Exit codes")
+EXIT_PART_DIED = 3
+#: stopped by SIGINT (Ctrl-C); SIGTERM gives 143 (kf.shutdown)
+EXIT_INTERRUPTED = 130
 
 
 def _add_nats_options(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -105,8 +110,7 @@ async def _agent_main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     nc = await bus.connect(opts)
     ctx = AgentContext(run_id=bus.valid_run_id(args.run), agent_id=agent_id, options=options)
-    stop = asyncio.Event()
-    _install_signal_handlers(stop)
+    stop = asyncio.Event()  # never set: SIGINT and SIGTERM cancel (kf.shutdown)
     try:
         if isinstance(cls, type) and issubclass(cls, Agent):
             await supervise(lambda: AgentRunner(cls(ctx), nc), stop, name=agent_id)
@@ -120,10 +124,13 @@ async def _agent_main(args: argparse.Namespace) -> int:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     """Run one registered agent (entry-point group ``kf.agents``) against a run."""
+    from kf import shutdown
     from kf.agent import AgentLoadError
 
     try:
-        return asyncio.run(_agent_main(args))
+        return shutdown.run(_agent_main(args))
+    except (KeyboardInterrupt, shutdown.Terminated) as exc:
+        return _stopped("agent", exc)
     except (AgentLoadError, ValueError) as exc:
         print(f"kf agent: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -224,7 +231,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kf.evaluation.device import DeviceError
     from kf.evaluation.tolerance import tolerance_from_args
     from kf.llm.cli import llm_config
-    from kf.orchestra import RunOptions, run_search
+    from kf.orchestra import PartDied, RunOptions, run_search
     from kf.report import build_report_from, format_table
     from kf.tasks import TaskError, check_task, load_tasks_skipping
 
@@ -349,24 +356,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         _, envelopes = shutdown.run(
             run_search(tasks, opts, out=sys.stderr if args.json else sys.stdout)
         )
-    except shutdown.Terminated as exc:
-        print(
-            f"kf run: {exc}; the log keeps what was committed (rerun with --db to resume)",
-            file=sys.stderr,
-        )
-        return exc.exit_code
+    except (KeyboardInterrupt, shutdown.Terminated) as exc:
+        return _stopped("run", exc, resume=True)
+    except PartDied as exc:
+        print(f"kf run: {exc}", file=sys.stderr)
+        print(RESUME_HINT, file=sys.stderr)
+        return EXIT_PART_DIED
     except ValueError as exc:
         print(f"kf run: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ConnectionError as exc:
         print(f"kf run: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:
-        print(
-            "kf run: interrupted; the log keeps what was committed (rerun with --db to resume)",
-            file=sys.stderr,
-        )
-        return 130
     report = build_report_from(envelopes)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -381,6 +382,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"kf run: no device could run any candidate: {unrunnable}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+RESUME_HINT = "kf run: the log keeps what was committed (rerun with the same --db to resume)"
+
+
+def _stopped(verb: str, exc: BaseException, *, resume: bool = False) -> int:
+    """The message and exit code of a command stopped by SIGINT (130) or SIGTERM (143)."""
+    from kf import shutdown
+
+    code = exc.exit_code if isinstance(exc, shutdown.Terminated) else EXIT_INTERRUPTED
+    what = str(exc) if isinstance(exc, shutdown.Terminated) else "interrupted"
+    tail = "; evaluations in flight were cut short and are redone on resume" if resume else ""
+    print(f"kf {verb}: {what}{tail}", file=sys.stderr)
+    if resume:
+        print(RESUME_HINT, file=sys.stderr)
+    return code
 
 
 def _unrunnable(report: dict[str, Any]) -> str | None:
@@ -417,13 +434,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from kf.orchestra import run_worker
 
     async def go() -> None:
-        stop = asyncio.Event()
-        _install_signal_handlers(stop)
-        await run_worker(
+        await run_worker(  # SIGINT and SIGTERM cancel it (kf.shutdown)
             valid_run_id(args.run),
             _bus_options(args, args.nats, "kf-worker"),
             device=args.device,
-            stop=stop,
             options=options,
         )
 
@@ -442,14 +456,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
     }
     if args.name:
         options["device_id"] = args.name
+    from kf import shutdown
+
     try:
-        asyncio.run(go())
+        shutdown.run(go())
+    except (KeyboardInterrupt, shutdown.Terminated) as exc:
+        return _stopped("worker", exc)
     except ValueError as exc:
         print(f"kf worker: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ConnectionError as exc:
         print(f"kf worker: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except ExceptionGroup as group:  # an agent past its restarts (kf.runtime.supervise)
+        print(f"kf worker: a part gave up: {group.exceptions[0]}", file=sys.stderr)
+        return EXIT_PART_DIED
     return EXIT_OK
 
 

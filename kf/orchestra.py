@@ -30,7 +30,7 @@ from kf.runtime import AgentRunner, CommittedFeed, Outbox, supervise
 from kf.settings import current
 from kf.tasks import Task
 
-__all__ = ["RunOptions", "run_search", "run_worker", "worker_agents"]
+__all__ = ["PartDied", "RunOptions", "run_search", "run_worker", "stop_tasks", "worker_agents"]
 
 
 @dataclass
@@ -374,7 +374,7 @@ async def run_search(
                 nc=rb.archivist,
             )
             archivist_task = asyncio.create_task(
-                supervise(lambda: arch, stop_archivist, ready, name="archivist")
+                supervise(lambda: arch, stop_archivist, ready, name="archivist"), name="archivist"
             )
             await _first(ready.wait(), [archivist_task, *rb.watched()])
         if not resume:
@@ -386,7 +386,8 @@ async def run_search(
                         _runner_factory(mutator_cls, run_id, rb.proposer, {}),
                         stop_agents,
                         name="mutator",
-                    )
+                    ),
+                    name="the mutator",
                 )
             )
         for i, slot in enumerate(slots):
@@ -407,11 +408,15 @@ async def run_search(
                             _runner_factory(cls, run_id, worker_nc, opt),
                             stop_agents,
                             name=f"{cls.kind}@{slot.device_id}",
-                        )
+                        ),
+                        name=f"the {cls.kind} of {slot.device_id}",
                     )
                 )
             agent_tasks.append(
-                asyncio.create_task(_tool_server(rb.worker, run_id, opt).run(stop_agents))
+                asyncio.create_task(
+                    _tool_server(rb.worker, run_id, opt).run(stop_agents),
+                    name=f"the tool server of {slot.device_id}",
+                )
             )
         if o.serve is not None and db.exists():
             from kf.dashboard import start_dashboard
@@ -439,27 +444,56 @@ async def run_search(
         if stop_dashboard is not None:
             await stop_dashboard()
         stop_agents.set()
+        # agents first, all at once: each records what it cut short (agent.stopped)
+        # while the archivist still commits; then the archivist
+        await stop_tasks(agent_tasks)
         stop_archivist.set()
-        for t in [*agent_tasks, *([archivist_task] if archivist_task else [])]:
-            if not t.done():
-                t.cancel()
-            with contextlib.suppress(BaseException):
-                await t
+        await stop_tasks([archivist_task] if archivist_task else [])
         await rb.close()
     return run_id, progress.seen
 
 
+async def stop_tasks(tasks: list[asyncio.Task[None]], timeout_s: float = 5.0) -> None:
+    """Cancel the tasks not yet done and wait, at most ``timeout_s``, until they end
+    (a cancelled agent runner spends at most :data:`kf.runtime.INTERRUPT_S` on its
+    clean-up); what they raised is theirs to have logged."""
+    pending = [t for t in tasks if not t.done()]
+    for t in pending:
+        t.cancel()
+    if pending:
+        with contextlib.suppress(BaseException):
+            await asyncio.wait(pending, timeout=timeout_s)
+    for t in tasks:
+        if t.done() and not t.cancelled():
+            t.exception()  # retrieved: not reported again as never retrieved
+
+
+class PartDied(RuntimeError):
+    """A part of the run (the embedded nats-server, an agent past its restarts) ended
+    before the run finished and could not be brought back; the message says which."""
+
+
 async def _first(main: Any, watch: list[asyncio.Task[None]]) -> None:
-    """Await ``main``; if a watched task ends first (an agent gave up), raise its error."""
+    """Await ``main``; if a watched task ends first (an agent gave up, the embedded
+    server stayed dead), raise :class:`PartDied` saying which and why."""
     main_task = asyncio.ensure_future(main)
-    done, _ = await asyncio.wait({main_task, *watch}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait({main_task, *watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        main_task.cancel()
+        raise
     if main_task in done:
         main_task.result()
         return
     main_task.cancel()
     for t in done:
-        t.result()
-    raise RuntimeError("an agent stopped before the run finished")
+        exc = None if t.cancelled() else t.exception()
+        if isinstance(exc, bus.BusDown):
+            raise PartDied(str(exc)) from exc
+        if exc is not None:
+            raise PartDied(f"{t.get_name()} gave up: {exc}") from exc
+    names = ", ".join(sorted(t.get_name() for t in done))
+    raise PartDied(f"{names} stopped before the run finished")
 
 
 async def _publish_start(

@@ -39,7 +39,7 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from kf import bus
+from kf import bus, shutdown
 from kf.agent import Agent, AgentContext
 from kf.events import (
     Decision,
@@ -61,11 +61,16 @@ __all__ = [
     "Outbox",
     "cancel_and_wait",
     "fetch_range",
+    "interrupted",
     "reaction_envelopes",
     "supervise",
 ]
 
 log = structlog.get_logger("kf.runtime")
+
+#: seconds a cancelled runner spends at most on its clean-up (cut reactions short, stop
+#: the agent, record ``agent.stopped``)
+INTERRUPT_S = 3.0
 
 _BATCH_ENCODER = msgspec.msgpack.Encoder()
 _REPLY_DECODER = msgspec.msgpack.Decoder(dict[str, Any])
@@ -357,6 +362,7 @@ class AgentRunner:
         self.reactions_failed = 0
         self._sem = asyncio.Semaphore(max(1, agent.concurrency))
         self._reactions: set[asyncio.Task[None]] = set()
+        self._cut: list[Record] = []  # reactions cancelled before they answered
         self.ctx.emit = self._emit_spontaneous
         self.log = self.ctx.log
         # an agent that talks on the bus itself (a mutator asking devices to run tools)
@@ -398,10 +404,17 @@ class AgentRunner:
         try:
             out = self.agent.react(state, rec)
             events = await out if inspect.isawaitable(out) else out
+            if shutdown.stopping():  # it may rest on processes the stop killed
+                self._cut.append(rec)
+                return
             self.outbox.put(self.envelopes_for(rec, list(events)))
         except asyncio.CancelledError:
+            self._cut.append(rec)
             raise
         except Exception as exc:
+            if shutdown.stopping():
+                self._cut.append(rec)
+                return
             self.reactions_failed += 1
             self.log.error("react_failed", seq=rec.seq, event_type=rec.envelope.type, exc_info=True)
             failure = ReactionFailed(
@@ -452,6 +465,7 @@ class AgentRunner:
                 ready.set()
             stop_wait = asyncio.create_task(stop.wait())
             it = feed.__aiter__()
+            nxt: asyncio.Future[Envelope] | None = None
             try:
                 while not stop.is_set():
                     nxt = asyncio.ensure_future(it.__anext__())
@@ -469,12 +483,43 @@ class AgentRunner:
                         await self._schedule(rec)
             finally:
                 stop_wait.cancel()
+                if nxt is not None and not nxt.done():
+                    feed.close()
+                    nxt.cancel()
                 with contextlib.suppress(Exception):
                     await it.aclose()  # type: ignore[attr-defined]
             await self._drain()
+        except asyncio.CancelledError:
+            # in a task of its own: this one is being cancelled, and what the clean-up
+            # awaits (cancel_and_wait in on_stop) would end at once
+            cleanup = asyncio.create_task(self._interrupted())
+            await asyncio.wait({cleanup}, timeout=INTERRUPT_S)
+            raise
         finally:
             await feed.unsubscribe()
             await cancel_and_wait(outbox_task)
+
+    async def _interrupted(self) -> None:
+        """The runner was cancelled (a signal, or the run ending on an error): cut the
+        reactions in flight short (a stage's thread is left to the process's stop,
+        :mod:`kf.shutdown`), stop the agent, and record which events' reactions were cut
+        short in ``agent.stopped`` (reason ``interrupted: …``). None of them was
+        answered, so an agent of this kind reacts to them again when the run resumes
+        (catch-up re-reacts to what its kind has not answered): an evaluation cut short
+        is redone, never recorded as the candidate's failure."""
+        for t in list(self._reactions):
+            t.cancel()
+        if self._reactions:
+            await asyncio.wait(self._reactions, timeout=0.5)
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(self.agent.on_stop(), 1.0)
+        cut = sorted({r.seq or 0: r for r in self._cut}.values(), key=lambda r: r.seq or 0)
+        self._emit_spontaneous(
+            AgentStopped(kind=self.agent.kind, agent_id=self.ctx.agent_id, reason=interrupted(cut))
+        )
+        if not await self.outbox.flush(timeout_s=1.0):
+            self.log.error("outbox_not_flushed", backlog=self.outbox.backlog)
+        self.log.info("agent_interrupted", folded=self.folded, cut=len(cut))
 
     async def _drain(self) -> None:
         if self._reactions:
@@ -484,6 +529,18 @@ class AgentRunner:
         if not await self.outbox.flush(timeout_s=10.0):
             self.log.error("outbox_not_flushed", backlog=self.outbox.backlog)
         self.log.info("agent_drained", folded=self.folded, failed=self.reactions_failed)
+
+
+def interrupted(cut: Sequence[Record]) -> str:
+    """``agent.stopped``'s reason when reactions were cut short: ``interrupted``, then
+    the events whose reactions were (``type #seq``, with the candidate where there is one)."""
+    if not cut:
+        return "interrupted"
+    parts = []
+    for rec in cut:
+        candidate = getattr(rec.event, "candidate_id", None)
+        parts.append(f"{rec.envelope.type} #{rec.seq}" + (f" ({candidate})" if candidate else ""))
+    return "interrupted: cut short, redone on resume: " + ", ".join(parts)
 
 
 def _pid() -> int:

@@ -1,22 +1,54 @@
-"""Stopping a command cleanly on SIGTERM, as on SIGINT.
+"""Stopping a command promptly and completely on SIGINT or SIGTERM.
 
-``asyncio.run`` turns SIGINT into a cancellation of the main task (so its ``finally``
-blocks run: agents stop, connections close, the embedded nats-server stops, temporary
-folders go) and then raises :class:`KeyboardInterrupt`. SIGTERM's default is to end the
-process at once, leaving children (the nats-server) running. :func:`run` gives SIGTERM
-the same treatment and raises :class:`Terminated` afterwards.
+``kf run``, ``kf worker`` and ``kf agent`` run their coroutine through :func:`run`:
+
+- the first SIGINT or SIGTERM cancels the coroutine (its ``finally`` blocks run: agents
+  stop and record what they cut short, connections close, the embedded nats-server
+  stops, temporary folders go) and sets :func:`stopping`;
+- once the coroutine has ended, every process this one started (runners in their
+  boxes, build boxes and the compilers in them, profilers) is killed, again and again
+  until the process exits: the threads that waited on them (``asyncio.to_thread``)
+  then return at once, where they used to hold the exit until their build or stage
+  had finished (60-80 s, docs/decisions.md "Stop means stop");
+- if the process has not exited :data:`GRACE_S` seconds after the signal, or on a
+  second signal, what is left is killed and the process exits at once
+  (``os._exit``) with the signal's code (130 for SIGINT, 143 for SIGTERM).
+
+The exit code is the shell's for death by that signal; :class:`Terminated` (SIGTERM)
+and :class:`KeyboardInterrupt` (SIGINT) reach the caller once the clean-up is done.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import shutil
 import signal
-from collections.abc import Coroutine
+import sys
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from types import FrameType
 from typing import Any, TypeVar
 
-__all__ = ["Terminated", "run"]
+__all__ = [
+    "GRACE_S",
+    "Terminated",
+    "descendants",
+    "dies_with_parent",
+    "kill_descendants",
+    "run",
+    "stopping",
+]
 
 T = TypeVar("T")
+
+#: seconds from the first signal until whatever is left is killed and the process exits
+GRACE_S = 4.0
+
+_stopping = threading.Event()
 
 
 class Terminated(Exception):
@@ -32,34 +64,144 @@ class Terminated(Exception):
         return 128 + self.signum
 
 
-def run(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run(main)``, with SIGTERM cancelling ``main`` (once; a second SIGTERM
-    during the clean-up is ignored) and raising :class:`Terminated` when it has ended."""
+def stopping() -> bool:
+    """Whether this process is stopping on a signal (no new work should start)."""
+    return _stopping.is_set()
+
+
+def dies_with_parent(argv: Sequence[str]) -> list[str]:
+    """``argv`` run so that the kernel SIGKILLs it when the thread that started it ends
+    (kf killed outright included): through util-linux's ``setpriv --pdeathsig KILL``,
+    which execs it (same pid); unchanged where ``setpriv`` is missing. Start such a
+    child from a thread that lives as long as the process (the main thread)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", *argv] if setpriv else list(argv)
+
+
+def _parents() -> dict[int, list[int]]:
+    """parent pid → its children's pids, of every live (not zombie) process in /proc."""
+    out: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z":
+            out.setdefault(int(fields[1]), []).append(int(entry.name))
+    return out
+
+
+def descendants(pid: int | None = None) -> list[int]:
+    """The live processes below ``pid`` (this process by default), parents first."""
+    tree = _parents()
+    out: list[int] = []
+    todo = [os.getpid() if pid is None else pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_descendants(rounds: int = 5) -> int:
+    """SIGKILL every process below this one (a box's bwrap first: the kernel then ends
+    its whole PID namespace); repeated while new ones appear. Returns how many."""
+    killed = 0
+    for _ in range(rounds):
+        pids = descendants()
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        time.sleep(0.02)
+    return killed
+
+
+def _say(message: str) -> None:
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    with contextlib.suppress(Exception):
+        sys.stderr.write(f"{message}\n")
+        sys.stderr.flush()
+
+
+def _exit_now(signum: int, why: str) -> None:
+    """Kill what is left and leave at once with the signal's code."""
+    _say(f"kf: {why}; stopping at once")
+    kill_descendants()
+    os._exit(128 + signum)
+
+
+def _reap_until_exit() -> None:
+    """Kill this process's children now and every 0.1 s until it exits (a stage's
+    thread may start one more runner or build before it sees that it was cancelled)."""
+
+    def loop() -> None:
+        while True:
+            kill_descendants(rounds=1)
+            time.sleep(0.1)
+
+    kill_descendants()
+    threading.Thread(target=loop, name="kf-reaper", daemon=True).start()
+
+
+def _stopped(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
+def run(main: Coroutine[Any, Any, T], *, reap: bool = True) -> T:
+    """``asyncio.run(main)``; SIGINT and SIGTERM cancel ``main`` (see the module doc).
+
+    With ``reap`` (a command's own process) its child processes are killed once
+    ``main`` has ended on a signal. Raises :class:`KeyboardInterrupt` (SIGINT) or
+    :class:`Terminated` (SIGTERM) after a stop on a signal."""
     got: list[int] = []
+    where: list[tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = []
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if got:
+            _exit_now(signum, f"a second signal ({signal.Signals(signum).name})")
+        got.append(signum)
+        _stopping.set()
+        timer = threading.Timer(
+            GRACE_S, _exit_now, (signum, f"still stopping {GRACE_S:g} s after the signal")
+        )
+        timer.daemon = True
+        timer.start()
+        if where:
+            loop, task = where[0]
+            with contextlib.suppress(RuntimeError):  # the loop has closed
+                loop.call_soon_threadsafe(task.cancel)
 
     async def guarded() -> T:
-        loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
-
-        def on_term() -> None:
-            if not got:
-                got.append(signal.SIGTERM)
-                task.cancel()
-
-        loop.add_signal_handler(signal.SIGTERM, on_term)
+        where.append((asyncio.get_running_loop(), task))
         try:
+            if got:  # a signal before the loop ran
+                main.close()
+                raise asyncio.CancelledError
             return await main
         finally:
-            if not got:
-                loop.remove_signal_handler(signal.SIGTERM)
+            if got and reap:
+                _reap_until_exit()
 
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         result = asyncio.run(guarded())
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, KeyboardInterrupt):
         if got:
-            raise Terminated(got[0]) from None
+            raise _stopped(got[0]) from None
         raise
+    finally:
+        if not got:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
     if got:
-        raise Terminated(got[0])
+        raise _stopped(got[0])
     return result
