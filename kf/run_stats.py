@@ -11,7 +11,12 @@ profile). Over the span from the first device's announcement to the run's end:
 - ``waiting_for_model_s``: seconds in which no device had work while a model call was
   in flight (the evaluators starved for candidates);
 - the calls' count, summed and mean latency, the seconds with at least one call in
-  flight, and the most calls in flight at once.
+  flight, and the most calls in flight at once;
+- per device, where its time went: the seconds with at least one of its candidates
+  building (assigned to compiled), verifying (compiled to verified or rejected) and being
+  timed (verified to profiled or rejected, the wait for the device's timing turn
+  included), each stage's mean seconds per candidate, and the seconds with none (idle).
+  Stages overlap (candidates are evaluated side by side), so they do not add up to busy.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from kf.events import Envelope, decode_event
 __all__ = ["format_run_stats", "run_stats"]
 
 _TERMINAL = ("kernel.candidate_profiled", "kernel.candidate_rejected", "kernel.candidate_compiled")
+#: the stage a candidate enters when an event ends the one before
+_NEXT_STAGE = {"kernel.candidate_compiled": "verifying", "kernel.candidate_verified": "timing"}
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -74,6 +81,8 @@ def run_stats(envelopes: Sequence[Envelope]) -> dict[str, Any]:
     calls: list[tuple[float, float]] = []
     queued = 0.0
     assigned: dict[tuple[str, int], tuple[str, float]] = {}
+    stage_at: dict[tuple[str, int], tuple[str, float]] = {}
+    stages: dict[str, dict[str, list[tuple[float, float]]]] = {}
     busy: dict[str, list[tuple[float, float]]] = {}
     start = end = None
     for env in envelopes:
@@ -88,12 +97,23 @@ def run_stats(envelopes: Sequence[Envelope]) -> dict[str, Any]:
             queued += float(getattr(ev, "queued_s", 0.0))
         elif t == "search.candidate_assigned":
             ev = decode_event(env)
-            assigned[(ev.candidate_id, ev.attempt)] = (ev.device_id, env.time)  # type: ignore[attr-defined]
-        elif t in _TERMINAL:
+            key = (ev.candidate_id, ev.attempt)  # type: ignore[attr-defined]
+            assigned[key] = (ev.device_id, env.time)  # type: ignore[attr-defined]
+            stage_at[key] = ("building", env.time)
+        elif t in _TERMINAL or t == "kernel.candidate_verified":
             ev = decode_event(env)
+            key = (ev.candidate_id, getattr(ev, "attempt", 1))  # type: ignore[attr-defined]
+            if key in stage_at and key in assigned:
+                stage, t0 = stage_at.pop(key)
+                stages.setdefault(assigned[key][0], {}).setdefault(stage, []).append((t0, env.time))
+                following = _NEXT_STAGE.get(t)
+                ok = t != "kernel.candidate_compiled" or ev.report.ok  # type: ignore[attr-defined]
+                if following and ok:
+                    stage_at[key] = (following, env.time)
+            if t == "kernel.candidate_verified":
+                continue
             if t == "kernel.candidate_compiled" and ev.report.ok:  # type: ignore[attr-defined]
                 continue
-            key = (ev.candidate_id, getattr(ev, "attempt", 1))  # type: ignore[attr-defined]
             if key in assigned:
                 device, t0 = assigned.pop(key)
                 busy.setdefault(device, []).append((t0, env.time))
@@ -122,9 +142,26 @@ def run_stats(envelopes: Sequence[Envelope]) -> dict[str, Any]:
                 "busy_fraction": round(_length(_union(ivs)) / span, 3) if span > 0 else None,
                 "candidates": len(ivs),
             }
+            | _where(stages.get(d, {}), _union(ivs), span)
             for d, ivs in sorted(busy.items())
         },
     }
+
+
+def _where(
+    stages: dict[str, list[tuple[float, float]]], busy: list[tuple[float, float]], span: float
+) -> dict[str, Any]:
+    """A device's seconds with at least one candidate building, verifying or being timed,
+    idle (no candidate at all), and each stage's seconds per candidate summed over them."""
+    out: dict[str, Any] = {}
+    for stage in ("building", "verifying", "timing"):
+        ivs = stages.get(stage, [])
+        out[f"{stage}_s"] = round(_length(_union(ivs)), 3)
+        out[f"{stage}_per_candidate_s"] = (
+            round(sum(b - a for a, b in ivs) / len(ivs), 3) if ivs else None
+        )
+    out["idle_s"] = round(max(0.0, span - _length(busy)), 3)
+    return out
 
 
 def format_run_stats(stats: dict[str, Any]) -> list[str]:
@@ -145,4 +182,18 @@ def format_run_stats(stats: dict[str, Any]) -> list[str]:
             + (f" ({100 * frac:.0f}% of the run)" if frac is not None else "")
             + f", {s['candidates']} candidate evaluations"
         )
+        if "building_s" in s:
+            per = [
+                f"{stage} {s[f'{stage}_s']:.1f} s"
+                + (
+                    f" ({s[f'{stage}_per_candidate_s']:.1f} s a candidate)"
+                    if s.get(f"{stage}_per_candidate_s") is not None
+                    else ""
+                )
+                for stage in ("building", "verifying", "timing")
+            ]
+            lines.append(
+                f"  where its time went (seconds with at least one candidate in the stage): "
+                f"{', '.join(per)}; idle {s['idle_s']:.1f} s"
+            )
     return lines

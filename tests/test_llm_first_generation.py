@@ -119,6 +119,12 @@ def test_seedless_every_candidate_ends_with_an_outcome(seedless_run: Any) -> Non
     assert task["failures"].get("compile_error", 0) >= 1
     assert sum(task["failures"].values()) == task["failed"]
     assert report["run_stats"]["llm_calls"] >= 5
+    stats = report["run_stats"]
+    for device in stats["devices"].values():  # where each evaluator's seconds went
+        assert 0 < device["building_s"] <= device["busy_s"] + 1e-6
+        assert 0 < device["verifying_s"] <= device["busy_s"] + 1e-6
+        assert device["building_per_candidate_s"] > 0
+        assert abs(device["idle_s"] + device["busy_s"] - stats["span_s"]) < 0.01
 
 
 def test_seedless_replay_check_passes_with_server_gone(seedless_run: Any) -> None:
