@@ -28,7 +28,7 @@ from agents.tuned import TUNER_LABEL
 from kf.agent import Agent
 from kf.backends import backend_of, device_kind, language_of, languages_for
 from kf.behaviour import describe
-from kf.evaluation.reports import is_suspect
+from kf.evaluation.reports import ProfileReport, is_suspect
 from kf.events import Event, Record
 from kf.facts import (
     DeviceAnnounced,
@@ -43,11 +43,13 @@ from kf.params import family as param_family
 from kf.search_facts import (
     CandidateAssigned,
     CandidateCompiled,
+    CandidateConfirmed,
     CandidateProfiled,
     CandidateProposed,
     CandidateRejected,
     CandidateUnroutable,
     CandidateVerified,
+    ConfirmationRequested,
     EliteAdmitted,
     GeneralisationFailed,
     MutationFailed,
@@ -84,6 +86,12 @@ class SearchConfig(msgspec.Struct, frozen=True, kw_only=True):
     # spent, and the tuners' best configurations become candidates (agents/archive_tuning.py)
     # 4: every elite of the task is tuned, best first, within its tune_budget per device
     tune_budget: int = 0  # configurations per task and device (0: no tuning)
+    # Issue 34: a result from a device not in this list that would enter the archive (an
+    # elite, or a speed-up above confirm_above) is measured again on another device first
+    # (ConfirmationRequested / CandidateConfirmed). None (logs without the key, or
+    # KF_TRUSTED_DEVICES=*): every device's word is taken, as before.
+    confirm_trusted: list[str] | None = None
+    confirm_above: float = 10.0
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> SearchConfig:
@@ -122,6 +130,11 @@ class Cand(msgspec.Struct, kw_only=True):
     attempt: int = 0
     shape_index: int = 0  # a tuned candidate's shape set (>0: never an elite or best)
     tuned_on: str = ""  # a tuned candidate runs on the device it was tuned on
+    # a result awaiting another device's measurement (ConfirmationRequested): who claimed
+    # what; the candidate runs its stages again, on a device other than claimed_by
+    confirming: bool = False
+    claimed_by: str | None = None
+    claimed_speedup: float | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -260,14 +273,14 @@ class ArchiveAgent(Agent[ArchiveState]):
             if c is not None and c.status == "proposed":
                 if ev.report.ok:
                     c.status = "compiled"
-                    state.tasks[c.task].compiled += 1
+                    state.tasks[c.task].compiled += 0 if c.confirming else 1
                 else:
                     self._fail(state, c, ev.report.failure_kind or "compile_error", ev.report.error)
         elif isinstance(ev, CandidateVerified):
             c = self._current(state, ev, rec.event_id)
             if c is not None and c.status == "compiled":
                 c.status = "correct"
-                state.tasks[c.task].correct += 1
+                state.tasks[c.task].correct += 0 if c.confirming else 1
         elif isinstance(ev, CandidateRejected):
             c = self._current(state, ev, rec.event_id)
             if c is not None and c.in_flight:
@@ -275,8 +288,12 @@ class ArchiveAgent(Agent[ArchiveState]):
         elif isinstance(ev, CandidateProfiled):
             c = self._current(state, ev, rec.event_id)
             if c is not None and c.status == "correct":
-                if ev.report.ok:
-                    self._profiled(state, c, ev, plan)
+                if ev.report.ok and c.confirming:
+                    self._confirmed(state, c, ev, plan)
+                elif ev.report.ok and self._needs_confirmation(state, c, ev):
+                    self._ask_confirmation(state, c, ev, plan)
+                elif ev.report.ok:
+                    self._profiled(state, c, ev.report, plan)
                 else:
                     self._fail(
                         state, c, ev.report.failure_kind or "profile_failed", ev.report.error
@@ -368,8 +385,16 @@ class ArchiveAgent(Agent[ArchiveState]):
                 for d, n in load.items()
                 if state.devices[d].kind == kind
                 and (not state.devices[d].backends or c.backend in state.devices[d].backends)
-                and (not c.tuned_on or d == c.tuned_on)
+                and (not c.tuned_on or c.confirming or d == c.tuned_on)
+                and not (c.confirming and d == c.claimed_by)
             )
+            if not fits and c.confirming:
+                trusted = state.config.confirm_trusted or []
+                if any(d not in state.devices for d in trusted):
+                    waiting.append(cid)  # the run's own device has not announced itself yet
+                else:
+                    self._unconfirmable(state, c, plan)
+                continue
             if not fits:
                 reason = (
                     f"the device it was tuned on ({c.tuned_on}) is not live"
@@ -461,9 +486,13 @@ class ArchiveAgent(Agent[ArchiveState]):
             del t.first_failures[:-3]
 
     def _profiled(
-        self, state: ArchiveState, c: Cand, ev: CandidateProfiled, plan: list[Event]
+        self,
+        state: ArchiveState,
+        c: Cand,
+        r: ProfileReport,
+        plan: list[Event],
+        unconfirmed: bool = False,
     ) -> None:
-        r = ev.report
         c.status = "profiled"
         c.speedup = r.speedup
         c.runtime_ms = r.runtime_ms
@@ -471,11 +500,106 @@ class ArchiveAgent(Agent[ArchiveState]):
         c.ref_ms = r.ref_runtime_ms
         c.cell = describe(c.source).cell()
         c.flags = list(r.flags)
-        c.suspect = is_suspect(r.flags)
+        c.suspect = is_suspect(r.flags) or unconfirmed
         t = state.tasks[c.task]
         t.profiled += 1
         if not c.suspect and c.shape_index == 0:  # a speed-up at another shape ranks nowhere
             self._admit(state, t, c, c.island, plan, migrated_from=None)
+
+    # -- confirmation of untrusted results (issue 34) ---------------------------------------
+
+    def _needs_confirmation(self, state: ArchiveState, c: Cand, ev: CandidateProfiled) -> bool:
+        """Whether a result from ``ev.device_id`` must be measured again elsewhere first: the
+        run names the devices it trusts, this is not one, and the result would enter the
+        archive (a speed-up above the bound, or the best of its cell)."""
+        trusted = state.config.confirm_trusted
+        r = ev.report
+        if trusted is None or ev.device_id in trusted or is_suspect(r.flags):
+            return False
+        if c.shape_index != 0:  # ranks nowhere
+            return False
+        if r.speedup > state.config.confirm_above:
+            return True
+        t = state.tasks[c.task]
+        incumbent = state.candidates.get(
+            t.elites.get(cell_key(c.island, describe(c.source).cell()), "")
+        )
+        return incumbent is None or (incumbent.speedup or 0.0) < r.speedup
+
+    def _ask_confirmation(
+        self, state: ArchiveState, c: Cand, ev: CandidateProfiled, plan: list[Event]
+    ) -> None:
+        """Hold the result; the candidate runs its stages again on another device."""
+        speedup = ev.report.speedup
+        bound = state.config.confirm_above
+        reason = (
+            f"a speed-up of {speedup:.2f}x, above {bound:g}x"
+            if speedup > bound
+            else "it would be the best of its cell"
+        )
+        c.confirming, c.claimed_by, c.claimed_speedup = True, ev.device_id, speedup
+        c.status, c.device_id = "proposed", None
+        c.runtime_ms, c.ref_ms = ev.report.runtime_ms, ev.report.ref_runtime_ms  # as claimed
+        state.queue.append(c.id)
+        plan.append(
+            ConfirmationRequested(
+                task=c.task,
+                candidate_id=c.id,
+                claimed_by=ev.device_id,
+                claimed_speedup=speedup,
+                reason=f"{ev.device_id} is not a device this run trusts, and {reason}",
+            )
+        )
+
+    def _confirmed(
+        self, state: ArchiveState, c: Cand, ev: CandidateProfiled, plan: list[Event]
+    ) -> None:
+        """Another device measured the candidate: rank it by the lower speed-up; a claim
+        more than twice that measurement is flagged and never enters the archive."""
+        claimed = c.claimed_speedup or 0.0
+        measured = ev.report.speedup
+        accepted = claimed <= 2.0 * measured
+        c.confirming = False
+        note = f"{c.claimed_by} claimed {claimed:.2f}x, {ev.device_id} measured {measured:.2f}x"
+        report = ev.report
+        if measured > claimed:
+            report = msgspec.structs.replace(report, speedup=claimed)
+        if not accepted:
+            report = msgspec.structs.replace(report, flags=(*report.flags, f"unconfirmed: {note}"))
+        plan.append(
+            CandidateConfirmed(
+                task=c.task,
+                candidate_id=c.id,
+                claimed_by=c.claimed_by or "",
+                claimed_speedup=claimed,
+                confirmed_by=ev.device_id,
+                measured_speedup=measured,
+                accepted=accepted,
+                reason=note if accepted else f"not confirmed: {note}",
+            )
+        )
+        self._profiled(state, c, report, plan, unconfirmed=not accepted)
+
+    def _unconfirmable(self, state: ArchiveState, c: Cand, plan: list[Event]) -> None:
+        """No live device but the claimant can measure it: its claim stays unconfirmed,
+        recorded, never an elite or a best."""
+        claimed = c.claimed_speedup or 0.0
+        c.confirming = False
+        c.status, c.speedup, c.cell = "profiled", claimed, describe(c.source).cell()
+        c.flags = [f"unconfirmed: no live device but {c.claimed_by} could measure it"]
+        c.suspect = True
+        state.tasks[c.task].profiled += 1
+        plan.append(
+            CandidateConfirmed(
+                task=c.task,
+                candidate_id=c.id,
+                claimed_by=c.claimed_by or "",
+                claimed_speedup=claimed,
+                confirmed_by="",
+                accepted=False,
+                reason=c.flags[0],
+            )
+        )
 
     def _generalisation_failed(self, state: ArchiveState, ev: GeneralisationFailed) -> None:
         """Record why; an elite that fails leaves every cell it holds (and the best list)."""

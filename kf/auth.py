@@ -60,6 +60,7 @@ __all__ = [
     "permissions",
     "shared_login",
     "shared_login_refusal",
+    "trusted_devices",
     "worker_user",
 ]
 
@@ -446,6 +447,18 @@ def shared_login_refusal(
         f"refusing to start: {what}; give each role its own user (python -m kf.auth "
         "nats-config, KF_NATS_<ROLE>_USER/_PASSWORD) or accept this with --allow-shared-token"
     )
+
+
+def trusted_devices(local: Sequence[str]) -> list[str] | None:
+    """The devices whose results a run takes on their word (its ``confirm_trusted``): its
+    own local worker's and those named in ``KF_TRUSTED_DEVICES`` (comma-separated); any
+    other device's result that would enter the archive is measured again on another
+    device first (agents/archive.py). ``KF_TRUSTED_DEVICES=*`` trusts every device, as
+    kf did before (None: the run records no list)."""
+    named = [n.strip() for n in (current().get("KF_TRUSTED_DEVICES") or "").split(",")]
+    if "*" in named:
+        return None
+    return sorted({*local, *(n for n in named if n)})
 
 
 def password_env(role: str, device_id: str | None = None) -> str:

@@ -331,6 +331,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         resume=args.resume,
     )
     opts.extra.update(tolerance.config())  # the run's tolerance, if not the default
+    trusted = _trusted_devices(args, devices or [device])
+    if trusted is not None:  # other devices' archive-bound results are measured twice
+        opts.extra["confirm_trusted"] = trusted
     opts.tune_budget = tune["tune_budget"]
     if skipped:
         opts.extra["skipped_tasks"] = dict(skipped)  # recorded in the run's first event
@@ -426,6 +429,17 @@ def _require_sandbox(unsafe: bool) -> str | None:
     except SandboxUnavailable as exc:
         return str(exc)
     return None
+
+
+def _trusted_devices(args: argparse.Namespace, devices: list[str]) -> list[str] | None:
+    """The run's own worker's device ids (as kf.orchestra names them), and
+    ``KF_TRUSTED_DEVICES`` (kf.auth.trusted_devices)."""
+    from hardware_agents.cpu import host_id
+    from kf.auth import trusted_devices
+    from kf.devices import device_slots
+
+    local = [] if args.join or args.no_worker else devices
+    return trusted_devices([s.device_id for s in device_slots(local, host_id())] if local else [])
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

@@ -13,11 +13,13 @@ from kf.events import Decision, Observation, event
 __all__ = [
     "CandidateAssigned",
     "CandidateCompiled",
+    "CandidateConfirmed",
     "CandidateProfiled",
     "CandidateProposed",
     "CandidateRejected",
     "CandidateUnroutable",
     "CandidateVerified",
+    "ConfirmationRequested",
     "CountersMeasured",
     "EliteAdmitted",
     "GeneralisationFailed",
@@ -194,6 +196,36 @@ class EliteAdmitted(Decision, frozen=True, kw_only=True):
     speedup: float
     replaced: str | None = None
     migrated_from: int | None = None
+
+
+@event("search.confirmation_requested")
+class ConfirmationRequested(Decision, frozen=True, kw_only=True):
+    """A device the run does not trust reported a result that would enter the archive
+    (an elite, or a speed-up above the run's bound): another device measures the
+    candidate again (compile, verify, profile) before it does (docs/authorization.md)."""
+
+    task: str
+    candidate_id: str
+    claimed_by: str
+    claimed_speedup: float
+    reason: str
+
+
+@event("search.candidate_confirmed")
+class CandidateConfirmed(Decision, frozen=True, kw_only=True):
+    """The outcome of a confirmation: another device's measurement (``confirmed_by``;
+    ``""`` when no other device could measure it), and whether the claim stands. The
+    archive ranks the candidate by the lower of the two speed-ups; a claim more than twice
+    the other measurement, or one nobody else could measure, never enters the archive."""
+
+    task: str
+    candidate_id: str
+    claimed_by: str
+    claimed_speedup: float
+    confirmed_by: str
+    measured_speedup: float | None = None
+    accepted: bool = False
+    reason: str = ""
 
 
 @event("search.task_skipped")

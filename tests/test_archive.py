@@ -359,3 +359,64 @@ def test_mutator_jumps_when_the_neighbourhood_is_explored() -> None:
     st = m.evolve(st, sel2)
     (out,) = m.react(st, sel2)
     assert isinstance(out, MutationFailed) and "already proposed" in out.reason
+
+
+def _confirming(trusted: list[str] | None, *devices: str) -> Driver:
+    d = Driver()  # device "d" announced
+    for device in devices:
+        d.feed(announce(device))
+    d.feed(started(**({} if trusted is None else {"confirm_trusted": trusted})))
+    d.feed(propose("seed1"))
+    assert d.state.candidates["seed1"].device_id == "d"
+    return d
+
+
+def test_archive_confirms_an_untrusted_devices_result_on_another_device() -> None:
+    """A result from a device the run does not trust that would enter the archive is held:
+    the candidate runs again on another device, and is ranked by the lower speed-up; a
+    claim more than twice the other measurement never enters the archive."""
+    from kf.search_facts import CandidateConfirmed, ConfirmationRequested
+
+    for measured, accepted in ((1.5, False), (40.0, True)):
+        d = _confirming(["home"], "home")
+        out = d.finish("seed1", speedup=50.0)
+        (asked,) = [e for e in out if isinstance(e, ConfirmationRequested)]
+        assert (asked.claimed_by, asked.claimed_speedup) == ("d", 50.0)
+        assert not [e for e in out if isinstance(e, EliteAdmitted)]
+        (again,) = [e for e in out if isinstance(e, CandidateAssigned)]
+        assert (again.candidate_id, again.device_id, again.attempt) == ("seed1", "home", 2)
+        assert d.state.tasks["t"].profiled == 0 and d.state.tasks["t"].compiled == 1
+        out = d.finish("seed1", speedup=measured)
+        (done,) = [e for e in out if isinstance(e, CandidateConfirmed)]
+        assert (done.confirmed_by, done.measured_speedup, done.accepted) == (
+            "home",
+            measured,
+            accepted,
+        )
+        elites = [e for e in out if isinstance(e, EliteAdmitted)]
+        assert [e.speedup for e in elites] == ([40.0] if accepted else [])
+        assert d.state.tasks["t"].profiled == 1 and d.state.tasks["t"].compiled == 1
+
+
+def test_archive_trusts_its_own_device_and_old_logs() -> None:
+    """A trusted device's result, and any result in a log without confirm_trusted (as every
+    log before issue 34), enters the archive at once."""
+    for trusted in (["d"], None):
+        d = _confirming(trusted, "home")
+        out = d.finish("seed1", speedup=50.0)
+        assert [e.speedup for e in out if isinstance(e, EliteAdmitted)] == [50.0]
+        assert not [e for e in out if type(e).__name__ == "ConfirmationRequested"]
+
+
+def test_archive_result_no_other_device_can_confirm_stays_out() -> None:
+    """With no device but the claimant, the claim is recorded as unconfirmed and never
+    becomes an elite; the run still ends."""
+    from kf.search_facts import CandidateConfirmed
+
+    d = _confirming([])
+    out = d.finish("seed1", speedup=50.0)
+    (done,) = [e for e in out if isinstance(e, CandidateConfirmed)]
+    assert done.confirmed_by == "" and not done.accepted and "no live device" in done.reason
+    assert not [e for e in out if isinstance(e, EliteAdmitted)]
+    assert d.state.candidates["seed1"].suspect
+    assert [e for e in out if isinstance(e, (TaskSkipped, RunFinished))]

@@ -133,3 +133,88 @@ def test_forgery_profile_for_a_candidate_not_assigned_is_refused_and_recorded(
     assert all(r["reason"].startswith("refused: kernel.candidate_profiled") for r in rows)
     report = json.loads(scenario["out"])
     assert report["tasks"][0]["candidates"] - report["tasks"][0]["tuned_candidates"] == BUDGET
+
+
+# -- a worker lying about its own assignments ---------------------------------------------
+
+LIAR_RUN = "liar"
+
+
+@pytest.fixture(scope="module")
+def lying_worker(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``kf run`` with its own (trusted) worker, and a remote worker ``evil`` with its own,
+    valid credentials that reports every candidate assigned to it as 77× faster without
+    running it (tests/evil_worker.py)."""
+    from hardware_agents.cpu import host_id
+    from kf.devices import device_slots
+
+    local = device_slots(["cpu"], host_id())[0].device_id
+    creds = RunCredentials.generate(LIAR_RUN, devices=[local, "evil"])
+    db = tmp_path_factory.mktemp("liar") / "run.db"
+    logins = {
+        f"KF_NATS_{role.upper()}_{what}": value
+        for role, device in (("archivist", None), ("proposer", None), ("worker", local))
+        for what, value in (
+            ("USER", creds.credential(role, device).user),
+            ("PASSWORD", creds.credential(role, device).password),
+        )
+    }
+    trust = {"KF_TRUSTED_DEVICES": ""}  # the suite trusts every device unless told
+    evil = creds.credential("worker", "evil")
+    procs: list[subprocess.Popen[str]] = []
+    with EmbeddedServer(credentials=creds) as server:
+        try:
+            main = proc(["kf.cli", *run_args(server.url, db, LIAR_RUN, 4)], {**logins, **trust})
+            liar = proc(
+                ["tests.evil_worker", server.url, LIAR_RUN, evil.user, evil.password, "evil"],
+                trust,
+            )
+            procs = [main, liar]
+            code, out, err = finish(main)
+        finally:
+            stop_procs(*procs)
+        lies, liar_err = liar.communicate()
+    return {
+        "db": db,
+        "code": code,
+        "out": out,
+        "err": err,
+        "local": local,
+        "lies": lies + liar_err[-3000:],
+    }
+
+
+def test_forgery_lying_worker_needs_another_device_to_confirm(
+    lying_worker: dict[str, Any],
+) -> None:
+    """Every result of the lying worker that would enter the archive (a 77× speed-up) is
+    measured again on the run's own device first; the claim is not confirmed, so no elite,
+    best or report shows it, and replay --check recomputes the same decisions."""
+    assert lying_worker["code"] == 0, lying_worker["err"][-3000:]
+    assert "lied about" in lying_worker["lies"]
+    db = lying_worker["db"]
+    asked = of_type(db, "search.confirmation_requested")
+    assert asked and all(a.claimed_by == "evil" and a.claimed_speedup == 77.0 for a in asked)
+    assert all("not a device this run trusts" in a.reason for a in asked)
+    outcome = {c.candidate_id: c for c in of_type(db, "search.candidate_confirmed")}
+    done = [a.candidate_id for a in asked if a.candidate_id in outcome]
+    assert done, (asked, outcome)
+    for cid in done:
+        c = outcome[cid]
+        assert c.confirmed_by == lying_worker["local"] and not c.accepted, c
+        assert c.measured_speedup is not None and c.measured_speedup < 10.0
+    elites = of_type(db, "search.elite_admitted")
+    assert all(e.speedup < 10.0 for e in elites), elites
+    assert not {e.candidate_id for e in elites} & set(done)
+    report = json.loads(lying_worker["out"])
+    best = report["tasks"][0]["best_speedup"]
+    assert best is None or best < 10.0
+    check = subprocess.run(
+        [sys.executable, "-m", "kf.cli", "replay", str(db), "--check", "--json"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert check.returncode == 0 and json.loads(check.stdout)["check"]["ok"], check.stdout
