@@ -252,6 +252,7 @@ class Progress:
 
         ev = rec.event
         self.seen.append(rec.envelope)
+        before = self._status(getattr(ev, "candidate_id", None))
         if self.agent.listens_to(rec.envelope.type):
             self.state = self.agent.evolve(self.state, rec)
         if isinstance(ev, RunFinished):
@@ -266,7 +267,13 @@ class Progress:
         ):
             if isinstance(ev, CandidateCompiled) and ev.report.ok:
                 return
+            if not isinstance(ev, CandidateUnroutable) and self._status(ev.candidate_id) == before:
+                return  # a result that changed nothing (a duplicate, a forged or late one)
             self._line(ev)
+
+    def _status(self, candidate_id: str | None) -> tuple[str, int, bool] | None:
+        c = self.state.candidates.get(candidate_id or "")
+        return None if c is None else (c.status, c.attempt, c.confirming)
 
     def _line(self, ev: Any) -> None:
         from agents.archive import best_candidate
@@ -275,6 +282,8 @@ class Progress:
         c = self.state.candidates.get(getattr(ev, "candidate_id", ""), None)
         if c is None:
             what = f"mutation failed: {getattr(ev, 'reason', '')}"
+        elif c.confirming:  # agents/archive.py: measured again on another device first
+            what = f"held     {c.claimed_speedup or 0:.2f}× claimed by {c.claimed_by}, re-measuring"
         elif c.status == "profiled":
             what = f"correct  {c.speedup:6.2f}×  ({c.runtime_ms:.3f} ms vs eager {c.ref_ms:.3f} ms)"
         else:

@@ -218,3 +218,32 @@ def test_forgery_lying_worker_needs_another_device_to_confirm(
         check=False,
     )
     assert check.returncode == 0 and json.loads(check.stdout)["check"]["ok"], check.stdout
+
+
+def test_forgery_duplicate_profile_prints_one_progress_line() -> None:
+    """A forged profile committed beside the real one (a token-only server lets any holder
+    send it) changes nothing the second time, and kf run's progress says it once; a result
+    held for another device's measurement says so, not "failed"."""
+    import io
+
+    from kf.evaluation.reports import CompileReport, ProfileReport, VerifyReport
+    from kf.orchestra import Progress
+    from kf.search_facts import CandidateCompiled, CandidateProfiled, CandidateVerified
+    from tests.test_archive import announce, propose, rec, started
+
+    # ["home"]: a trusted device not yet announced, so the claim waits for it
+    for trusted, said in ((None, "correct"), (["home"], "held")):
+        out = io.StringIO()
+        progress = Progress(out=out, total_budget=4)
+        progress.feed(rec(announce("d")))
+        progress.feed(rec(started(**({} if trusted is None else {"confirm_trusted": trusted}))))
+        progress.feed(rec(propose("seed1")))  # assigned to "d" in the same fold
+        c = progress.state.candidates["seed1"]
+        where = {"candidate_id": "seed1", "task": "t", "device_id": "d", "attempt": c.attempt}
+        progress.feed(rec(CandidateCompiled(**where, report=CompileReport(ok=True))))
+        progress.feed(rec(CandidateVerified(**where, report=VerifyReport(correct=True))))
+        report = ProfileReport(ok=True, speedup=77.0, runtime_ms=1.0, ref_runtime_ms=77.0)
+        for _ in range(2):  # the real one and a forged copy (another event id)
+            progress.feed(rec(CandidateProfiled(**where, report=report)))
+        lines = out.getvalue().splitlines()
+        assert len(lines) == 1 and said in lines[0], out.getvalue()
