@@ -27,7 +27,13 @@ from kf.evaluation import CompileReport, compile_candidate
 from kf.settings import Settings, current
 from kf.tasks import Task
 
-__all__ = ["CudaCompiler", "CudaVerifier", "compile_concurrency", "device_agents"]
+__all__ = [
+    "CudaCompiler",
+    "CudaVerifier",
+    "compile_concurrency",
+    "device_agents",
+    "verify_concurrency",
+]
 
 
 def compile_concurrency(settings: Settings | None = None) -> int:
@@ -61,12 +67,20 @@ class CudaCompiler(Compiler):
         )
 
 
-class CudaVerifier(Verifier):
-    """Two verifications at once on a GPU: each is mostly host work (runners, set-up,
-    comparisons launched from Python), verification only shares the device, and the
-    GPU otherwise waits on one candidate's host side at a time."""
+def verify_concurrency(settings: Settings | None = None) -> int:
+    """Verifications at once on a GPU: ``$KF_CUDA_VERIFY_JOBS``, default 4."""
+    jobs = (settings or current()).cuda_verify_jobs
+    return 4 if jobs is None else jobs
 
-    concurrency = 2
+
+class CudaVerifier(Verifier):
+    """Several verifications at once on a GPU (``$KF_CUDA_VERIFY_JOBS``, 4): each is
+    mostly host work (runners, set-up, comparisons launched from Python), verification
+    only shares the device, and the GPU otherwise waits on one candidate's host side at
+    a time. Timing stays exclusive (the device gate); big tasks verify one at a time
+    (:mod:`kf.evaluation.admission`)."""
+
+    concurrency = verify_concurrency()
 
 
 def device_agents(device: str) -> list[type[Agent[Any]]]:

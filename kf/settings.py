@@ -154,6 +154,12 @@ class Settings:
         return None if jobs is None else max(1, jobs)
 
     @property
+    def cuda_verify_jobs(self) -> int | None:
+        """``KF_CUDA_VERIFY_JOBS``: verifications at once on a GPU (default 4)."""
+        jobs = self._number("KF_CUDA_VERIFY_JOBS")
+        return None if jobs is None else max(1, jobs)
+
+    @property
     def ncu(self) -> str | None:
         """``KF_NCU``: Nsight Compute's path, or ``0`` for no counters (default: found)."""
         return self._text("KF_NCU") or None
