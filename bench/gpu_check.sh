@@ -8,6 +8,7 @@
 #   bench/gpu_check.sh OUT trust       # bench/trust_table.py and bench/transport.py on cuda:0
 #   bench/gpu_check.sh OUT kernelbench # kf run on shared-kb/level1 with the scripted LLM
 #   bench/gpu_check.sh OUT kbtable     # bench/kernelbench.py on shared-kb/kb/<level>, resumable
+#   bench/gpu_check.sh OUT throughput  # bench/throughput_gpu.py: candidates per minute
 # Sets up like bench/gpu_llm_session.sh (carry .whl, .bwrap and shared-kb). A run's log
 # is copied with SQLite's backup API: a plain copy of a log in WAL mode can be empty.
 set -uo pipefail
@@ -76,6 +77,15 @@ for what in "$@"; do
         --tasks "${KBT_TASKS:-1-10}" --device cuda:0 --out "$out/kbt" --wall "${KBT_WALL:-480}" --resume
       [ -f "$out/kbt/kernelbench.db" ] && backup "$out/kbt/kernelbench.db" "$out/kbt-$lvl.db" \
         && rm -f "$out/kbt/kernelbench.db"*
+      ;;
+    throughput)
+      # TP_LAYOUT (split), TP_BUDGET (6 a task), TP_LIMIT (480 s), TP_ARGS: candidates per
+      # minute of kf run on shared-kb/kb/level1's elementwise tasks at v0 sizes
+      step "throughput-${TP_LAYOUT:-split}" "${TP_LIMIT:-480}" python3 bench/throughput_gpu.py \
+        --kernelbench shared-kb/kb/level1 --out "$out/tp" --layout "${TP_LAYOUT:-split}" \
+        --budget "${TP_BUDGET:-6}" --timeout "$(( ${TP_LIMIT:-480} - 30 ))" ${TP_ARGS:-}
+      cp "$out/tp/throughput_gpu_${TP_LAYOUT:-split}.json" "$out/" 2>/dev/null
+      rm -rf "$out/tp"
       ;;
     *) echo "unknown step $what" >&2 ;;
   esac
