@@ -252,6 +252,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.budget < 1:
         print("kf run: --budget must be at least 1", file=sys.stderr)
         return EXIT_USAGE
+    if args.db and not args.join:  # one writer per log: say so before anything starts
+        from kf.log import LogLocked, check_writable
+
+        try:
+            check_writable(Path(args.db))
+        except LogLocked as exc:
+            print(f"kf run: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     if args.nats:  # before anything starts: a bus without per-role users is refused
         roles = ["proposer"] if args.join else ["archivist", "proposer"]
         roles += [] if args.no_worker else ["worker"]

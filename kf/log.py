@@ -43,6 +43,7 @@ __all__ = [
     "LogIntegrityError",
     "LogLocked",
     "check_integrity",
+    "check_writable",
 ]
 
 FORMAT = 2  # kf-log/1: unchained; kf-log/2: rows carry the hash chain
@@ -208,6 +209,14 @@ class _WriterLock:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         os.close(self.fd)  # closing releases the lock
+
+
+def check_writable(log_path: Path) -> None:
+    """Raise :class:`LogLocked` (one line naming the holder) when another process writes
+    ``log_path`` now: for a command to refuse before it starts anything (a second ``kf
+    run`` on one ``--db``). The lock is taken and given back at once."""
+    if log_path.exists():
+        _WriterLock(log_path).release()
 
 
 class EventLog:
