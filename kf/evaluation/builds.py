@@ -240,8 +240,8 @@ def build_inline(
     theirs = {k: environment.get(k) for k in own}
     if theirs != own:
         return _failed(f"the runner's toolchain {theirs} is not the grader's {own}")
-    arch = environment.get("arch")
-    if not isinstance(arch, str) or not _ARCH.fullmatch(arch):
+    arch = environment.get("arch")  # None: a host without CUDA (a C++ extension)
+    if arch is not None and (not isinstance(arch, str) or not _ARCH.fullmatch(arch)):
         return _failed(f"malformed CUDA architecture {arch!r}")
     if "name" not in arguments or set(arguments) & {"build_directory", "verbose"}:
         return _failed("malformed load_inline arguments")
@@ -349,7 +349,7 @@ def _refused_inline_flag(arguments: dict[str, Any]) -> str | None:
 
 def _build_inline(
     arguments: dict[str, Any],
-    arch: str,
+    arch: str | None,
     work: Path,
     final: Path,
     key: str,
@@ -363,7 +363,7 @@ def _build_inline(
     extra = {
         "KF_CACHE_DIR": str(work),
         "TORCH_EXTENSIONS_DIR": str(work / "torch_extensions"),
-        "TORCH_CUDA_ARCH_LIST": arch,
+        **({"TORCH_CUDA_ARCH_LIST": arch} if arch is not None else {}),
         "CXX": os.environ.get("CXX", "c++"),
         "KF_CACHE_SHARED": "",
         **pch_env,

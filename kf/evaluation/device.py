@@ -96,7 +96,19 @@ class Backend:
 
 
 class CPUBackend(Backend):
+    """A CPU runner: ``load_inline`` is kf's content-addressed one here too
+    (:mod:`kf.cuda.inline`), so that a C++ extension is built once (in the compile stage,
+    under the build limit) and every later runner loads it from the cache; with PyTorch's
+    own, each runner rebuilt it into its box's scratch, the verify stage's within its
+    120 s construction timeout."""
+
     name = "cpu"
+
+    def __init__(self, clock_ns: Callable[[], int]) -> None:
+        super().__init__(clock_ns)
+        from kf.cuda import inline
+
+        inline.install()
 
 
 class CUDABackend(Backend):

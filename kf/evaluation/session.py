@@ -192,7 +192,11 @@ class Stage:
             ) from exc
 
     def candidate(self, request: Request[_R], what: str | None = None) -> _R:
-        """A request to the candidate runner; failures become :class:`_CandidateFailed`."""
+        """A request to the candidate runner; failures become :class:`_CandidateFailed`.
+
+        The builds the runner asks of the grader meanwhile (an import-time ``load_inline``
+        or ``kf.native`` build) have the build limit: their time extends the stage's."""
+        built = self.cand.build_s
         try:
             return self.cand.request(request, self.deadline.left(), what=what)
         except RunnerFailed as exc:
@@ -208,6 +212,8 @@ class Stage:
             ) from exc
         except RunnerCrashed as exc:
             raise _CandidateFailed("crash", f"candidate crashed: {exc}", exc.log_tail) from exc
+        finally:
+            self.deadline.end += self.cand.build_s - built
 
     def setup_reference(self) -> SetUp:
         """Set the reference runner up (its answer: ``precision``, its TF32 settings)."""
