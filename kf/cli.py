@@ -408,7 +408,8 @@ def _stopped(verb: str, exc: BaseException, *, resume: bool = False) -> int:
     print(f"kf {verb}: {what}{tail}", file=sys.stderr)
     if resume:
         print(RESUME_HINT, file=sys.stderr)
-    return code
+    shutdown.exit_process(code)
+    return code  # not reached
 
 
 def _unrunnable(report: dict[str, Any]) -> str | None:

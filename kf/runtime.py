@@ -502,17 +502,21 @@ class AgentRunner:
     async def _interrupted(self) -> None:
         """The runner was cancelled (a signal, or the run ending on an error): cut the
         reactions in flight short (a stage's thread is left to the process's stop,
-        :mod:`kf.shutdown`), stop the agent, and record which events' reactions were cut
-        short in ``agent.stopped`` (reason ``interrupted: …``). None of them was
-        answered, so an agent of this kind reacts to them again when the run resumes
-        (catch-up re-reacts to what its kind has not answered): an evaluation cut short
-        is redone, never recorded as the candidate's failure."""
+        :mod:`kf.shutdown`) and record which events' reactions were cut short in
+        ``agent.stopped`` (reason ``interrupted: …``). None of them was answered, so an
+        agent of this kind reacts to them again when the run resumes (catch-up
+        re-reacts to what its kind has not answered): an evaluation cut short is redone,
+        never recorded as the candidate's failure.
+
+        ``on_stop`` is not called: it is a drained agent's (a hardware agent's says
+        ``device.left``, after which the archive re-dispatches the device's candidates,
+        and a resumed run evaluated each cut-short one twice, once on catch-up and once
+        re-dispatched). An interrupted worker's device is left to the heartbeat timeout,
+        as a killed one's is."""
         for t in list(self._reactions):
             t.cancel()
         if self._reactions:
             await asyncio.wait(self._reactions, timeout=0.5)
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            await asyncio.wait_for(self.agent.on_stop(), 1.0)
         cut = sorted({r.seq or 0: r for r in self._cut}.values(), key=lambda r: r.seq or 0)
         self._emit_spontaneous(
             AgentStopped(kind=self.agent.kind, agent_id=self.ctx.agent_id, reason=interrupted(cut))
