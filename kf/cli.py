@@ -128,7 +128,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from kf.agent import AgentLoadError
 
     try:
-        return shutdown.run(_agent_main(args))
+        return shutdown.run(_agent_main(args), reap=_own(args))
     except (KeyboardInterrupt, shutdown.Terminated) as exc:
         return _stopped("agent", exc)
     except (AgentLoadError, ValueError) as exc:
@@ -365,7 +365,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         # SIGTERM stops the run as SIGINT does: agents, connections and the embedded
         # nats-server are stopped and temporary folders removed before the exit
         _, envelopes = shutdown.run(
-            run_search(tasks, opts, out=sys.stderr if args.json else sys.stdout)
+            run_search(tasks, opts, out=sys.stderr if args.json else sys.stdout),
+            reap=_own(args),
         )
     except (KeyboardInterrupt, shutdown.Terminated) as exc:
         return _stopped("run", exc, resume=True)
@@ -395,6 +396,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _own(args: argparse.Namespace) -> bool:
+    """Whether this command is its process's own (``kf …``, not a call from Python)."""
+    return bool(getattr(args, "own_process", False))
+
+
 RESUME_HINT = "kf run: the log keeps what was committed (rerun with the same --db to resume)"
 
 
@@ -408,8 +414,7 @@ def _stopped(verb: str, exc: BaseException, *, resume: bool = False) -> int:
     print(f"kf {verb}: {what}{tail}", file=sys.stderr)
     if resume:
         print(RESUME_HINT, file=sys.stderr)
-    shutdown.exit_process(code)
-    return code  # not reached
+    return code
 
 
 def _unrunnable(report: dict[str, Any]) -> str | None:
@@ -482,7 +487,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from kf import shutdown
 
     try:
-        shutdown.run(go())
+        shutdown.run(go(), reap=_own(args))
     except (KeyboardInterrupt, shutdown.Terminated) as exc:
         return _stopped("worker", exc)
     except ValueError as exc:
@@ -845,7 +850,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         level = "WARNING"  # interactive verbs show their own progress; agents' logs are noise
     configure(level)
-    return int(args.func(args))
+    # the process's own command (not a call from Python, e.g. a test's): a stop kills
+    # its children and ends it at once (kf.shutdown)
+    args.own_process = argv is None
+    code = int(args.func(args))
+    from kf import shutdown
+
+    if args.own_process and shutdown.abandoned():  # threads busy with moot work: not waited
+        shutdown.exit_process(code)
+    return code
 
 
 if __name__ == "__main__":

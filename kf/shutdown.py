@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 __all__ = [
     "GRACE_S",
     "Terminated",
+    "abandoned",
     "descendants",
     "dies_with_parent",
     "exit_process",
@@ -51,6 +52,7 @@ T = TypeVar("T")
 GRACE_S = 4.0
 
 _stopping = threading.Event()
+_abandoned = threading.Event()
 
 
 class Terminated(Exception):
@@ -167,9 +169,15 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
-def _run_loop(main: Coroutine[Any, Any, T], got: list[int]) -> T:
-    """``asyncio.run(main)``, except that after a stop on a signal it does not wait for
-    the default executor's threads (:func:`exit_process` ends the process instead)."""
+def abandoned() -> bool:
+    """Whether :func:`run` left threads busy with work its stop made moot: the command
+    must then end with :func:`exit_process` (a normal exit would wait for them)."""
+    return _abandoned.is_set()
+
+
+def _run_loop(main: Coroutine[Any, Any, T], failed: list[bool]) -> T:
+    """``asyncio.run(main)``, except that once ``main`` has failed (a signal's stop
+    included) it does not wait for the default executor's threads."""
     loop = asyncio.new_event_loop()
     try:
         asyncio.set_event_loop(loop)
@@ -182,7 +190,9 @@ def _run_loop(main: Coroutine[Any, Any, T], got: list[int]) -> T:
             if pending:
                 loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
-            if not got:
+            if failed:
+                _abandoned.set()
+            else:
                 loop.run_until_complete(loop.shutdown_default_executor())
         finally:
             asyncio.set_event_loop(None)
@@ -197,9 +207,12 @@ def run(main: Coroutine[Any, Any, T], *, reap: bool = True) -> T:
     """``asyncio.run(main)``; SIGINT and SIGTERM cancel ``main`` (see the module doc).
 
     With ``reap`` (a command's own process) its child processes are killed once
-    ``main`` has ended on a signal. Raises :class:`KeyboardInterrupt` (SIGINT) or
-    :class:`Terminated` (SIGTERM) after a stop on a signal."""
+    ``main`` has ended on a signal or an error (a part that died: its stages' builds
+    and runners must not hold the exit either; see :func:`abandoned`). Raises
+    :class:`KeyboardInterrupt` (SIGINT) or :class:`Terminated` (SIGTERM) after a stop
+    on a signal."""
     got: list[int] = []
+    failed: list[bool] = []
     where: list[tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = []
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -226,13 +239,15 @@ def run(main: Coroutine[Any, Any, T], *, reap: bool = True) -> T:
                 main.close()
                 raise asyncio.CancelledError
             return await main
-        finally:
-            if got and reap:
+        except BaseException:
+            failed.append(True)
+            if reap:
                 _reap_until_exit()
+            raise
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        result = _run_loop(guarded(), got)
+        result = _run_loop(guarded(), failed)
     except (asyncio.CancelledError, KeyboardInterrupt):
         if got:
             raise _stopped(got[0]) from None

@@ -2,7 +2,8 @@
 
 The ``kf run`` tests start it (no ``--nats``: it starts its own nats-server with per-run
 credentials) on ``tests/fixtures/search/scale_relu.py`` and act on it mid-run; the last
-one cuts an in-process archivist off from a real nats-server.
+one cuts an in-process archivist off from a real nats-server. SIGINT, SIGTERM and SIGKILL
+of ``kf run`` mid-build are tests/test_stop.py's.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def test_recovery_embedded_nats_server_that_stays_dead_ends_the_run_with_a_messa
     tmp_path: Path,
 ) -> None:
     """With no restart allowed (KF_NATS_RESTARTS=0), a killed embedded server makes kf run
-    exit 1 with the reason instead of hanging; nothing is left behind."""
+    exit 3 (a part died) with the reason and the resume hint instead of hanging;
+    nothing is left behind."""
     db = tmp_path / "run.db"
     main = kf_run(db, 4, {"KF_NATS_RESTARTS": "0"})
     try:
@@ -138,42 +140,14 @@ def test_recovery_embedded_nats_server_that_stays_dead_ends_the_run_with_a_messa
         code, _, err = finish(main, 60)
     finally:
         stop_procs(main)
-    assert code == 1, err[-3000:]
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("kf run: the embedded nats-server (port "), last
-    assert "died (signal 9)" in last
+    assert code == 3, err[-3000:]
+    why, hint = err.strip().splitlines()[-2:]
+    assert why.startswith("kf run: the embedded nats-server (port "), why
+    assert "died (signal 9)" in why
+    assert hint.startswith("kf run: the log keeps what was committed"), hint
     assert of_type(db, "device.lost") == []
     assert not folder.exists()
     assert events(db)  # what was committed stays
-
-
-def test_recovery_sigterm_stops_the_run_like_sigint(tmp_path: Path) -> None:
-    """SIGTERM mid-run: kf run stops cleanly (exit 143 with the message), its nats-server
-    is stopped, its temporary folder removed, and the log keeps what was committed."""
-    db = tmp_path / "run.db"
-    main = kf_run(db, 6)
-    try:
-        wait_until(lambda: of_type(db, "kernel.candidate_compiled"), 120, "a first compile")
-        ((pid, argv),) = nats_children(main.pid)
-        folder = server_folder(argv)
-        main.send_signal(signal.SIGTERM)
-        code, _, err = finish(main, 60)
-    finally:
-        stop_procs(main)
-    assert code == 143, err[-3000:]
-    assert "kf run: terminated by SIGTERM; the log keeps what was committed" in err
-    assert not alive(pid)
-    assert not folder.exists()
-    assert of_type(db, "kernel.candidate_compiled")
-    chk = subprocess.run(
-        [sys.executable, "-m", "kf.cli", "replay", str(db), "--check"],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert chk.returncode == 0, chk.stdout + chk.stderr
 
 
 async def test_recovery_archivist_cut_off_from_nats_declares_no_device_lost(

@@ -1,0 +1,310 @@
+"""Stop means stop (issue 34): ``kf run`` stopped mid-build, with real processes.
+
+One task whose seed's ``kf.native`` build includes, while the test wants it slow, a
+header of the test's (``kf_slow.h`` in the build cache, which every build box sees)
+that makes the compiler evaluate constant expressions for minutes: a real g++ in the
+grader's build box, busy until it is killed. Then, on the same ``--db``:
+
+1. SIGINT mid-build: exit 130 within the bound, the compiler's ``agent.stopped`` names
+   the candidate it cut short, no candidate is failed, no process of the run is left;
+2. resumed, SIGTERM mid-build: exit 143 within the bound, nothing left, the embedded
+   nats-server's folder removed;
+3. SIGKILL of ``kf run`` itself mid-build: its nats-server, runners and build box go
+   with it (parent-death signals, bwrap's ``--die-with-parent``);
+4. the header removed, the run resumed: it finishes, the seed is built, verified and
+   timed once, and ``kf replay --check`` passes.
+
+The bound is the requirement's 5 s plus 5 s for a loaded 2-core machine. A second
+signal, and a clean-up that hangs, are tested on :func:`kf.shutdown.run` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+from kf.events import decode_event
+from kf.shutdown import descendants
+from tests.test_faults import ENV, ROOT, events, wait_until
+
+STOP_BOUND_S = 10.0  # 5 s asked for, plus a margin for the 2-core CI machine
+SEED = ROOT / "tests/fixtures/search/seeds/scale_relu.py"
+TASK = ROOT / "tests/fixtures/search/scale_relu.py"
+
+#: constant evaluation that keeps cc1plus busy for minutes (each KfSpin<K> is its own
+#: evaluation, under g++'s per-expression operation limit)
+SLOW_HEADER = textwrap.dedent(
+    """
+    #include <cstdint>
+    #include <utility>
+    constexpr uint64_t kf_spin(uint64_t k) {
+        uint64_t s = k;
+        for (uint64_t j = 0; j < 200000; ++j) s = s * 6364136223846793005ULL + j;
+        return s;
+    }
+    template <uint64_t K> struct KfSpin { static constexpr uint64_t value = kf_spin(K); };
+    template <uint64_t... K> constexpr uint64_t kf_spun(std::integer_sequence<uint64_t, K...>) {
+        return (KfSpin<K>::value ^ ... ^ 0);
+    }
+    static_assert(kf_spun(std::make_integer_sequence<uint64_t, 400>{}) != 1, "slow on purpose");
+    """
+)
+
+
+def slow_task(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
+    """The task, its seed including the slow header when it exists, the header, the env."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    header = cache / "kf_slow.h"
+    header.write_text(SLOW_HEADER)
+    folder = tmp_path / "tasks"
+    (folder / "seeds").mkdir(parents=True)
+    (folder / "scale_relu.py").write_text(TASK.read_text())
+    include = f'#if __has_include("{header}")\n#include "{header}"\n#endif\n'
+    seed = SEED.read_text().replace("#include <cstdint>\n", "#include <cstdint>\n" + include, 1)
+    assert include in seed
+    (folder / "seeds/scale_relu.py").write_text(seed)
+    env = {**ENV, "KF_CACHE_DIR": str(cache)}
+    return folder / "scale_relu.py", header, env
+
+
+def kf_run(task: Path, db: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kf.cli",
+            "run",
+            str(task),
+            "--db",
+            str(db),
+            "--budget",
+            "1",
+            "--islands",
+            "1",
+            "--tune-budget",
+            "0",
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def started(pid: int) -> str | None:
+    """The process's start time (to tell it from a later one with the same pid)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return None if fields[0] == "Z" else fields[19]
+
+
+def command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def mid_build(proc: subprocess.Popen[str]) -> dict[int, tuple[str | None, str]]:
+    """Wait until the seed's compiler runs below ``proc``; return every process below it
+    then (pid → (start time, command line))."""
+
+    def compiling() -> bool:
+        return any("cc1plus" in command(p) for p in descendants(proc.pid))
+
+    wait_until(lambda: compiling() or proc.poll() is not None, 180, "the seed's build")
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    time.sleep(1.0)  # well inside the build (minutes long)
+    return {p: (started(p), command(p)) for p in descendants(proc.pid)}
+
+
+def left(before: dict[int, tuple[str | None, str]]) -> list[str]:
+    """Which of ``before`` still run (the same processes, not reused pids)."""
+    return [cmd[:120] for p, (t, cmd) in before.items() if t is not None and started(p) == t]
+
+
+def gone(before: dict[int, tuple[str | None, str]], within_s: float = 2.0) -> None:
+    """Every process of ``before`` has ended (a killed box's namespace is emptied by the
+    kernel a moment after its bwrap dies)."""
+    deadline = time.monotonic() + within_s
+    while left(before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left(before) == []
+
+
+def server_folder(cmd: str) -> Path:
+    """The embedded nats-server's temporary folder, from its command line."""
+    argv = cmd.split()
+    return Path(argv[argv.index("-c") + 1]).parent
+
+
+def stop_and_time(proc: subprocess.Popen[str], sig: int) -> tuple[float, int, str]:
+    """Send ``sig``; the seconds until the process has exited, its code and stderr."""
+    began = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"still running 120 s after signal {sig}: {err[-3000:]}") from None
+    return time.monotonic() - began, proc.returncode, err
+
+
+def of(db: Path, tag: str) -> list[Any]:
+    return [decode_event(e) for e in events(db) if e.type == tag]
+
+
+def kinds(before: dict[int, tuple[str | None, str]]) -> set[str]:
+    names = {"nats-server": "nats-server", "kf.evaluation.runner": "runner", "cc1plus": "cc1plus"}
+    return {
+        name for cmd in (c for _, c in before.values()) for k, name in names.items() if k in cmd
+    }
+
+
+def test_stop_kf_run_mid_build_on_signals_and_sigkill_then_resume(tmp_path: Path) -> None:
+    """See the module doc: SIGINT, SIGTERM, SIGKILL mid-build, then a resume."""
+    task, header, env = slow_task(tmp_path)
+    db = tmp_path / "run.db"
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        # 1. SIGINT mid-build
+        procs.append(main := kf_run(task, db, env))
+        before = mid_build(main)
+        assert kinds(before) == {"nats-server", "runner", "cc1plus"}, before
+        took, code, err = stop_and_time(main, signal.SIGINT)
+        assert code == 130, err[-3000:]
+        assert took <= STOP_BOUND_S, f"SIGINT took {took:.1f} s"
+        assert "kf run: interrupted; evaluations in flight were cut short" in err
+        gone(before)
+        (proposed,) = of(db, "kernel.candidate_proposed")
+        compiler = [s for s in of(db, "agent.stopped") if s.kind == "compiler"]
+        assert [s.reason for s in compiler] == [
+            "interrupted: cut short, redone on resume: search.candidate_assigned "
+            f"#{next(e.seq for e in events(db) if e.type == 'search.candidate_assigned')} "
+            f"({proposed.candidate_id})"
+        ]
+        assert of(db, "kernel.candidate_compiled") == []  # cut short, not failed
+
+        # 2. resumed, SIGTERM mid-build
+        procs.append(main := kf_run(task, db, env))
+        before = mid_build(main)
+        (folder,) = [server_folder(c) for _, c in before.values() if "nats-server" in c]
+        took, code, err = stop_and_time(main, signal.SIGTERM)
+        assert code == 143, err[-3000:]
+        assert "kf run: terminated by SIGTERM; evaluations in flight were cut short" in err
+        assert took <= STOP_BOUND_S, f"SIGTERM took {took:.1f} s"
+        gone(before)
+        assert not folder.exists()
+
+        # 3. SIGKILL of kf run itself: everything it started goes with it
+        procs.append(main := kf_run(task, db, env))
+        before = mid_build(main)
+        main.send_signal(signal.SIGKILL)
+        main.wait()
+        gone(before, STOP_BOUND_S)
+        assert of(db, "kernel.candidate_compiled") == []
+
+        # 4. resumed with a fast build: it finishes and replays
+        header.unlink()
+        procs.append(main := kf_run(task, db, env))
+        out, err = main.communicate(timeout=600)
+        assert main.returncode == 0, err[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    (done,) = json.loads(out)["tasks"]
+    assert (done["candidates"], done["compiled"], done["profiled"]) == (1, 1, 1), done
+    assert [c.report.ok for c in of(db, "kernel.candidate_compiled")] == [True]
+    chk = subprocess.run(
+        [sys.executable, "-m", "kf.cli", "replay", str(db), "--check", "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert chk.returncode == 0, chk.stdout + chk.stderr
+    assert json.loads(chk.stdout)["check"]["ok"] is True
+
+
+#: a command whose clean-up hangs, with a child process, under kf.shutdown.run
+HANGING = """
+import asyncio, subprocess, sys
+from kf import shutdown
+
+async def main():
+    child = subprocess.Popen(["sleep", "600"])
+    print(child.pid, flush=True)
+    try:
+        await asyncio.sleep(600)
+    finally:
+        await asyncio.sleep(600)  # a clean-up that never ends
+
+try:
+    shutdown.run(main())
+except KeyboardInterrupt:
+    sys.exit(130)
+except shutdown.Terminated as exc:
+    sys.exit(exc.exit_code)
+"""
+
+
+def hanging() -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HANGING],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+def test_stop_second_signal_stops_at_once_and_kills_the_children() -> None:
+    """A clean-up that hangs: a second signal (Ctrl-C) ends the process at once, with
+    130, its children killed."""
+    proc, child = hanging()
+    child_started = started(child)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)  # the first signal's clean-up is under way (and hangs)
+    took, code, err = stop_and_time(proc, signal.SIGINT)
+    assert code == 130, err
+    assert "kf: a second signal (SIGINT); stopping at once" in err
+    assert took <= 2.0 + shutdown_margin()
+    assert started(child) != child_started
+
+
+def test_stop_clean_up_that_hangs_is_cut_off_after_the_grace() -> None:
+    """One SIGTERM and a clean-up that hangs: after kf.shutdown.GRACE_S what is left is
+    killed and the process exits 143."""
+    from kf.shutdown import GRACE_S
+
+    proc, child = hanging()
+    child_started = started(child)
+    took, code, err = stop_and_time(proc, signal.SIGTERM)
+    assert code == 143, err
+    assert f"kf: still stopping {GRACE_S:g} s after the signal; stopping at once" in err
+    assert GRACE_S - 0.5 <= took <= GRACE_S + shutdown_margin()
+    assert started(child) != child_started
+
+
+def shutdown_margin() -> float:
+    """Slack for a loaded 2-core machine."""
+    return 3.0
