@@ -21,6 +21,7 @@ signal, and a clean-up that hangs, are tested on :func:`kf.shutdown.run` itself.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +29,8 @@ import textwrap
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kf.events import decode_event
 from kf.shutdown import descendants
@@ -57,7 +60,30 @@ SLOW_HEADER = textwrap.dedent(
 )
 
 
-def slow_task(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
+def include_slow(header: Path) -> str:
+    """C++ that includes ``header`` while it exists."""
+    return f'#if __has_include("{header}")\n#include "{header}"\n#endif\n'
+
+
+def native_seed(header: Path) -> str:
+    """The CPU search fixture's seed, its kf.native source including the slow header."""
+    seed = SEED.read_text()
+    return seed.replace("#include <cstdint>\n", "#include <cstdint>\n" + include_slow(header), 1)
+
+
+def inline_seed(header: Path) -> str:
+    """A load_inline seed (GPU) whose C++ source includes the slow header."""
+    seed = (ROOT / "tests/fixtures/honest/load_inline_attr.py").read_text()
+    return seed.replace(
+        "\nmodule = load_inline(",
+        f"\ncpp_source = {include_slow(header)!r} + cpp_source\n\nmodule = load_inline(",
+        1,
+    )
+
+
+def slow_task(
+    tmp_path: Path, task: Path = TASK, seed_for: Any = native_seed
+) -> tuple[Path, Path, dict[str, str]]:
     """The task, its seed including the slow header when it exists, the header, the env."""
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -65,16 +91,15 @@ def slow_task(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
     header.write_text(SLOW_HEADER)
     folder = tmp_path / "tasks"
     (folder / "seeds").mkdir(parents=True)
-    (folder / "scale_relu.py").write_text(TASK.read_text())
-    include = f'#if __has_include("{header}")\n#include "{header}"\n#endif\n'
-    seed = SEED.read_text().replace("#include <cstdint>\n", "#include <cstdint>\n" + include, 1)
-    assert include in seed
-    (folder / "seeds/scale_relu.py").write_text(seed)
+    (folder / task.name).write_text(task.read_text())
+    seed = seed_for(header)
+    assert str(header) in seed
+    (folder / "seeds" / task.name).write_text(seed)
     env = {**ENV, "KF_CACHE_DIR": str(cache)}
-    return folder / "scale_relu.py", header, env
+    return folder / task.name, header, env
 
 
-def kf_run(task: Path, db: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+def kf_run(task: Path, db: Path, env: dict[str, str], device: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
             sys.executable,
@@ -90,6 +115,8 @@ def kf_run(task: Path, db: Path, env: dict[str, str]) -> subprocess.Popen[str]:
             "1",
             "--tune-budget",
             "0",
+            "--device",
+            device,
             "--json",
         ],
         cwd=ROOT,
@@ -176,12 +203,35 @@ def kinds(before: dict[int, tuple[str | None, str]]) -> set[str]:
 
 def test_stop_kf_run_mid_build_on_signals_and_sigkill_then_resume(tmp_path: Path) -> None:
     """See the module doc: SIGINT, SIGTERM, SIGKILL mid-build, then a resume."""
-    task, header, env = slow_task(tmp_path)
-    db = tmp_path / "run.db"
+    stop_mid_build(*slow_task(tmp_path), tmp_path / "run.db", "cpu")
+
+
+def _no_gpu() -> str | None:
+    if shutil.which("nvcc") is None:
+        return "needs nvcc for load_inline"
+    import torch
+
+    return None if torch.cuda.is_available() else "needs a CUDA GPU"
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_stop_kf_run_mid_load_inline_build_on_the_gpu(tmp_path: Path) -> None:
+    """The same on a GPU, with a load_inline build (ninja, g++ and nvcc in the build
+    box) in flight; skipped without a GPU."""
+    why = _no_gpu()
+    if why is not None:
+        pytest.skip(why)
+    task = ROOT / "tests/fixtures/eval/task_gelu.py"
+    stop_mid_build(*slow_task(tmp_path, task, inline_seed), tmp_path / "run.db", "cuda")
+
+
+def stop_mid_build(task: Path, header: Path, env: dict[str, str], db: Path, device: str) -> None:
+    """Steps 1-4 of the module doc on ``device``."""
     procs: list[subprocess.Popen[str]] = []
     try:
         # 1. SIGINT mid-build
-        procs.append(main := kf_run(task, db, env))
+        procs.append(main := kf_run(task, db, env, device))
         before = mid_build(main)
         assert kinds(before) == {"nats-server", "runner", "cc1plus"}, before
         took, code, err = stop_and_time(main, signal.SIGINT)
@@ -199,7 +249,7 @@ def test_stop_kf_run_mid_build_on_signals_and_sigkill_then_resume(tmp_path: Path
         assert of(db, "kernel.candidate_compiled") == []  # cut short, not failed
 
         # 2. resumed, SIGTERM mid-build
-        procs.append(main := kf_run(task, db, env))
+        procs.append(main := kf_run(task, db, env, device))
         before = mid_build(main)
         (folder,) = [server_folder(c) for _, c in before.values() if "nats-server" in c]
         took, code, err = stop_and_time(main, signal.SIGTERM)
@@ -210,7 +260,7 @@ def test_stop_kf_run_mid_build_on_signals_and_sigkill_then_resume(tmp_path: Path
         assert not folder.exists()
 
         # 3. SIGKILL of kf run itself: everything it started goes with it
-        procs.append(main := kf_run(task, db, env))
+        procs.append(main := kf_run(task, db, env, device))
         before = mid_build(main)
         main.send_signal(signal.SIGKILL)
         main.wait()
@@ -219,7 +269,7 @@ def test_stop_kf_run_mid_build_on_signals_and_sigkill_then_resume(tmp_path: Path
 
         # 4. resumed with a fast build: it finishes and replays
         header.unlink()
-        procs.append(main := kf_run(task, db, env))
+        procs.append(main := kf_run(task, db, env, device))
         out, err = main.communicate(timeout=600)
         assert main.returncode == 0, err[-3000:]
     finally:
