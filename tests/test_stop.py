@@ -144,14 +144,16 @@ def command(pid: int) -> str:
         return ""
 
 
-def mid_build(proc: subprocess.Popen[str]) -> dict[int, tuple[str | None, str]]:
-    """Wait until the seed's compiler runs below ``proc``; return every process below it
-    then (pid → (start time, command line))."""
+def mid_build(proc: subprocess.Popen[str], db: Path) -> dict[int, tuple[str | None, str]]:
+    """Wait until the seed, assigned, is being compiled below ``proc``; return every
+    process below it then (pid → (start time, command line))."""
 
     def compiling() -> bool:
+        if not of(db, "search.candidate_assigned"):
+            return False  # not some other build (a GPU's precompiled header)
         return any("cc1plus" in command(p) for p in descendants(proc.pid))
 
-    wait_until(lambda: compiling() or proc.poll() is not None, 180, "the seed's build")
+    wait_until(lambda: compiling() or proc.poll() is not None, 300, "the seed's build")
     assert proc.poll() is None, proc.communicate()[1][-3000:]
     time.sleep(1.0)  # well inside the build (minutes long)
     return {p: (started(p), command(p)) for p in descendants(proc.pid)}
@@ -232,7 +234,7 @@ def stop_mid_build(task: Path, header: Path, env: dict[str, str], db: Path, devi
     try:
         # 1. SIGINT mid-build
         procs.append(main := kf_run(task, db, env, device))
-        before = mid_build(main)
+        before = mid_build(main, db)
         assert kinds(before) == {"nats-server", "runner", "cc1plus"}, before
         took, code, err = stop_and_time(main, signal.SIGINT)
         assert code == 130, err[-3000:]
@@ -250,7 +252,7 @@ def stop_mid_build(task: Path, header: Path, env: dict[str, str], db: Path, devi
 
         # 2. resumed, SIGTERM mid-build
         procs.append(main := kf_run(task, db, env, device))
-        before = mid_build(main)
+        before = mid_build(main, db)
         (folder,) = [server_folder(c) for _, c in before.values() if "nats-server" in c]
         took, code, err = stop_and_time(main, signal.SIGTERM)
         assert code == 143, err[-3000:]
@@ -261,7 +263,7 @@ def stop_mid_build(task: Path, header: Path, env: dict[str, str], db: Path, devi
 
         # 3. SIGKILL of kf run itself: everything it started goes with it
         procs.append(main := kf_run(task, db, env, device))
-        before = mid_build(main)
+        before = mid_build(main, db)
         main.send_signal(signal.SIGKILL)
         main.wait()
         gone(before, STOP_BOUND_S)
