@@ -37,6 +37,16 @@ def _add_nats_options(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--tls-ca", help="CA bundle for a TLS NATS server")
     p.add_argument("--tls-cert", help="client certificate for TLS")
     p.add_argument("--tls-key", help="client key for TLS")
+    from kf.shutdown import BUS_LOST_S
+
+    p.add_argument(
+        "--bus-timeout",
+        type=float,
+        default=BUS_LOST_S,
+        metavar="SECONDS",
+        help="with --nats: give up (exit 3) after this long without the server "
+        f"(default {BUS_LOST_S:g})",
+    )
     p.add_argument(
         "--allow-shared-token",
         action="store_true",
@@ -97,6 +107,7 @@ def _install_signal_handlers(stop: asyncio.Event) -> None:
 async def _agent_main(args: argparse.Namespace) -> int:
     from kf import bus
     from kf.agent import Agent, AgentContext, load_agent_type, make_agent_id
+    from kf.orchestra import watch_bus
     from kf.runtime import AgentRunner, supervise
 
     cls = load_agent_type(args.kind)
@@ -111,12 +122,17 @@ async def _agent_main(args: argparse.Namespace) -> int:
     nc = await bus.connect(opts)
     ctx = AgentContext(run_id=bus.valid_run_id(args.run), agent_id=agent_id, options=options)
     stop = asyncio.Event()  # never set: SIGINT and SIGTERM cancel (kf.shutdown)
+    if isinstance(cls, type) and issubclass(cls, Agent):
+        work = supervise(lambda: AgentRunner(cls(ctx), nc), stop, name=agent_id)
+    else:
+        hosted = [load_agent_type(k) for k in args.host]
+        work = supervise(lambda: cls(ctx, nc=nc, hosted=hosted), stop, name=agent_id)
     try:
-        if isinstance(cls, type) and issubclass(cls, Agent):
-            await supervise(lambda: AgentRunner(cls(ctx), nc), stop, name=agent_id)
-        else:
-            hosted = [load_agent_type(k) for k in args.host]
-            await supervise(lambda: cls(ctx, nc=nc, hosted=hosted), stop, name=agent_id)
+        async with asyncio.TaskGroup() as tg:
+            agent = tg.create_task(work)
+            watch = tg.create_task(watch_bus([nc], args.bus_timeout, args.nats))
+            await asyncio.wait({agent, watch}, return_when=asyncio.FIRST_COMPLETED)
+            watch.cancel()
     finally:
         await bus.close(nc)
     return EXIT_OK
@@ -126,6 +142,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     """Run one registered agent (entry-point group ``kf.agents``) against a run."""
     from kf import shutdown
     from kf.agent import AgentLoadError
+    from kf.orchestra import PartDied
 
     try:
         return shutdown.run(_agent_main(args), reap=_own(args))
@@ -134,6 +151,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
     except (AgentLoadError, ValueError) as exc:
         print(f"kf agent: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except ExceptionGroup as group:  # the bus lost, the agent past its restarts
+        first = group.exceptions[0]
+        print(f"kf agent: {first if isinstance(first, PartDied) else repr(first)}", file=sys.stderr)
+        return EXIT_PART_DIED
     except ConnectionError as exc:
         print(f"kf agent: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -337,6 +358,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         heartbeat_timeout_s=args.heartbeat_timeout,
         resume=args.resume,
+        bus_timeout_s=args.bus_timeout,
     )
     opts.extra.update(tolerance.config())  # the run's tolerance, if not the default
     trusted = _trusted_devices(args, devices or [device])
@@ -459,7 +481,7 @@ def _trusted_devices(args: argparse.Namespace, devices: list[str]) -> list[str] 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Serve a run started elsewhere with this machine's device."""
     from kf.bus import valid_run_id
-    from kf.orchestra import run_worker
+    from kf.orchestra import PartDied, run_worker
 
     async def go() -> None:
         await run_worker(  # SIGINT and SIGTERM cancel it (kf.shutdown)
@@ -481,6 +503,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "timeout_s": args.timeout,
         "heartbeat_s": args.heartbeat,
         "build_timeout_s": args.build_timeout,
+        "bus_timeout_s": args.bus_timeout,
     }
     if args.name:
         options["device_id"] = args.name
@@ -496,8 +519,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except ConnectionError as exc:
         print(f"kf worker: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except ExceptionGroup as group:  # an agent past its restarts (kf.runtime.supervise)
-        print(f"kf worker: a part gave up: {group.exceptions[0]}", file=sys.stderr)
+    except ExceptionGroup as group:  # the bus lost, an agent past its restarts
+        first = group.exceptions[0]
+        why = first if isinstance(first, PartDied) else f"a part gave up: {first!r}"
+        print(f"kf worker: {why}", file=sys.stderr)
         return EXIT_PART_DIED
     return EXIT_OK
 

@@ -28,9 +28,18 @@ from kf.facts import RunFinished, RunStarted, TaskSpec
 from kf.log import EventLog
 from kf.runtime import AgentRunner, CommittedFeed, Outbox, supervise
 from kf.settings import current
+from kf.shutdown import BUS_LOST_S
 from kf.tasks import Task
 
-__all__ = ["PartDied", "RunOptions", "run_search", "run_worker", "stop_tasks", "worker_agents"]
+__all__ = [
+    "PartDied",
+    "RunOptions",
+    "run_search",
+    "run_worker",
+    "stop_tasks",
+    "watch_bus",
+    "worker_agents",
+]
 
 
 @dataclass
@@ -58,6 +67,7 @@ class RunOptions:
     serve: tuple[str, int] | None = None  # (host, port): the dashboard beside the run
     resume: bool = False  # continue a log's run even when the settings asked for differ
     tune_budget: int = 12  # configurations tuned per task and device (kf.tuning; 0: off)
+    bus_timeout_s: float = BUS_LOST_S  # --nats: seconds without the server before giving up
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -176,6 +186,7 @@ async def run_worker(
 
     devices = parse_devices(device)  # a DeviceError (a ValueError) says what is available
     options = dict(options or {})
+    lost_s = float(options.pop("bus_timeout_s", None) or BUS_LOST_S)
     slots, agents = worker_plan(devices, options.pop("device_id", None))
     stop = stop or asyncio.Event()
     nc = await bus.connect(opts)
@@ -202,6 +213,7 @@ async def run_worker(
                         )
                     )
                 tg.create_task(_tool_server(conns[slot.device_id], run_id, opt).run(stop))
+            tg.create_task(watch_bus(list(conns.values()), lost_s, opts.url))
     finally:
         for c in {id(c): c for c in conns.values()}.values():
             await bus.close(c)
@@ -438,6 +450,12 @@ async def run_search(
             )
         progress = Progress(out=out, total_budget=o.budget * max(1, len(tasks)))
         watch = [*agent_tasks, *([archivist_task] if archivist_task else []), *rb.watched()]
+        if rb.server is None:  # a server kf did not start: a bounded wait for it
+            clients = list({id(c): c for c in (rb.proposer, rb.archivist, *rb.workers.values())
+                            if c is not None}.values())  # fmt: skip
+            watch.append(
+                asyncio.create_task(watch_bus(clients, o.bus_timeout_s, url), name="the bus")
+            )
         await _first(_follow(nc, run_id, progress), watch)
         # agents drain (flushing what they produced) before the archivist stops
         stop_agents.set()
@@ -475,6 +493,23 @@ async def stop_tasks(tasks: list[asyncio.Task[None]], timeout_s: float = 5.0) ->
     for t in tasks:
         if t.done() and not t.cancelled():
             t.exception()  # retrieved: not reported again as never retrieved
+
+
+async def watch_bus(clients: list[Any], lost_s: float, url: str) -> None:
+    """Raise :class:`PartDied` once one of ``clients`` has been disconnected for
+    ``lost_s`` seconds on end (they reconnect by themselves until then)."""
+    down_since: float | None = None
+    while True:
+        await asyncio.sleep(min(1.0, lost_s / 4))
+        if all(c.is_connected for c in clients):
+            down_since = None
+            continue
+        down_since = down_since or time.monotonic()
+        if time.monotonic() - down_since >= lost_s:
+            raise PartDied(
+                f"lost the NATS server at {bus.redact(url)} for {lost_s:g} s (--bus-timeout); "
+                "giving up"
+            )
 
 
 class PartDied(RuntimeError):

@@ -35,6 +35,7 @@ from types import FrameType
 from typing import Any, TypeVar
 
 __all__ = [
+    "BUS_LOST_S",
     "GRACE_S",
     "Terminated",
     "abandoned",
@@ -50,6 +51,9 @@ T = TypeVar("T")
 
 #: seconds from the first signal until whatever is left is killed and the process exits
 GRACE_S = 4.0
+#: seconds without a connection to a NATS server kf did not start before a command gives
+#: up (``--bus-timeout``, :func:`kf.orchestra.watch_bus`); an embedded one is restarted
+BUS_LOST_S = 120.0
 
 _stopping = threading.Event()
 _abandoned = threading.Event()

@@ -20,6 +20,7 @@ signal, and a clean-up that hangs, are tested on :func:`kf.shutdown.run` itself.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import signal
@@ -32,6 +33,8 @@ from typing import Any
 
 import pytest
 
+from kf import bus
+from kf.bus import EmbeddedServer
 from kf.events import decode_event
 from kf.shutdown import descendants
 from tests.test_faults import ENV, ROOT, events, wait_until
@@ -360,3 +363,50 @@ def test_stop_clean_up_that_hangs_is_cut_off_after_the_grace() -> None:
 def shutdown_margin() -> float:
     """Slack for a loaded 2-core machine."""
     return 3.0
+
+
+def test_stop_worker_gives_up_on_a_bus_that_stays_gone() -> None:
+    """A ``kf worker`` whose nats-server is gone for good exits 3 with one line once
+    ``--bus-timeout`` has passed, instead of reconnecting for ever."""
+    server = EmbeddedServer().start()
+    argv = ["worker", "--nats", server.url, "--run", "lost", "--name", "w", "--bus-timeout", "3"]
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "kf.cli", *argv],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        asyncio.run(announced(server.url, "lost"))  # the worker is up: its device announced
+        server.stop()
+        began = time.monotonic()
+        _, err = worker.communicate(timeout=120)
+        took = time.monotonic() - began
+    finally:
+        server.stop()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert worker.returncode == 3, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("kf worker: lost the NATS server at nats://127.0.0.1:"), last
+    assert last.endswith("for 3 s (--bus-timeout); giving up"), last
+    assert 3.0 <= took <= 3.0 + STOP_BOUND_S, f"gave up after {took:.1f} s"
+
+
+async def announced(url: str, run: str, timeout_s: float = 120.0) -> None:
+    """Wait until a worker of ``run`` sends its device's announcement on the bus."""
+    nc = await bus.connect(bus.BusOptions(url))
+    seen = asyncio.Event()
+
+    async def on_msg(msg: Any) -> None:
+        if b"device.announced" in msg.data:
+            seen.set()
+
+    try:
+        await nc.subscribe(f"kf.{run}.in.>", cb=on_msg)
+        await asyncio.wait_for(seen.wait(), timeout_s)
+    finally:
+        await bus.close(nc)
