@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,41 @@ def test_adversarial_gpu_microsecond_kernel_not_suspect_side_stream_still_caught
     profile = cheat.profile
     assert profile is not None and profile.ok, cheat.error
     if not cheat.suspect:  # then the side stream's work was in its stated time
+        assert profile.runtime_ms * 1.5 >= profile.outside_wall_ms, (
+            profile.runtime_ms,
+            profile.outside_wall_ms,
+        )
+
+
+def test_adversarial_gpu_under_host_load_honest_not_suspect_side_stream_caught() -> None:
+    """Under host load (twice as many spinning processes as cores, as several ``kf eval``
+    and builds at once): the honest microsecond kernel is not suspect
+    (kf.evaluation.timing_checks re-measures a disagreement before flagging it), and the
+    side-stream cheat is flagged ``stream`` and either suspect or timed as it really runs,
+    as on a quiet host."""
+    from tests.test_timing_load import busy
+
+    quick = {"min_time_s": 0.05, "warmup": 2, "min_trials": 10}
+    with busy(max(4, 2 * (os.cpu_count() or 1))):
+        honest = evaluate(
+            load_task(FIXTURES / "task_gelu.py"),
+            (FIXTURES.parent / "honest" / "triton_wrapper.py").read_text(),
+            device="cuda:0",
+            profile_options=quick,
+        )
+        cheat = evaluate(
+            load_task(FIXTURES / "task_gelu_big.py"),
+            (FIXTURES / "side_stream.py").read_text(),
+            device="cuda:0",
+            profile_options=quick,
+        )
+    assert honest.passed, honest.error
+    assert honest.profile is not None
+    assert not honest.suspect, (honest.profile.runtime_ms, honest.flags)
+    assert any(f.startswith("stream:") for f in cheat.flags), cheat.flags
+    profile = cheat.profile
+    assert profile is not None and profile.ok, cheat.error
+    if not cheat.suspect:
         assert profile.runtime_ms * 1.5 >= profile.outside_wall_ms, (
             profile.runtime_ms,
             profile.outside_wall_ms,

@@ -6,7 +6,7 @@ eager fail plain allclose at 1e-4 and are accepted, because their error against 
 run of the reference is within 2x eager fp32's own; a kernel that drops a term, one that
 silently computes in fp16 and one with a wrong index are rejected. ``--tolerance
 kernelbench`` keeps KernelBench's plain allclose. The long mat-vec is KernelBench's own
-level-1 task 4 (from ``$KF_KERNELBENCH`` or ``../shared/kernelbench``) at the size of its
+level-1 task 4 (from ``../shared/kernelbench`` or ``shared/kernelbench``) at the size of its
 first release (M = 256, K = 131072) with its inputs from ``torch.randn`` as that release
 drew them: outputs of mean 0, where atol = 1e-4 is all the tolerance near 0 and eager's
 own error against float64 is about 1e-3.
@@ -28,7 +28,15 @@ from kf.tasks import Task, load_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "numerics"
 ROOT = Path(__file__).resolve().parent.parent
-MATVEC = ROOT.parent / "shared" / "kernelbench" / "level1" / "4_Matrix_vector_multiplication_.py"
+#: KernelBench's task files, beside the checkout (``../shared``) or in it (``shared/``)
+MATVEC = next(
+    (
+        where / "kernelbench" / "level1" / "4_Matrix_vector_multiplication_.py"
+        for where in (ROOT.parent / "shared", ROOT / "shared")
+        if (where / "kernelbench").is_dir()
+    ),
+    ROOT.parent / "shared" / "kernelbench" / "level1" / "4_Matrix_vector_multiplication_.py",
+)
 
 
 def _matvec_v0() -> Task:

@@ -1,0 +1,105 @@
+"""``timer_disagreement`` holds up under host load: an honest kernel is not suspect
+because the machine is busy (here: busy processes spinning on every core besides the
+evaluation), and the in-process timing cheat is still flagged under the same load
+(kf.evaluation.timing_checks: a disagreement is measured again, the batch by the minimum
+of repeats, the samples in pairs each right after an empty call). The GPU side-stream
+cheat under load is in ``tests/test_adversarial_gpu.py``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from kf.evaluation import RunnerPool, evaluate
+from kf.evaluation.timing_checks import confirmed, paired_disagreement, timer_disagreement
+from kf.tasks import Task
+
+FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"
+#: gelu(x + b) on 4 x 64: a kernel of a few µs, where the timing loop's own cost is most
+#: of what the wall clock sees (under load, the old rule flagged it 1 time in 3 here)
+TASK = Task.from_source(
+    "tiny_gelu",
+    (FIXTURES / "task_gelu.py")
+    .read_text()
+    .replace("torch.randn(64, 1024)", "torch.randn(4, 64)")
+    .replace("return [1024]", "return [64]"),
+)
+QUICK = {"min_time_s": 0.1, "warmup": 2, "min_trials": 20}
+
+
+@contextmanager
+def busy(processes: int) -> Iterator[None]:
+    """Real load: ``processes`` Python processes spinning until the block ends."""
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)
+    ]
+    try:
+        yield
+    finally:
+        for proc in spinners:
+            proc.kill()
+        for proc in spinners:
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[RunnerPool]:
+    runners = RunnerPool(size=2, threads=1)
+    runners.start()
+    try:
+        yield runners
+    finally:
+        runners.close()
+
+
+def _load() -> int:
+    """Twice as many spinning processes as cores (at least 4)."""
+    return max(4, 2 * (os.cpu_count() or 1))
+
+
+def test_honest_kernel_is_not_suspect_under_load(pool: RunnerPool) -> None:
+    with busy(_load()):
+        result = evaluate(
+            TASK, (FIXTURES / "honest_cpp.py").read_text(), pool=pool, timeout_s=300,
+            profile_options=QUICK,
+        )  # fmt: skip
+    assert result.passed, result.error
+    assert not any(f.startswith("timer_disagreement") for f in result.flags), result.flags
+
+
+def test_timing_cheat_is_flagged_under_load(pool: RunnerPool) -> None:
+    """The cheat that rewrites its runner's samples is flagged although the machine is
+    busy: its samples are forged in every measurement, the re-measured ones included."""
+    with busy(_load()):
+        result = evaluate(
+            TASK, (FIXTURES / "grader_stack.py").read_text(), pool=pool, timeout_s=300,
+            profile_options=QUICK,
+        )  # fmt: skip
+    assert any(f.startswith("timer_disagreement") for f in result.flags), result.flags
+    assert result.suspect
+
+
+def test_rules_on_measurements() -> None:
+    """Pure rules: a disagreement confirmed only while every re-measurement disagrees; the
+    paired rule subtracts each pair's own empty call, so load that slows the empty call
+    as much as the candidate's loop cancels out, and hidden work does not."""
+    assert confirmed("x", lambda: None) is None
+    again = iter(["y", "z", None])
+    assert confirmed("x", lambda: next(again)) is None
+    assert confirmed("x", lambda: "w") == "w"
+    assert confirmed(None, lambda: "w") is None
+    # an honest 17 µs kernel on a loaded host: each request's loop costs 0.4 ms a call,
+    # the empty call measured later, unloaded, 0.09 ms: the unpaired rule flags it
+    loaded = [(100, 100 * 0.4, 100 * 0.017)] * 3
+    assert timer_disagreement(loaded, 0.09) is not None
+    # measured again, each beside an empty call under the same load (0.38 ms a call)
+    assert paired_disagreement([(*row, 0.38) for row in loaded]) is None
+    # hidden work of 0.8 ms a call stays: its samples say 0.12 ms
+    hidden = [(100, 100 * (0.38 + 0.8), 100 * 0.12, 0.38)] * 3
+    assert paired_disagreement(hidden) is not None
