@@ -141,7 +141,8 @@ def test_recovery_embedded_nats_server_that_stays_dead_ends_the_run_with_a_messa
     finally:
         stop_procs(main)
     assert code == 3, err[-3000:]
-    why, hint = err.strip().splitlines()[-2:]
+    said = [line for line in err.splitlines() if line.startswith("kf run: ")]  # not logs
+    why, hint = said[-2:]
     assert why.startswith("kf run: the embedded nats-server (port "), why
     assert "died (signal 9)" in why
     assert hint.startswith("kf run: the log keeps what was committed"), hint
