@@ -167,9 +167,9 @@ def left(before: dict[int, tuple[str | None, str]]) -> list[str]:
     return [cmd[:120] for p, (t, cmd) in before.items() if t is not None and started(p) == t]
 
 
-def gone(before: dict[int, tuple[str | None, str]], within_s: float = 2.0) -> None:
+def gone(before: dict[int, tuple[str | None, str]], within_s: float = 5.0) -> None:
     """Every process of ``before`` has ended (a killed box's namespace is emptied by the
-    kernel a moment after its bwrap dies)."""
+    kernel a moment after its bwrap dies; a GPU runner's teardown takes longer)."""
     deadline = time.monotonic() + within_s
     while left(before) and time.monotonic() < deadline:
         time.sleep(0.05)
