@@ -68,14 +68,14 @@ def reference_in_float64(
 ) -> list[Any] | str:
     """The reference's outputs on ``pristine`` with the Model and its inputs in float64,
     or why there are none. ``expected``: eager's outputs (their count, shapes, dtypes)."""
-    from kf.evaluation.compare import tensor_bytes
-
     if not _float_outputs(torch, expected):
         return "no output narrower than float64"
     if any(isinstance(v, torch.Tensor) and v.is_complex() for v in [*pristine, *expected]):
         return "complex tensors"
     params = [*model.parameters(), *model.buffers()]
-    need = 2 * tensor_bytes(torch, [*pristine, *expected, *params])
+    tensors = [v for v in (*pristine, *expected, *params) if isinstance(v, torch.Tensor)]
+    # the float64 copies of the inputs and parameters, and the float64 outputs
+    need = sum(8 * t.numel() if t.is_floating_point() else t.nbytes for t in tensors)
     device = next((t.device for t in expected if isinstance(t, torch.Tensor)), None)
     free = _free_bytes(torch, device)
     if need > FREE_SHARE * free:
