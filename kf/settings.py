@@ -132,6 +132,17 @@ class Settings:
         return "all" if value in ("all", "1", "on") else "cuda"
 
     @property
+    def pch_dir(self) -> str | None:
+        """``KF_PCH_DIR``: where a build box looks for the precompiled header (set by the
+        grader's build box, :mod:`kf.evaluation.builds`)."""
+        return self._text("KF_PCH_DIR") or None
+
+    @property
+    def pch_make(self) -> str | None:
+        """``KF_PCH_MAKE``: where a build box may make a missing precompiled header."""
+        return self._text("KF_PCH_MAKE") or None
+
+    @property
     def objcache_log(self) -> str | None:
         """``KF_OBJCACHE_LOG``: a file that also gets each of the cache's verdicts."""
         return self._text("KF_OBJCACHE_LOG") or None

@@ -36,9 +36,13 @@ def _flags() -> list[str]:
     return ["-DTORCH_API_INCLUDE_EXTENSION_H", *paths, "-isystem", include, "-fPIC", "-std=c++17"]
 
 
-def _compile(folder: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """Compile folder/main.cpp through the object-cache launcher as ninja would."""
-    command = [sys.executable, "-m", "kf.cuda.objcache", str(GXX), "-MMD", "-MF", "main.o.d"]
+def _compile(
+    folder: Path, env: dict[str, str], *pch_folders: str
+) -> subprocess.CompletedProcess[str]:
+    """Compile folder/main.cpp through the object-cache launcher as ninja would, with
+    the launcher's ``--pch-dir``/``--pch-make`` options ``pch_folders``."""
+    command = [sys.executable, "-m", "kf.cuda.objcache", *pch_folders, str(GXX)]
+    command += ["-MMD", "-MF", "main.o.d"]
     command += ["-DTORCH_EXTENSION_NAME=kf_pch_test", *_flags(), "-c", "main.cpp", "-o", "main.o"]
     return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
 
@@ -54,11 +58,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         folder.mkdir()
         (folder / "main.cpp").write_text(MAIN)
         env = {**os.environ, "KF_CACHE_DIR": str(root / f"cache-{arm}")}
-        env.pop("KF_PCH_DIR", None)
-        env.pop("KF_PCH_MAKE", None)
-        if arm == "with":
-            env["KF_PCH_DIR"] = env["KF_PCH_MAKE"] = str(results["folder"])
-        proc = _compile(folder, env)
+        where = str(results["folder"])
+        options = ("--pch-dir", where, "--pch-make", where) if arm == "with" else ()
+        proc = _compile(folder, env, *options)
         assert proc.returncode == 0, proc.stderr
         results[arm] = (folder / "main.o").read_bytes()
         results[f"{arm}_log"] = proc.stderr
@@ -85,27 +87,24 @@ def test_a_second_compile_uses_the_made_header(built: dict[str, object], tmp_pat
     its object is again the plain compile's."""
     folder = built["folder"]
     (tmp_path / "main.cpp").write_text(MAIN)
-    env = {**os.environ, "KF_CACHE_DIR": str(tmp_path / "cache"), "KF_PCH_DIR": str(folder)}
-    env.pop("KF_PCH_MAKE", None)
-    proc = _compile(tmp_path, env)
+    env = {**os.environ, "KF_CACHE_DIR": str(tmp_path / "cache")}
+    proc = _compile(tmp_path, env, "--pch-dir", str(folder))
     assert proc.returncode == 0, proc.stderr
     assert "(pch)" in proc.stderr, proc.stderr
     assert (tmp_path / "main.o").read_bytes() == built["without"]
 
 
-def test_no_header_is_made_without_a_folder_to_make_it_in(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_no_header_is_made_without_a_folder_to_make_it_in(tmp_path: Path) -> None:
     """A build whose look-up folder has no header and that may not make one (another
     build is making it) compiles plainly, and says so."""
     (tmp_path / "main.cpp").write_text(MAIN)
-    monkeypatch.setenv("KF_PCH_DIR", str(tmp_path / "missing"))
-    monkeypatch.delenv("KF_PCH_MAKE", raising=False)
-    args, note = pch.extra_args(str(GXX), ["-c", str(tmp_path / "main.cpp")], 1)
+    missing = str(tmp_path / "missing")
+    args, note = pch.extra_args(str(GXX), ["-c", str(tmp_path / "main.cpp")], 1, missing)
     assert args == []
     assert note == "no pch (being made by another build)"
     (tmp_path / "other.cpp").write_text("int x;\n")  # not load_inline's main.cpp: untouched
-    assert pch.extra_args(str(GXX), ["-c", str(tmp_path / "other.cpp")], 1) == ([], "")
+    other = ["-c", str(tmp_path / "other.cpp")]
+    assert pch.extra_args(str(GXX), other, 1, missing, missing) == ([], "")
 
 
 def test_flags_for_header_drop_outputs_and_the_extension_name() -> None:

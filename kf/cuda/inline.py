@@ -209,24 +209,24 @@ def _import(module_name: str, library: Path, key: str) -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def _object_cache(pch: str | None) -> Iterator[None]:
+def _object_cache(pch: str | None = None) -> Iterator[None]:
     """Point ``CXX`` and ``PYTORCH_NVCC`` at :mod:`kf.cuda.objcache` launchers meanwhile.
 
     The real compilers are the ones PyTorch would use: ``$CXX`` (else ``c++``) and
     ``$CUDA_HOME/bin/nvcc``; a ``PYTORCH_NVCC`` the user set is left alone. Nothing
     changes when ``KF_OBJCACHE=0``. ``main.cpp`` gets the precompiled header of key
     ``pch`` (:mod:`kf.cuda.pch`), made in this cache if missing, unless the grader's
-    build box already named the folders (``$KF_PCH_DIR``, ``$KF_PCH_MAKE``).
+    build box named the folders (``$KF_PCH_DIR``, ``$KF_PCH_MAKE``).
     """
     from kf.cuda import objcache
 
-    names = ("CXX", "PYTORCH_NVCC", "KF_PCH_DIR", "KF_PCH_MAKE")
-    saved = {name: os.environ.get(name) for name in names}
+    saved = {name: os.environ.get(name) for name in ("CXX", "PYTORCH_NVCC")}
+    settings = current()
+    look, make = settings.pch_dir, settings.pch_make
+    if look is None and make is None and pch:
+        look = make = str(cache_root() / "pch" / pch)
     try:
         if objcache.enabled():
-            if saved["KF_PCH_DIR"] is None and saved["KF_PCH_MAKE"] is None and pch:
-                folder = str(cache_root() / "pch" / pch)
-                os.environ["KF_PCH_DIR"] = os.environ["KF_PCH_MAKE"] = folder
             import torch.utils.cpp_extension as ext
 
             cxx = shutil.which(os.environ.get("CXX", "c++"))
@@ -234,7 +234,8 @@ def _object_cache(pch: str | None) -> Iterator[None]:
             nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else None
             with contextlib.suppress(OSError):  # no cache folder: compile as PyTorch would
                 if cxx is not None:
-                    os.environ["CXX"] = str(objcache.launcher(cxx))  # PyTorch quotes it
+                    # PyTorch quotes it
+                    os.environ["CXX"] = str(objcache.launcher(cxx, look, make))
                 if nvcc and saved["PYTORCH_NVCC"] is None and os.access(nvcc, os.X_OK):
                     # used verbatim in the ninja file, so quoted here
                     os.environ["PYTORCH_NVCC"] = shlex.quote(str(objcache.launcher(nvcc)))

@@ -268,17 +268,24 @@ def objects_dir() -> Path:
     return path
 
 
-def launcher(real: str) -> Path:
-    """An executable ``#!/bin/sh`` script that compiles with ``real`` through this cache.
+def launcher(real: str, pch_dir: str | None = None, pch_make: str | None = None) -> Path:
+    """An executable ``#!/bin/sh`` script that compiles with ``real`` through this cache,
+    offering its C++ compiles the precompiled header in ``pch_dir`` or made in
+    ``pch_make`` (:mod:`kf.cuda.pch`).
 
     Content-addressed (its name carries a hash of its text), so concurrent builds share
     one and never see it half-written.
     """
+    folders = "".join(
+        f"{flag} {shlex.quote(value)} "
+        for flag, value in (("--pch-dir", pch_dir), ("--pch-make", pch_make))
+        if value
+    )
     text = (
         "#!/bin/sh\n"
         f"# kf.cuda.objcache launcher for {real}\n"
-        f"exec {shlex.quote(sys.executable)} -P -m kf.cuda.objcache {shlex.quote(real)} "
-        '"$@"\n'
+        f"exec {shlex.quote(sys.executable)} -P -m kf.cuda.objcache {folders}"
+        f'{shlex.quote(real)} "$@"\n'
     )
     folder = objects_dir() / "bin"
     folder.mkdir(exist_ok=True)
@@ -780,6 +787,10 @@ def _exec(compiler: str, args: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kf.cuda.objcache COMPILER ARGS...``: compile through the cache."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    folders: dict[str, str] = {}
+    while len(argv) >= 2 and argv[0] in ("--pch-dir", "--pch-make"):
+        folders[argv[0]] = argv[1]
+        del argv[:2]
     if not argv:
         _say("usage: python -m kf.cuda.objcache COMPILER [ARGS...]")
         return 2
@@ -791,7 +802,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra: list[str] = []
     pch_note = ""
     if not os.path.basename(resolved).startswith("nvcc"):
-        extra, pch_note = pch.extra_args(resolved, compile.args, compile.source_index)
+        extra, pch_note = pch.extra_args(
+            resolved,
+            compile.args,
+            compile.source_index,
+            folders.get("--pch-dir"),
+            folders.get("--pch-make"),
+        )
     try:
         root = objects_dir()
         key = compile_key(resolved, compile)

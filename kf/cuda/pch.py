@@ -10,21 +10,23 @@ otherwise reads the header itself, so the object it writes is the same either wa
 (checked: byte-identical objects, ``tests/test_pch.py``).
 
 How a compile gets one (:func:`extra_args`, called by :mod:`kf.cuda.objcache` for each
-g++ compile whose source starts with that include):
+g++ compile whose source starts with that include, with the folders its launcher was
+made with, ``--pch-dir`` and ``--pch-make``):
 
-- ``$KF_PCH_DIR`` names the folder to look in: ``<dir>/torch/extension.h.gch`` beside
+- the look-up folder: ``<dir>/torch/extension.h.gch`` beside
   a link ``<dir>/torch/extension.h`` to PyTorch's own header (gcc takes later includes of
   the same name from the folder its precompiled header came from). When it holds a
   header marked usable, the compile gets ``-I <dir>`` in front of its arguments.
-- Otherwise, where ``$KF_PCH_MAKE`` names a writable folder, the header is made there
+- Otherwise, where a writable folder to make one in is given, the header is made there
   first (under a lock), with the compile's own arguments less its source, outputs,
   dependency file and ``TORCH_EXTENSION_NAME`` (which PyTorch's headers do not use), and
   a probe compile with ``-Werror=invalid-pch`` checks that gcc accepts it; a header gcc
   refuses is marked unusable, never offered.
 
-Who sets the two: :func:`kf.cuda.inline.load_inline` (both to the cache's
-``pch/<key>``, unboxed), or the grader's build box (:mod:`kf.evaluation.builds`): the
-shared cache's folder read-only, and the build's private folder to make one in, which
+Who chooses the two: :func:`kf.cuda.inline.load_inline` (both the cache's
+``pch/<key>``, unboxed), or, through ``$KF_PCH_DIR`` and ``$KF_PCH_MAKE``, the grader's
+build box (:mod:`kf.evaluation.builds`): the shared cache's folder read-only, and the
+build's private folder to make one in, which
 the grader then publishes under the key it computed itself from the call's flag
 arguments (:func:`kf.cuda.inline.pch_key`). A build can so only ever supply the header
 for the flags it was itself given.
@@ -145,10 +147,15 @@ def _make(compiler: str, flags: list[str], folder: Path) -> str:
     return "ok"
 
 
-def extra_args(compiler: str, args: Sequence[str], source_index: int) -> tuple[list[str], str]:
-    """Arguments to put in front of this g++ compile, and what was done (for the log)."""
-    look = os.environ.get("KF_PCH_DIR")
-    make = os.environ.get("KF_PCH_MAKE")
+def extra_args(
+    compiler: str,
+    args: Sequence[str],
+    source_index: int,
+    look: str | None = None,
+    make: str | None = None,
+) -> tuple[list[str], str]:
+    """Arguments to put in front of this g++ compile, and what was done (for the log):
+    the header in ``look`` if usable, else one made in ``make`` if given."""
     if not look and not make:
         return [], ""
     if not starts_with_torch(args[source_index]):
