@@ -215,3 +215,18 @@ def test_float64_run_of_a_model_with_parameters() -> None:
     assert exact[0].dtype == torch.float64 and model.weight.dtype == torch.float32
     truth = x.double() @ model.weight.detach().double().t()
     assert torch.equal(exact[0], truth)
+
+
+def test_approximate_transcendental_beyond_the_budget_is_rejected() -> None:
+    """GELU by its tanh approximation in place of erf: up to about 5e-4 off, against eager
+    fp32's 1e-8 or so from float64: rejected; the same error budget would have let it
+    through only were eager as inaccurate."""
+    torch.manual_seed(3)
+    x = torch.randn(4096, 256)
+    eager = torch.nn.functional.gelu(x)
+    exact = torch.nn.functional.gelu(x.double())
+    approx = torch.nn.functional.gelu(x, approximate="tanh")
+    assert not compare_outputs(torch, [eager], [approx])["ok"]
+    verdict = judge_float64(torch, [eager], [approx], [exact], None)
+    assert not verdict["ok"] and verdict["kind"] == "mismatch"
+    assert verdict["rmse_fp64"] > 2 * verdict["eager_rmse_fp64"] + 1e-5

@@ -96,6 +96,9 @@ def _human(result: EvalResult) -> str:
             )
         if v.rule:
             lines.append(f"  rule: {v.rule}")
+        skipped = next((e.fp64_skipped for e in v.evidence if e.fp64_skipped), "")
+        if skipped and not v.correct:
+            lines.append(f"  judged by allclose alone: {skipped}")
         if v.float64_passed:
             lines.append(
                 f"  {v.float64_passed} comparison(s) failed allclose and passed the float64 rule"
