@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -410,3 +411,65 @@ async def announced(url: str, run: str, timeout_s: float = 120.0) -> None:
         await asyncio.wait_for(seen.wait(), timeout_s)
     finally:
         await bus.close(nc)
+
+
+#: a candidate that says so in its runner's log, then never returns from forward
+HANGING_CANDIDATE = (
+    (ROOT / "tests/fixtures/eval/hang.py")
+    .read_text()
+    .replace(
+        "        while True:",
+        '        print("kf-test: in forward", flush=True)\n        while True:',
+    )
+)
+
+
+def in_forward() -> int | None:
+    """The bwrap (this process's child) of the box whose candidate is in its forward."""
+    for pid in descendants():
+        if parent(pid) != os.getpid() or "kf.evaluation.runner" not in command(pid):
+            continue
+        try:  # the runner's output goes to runner.log in its scratch folder, its cwd
+            said = (Path(f"/proc/{pid}/cwd") / "runner.log").read_text(errors="replace")
+        except OSError:
+            continue
+        if "kf-test: in forward" in said:
+            return pid
+    return None
+
+
+def test_stop_a_box_killed_mid_stage_is_a_crash_with_its_signal_not_a_hang() -> None:
+    """SIGKILL of a candidate's box (its bwrap) while the candidate runs: the stage ends
+    within the bound with a crash that names the signal, not at its 600 s timeout."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kf.evaluation import RunnerPool, verify_candidate
+    from kf.tasks import load_task
+
+    task = load_task(ROOT / "tests/fixtures/eval/task_gelu.py")
+    assert "kf-test: in forward" in HANGING_CANDIDATE
+    pool = RunnerPool(size=0, threads=1)
+    try:
+        with ThreadPoolExecutor(1) as threads:
+            report = threads.submit(
+                verify_candidate, task, HANGING_CANDIDATE, pool=pool, timeout_s=600
+            )
+            box = wait_until(in_forward, 180, "the candidate in its forward")
+            os.kill(box, signal.SIGKILL)
+            began = time.monotonic()
+            result = report.result(timeout=120)
+            took = time.monotonic() - began
+    finally:
+        pool.close()
+    assert not result.correct
+    assert result.failure_kind == "crash", result
+    assert "SIGKILL" in (result.error or ""), result.error
+    assert took <= STOP_BOUND_S, f"the stage took {took:.1f} s to notice"
+
+
+def parent(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
