@@ -473,3 +473,62 @@ def parent(pid: int) -> int:
     except OSError:
         return 0
     return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+#: compiles a candidate (argv[1]) for the search task, prints how it ended
+COMPILING = """
+import json, sys
+from kf.evaluation import RunnerPool, compile_candidate
+from kf.tasks import load_task
+
+report = compile_candidate(
+    load_task(sys.argv[1]), open(sys.argv[2]).read(), pool=RunnerPool(size=0, threads=1)
+)
+print(json.dumps({"ok": report.ok, "kind": report.failure_kind, "error": report.error}))
+"""
+
+
+def test_stop_a_box_killed_while_the_grader_builds_for_it_ends_the_build(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL of a runner's box while the grader builds its kf.native library (a build
+    of minutes): the build is killed with it and the stage ends within the bound, a
+    crash naming SIGKILL, instead of waiting for the build."""
+    task, _, env = slow_task(tmp_path)
+    seed = tmp_path / "tasks/seeds" / task.name
+    proc = subprocess.Popen(
+        [sys.executable, "-c", COMPILING, str(task), str(seed)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+
+        def building() -> int | None:
+            below = descendants(proc.pid)
+            if not any("cc1plus" in command(p) for p in below):
+                return None
+            return next((p for p in below if parent(p) == proc.pid and runner(p)), None)
+
+        box = wait_until(lambda: building() or proc.poll() is not None, 180, "the build")
+        assert proc.poll() is None, proc.communicate()
+        before = {p: (started(p), command(p)) for p in descendants(proc.pid)}
+        os.kill(box, signal.SIGKILL)
+        began = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - began
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    report = json.loads(out.strip().splitlines()[-1])
+    assert (report["ok"], report["kind"]) == (False, "crash"), (report, err[-2000:])
+    assert "SIGKILL" in report["error"], report
+    assert took <= STOP_BOUND_S, f"the stage took {took:.1f} s to notice"
+    gone(before)  # the build box and its compiler too
+
+
+def runner(pid: int) -> bool:
+    return "kf.evaluation.runner" in command(pid)

@@ -32,13 +32,21 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from kf.evaluation import box
 
-__all__ = ["MAX_BUILDS_PER_RUNNER", "OUTPUT_CAP_BYTES", "build_native", "cap_text", "run_capped"]
+__all__ = [
+    "MAX_BUILDS_PER_RUNNER",
+    "OUTPUT_CAP_BYTES",
+    "build_native",
+    "cap_text",
+    "run_capped",
+    "while_wanted",
+]
 
 #: builds one runner may ask for (a candidate that asks for more is refused)
 MAX_BUILDS_PER_RUNNER = 32
@@ -125,7 +133,7 @@ def run_capped(
         if input_text is not None and proc.stdin is not None:
             with proc.stdin:
                 proc.stdin.write(input_text.encode())
-        code: int | None = proc.wait(timeout_s)
+        code: int | None = _wait(proc, timeout_s)
     except (subprocess.TimeoutExpired, BrokenPipeError):
         code = proc.poll()
         if code is None:
@@ -134,6 +142,32 @@ def run_capped(
     reader.join()
     stdout.close()
     return code, capture.text()
+
+
+_wanted = threading.local()
+
+
+@contextlib.contextmanager
+def while_wanted(wanted: Callable[[], bool]) -> Iterator[None]:
+    """Builds this thread starts in the block are killed as soon as ``wanted()`` is False
+    (the runner that asked for one died: its stage must not wait for the build)."""
+    _wanted.check = wanted
+    try:
+        yield
+    finally:
+        _wanted.check = None
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """``proc.wait(timeout_s)``, the build killed (TimeoutExpired) once it is not wanted."""
+    check: Callable[[], bool] | None = getattr(_wanted, "check", None)
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            return proc.wait(max(0.0, min(0.5, end - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= end or (check is not None and not check()):
+                raise
 
 
 def build_native(

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple, TypeVar
 import msgspec
 
 from kf.evaluation import box, protocol, shared_memory, spawn
+from kf.evaluation.builds import while_wanted
 from kf.evaluation.protocol import decode_from_runner, encode
 
 __all__ = [
@@ -186,7 +187,9 @@ class RunnerHandle:
                 return msg
             if isinstance(msg, protocol.BuildNative | protocol.BuildInline):
                 began = time.monotonic()
-                self._serve_build(msg)
+                # a build for a runner that died (its box killed) is killed, not waited for
+                with while_wanted(lambda: self.proc.poll() is None):
+                    self._serve_build(msg)
                 spent = time.monotonic() - began
                 # a build has the build limit, not the request's: its time is not the request's
                 self.build_s += spent
