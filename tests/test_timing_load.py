@@ -18,18 +18,22 @@ import pytest
 
 from kf.evaluation import RunnerPool, evaluate
 from kf.evaluation.timing_checks import confirmed, paired_disagreement, timer_disagreement
-from kf.tasks import Task
+from kf.tasks import Task, load_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"
 #: gelu(x + b) on 4 x 64: a kernel of a few µs, where the timing loop's own cost is most
 #: of what the wall clock sees (under load, the old rule flagged it 1 time in 3 here)
-TASK = Task.from_source(
+TINY = Task.from_source(
     "tiny_gelu",
     (FIXTURES / "task_gelu.py")
     .read_text()
     .replace("torch.randn(64, 1024)", "torch.randn(4, 64)")
     .replace("return [1024]", "return [64]"),
 )
+#: the same at 64 x 1024 (about 1 ms a call): forged samples (1 ns) are far beyond the
+#: wall clock's slack of 0.05 ms a call; at a few µs they are within it, and only the
+#: introspection flags name the cheat
+TASK = load_task(FIXTURES / "task_gelu.py")
 QUICK = {"min_time_s": 0.1, "warmup": 2, "min_trials": 20}
 
 
@@ -63,26 +67,23 @@ def _load() -> int:
     return max(4, 2 * (os.cpu_count() or 1))
 
 
-def test_honest_kernel_is_not_suspect_under_load(pool: RunnerPool) -> None:
+def test_under_load_honest_kernel_not_suspect_and_cheat_flagged(pool: RunnerPool) -> None:
+    """Under the same load: the honest few-µs kernel is not suspect; the cheat that
+    rewrites its runner's samples is flagged (its samples are forged in every
+    measurement, the re-measured ones included)."""
     with busy(_load()):
-        result = evaluate(
-            TASK, (FIXTURES / "honest_cpp.py").read_text(), pool=pool, timeout_s=300,
+        honest = evaluate(
+            TINY, (FIXTURES / "honest_cpp.py").read_text(), pool=pool, timeout_s=300,
             profile_options=QUICK,
         )  # fmt: skip
-    assert result.passed, result.error
-    assert not any(f.startswith("timer_disagreement") for f in result.flags), result.flags
-
-
-def test_timing_cheat_is_flagged_under_load(pool: RunnerPool) -> None:
-    """The cheat that rewrites its runner's samples is flagged although the machine is
-    busy: its samples are forged in every measurement, the re-measured ones included."""
-    with busy(_load()):
-        result = evaluate(
+        cheat = evaluate(
             TASK, (FIXTURES / "grader_stack.py").read_text(), pool=pool, timeout_s=300,
             profile_options=QUICK,
         )  # fmt: skip
-    assert any(f.startswith("timer_disagreement") for f in result.flags), result.flags
-    assert result.suspect
+    assert honest.passed, honest.error
+    assert not any(f.startswith("timer_disagreement") for f in honest.flags), honest.flags
+    assert any(f.startswith("timer_disagreement") for f in cheat.flags), cheat.flags
+    assert cheat.suspect
 
 
 def test_rules_on_measurements() -> None:
