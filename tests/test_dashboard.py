@@ -29,9 +29,9 @@ from kf.dashboard import RunView, start_dashboard
 from kf.events import Envelope, Record, decode_event
 from kf.log import EventLog
 from kf.report import fold_archive
+from tests.shared_runs import search_run
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "tests/fixtures/search"
 ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(
@@ -46,37 +46,13 @@ def kf_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def run_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One real search with `kf run --serve`; its dashboard answered while the run went on."""
-    db = tmp_path_factory.mktemp("dash") / "run.db"
-    cmd = [sys.executable, "-m", "kf.cli", "run", str(FIXTURES), "--budget", "4"]
-    cmd += ["--seed", "3", "--db", str(db), "--serve", "--serve-port", "0"]
-    cmd += ["--tune-budget", "0"]  # the tuning table's test has a tuned run of its own
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=kf_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None
-        url = None
-        for line in proc.stdout:
-            if "dashboard: http://" in line:
-                url = line.split("dashboard: ", 1)[1].split()[0]
-                break
-        assert url, "kf run --serve printed no dashboard URL"
-        state = asyncio.run(_get_json(url + "api/state"))
-        assert state["run"]["run_id"]
-        _, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, err[-4000:]
-    return db
-
-
-async def _get_json(url: str) -> Any:
-    async with aiohttp.ClientSession() as s, s.get(url) as r:
-        assert r.status == 200, await r.text()
-        return await r.json()
+    """One real search with `kf run --serve`, its dashboard answered while the run went on
+    (the run tests/test_loop.py asserts on too: tests/shared_runs.py)."""
+    run = search_run(tmp_path_factory)
+    run.report()  # the run succeeded
+    assert run.served_state is not None, "kf run --serve printed no dashboard URL"
+    assert run.served_state["run"]["run_id"]
+    return run.db
 
 
 def copy_log(src: Path, dst: Path) -> Path:

@@ -11,6 +11,7 @@ import pytest
 from kf.events import decode_event
 from kf.log import EventLog
 from tests.harness import run_kf
+from tests.shared_runs import search_run
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests/fixtures/search"
@@ -22,11 +23,10 @@ def kf(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def run_db(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """One search over the fixture tasks, shared by the tests below."""
-    db = tmp_path_factory.mktemp("loop") / "run.db"
-    proc = kf("run", str(FIXTURES), "--budget", "4", "--seed", "3", "--db", str(db), "--json")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return db, json.loads(proc.stdout)
+    """One search over the fixture tasks (--budget 4 --seed 3, the tuner's default budget),
+    shared by the tests below and by tests/test_dashboard.py's (tests/shared_runs.py)."""
+    run = search_run(tmp_path_factory)
+    return run.db, run.report()
 
 
 def test_loop_finds_a_correct_kernel_with_a_speedup(run_db: tuple[Path, dict]) -> None:
