@@ -485,14 +485,7 @@ class ArchiveAgent(Agent[ArchiveState]):
             t.first_failures.append(c.id)
             del t.first_failures[:-3]
 
-    def _profiled(
-        self,
-        state: ArchiveState,
-        c: Cand,
-        r: ProfileReport,
-        plan: list[Event],
-        unconfirmed: bool = False,
-    ) -> None:
+    def _profiled(self, state: ArchiveState, c: Cand, r: ProfileReport, plan: list[Event]) -> None:
         c.status = "profiled"
         c.speedup = r.speedup
         c.runtime_ms = r.runtime_ms
@@ -500,7 +493,7 @@ class ArchiveAgent(Agent[ArchiveState]):
         c.ref_ms = r.ref_runtime_ms
         c.cell = describe(c.source).cell()
         c.flags = list(r.flags)
-        c.suspect = is_suspect(r.flags) or unconfirmed
+        c.suspect = is_suspect(r.flags)
         t = state.tasks[c.task]
         t.profiled += 1
         if not c.suspect and c.shape_index == 0:  # a speed-up at another shape ranks nowhere
@@ -554,8 +547,9 @@ class ArchiveAgent(Agent[ArchiveState]):
     def _confirmed(
         self, state: ArchiveState, c: Cand, ev: CandidateProfiled, plan: list[Event]
     ) -> None:
-        """Another device measured the candidate: rank it by the lower speed-up; a claim
-        more than twice that measurement is flagged and never enters the archive."""
+        """Another device measured the candidate: it enters by the lower speed-up (the
+        claim never counts for more than the other device saw); a claim more than twice
+        that measurement is recorded as not confirmed, and flagged."""
         claimed = c.claimed_speedup or 0.0
         measured = ev.report.speedup
         accepted = claimed <= 2.0 * measured
@@ -565,7 +559,8 @@ class ArchiveAgent(Agent[ArchiveState]):
         if measured > claimed:
             report = msgspec.structs.replace(report, speedup=claimed)
         if not accepted:
-            report = msgspec.structs.replace(report, flags=(*report.flags, f"unconfirmed: {note}"))
+            flag = f"claim_not_confirmed: {note}"
+            report = msgspec.structs.replace(report, flags=(*report.flags, flag))
         plan.append(
             CandidateConfirmed(
                 task=c.task,
@@ -578,7 +573,7 @@ class ArchiveAgent(Agent[ArchiveState]):
                 reason=note if accepted else f"not confirmed: {note}",
             )
         )
-        self._profiled(state, c, report, plan, unconfirmed=not accepted)
+        self._profiled(state, c, report, plan)
 
     def _unconfirmable(self, state: ArchiveState, c: Cand, plan: list[Event]) -> None:
         """No live device but the claimant can measure it: its claim stays unconfirmed,

@@ -214,9 +214,9 @@ class ConfirmationRequested(Decision, frozen=True, kw_only=True):
 @event("search.candidate_confirmed")
 class CandidateConfirmed(Decision, frozen=True, kw_only=True):
     """The outcome of a confirmation: another device's measurement (``confirmed_by``;
-    ``""`` when no other device could measure it), and whether the claim stands. The
-    archive ranks the candidate by the lower of the two speed-ups; a claim more than twice
-    the other measurement, or one nobody else could measure, never enters the archive."""
+    ``""`` when no other device could measure it), and whether the claim stands (it is at
+    most twice that measurement). The candidate enters the archive by the lower of the
+    two speed-ups; one nobody else could measure never enters it."""
 
     task: str
     candidate_id: str
