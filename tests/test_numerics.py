@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kf.evaluation import RunnerPool, VerifyReport, verify_candidate
+from kf.evaluation import RunnerPool, TrialEvidence, VerifyReport, verify_candidate
 from kf.evaluation.compare import compare_outputs, judge_float64
 from kf.evaluation.float64 import check_with_float64, reference_in_float64
 from kf.evaluation.tolerance import Tolerance
@@ -69,7 +69,7 @@ def pool() -> Iterator[RunnerPool]:
         runners.close()
 
 
-def _every(report: VerifyReport) -> list[object]:
+def _every(report: VerifyReport) -> list[TrialEvidence]:
     return [*report.evidence, *report.variant_evidence, *report.distribution_evidence]
 
 
@@ -77,9 +77,9 @@ def _assert_passed_by_float64(report: VerifyReport) -> None:
     """Correct, and at least one comparison failed allclose and passed the float64 rule,
     with both errors in its evidence."""
     assert report.correct, report.error
-    assert report.float64_passed >= 1, [e.reason for e in report.evidence]
+    assert report.float64_passed >= 1, [e.reason for e in _every(report)]
     assert "float64" in report.rule
-    decided = [e for e in report.evidence if e.rule == "float64"]
+    decided = [e for e in _every(report) if e.rule == "float64"]
     assert decided, report.evidence
     for e in decided:
         assert e.rmse_fp64 is not None and e.eager_rmse_fp64 is not None
