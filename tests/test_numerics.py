@@ -39,7 +39,7 @@ MATVEC = next(
 )
 
 
-def _matvec_v0() -> Task:
+def matvec_v0() -> Task:
     """KernelBench level 1 task 4 at its first release's size and inputs (module doc)."""
     if not MATVEC.exists():
         pytest.skip(f"KernelBench's task files are not at {MATVEC}")
@@ -101,20 +101,20 @@ def test_long_matvec_summed_in_another_order_is_accepted(pool: RunnerPool, name:
     """Double accumulation (the most accurate there is) and eight fp32 partial sums both
     fail allclose at 1e-4 against eager and pass the float64 rule, the gate's shapes and
     the hidden distributions included."""
-    _assert_passed_by_float64(verify_candidate(_matvec_v0(), _candidate(name), pool=pool))
+    _assert_passed_by_float64(verify_candidate(matvec_v0(), _candidate(name), pool=pool))
 
 
 @pytest.mark.parametrize("name", ["matvec_dropped_term", "matvec_fp16"])
 def test_matvec_bugs_are_rejected(pool: RunnerPool, name: str) -> None:
     """A sum without its last term, and one of fp16 products, are far outside the budget."""
-    report = verify_candidate(_matvec_v0(), _candidate(name), pool=pool, generalise=False)
+    report = verify_candidate(matvec_v0(), _candidate(name), pool=pool, generalise=False)
     _assert_rejected_by_float64(report)
 
 
 def test_kernelbench_tolerance_keeps_plain_allclose(pool: RunnerPool) -> None:
     """``--tolerance kernelbench``: the same honest kernel is judged by allclose alone."""
     report = verify_candidate(
-        _matvec_v0(),
+        matvec_v0(),
         _candidate("matvec_double"),
         pool=pool,
         generalise=False,

@@ -34,9 +34,9 @@ class ModelNew(nn.Module):
 
 
 def _tasks() -> list[object]:
-    from tests.test_numerics import _matvec_v0
+    from tests.test_numerics import matvec_v0
 
-    return [_matvec_v0(), load_task(FIXTURES / "task_matmul_long.py")]
+    return [matvec_v0(), load_task(FIXTURES / "task_matmul_long.py")]
 
 
 def test_gpu_double_accumulation_is_accepted_and_fp16_rejected() -> None:
