@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kf.evaluation import verify_candidate
-from kf.tasks import load_task
+from kf.tasks import Task, load_task
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,7 +33,7 @@ class ModelNew(nn.Module):
 """
 
 
-def _tasks() -> list[object]:
+def _tasks() -> list[Task]:
     from tests.test_numerics import matvec_v0
 
     return [matvec_v0(), load_task(FIXTURES / "task_matmul_long.py")]
@@ -42,14 +42,14 @@ def _tasks() -> list[object]:
 def test_gpu_double_accumulation_is_accepted_and_fp16_rejected() -> None:
     for task in _tasks():
         good = verify_candidate(
-            task,  # type: ignore[arg-type]
+            task,
             CANDIDATE.replace("DTYPE", "float64"),
             device="cuda:0",
         )
         assert good.correct, good.error
         assert "float64" in good.rule
         bad = verify_candidate(
-            task,  # type: ignore[arg-type]
+            task,
             CANDIDATE.replace("DTYPE", "float16"),
             device="cuda:0",
             generalise=False,
