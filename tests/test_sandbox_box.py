@@ -238,6 +238,7 @@ def test_box_hostile_candidate_finds_nothing_to_take(
     assert str(found["repo_open_cli"]).startswith("denied")
     assert found["native_connect"] != "connected"
     assert found["scan"]["connected"] == [], found["scan"]  # no port of 127.0.0.1 at all
+    assert found["nats_folders"] == []
     # in the box /tmp is the scratch tmpfs itself: a checkout under /tmp (a CI clone) puts
     # the repository's path there, so a write to it lands in scratch, not in the checkout
     for path, verdict in found["fill_outside"].items():
@@ -477,8 +478,9 @@ def test_box_kf_run_hostile_seed_cannot_forge_the_log(
 ) -> None:
     """In a real ``kf run``, a seed that looks for the run's log among the processes it can
     see finds none, writes nothing into it, reaches no port of 127.0.0.1 (the run's
-    embedded nats-server listens on one: the seed fails if it connects anywhere), and
-    leaves no process behind; replay holds."""
+    embedded nats-server listens on one: the seed fails if it connects anywhere), sees
+    no nats-server folder (its configuration holds the run's passwords; the seed fails
+    if it does), and leaves no process behind; replay holds."""
     tasks = tmp_path / "tasks"
     (tasks / "seeds").mkdir(parents=True)
     shutil.copy(TASK, tasks / "gelu.py")
