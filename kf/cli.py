@@ -115,6 +115,9 @@ async def _agent_main(args: argparse.Namespace) -> int:
     agent_id = make_agent_id(kind, args.id)
     options = _parse_options(args.option)
     if args.db:
+        from kf.log import check_writable
+
+        check_writable(Path(args.db))  # one writer per log: LogLocked, one line, before all
         options["db"] = args.db
     opts = _bus_options(args, args.nats, agent_id)
     if _shared_login_refused("agent", args, opts, [kind]):
