@@ -863,6 +863,9 @@ def _split_eval(argv: Sequence[str]) -> tuple[list[str], list[str]] | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kf`` console script."""
+    # the process's own command (not a call from Python, e.g. a test's): a stop kills
+    # its children and ends it at once (kf.shutdown)
+    own_process = argv is None
     argv = sys.argv[1:] if argv is None else argv
     split = _split_eval(argv)
     if split is not None:
@@ -878,9 +881,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         level = "WARNING"  # interactive verbs show their own progress; agents' logs are noise
     configure(level)
-    # the process's own command (not a call from Python, e.g. a test's): a stop kills
-    # its children and ends it at once (kf.shutdown)
-    args.own_process = argv is None
+    args.own_process = own_process
     code = int(args.func(args))
     from kf import shutdown
 
