@@ -121,6 +121,11 @@ def kf_run(task: Path, db: Path, env: dict[str, str], device: str) -> subprocess
             "0",
             "--device",
             device,
+            # a resumed run's device re-announces after its probe, which on a loaded
+            # machine outlasted the default 30 s: the archivist then declared it lost
+            # and re-dispatched the candidate its compiler was redoing (built twice)
+            "--heartbeat-timeout",
+            "300",
             "--json",
         ],
         cwd=ROOT,
