@@ -112,3 +112,14 @@ def test_flags_for_header_drop_outputs_and_the_extension_name() -> None:
     args = ["-MMD", "-MF", "m.d", "-DTORCH_EXTENSION_NAME=x", "-O2", "-c", "main.cpp", "-o", "m.o"]
     assert pch.flags_for_header(args, 6) == ["-O2"]
     assert pch.flags_for_header(["-D", "TORCH_EXTENSION_NAME=y", "-c", "a.cpp", "-oa.o"], 3) == []
+
+
+def test_torch_headers_in_cuda_sources_are_noticed() -> None:
+    """A build whose CUDA sources include PyTorch's headers is told so (its compile report
+    carries the note the model reads); plain CUDA sources are not."""
+    from kf.cuda.inline import torch_in_cuda_sources
+
+    assert torch_in_cuda_sources("#include <torch/extension.h>\n__global__ void k() {}\n")
+    assert torch_in_cuda_sources(["#include <cuda_runtime.h>\n", ' # include "ATen/ATen.h"\n'])
+    assert not torch_in_cuda_sources("#include <cuda_runtime.h>\n// torch/extension.h\n")
+    assert not torch_in_cuda_sources(None)

@@ -337,6 +337,7 @@ def load_inline(*args: Any, **kwargs: Any) -> Any:
         key=key,
         cached=cached,
         seconds=time.perf_counter() - start,
+        torch_in_cuda=torch_in_cuda_sources(arguments.get("cuda_sources")),
     )
     _BUILDS.append(record)
     if current().cuda_report:
@@ -345,7 +346,25 @@ def load_inline(*args: Any, **kwargs: Any) -> Any:
             f"kf.cuda.inline: {record['name']} {key[:12]} {how} in {record['seconds']:.2f}s",
             flush=True,
         )
+        if record["torch_in_cuda"] and not cached:
+            print(_TORCH_IN_CUDA_NOTE, flush=True)
     return module
+
+
+#: said in a compile report (which the model reads) when CUDA sources include torch
+_TORCH_IN_CUDA_NOTE = (
+    "kf.cuda.inline: note: cuda_sources include PyTorch headers, which nvcc parses three "
+    "times (most of a minute-long build); kernels and a plain launcher without torch "
+    "headers in cuda_sources, with the torch::Tensor wrapper in cpp_sources, build in "
+    "seconds"
+)
+_TORCH_INCLUDE = re.compile(r"^\s*#\s*include\s*[<\"](torch|ATen|c10)/", re.MULTILINE)
+
+
+def torch_in_cuda_sources(cuda_sources: Any) -> bool:
+    """Whether a ``load_inline`` call's CUDA sources include PyTorch's headers."""
+    texts = [cuda_sources] if isinstance(cuda_sources, str) else list(cuda_sources or [])
+    return any(isinstance(t, str) and _TORCH_INCLUDE.search(t) for t in texts)
 
 
 def install() -> None:
