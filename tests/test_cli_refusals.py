@@ -23,17 +23,18 @@ def test_run_rerun_with_other_settings_is_refused_unless_resume(tmp_path: Path) 
     task = str(SEARCH / "scale_relu.py")
     # no tuning (--tune-budget 0 in every command, so it is no difference): the settings
     # compared are the point, not the tuner's minute of timings after the search
-    first = kf("run", task, "--budget", "2", "--db", str(db), "--tune-budget", "0")
+    # one candidate is enough: the refusal compares settings, and resume reads them back
+    first = kf("run", task, "--budget", "1", "--db", str(db), "--tune-budget", "0")
     assert first.returncode == 0, first.stderr[-3000:]
     again = kf("run", task, "--budget", "5", "--seed", "4", "--db", str(db), "--tune-budget", "0")
     assert again.returncode == 2
     message = again.stderr.strip().splitlines()[-1]
-    assert "budget 2 in the log, 5 now" in message and "seed 0 in the log, 4 now" in message
+    assert "budget 1 in the log, 5 now" in message and "seed 0 in the log, 4 now" in message
     assert "--resume" in message and "Traceback" not in again.stderr
     resumed = kf("run", task, "--budget", "5", "--db", str(db), "--tune-budget", "0", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout and "as it was started" in resumed.stdout
-    same = kf("run", task, "--budget", "2", "--db", str(db), "--tune-budget", "0")
+    same = kf("run", task, "--budget", "1", "--db", str(db), "--tune-budget", "0")
     assert same.returncode == 0, same.stderr[-3000:]
 
 

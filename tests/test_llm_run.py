@@ -71,6 +71,7 @@ def llm_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, A
         proc = kf(
             "run", str(TASK), "--llm-url", server.url, "--model", "scripted", "--budget", "4",
             "--seed", "5", "--db", str(db), "--json", "--max-in-flight", "1",
+            "--tune-budget", "4",  # tuned (4: the least that tunes a shape), not the default 12
         )  # fmt: skip
         url = server.url
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from kf.cli import build_parser
 from kf.events import decode_event
 from kf.log import EventLog
+from kf.tuning import tuning_config
 from tests.harness import run_kf
-from tests.shared_runs import search_run
+from tests.shared_runs import SEARCH_TUNE_BUDGET, search_run
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests/fixtures/search"
@@ -23,7 +25,7 @@ def kf(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def run_db(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """One search over the fixture tasks (--budget 4 --seed 3, the tuner's default budget),
+    """One search over the fixture tasks (--budget 4 --seed 3 --tune-budget 4),
     shared by the tests below and by tests/test_dashboard.py's (tests/shared_runs.py)."""
     run = search_run(tmp_path_factory)
     return run.db, run.report()
@@ -52,11 +54,19 @@ def test_loop_tunes_the_seed_template_offline(run_db: tuple[Path, dict]) -> None
         asked = [decode_event(e) for e in elog.read(types=["search.tuning_requested"])]
         tuned = [decode_event(e) for e in elog.read(types=["tuning.config_tuned"])]
     assert {a.task for a in asked} == {"scale_relu"}  # type: ignore[attr-defined]
-    assert asked[0].budget == 12  # type: ignore[attr-defined]  # the default, to the best first
+    assert asked[0].budget == SEARCH_TUNE_BUDGET  # type: ignore[attr-defined]  # to the best first
     assert tuned and tuned[-1].last and tuned[0].shape == "[[64, 256]]"  # type: ignore[attr-defined]
     assert len(tuned[0].trials) >= 2  # type: ignore[attr-defined]
     task = next(t for t in report["tasks"] if t["task"] == "scale_relu")
     assert task["tuning"] and task["tuning"][0]["device_id"] in report["devices"]
+
+
+def test_loop_tunes_twelve_configurations_unless_told() -> None:
+    """`kf run`'s tuning budget is 12 configurations per task and device by default (the
+    run above passes its own, smaller one; the same option carries both)."""
+    assert tuning_config(build_parser().parse_args(["run", "task.py"])) == {"tune_budget": 12}
+    asked = build_parser().parse_args(["run", "task.py", "--tune-budget", "3"])
+    assert tuning_config(asked) == {"tune_budget": 3}
 
 
 def test_loop_records_a_crashing_kernel_and_carries_on(run_db: tuple[Path, dict]) -> None:
