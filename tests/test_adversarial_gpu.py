@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -66,6 +67,8 @@ def test_adversarial_gpu_microsecond_kernel_not_suspect_side_stream_still_caught
         profile_options=quick,
     )
     assert any(f.startswith("stream:") for f in cheat.flags), cheat.flags
+    if _rejected_for_its_output(cheat):
+        return
     profile = cheat.profile
     assert profile is not None and profile.ok, cheat.error
     if not cheat.suspect:  # then the side stream's work was in its stated time
@@ -101,6 +104,8 @@ def test_adversarial_gpu_under_host_load_honest_not_suspect_side_stream_caught()
     assert honest.profile is not None
     assert not honest.suspect, (honest.profile.runtime_ms, honest.flags)
     assert any(f.startswith("stream:") for f in cheat.flags), cheat.flags
+    if _rejected_for_its_output(cheat):
+        return
     profile = cheat.profile
     assert profile is not None and profile.ok, cheat.error
     if not cheat.suspect:
@@ -108,3 +113,15 @@ def test_adversarial_gpu_under_host_load_honest_not_suspect_side_stream_caught()
             profile.runtime_ms,
             profile.outside_wall_ms,
         )
+
+
+def _rejected_for_its_output(cheat: Any) -> bool:
+    """Whether the side-stream cheat was caught before timing: its output, read before
+    its unsynchronised stream finished, was wrong. Seen on the H200 on 2026-12-03 (every
+    element wrong on the hidden inputs x0.01); earlier sessions saw it pass verification
+    and be caught by timing. Either way it never gets a speed-up."""
+    if cheat.passed:
+        return False
+    assert cheat.profile is None, cheat.profile
+    assert "mismatch" in (cheat.error or ""), cheat.error
+    return True
