@@ -123,3 +123,22 @@ def test_torch_headers_in_cuda_sources_are_noticed() -> None:
     assert torch_in_cuda_sources(["#include <cuda_runtime.h>\n", ' # include "ATen/ATen.h"\n'])
     assert not torch_in_cuda_sources("#include <cuda_runtime.h>\n// torch/extension.h\n")
     assert not torch_in_cuda_sources(None)
+
+
+def test_the_grader_publishes_only_the_header_and_links_torchs_own(tmp_path: Path) -> None:
+    """A build box's made folder is published as its .gch alone: the link beside it is the
+    grader's own, to PyTorch's header, whatever the box left there."""
+    from kf.evaluation import builds
+
+    made = tmp_path / "work" / "pch" / "k"
+    (made / "torch").mkdir(parents=True)
+    (made / pch.GCH).write_bytes(b"not really a header")
+    (made / pch.MARK).write_text("ok")
+    (made / pch.HEADER).symlink_to("/etc/passwd")
+    shared = tmp_path / "cache" / "pch" / "k"
+    builds._publish_pch(made, shared)
+    assert pch.usable(shared)
+    link = Path(os.readlink(shared / pch.HEADER))
+    assert link.name == "extension.h" and link.parent.name == "torch"
+    assert link.is_file() and str(link) != "/etc/passwd"
+    assert (shared / pch.GCH).read_bytes() == b"not really a header"
