@@ -149,11 +149,17 @@ def binding_key(arguments: dict[str, Any], environment: dict[str, Any]) -> str:
     material = {
         k: v for k, v in arguments.items() if k not in _IGNORED and k not in _NOT_IN_MAIN_CPP
     }
-    if material.get("with_cuda") is None:
-        material["with_cuda"] = _given(arguments.get("cuda_sources"))
-    if material.get("with_sycl") is None:
-        material["with_sycl"] = _given(arguments.get("sycl_sources"))
-    return _digest(material, environment)
+    return _digest({**material, **_languages(arguments)}, environment)
+
+
+def _languages(arguments: dict[str, Any]) -> dict[str, Any]:
+    """``with_cuda`` and ``with_sycl`` as PyTorch resolves them: as given, else from
+    whether there are CUDA or SYCL sources."""
+    out = {}
+    for flag, sources in (("with_cuda", "cuda_sources"), ("with_sycl", "sycl_sources")):
+        given = arguments.get(flag)
+        out[flag] = given if given is not None else _given(arguments.get(sources))
+    return out
 
 
 #: ``load_inline`` arguments that reach ``main.cpp``'s compile command (not its text)
@@ -164,11 +170,7 @@ def pch_key(arguments: dict[str, Any], environment: dict[str, Any]) -> str:
     """The key of the precompiled ``torch/extension.h`` a build's ``main.cpp`` can use
     (:mod:`kf.cuda.pch`): the flag arguments and the toolchain, nothing of the sources."""
     material = {k: arguments.get(k) for k in _PCH_ARGUMENTS}
-    if material.get("with_cuda") is None:
-        material["with_cuda"] = _given(arguments.get("cuda_sources"))
-    if material.get("with_sycl") is None:
-        material["with_sycl"] = _given(arguments.get("sycl_sources"))
-    return _digest({"pch": material}, environment)
+    return _digest({"pch": {**material, **_languages(arguments)}}, environment)
 
 
 def pch_wanted(arguments: dict[str, Any]) -> bool:
@@ -176,10 +178,7 @@ def pch_wanted(arguments: dict[str, Any]) -> bool:
     setting = current().pch
     if setting == "off" or not current().objcache:
         return False
-    with_cuda = arguments.get("with_cuda")
-    return setting == "all" or bool(
-        with_cuda if with_cuda is not None else _given(arguments.get("cuda_sources"))
-    )
+    return setting == "all" or bool(_languages(arguments)["with_cuda"])
 
 
 def _module_name(name: str, binding: str) -> str:

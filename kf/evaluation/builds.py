@@ -299,8 +299,7 @@ def build_inline(
             return {"ok": True, "path": str(final), "cached": True, "log": ""}
         work = Path(tempfile.mkdtemp(dir=root, prefix=f"{key}.build-"))
         try:
-            pch = inline.pch_key(arguments, env)
-            with _pch_folders(arguments, pch, work) as pch_env:
+            with _pch_folders(arguments, env, work) as pch_env:
                 return _build_inline(
                     arguments, arch, work, final, key, module_name, timeout_s, pch_env
                 )
@@ -313,29 +312,33 @@ _pch_making: set[str] = set()
 
 
 @contextlib.contextmanager
-def _pch_folders(arguments: dict[str, Any], pch: str, work: Path) -> Iterator[dict[str, str]]:
+def _pch_folders(
+    arguments: dict[str, Any], env: dict[str, Any], work: Path
+) -> Iterator[dict[str, str]]:
     """The build box's ``KF_PCH_DIR``/``KF_PCH_MAKE`` (:mod:`kf.cuda.pch`): the shared
     cache's ``pch/<pch>`` read-only, and, for the one build at a time that makes the
     header of a key the cache lacks, a folder in its own ``work`` to make it in, which is
-    published afterwards under ``pch`` (the key computed here, from the call's flag
-    arguments): only the ``.gch`` file is taken, the link beside it is made here."""
+    published afterwards under the key computed here from the call's flag arguments and
+    the toolchain ``env``: only the ``.gch`` file is taken, the link beside it is made
+    here."""
     from kf.cuda import inline
     from kf.cuda import pch as pch_mod
 
     if not inline.pch_wanted(arguments):
         yield {"KF_PCH": "0"}  # the box would otherwise decide by its own default
         return
+    pch = inline.pch_key(arguments, env)
     shared = inline.cache_root() / "pch" / pch
-    env = {"KF_PCH_DIR": str(shared)}
+    box_env = {"KF_PCH_DIR": str(shared)}
     with _pch_lock:
         maker = not pch_mod.usable(shared) and pch not in _pch_making
         if maker:
             _pch_making.add(pch)
     made = work / "pch" / pch
     if maker:
-        env["KF_PCH_MAKE"] = str(made)
+        box_env["KF_PCH_MAKE"] = str(made)
     try:
-        yield env
+        yield box_env
         if maker and pch_mod.usable(made) and not pch_mod.usable(shared):
             _publish_pch(made, shared)
     finally:
