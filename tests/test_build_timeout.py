@@ -19,6 +19,7 @@ import pytest
 from kf import native
 from kf.evaluation import RunnerPool, box, compile_candidate, verify_candidate
 from kf.tasks import load_task
+from tests.runner_cases import pool_under
 
 pytestmark = pytest.mark.skipif(box.probe() is not None, reason=f"no box here: {box.probe()}")
 
@@ -103,15 +104,7 @@ class ModelNew(nn.Module):
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunnerPool]:
     """Runners and a build cache of this module's own (every build here is a fresh one)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KF_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    runners = RunnerPool(size=2, threads=1)
-    runners.start()
-    try:
-        yield runners
-    finally:
-        runners.close()
-        mp.undo()
+    yield from pool_under({"KF_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))})
 
 
 def test_a_build_during_construction_is_not_the_stage_timeout(pool: RunnerPool) -> None:

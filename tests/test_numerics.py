@@ -25,6 +25,7 @@ from kf.evaluation.compare import compare_outputs, judge_float64
 from kf.evaluation.float64 import check_with_float64, reference_in_float64
 from kf.evaluation.tolerance import Tolerance
 from kf.tasks import Task, load_task
+from tests.runner_cases import pool_under
 
 FIXTURES = Path(__file__).parent / "fixtures" / "numerics"
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,12 +62,7 @@ def _candidate(name: str) -> str:
 @pytest.fixture(scope="module")
 def pool() -> Iterator[RunnerPool]:
     """Single-threaded warm runners shared by this module's verifications."""
-    runners = RunnerPool(size=2, threads=1)
-    runners.start()
-    try:
-        yield runners
-    finally:
-        runners.close()
+    yield from pool_under({})
 
 
 def _every(report: VerifyReport) -> list[TrialEvidence]:

@@ -19,6 +19,7 @@ import pytest
 from kf.evaluation import RunnerPool, evaluate
 from kf.evaluation.timing_checks import confirmed, paired_disagreement, timer_disagreement
 from kf.tasks import Task, load_task
+from tests.runner_cases import pool_under
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"
 #: gelu(x + b) on 4 x 64: a kernel of a few µs, where the timing loop's own cost is most
@@ -54,12 +55,7 @@ def busy(processes: int) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[RunnerPool]:
-    runners = RunnerPool(size=2, threads=1)
-    runners.start()
-    try:
-        yield runners
-    finally:
-        runners.close()
+    yield from pool_under({})
 
 
 def _load() -> int:
