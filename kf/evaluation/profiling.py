@@ -4,11 +4,9 @@ alternately, with the cross-checks of the timing.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import msgspec
@@ -28,10 +26,18 @@ from kf.evaluation.grading import (
     _CandidateFailed,
     _device_lock,
     _seed_trials,
-    _trim,
     log,
 )
-from kf.evaluation.protocol import Batch, Ping, Settle, Time, TimeInputs
+from kf.evaluation.measuring import (
+    batch_check,
+    cache_again,
+    empty_call,
+    fresh_timing,
+    paired_again,
+    round_trip_ns,
+    turn,
+)
+from kf.evaluation.protocol import Time
 from kf.evaluation.reports import ProfileReport
 from kf.evaluation.sandbox import (
     Limits,
@@ -45,8 +51,6 @@ from kf.evaluation.timing_checks import (
     REMEASURE,
     cache_suspected,
     confirmed,
-    cross_check_flags,
-    paired_disagreement,
     timer_disagreement,
     timing_stats,
 )
@@ -157,7 +161,7 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
             stage.restart_clock()  # the compile had a time limit of its own
             compiled: dict[str, Any] = {"on": baseline.error is None, "error": baseline.error}
 
-            rtt_ns = min(_round_trip_ns(stage) for _ in range(3))
+            rtt_ns = min(round_trip_ns(stage) for _ in range(3))
             # The grader's own wall clock around every timing request of the candidate:
             # samples forged or shrunk in-process cannot add up to it.
             # Per request: (calls, wall ms less the round trip, sum of the samples in ms).
@@ -170,7 +174,7 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
 
             def timed(is_candidate: bool, n: int) -> list[float]:
                 call = stage.candidate if is_candidate else stage.reference
-                with _turn(call, turns):
+                with turn(call, turns):
                     t0 = time.perf_counter_ns()
                     reply = call(Time(n=n), what=f"timing {n} calls")
                     samples = [ns / 1e6 for ns in reply.samples_ns]
@@ -184,7 +188,7 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
                 if not compiled["on"]:
                     return []
                 try:
-                    with _turn(
+                    with turn(
                         lambda m: ref.request(m, stage.deadline.left()), turns, compiled=True
                     ):
                         reply = ref.request(
@@ -227,13 +231,13 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
             # not; a disagreement is measured again (timing_checks.confirmed: host load only
             # adds wall time, so the least disagreeing measurement decides)
             k = max(5, min(10_000, math.ceil(50.0 / max(c["mean"], 1e-3))))
-            _, outside_ms, said = _batch_check(stage, turns, k, rtt_ns)
-            said = confirmed(said, lambda: _batch_check(stage, turns, k, rtt_ns)[2])
+            _, outside_ms, said = batch_check(stage, turns, k, rtt_ns)
+            said = confirmed(said, lambda: batch_check(stage, turns, k, rtt_ns)[2])
             # the timing loop's own cost, from the candidate-free runner (timing_checks)
-            empty = _empty_call(stage, per_round, rtt_ns)
+            empty = empty_call(stage, per_round, rtt_ns)
             disagree = timer_disagreement(batches, empty[0])
             if disagree is not None:  # measured again, each request right after an empty call
-                disagree = _paired_again(stage, timed, batches, per_round, rtt_ns)
+                disagree = paired_again(stage, timed, batches, per_round, rtt_ns)
             flags = [f"{TIMER_DISAGREEMENT}: {said or disagree}"] if said or disagree else []
 
             if stage.run_and_check(stage.run_request(made, seed), seed) is not None:
@@ -259,7 +263,7 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
                 )
             # the reference's sets are not needed while the candidate times its fresh
             # ones (the candidate holds two at once): at KernelBench's sizes each is GBs
-            fresh_samples, repeated = _fresh_timing(stage, ref, fresh_seeds, fresh)
+            fresh_samples, repeated = fresh_timing(stage, ref, fresh_seeds, fresh)
             fresh_ms = statistics.median(fresh_samples or [0.0])
             # no paired calls (none asked for): compare with the timed median
             cached = cache_suspected(fresh_samples, repeated or [c["median"]], empty[1])
@@ -268,7 +272,7 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
             again = iter(range(1, REMEASURE + 1))
             cached = confirmed(
                 cached,
-                lambda: _cache_again(stage, ref, seed, next(again), empty[1], c["median"]),
+                lambda: cache_again(stage, ref, seed, next(again), empty[1], c["median"]),
             )
             if cached is not None:
                 flags.append(f"{CACHE_SUSPECTED}: {cached}")
@@ -346,113 +350,3 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
 def _takes_turns(device: str) -> bool:
     """Whether the runners settle between timed requests (a GPU's caching allocator)."""
     return device.startswith("cuda")
-
-
-@contextlib.contextmanager
-def _turn(send: Callable[[Settle], Any], on: bool, *, compiled: bool = False) -> Iterator[None]:
-    """One runner's timing turn (when ``on``, :func:`_takes_turns`): the untimed call
-    that allocates its temporaries again before, their blocks given back after; each a
-    request of its own, outside what the caller times inside."""
-    if on:
-        send(Settle(warm=True, compiled=compiled))
-    yield
-    if on:
-        send(Settle())
-
-
-def _batch_check(stage: Stage, turns: bool, k: int, rtt_ns: int) -> tuple[float, float, str | None]:
-    """``k`` back-to-back calls timed by the runner and by the grader's wall clock: (the
-    in-process ms a call, the wall ms a call less the round trip, why the two disagree
-    or None: :func:`kf.evaluation.timing_checks.cross_check_flags`)."""
-    with _turn(stage.candidate, turns):
-        t0 = time.perf_counter_ns()
-        batch = stage.candidate(Batch(n=k), what=f"a batch of {k} calls")
-        outside_ms = max(0.0, (time.perf_counter_ns() - t0 - rtt_ns) / 1e6 / k)
-    inside_ms = batch.total_ns / 1e6 / k
-    if not cross_check_flags(inside_ms, outside_ms):
-        return inside_ms, outside_ms, None
-    return (
-        inside_ms,
-        outside_ms,
-        (
-            f"in-process {inside_ms:.4f} ms a call, the grader's wall clock {outside_ms:.4f} ms "
-            f"over {k} calls (request round trip {rtt_ns / 1e6:.3f} ms subtracted; measured "
-            f"{REMEASURE + 1} times)"
-        ),
-    )
-
-
-def _fresh_timing(
-    stage: Stage, ref: Any, seeds: list[int], made: list[Any]
-) -> tuple[list[float], list[float]]:
-    """The candidate's one call on each fresh input set (made from ``seeds``; ``made``:
-    the reference's sets where it sends them) and, paired, one on its timed inputs after
-    each, in ms."""
-    given = [f.inputs for f in made if f.inputs is not None]
-    _trim(ref)
-    sets = (
-        TimeInputs(seeds=seeds, paired=True)
-        if stage.own_inputs
-        else TimeInputs(inputs=given, paired=True)
-    )
-    reply = stage.candidate(sets, what="timing fresh inputs")
-    return [ns / 1e6 for ns in reply.samples_ns], [ns / 1e6 for ns in reply.repeated_ns]
-
-
-def _cache_again(
-    stage: Stage, ref: Any, seed: int, attempt: int, empty_ms: float, median_ms: float
-) -> str | None:
-    """:func:`cache_suspected` measured again on fresh sets no call has seen (a cache
-    filled by the first measurement would make the same sets look repeated)."""
-    seeds = _seed_trials(seed ^ 0xF4E5 ^ (attempt << 20), _FRESH_SETS)
-    made = [] if stage.own_inputs else [stage.make_inputs(s) for s in seeds]
-    fresh, repeated = _fresh_timing(stage, ref, seeds, made)
-    return cache_suspected(fresh, repeated or [median_ms], empty_ms)
-
-
-def _paired_again(
-    stage: Stage,
-    timed: Callable[[bool, int], list[float]],
-    batches: list[tuple[int, float, float]],
-    n: int,
-    rtt_ns: int,
-) -> str | None:
-    """The per-request check measured again (:func:`kf.evaluation.timing_checks.
-    paired_disagreement`): :data:`REMEASURE` candidate requests of ``n`` calls, each
-    right after an empty-call request of ``n`` calls in the reference runner, both
-    walls less the same round trip (a round trip measured alone under load can exceed a
-    whole request, which made the empty call's cost 0); their samples are not the
-    profile's."""
-    pairs: list[tuple[int, float, float, float]] = []
-    for _ in range(REMEASURE):
-        t0 = time.perf_counter_ns()
-        stage.reference(Time(n=n, empty=True), what="an empty call")
-        empty_ms = max(0, time.perf_counter_ns() - t0 - rtt_ns) / 1e6 / n
-        before = len(batches)
-        timed(True, n)
-        pairs += [(calls, wall, sampled, empty_ms) for calls, wall, sampled in batches[before:]]
-        del batches[before:]
-    return paired_disagreement(pairs)
-
-
-def _empty_call(stage: Stage, n: int, rtt_ns: int) -> tuple[float, float]:
-    """The timing loop's cost per call around a call that does nothing, in the
-    candidate-free runner: (the grader's wall ms less the request's round trip
-    ``rtt_ns``, the same the candidate's requests are measured less, the in-process
-    sample in ms), each the smaller of two measurements. (A round trip measured again
-    right before, under load, could exceed the whole request and make the cost 0.)"""
-    n = max(20, n)
-    walls: list[float] = []
-    inside: list[float] = []
-    for _ in range(2):
-        t0 = time.perf_counter_ns()
-        reply = stage.reference(Time(n=n, empty=True), what="an empty call")
-        walls.append(max(0, time.perf_counter_ns() - t0 - rtt_ns) / 1e6 / n)
-        inside.append(statistics.median([ns / 1e6 for ns in reply.samples_ns] or [0.0]))
-    return min(walls), min(inside)
-
-
-def _round_trip_ns(stage: Stage) -> int:
-    t0 = time.perf_counter_ns()
-    stage.candidate(Ping())
-    return time.perf_counter_ns() - t0
