@@ -1,6 +1,7 @@
 """Replay: fold a log into the deciding agents' states, and prove the decisions deterministic.
 
-``fold`` rebuilds every deciding agent's state from the log and hashes the snapshots.
+``fold`` rebuilds every deciding agent's state from the log (with :func:`kf.fold.fold`)
+and hashes the snapshots.
 ``check`` walks the log once more and, at every committed event, recomputes what each
 deciding agent would decide from the prefix up to that event, comparing with the
 decisions recorded in the log (same ids, types, data and ``based_on``). The first
@@ -18,16 +19,8 @@ from typing import Any
 import msgspec
 
 from kf.agent import Agent, AgentContext, agent_types, snapshot_hash
-from kf.events import (
-    Decision,
-    Envelope,
-    Event,
-    EventError,
-    Record,
-    decode_envelope,
-    decode_event,
-    derived_id,
-)
+from kf.events import Decision, Envelope, Event, EventError, Record, decode_event, derived_id
+from kf.fold import fold as fold_events
 from kf.log import EventLog, Integrity, LogError
 
 __all__ = ["CheckResult", "Difference", "FoldResult", "check", "deciding_agent_types", "fold"]
@@ -92,44 +85,34 @@ def _instances(
     ]
 
 
-def _load(elog: EventLog) -> list[Envelope]:
+def _load(elog: EventLog) -> list[Record]:
+    """Every committed event, decoded once (envelope and data)."""
     return [_decode(elog, b, n) for n, b in enumerate(elog.read_raw(), 1)]
 
 
-def _decode(elog: EventLog, body: bytes, n: int) -> Envelope:
-    """The ``n``-th committed envelope; a body that is not one (a garbled page) is
+def _decode(elog: EventLog, body: bytes, n: int) -> Record:
+    """The ``n``-th committed event; a body that is not one (a garbled page) is
     :class:`LogError`, one line that names it, never a traceback."""
     try:
-        env = decode_envelope(body)
-        decode_event(env)  # its data too: a later fold step must not meet it first
+        return Record.from_bytes(body)
     except EventError as exc:
         why = str(exc).splitlines()[0][:160]
         raise LogError(
             f"{elog.path}: the log is damaged: committed event {n} cannot be read ({why}); "
             "restore it from a copy"
         ) from None
-    return env
 
 
 def fold(elog: EventLog, types: Sequence[type[Agent[Any]]]) -> FoldResult:
     """Fold the whole log into fresh instances of ``types``; hash their snapshots."""
-    run_id = ""
-    agents = _instances(types, run_id, {})
-    states = [a.initial_state() for a in agents]
-    n = 0
-    for body in elog.read_raw():
-        n += 1
-        env = _decode(elog, body, n)
-        run_id = run_id or env.run_id
-        rec: Record | None = None
-        for i, a in enumerate(agents):
-            if a.listens_to(env.type):
-                if rec is None:
-                    rec = Record(env, decode_event(env))
-                states[i] = a.evolve(states[i], rec)
-    snaps = {a.kind: a.snapshot(s) for a, s in zip(agents, states, strict=True)}
+    history = _load(elog)
+    snaps = {a.kind: a.snapshot(fold_events(history, a)) for a in _instances(types, "", {})}
     return FoldResult(
-        head=elog.head, events=n, snapshots=snaps, hash=snapshot_hash(snaps), run_id=run_id
+        head=elog.head,
+        events=len(history),
+        snapshots=snaps,
+        hash=snapshot_hash(snaps),
+        run_id=history[0].envelope.run_id if history else "",
     )
 
 
@@ -152,76 +135,32 @@ def check(elog: EventLog, types: Sequence[type[Agent[Any]]]) -> CheckResult:
             integrity=integrity,
         )
     history = _load(elog)
-    run_id = history[0].run_id if history else ""
+    run_id = history[0].envelope.run_id if history else ""
     agents = _instances(types, run_id, {})
     kinds = tuple(a.kind for a in agents)
     states = [a.initial_state() for a in agents]
-    # what each deciding kind answered, and up to where
-    logged: dict[str, dict[str, dict[str, Envelope]]] = {k: {} for k in kinds}
-    answered: dict[str, set[str]] = {k: set() for k in kinds}
-    last_cause_seq: dict[str, int] = dict.fromkeys(kinds, 0)
-    seq_of = {e.event_id: e.seq or 0 for e in history}
-    for env in history:
-        k = env.source_kind
-        if k in logged and env.caused_by is not None:
-            answered[k].add(env.caused_by)
-            last_cause_seq[k] = max(last_cause_seq[k], seq_of.get(env.caused_by, 0))
-            if isinstance(decode_event(env), Decision):
-                logged[k].setdefault(env.caused_by, {})[env.event_id] = env
+    logged, answered, last_cause_seq = _answers(history, kinds)
     checked = 0
-
-    def diff(env: Envelope, kind: str, msg: str) -> CheckResult:
-        return CheckResult(
-            ok=False,
-            decisions_checked=checked,
-            events=len(history),
-            difference=Difference(seq=env.seq or 0, kind=kind, event_type=env.type, message=msg),
-            kinds=kinds,
-            integrity=integrity,
-        )
-
-    for env in history:
-        rec: Record | None = None
+    for rec in history:  # a fold (kf.fold) whose every step is compared with the log
+        env = rec.envelope
         for i, a in enumerate(agents):
             if not a.listens_to(env.type):
                 continue
-            if rec is None:
-                rec = Record(env, decode_event(env))
             states[i] = a.evolve(states[i], rec)
             if env.event_id not in answered[a.kind] and (env.seq or 0) > last_cause_seq[a.kind]:
                 continue  # the run ended before this agent answered; nothing to compare
-            out = a.react(states[i], rec)
-            if not isinstance(out, Sequence):
-                raise TypeError(f"{a.kind}.react must be synchronous to be replayed")
-            expected_ids: set[str] = set()
-            mine = logged[a.kind].get(env.event_id, {})
-            for j, ev in enumerate(out):
-                if not isinstance(ev, Decision):
-                    continue
-                eid = derived_id(a.kind, env.event_id, j)
-                expected_ids.add(eid)
-                got = mine.get(eid)
-                if got is None:
-                    return diff(
-                        env, a.kind, f"replay decides {ev.tag} {_show(ev)} but the log has none"
-                    )
-                if got.type != ev.tag or bytes(got.data) != _ENC.encode(ev):
-                    logged_ev = decode_event(got)
-                    return diff(
-                        env,
-                        a.kind,
-                        f"decision {eid} (seq {got.seq}) differs: log has {got.type} "
-                        f"{_show(logged_ev)}, replay gives {ev.tag} {_show(ev)}",
-                    )
-                if got.based_on != env.seq:
-                    return diff(
-                        env, a.kind, f"decision {eid} based_on {got.based_on}, expected {env.seq}"
-                    )
-                checked += 1
-            extra = sorted(e.seq or 0 for eid, e in mine.items() if eid not in expected_ids)
-            if extra:
-                return diff(
-                    env, a.kind, f"the log has decisions (seq {extra}) replay does not make"
+            equal, problem = _compare(a, states[i], rec, logged[a.kind].get(env.event_id, {}))
+            checked += equal
+            if problem is not None:
+                return CheckResult(
+                    ok=False,
+                    decisions_checked=checked,
+                    events=len(history),
+                    difference=Difference(
+                        seq=env.seq or 0, kind=a.kind, event_type=env.type, message=problem
+                    ),
+                    kinds=kinds,
+                    integrity=integrity,
                 )
     return CheckResult(
         ok=True,
@@ -231,6 +170,59 @@ def check(elog: EventLog, types: Sequence[type[Agent[Any]]]) -> CheckResult:
         kinds=kinds,
         integrity=integrity,
     )
+
+
+def _answers(
+    history: Sequence[Record], kinds: Sequence[str]
+) -> tuple[dict[str, dict[str, dict[str, Envelope]]], dict[str, set[str]], dict[str, int]]:
+    """What each deciding kind answered in the log: its decisions by cause (by id), the
+    causes it answered, and the last seq of those causes."""
+    logged: dict[str, dict[str, dict[str, Envelope]]] = {k: {} for k in kinds}
+    answered: dict[str, set[str]] = {k: set() for k in kinds}
+    last_cause_seq: dict[str, int] = dict.fromkeys(kinds, 0)
+    seq_of = {r.event_id: r.seq for r in history}
+    for r in history:
+        env = r.envelope
+        k = env.source_kind
+        if k in logged and env.caused_by is not None:
+            answered[k].add(env.caused_by)
+            last_cause_seq[k] = max(last_cause_seq[k], seq_of.get(env.caused_by, 0))
+            if isinstance(r.event, Decision):
+                logged[k].setdefault(env.caused_by, {})[env.event_id] = env
+    return logged, answered, last_cause_seq
+
+
+def _compare(
+    a: Agent[Any], state: Any, rec: Record, mine: dict[str, Envelope]
+) -> tuple[int, str | None]:
+    """Recompute ``a``'s decisions on ``rec`` and compare them with ``mine``, those the
+    log holds: (how many were equal, the first difference or None)."""
+    out = a.react(state, rec)
+    if not isinstance(out, Sequence):
+        raise TypeError(f"{a.kind}.react must be synchronous to be replayed")
+    env = rec.envelope
+    expected_ids: set[str] = set()
+    equal = 0
+    for j, ev in enumerate(out):
+        if not isinstance(ev, Decision):
+            continue
+        eid = derived_id(a.kind, env.event_id, j)
+        expected_ids.add(eid)
+        got = mine.get(eid)
+        if got is None:
+            return equal, f"replay decides {ev.tag} {_show(ev)} but the log has none"
+        if got.type != ev.tag or bytes(got.data) != _ENC.encode(ev):
+            return equal, (
+                f"decision {eid} (seq {got.seq}) differs: log has {got.type} "
+                f"{_show(decode_event(got))}, replay gives {ev.tag} {_show(ev)}"
+            )
+        if got.based_on != env.seq:
+            return equal, f"decision {eid} based_on {got.based_on}, expected {env.seq}"
+        equal += 1
+    extra = sorted(e.seq or 0 for eid, e in mine.items() if eid not in expected_ids)
+    if extra:
+        return equal, f"the log has decisions (seq {extra}) replay does not make"
+    return equal, None
 
 
 def _show(ev: Event) -> str:
