@@ -28,7 +28,7 @@ from agents.tuned import TUNER_LABEL
 from kf.agent import Agent
 from kf.backends import backend_of, device_kind, language_of, languages_for
 from kf.behaviour import describe
-from kf.evaluation.reports import ProfileReport, is_suspect
+from kf.evaluation.grader.reports import ProfileReport, is_suspect
 from kf.events import Event, Record
 from kf.facts import (
     DeviceAnnounced,

@@ -21,8 +21,8 @@ from kf.cuda.ncu import find_ncu
 from kf.device_gate import gate_for
 from kf.devices import runner_pool
 from kf.evaluation import GradingSession
-from kf.evaluation.counters import counters_session
-from kf.evaluation.reports import is_suspect
+from kf.evaluation.grader.counters import counters_session
+from kf.evaluation.grader.reports import is_suspect
 from kf.events import Event, Record
 from kf.facts import RunStarted
 from kf.search_facts import CandidateProfiled, CandidateProposed, CountersMeasured

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, TypeVar
 import msgspec
 
 from kf.agent import Agent, AgentContext
-from kf.evaluation.tolerance import Tolerance
+from kf.evaluation.wire.tolerance import Tolerance
 from kf.events import Event, Record
 from kf.facts import DeviceLeft, RunStarted
 from kf.search_facts import CandidateProposed
@@ -112,7 +112,7 @@ class EvaluatorAgent(Agent[EvaluatorState]):
         try:
             report = await call()
         except Exception as exc:
-            from kf.evaluation.sandbox import RunnerStartError
+            from kf.evaluation.grader.sandbox import RunnerStartError
 
             kind = "runner_start" if isinstance(exc, RunnerStartError) else "error"
             gone = await self._device_check(True, kind, str(exc))

@@ -1,5 +1,5 @@
 """The profiler: times verified candidates alone on the device and states their speed-ups
-by kf's one profiling policy (:mod:`kf.evaluation.policy`, which ``kf eval`` follows too):
+by kf's one profiling policy (:mod:`kf.evaluation.grader.policy`, which ``kf eval`` follows too):
 re-verification above 10×, the eager-outlier correction against the task's earlier
 sessions on this device, and a paired re-timing of a challenger within noise of the
 task's best. This agent's part is what the policy needs to know of the run: every
@@ -17,7 +17,7 @@ from agents.evaluator import EvaluatorAgent, EvaluatorState
 from kf.device_gate import gate_for
 from kf.devices import runner_pool
 from kf.evaluation import ProfileReport
-from kf.evaluation.policy import Incumbent, relative_noise, stated_profile
+from kf.evaluation.grader.policy import Incumbent, relative_noise, stated_profile
 from kf.events import Event, Record
 from kf.facts import RunStarted
 from kf.search_facts import (

@@ -1,7 +1,7 @@
 """The verifier: KernelBench's correctness protocol on every compiled candidate.
 
 Before it verifies a task's first candidate, it audits the task (is its reference output
-input-independent? :mod:`kf.evaluation.audit`) and records ``kernel.task_audited`` under
+input-independent? :mod:`kf.evaluation.grader.audit`) and records ``kernel.task_audited`` under
 an id derived from the run and the task, so the log holds one audit per task however
 many workers ran it.
 """
@@ -18,7 +18,7 @@ from kf.agent import AgentContext
 from kf.device_gate import gate_for
 from kf.devices import runner_pool
 from kf.evaluation import GradingSession, VerifyReport, verify_session
-from kf.evaluation.audit import audit_task
+from kf.evaluation.grader.audit import audit_task
 from kf.events import Event, Record, derived_id
 from kf.facts import RunStarted
 from kf.search_facts import (

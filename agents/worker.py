@@ -78,7 +78,7 @@ class CudaVerifier(Verifier):
     mostly host work (runners, set-up, comparisons launched from Python), verification
     only shares the device, and the GPU otherwise waits on one candidate's host side at
     a time. Timing stays exclusive (the device gate); big tasks verify one at a time
-    (:mod:`kf.evaluation.admission`)."""
+    (:mod:`kf.evaluation.grader.admission`)."""
 
     concurrency = verify_concurrency()
 

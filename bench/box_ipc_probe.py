@@ -1,5 +1,5 @@
 """Does CUDA IPC cross kf's runner boxes? One boxed process exports a CUDA tensor with
-kf.evaluation.transport.pack, another (in its own box) opens it with unpack and checks
+kf.evaluation.runner.transport.pack, another (in its own box) opens it with unpack and checks
 its sum; tried with the box's namespaces as kf sets them and with one namespace left
 shared at a time, so the result names the namespace that breaks it.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kf.evaluation import box
+from kf.evaluation.grader import box
 
 EXPORT = r"""
 import sys, torch

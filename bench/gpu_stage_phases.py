@@ -4,7 +4,7 @@ A diagnostic for the pipeline benchmark (``bench/gpu_pipeline.py``): it builds a
 the same KernelBench-style ``load_inline`` candidates, then verifies and profiles each
 one, first on an idle host and then while other candidates build beside it (as in
 kf's pipeline, where up to all-cores-but-one builds run at once). For every stage it
-adds up kf's request log (``kf.evaluation.sandbox.REQUESTS``): per runner request, the
+adds up kf's request log (``kf.evaluation.grader.sandbox.REQUESTS``): per runner request, the
 grader's wall time around it and the handler's own time inside the runner, so
 start-up waits, CUDA set-up, candidate loading, trials and comparisons are told apart
 from transport and scheduling.
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def phases(since: float, until: float) -> dict[str, dict[str, float]]:
     """The request log between two ``time.monotonic`` instants, summed per op."""
-    from kf.evaluation.sandbox import REQUESTS
+    from kf.evaluation.grader.sandbox import REQUESTS
 
     out: dict[str, dict[str, float]] = defaultdict(lambda: {"n": 0, "wall_s": 0.0, "runner_s": 0.0})
     for r in list(REQUESTS):
@@ -46,7 +46,7 @@ def phases(since: float, until: float) -> dict[str, dict[str, float]]:
 
 def staged(name: str, fn: Any, *args: Any, **kw: Any) -> dict[str, Any]:
     """Run one stage; its duration, verdict and request phases."""
-    from kf.evaluation.sandbox import REQUESTS
+    from kf.evaluation.grader.sandbox import REQUESTS
 
     t0 = time.monotonic()
     report = fn(*args, **kw)
@@ -95,7 +95,7 @@ def main() -> int:
     from gpu_pipeline import task_file, variants
 
     from kf.evaluation import compile_candidate, profile_candidate, verify_candidate
-    from kf.evaluation.sandbox import RunnerPool
+    from kf.evaluation.grader.sandbox import RunnerPool
     from kf.tasks import load_task
 
     n, load = args.candidates, args.load

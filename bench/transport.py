@@ -7,7 +7,7 @@ the device given (``--device``, ``cpu`` by default):
 
 - ``KF_TENSOR_TRANSPORT=bytes``: every payload as ``torch.save`` bytes through the grader;
 - the default: payloads of 1 MiB and more as sealed memory files whose descriptors the
-  grader forwards (kf.evaluation.shared_memory).
+  grader forwards (kf.evaluation.wire.shared_memory).
 
 Printed per run: the verification's wall time (5 trials, the generalisation gate's
 shapes and the three hidden input distributions) and its ``run`` phase (the candidate's

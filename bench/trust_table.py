@@ -89,7 +89,7 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("KF_COMPILE_BASELINE", "0")  # the table is about checks, not speed
     from kf.evaluation import Limits, RunnerPool, evaluate
-    from kf.evaluation.box import SandboxUnavailable, require
+    from kf.evaluation.grader.box import SandboxUnavailable, require
     from kf.tasks import load_task
 
     try:

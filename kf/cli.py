@@ -252,8 +252,8 @@ def _summary(snap: Any) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Evolve kernels for the given tasks on this machine."""
-    from kf.evaluation.device import DeviceError
-    from kf.evaluation.tolerance import tolerance_from_args
+    from kf.devices import DeviceError
+    from kf.evaluation.wire.tolerance import tolerance_from_args
     from kf.llm.cli import llm_config
     from kf.orchestra import PartDied, RunOptions, run_search
     from kf.report import build_report_from, format_table
@@ -372,7 +372,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         opts.extra["skipped_tasks"] = dict(skipped)  # recorded in the run's first event
     if args.select is not None:
         opts.extra["task_selection"] = args.select
-    # the baselines' settings (kf.evaluation.baseline_settings): the local worker's grader
+    # the baselines' settings (kf.evaluation.grader.baseline_settings): the local worker's grader
     # reads them from the process's settings; recorded as asked, and each profile says
     # what ran
     asked = {"KF_COMPILE_MODE": args.compile_mode, "KF_TF32": args.tf32}
@@ -459,7 +459,7 @@ def _unrunnable(report: dict[str, Any]) -> str | None:
 
 def _require_sandbox(unsafe: bool) -> str | None:
     """Why candidates cannot be boxed here (None: they can, or ``--unsafe-no-sandbox``)."""
-    from kf.evaluation.box import SandboxUnavailable, require
+    from kf.evaluation.grader.box import SandboxUnavailable, require
 
     if unsafe:
         apply({"KF_UNSAFE_NO_SANDBOX": "1"})
@@ -648,7 +648,7 @@ def _not_yet(verb: str, issue: str) -> Any:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Verify and time one candidate against a task through the sandboxed protocol."""
-    from kf.evaluation.cli import main as eval_main
+    from kf.evaluation.grader.cli import main as eval_main
 
     return eval_main(list(args.rest))
 
@@ -739,11 +739,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=180.0,
         help="seconds per verification or profiling stage before it is killed",
     )
-    from kf.evaluation.tolerance import add_options as add_check_options
+    from kf.evaluation.wire.tolerance import add_options as add_check_options
 
     add_check_options(rn)
     rn.add_argument("--json", action="store_true", help="print the final report as JSON")
-    from kf.evaluation.baseline_settings import COMPILE_MODES, TF32_SETTINGS
+    from kf.evaluation.grader.baseline_settings import COMPILE_MODES, TF32_SETTINGS
 
     rn.add_argument(
         "--compile-mode",

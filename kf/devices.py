@@ -36,10 +36,11 @@ from typing import TYPE_CHECKING
 from kf.settings import current
 
 if TYPE_CHECKING:
-    from kf.evaluation.sandbox import RunnerPool
+    from kf.evaluation.grader.sandbox import RunnerPool
 
 __all__ = [
     "DEVICE_HELP",
+    "DeviceError",
     "DeviceSlot",
     "configure_runner_pools",
     "device_slots",
@@ -48,6 +49,7 @@ __all__ = [
     "gpu_pool_size",
     "looks_like_device_error",
     "mark_failed",
+    "parse_device",
     "parse_devices",
     "primary_device",
     "probe_health",
@@ -65,9 +67,42 @@ DEVICE_HELP = (
 _ONE = re.compile(r"^(cpu|cuda(?::(\d+))?)$")
 
 
-def _cuda_count() -> int:
-    from kf.evaluation.device import _cuda_device_count
+class DeviceError(ValueError):
+    """The requested device is malformed, unknown or not available here."""
 
+
+_CUDA = re.compile(r"^cuda(:\d+)?$")
+
+
+def parse_device(device: str) -> str:
+    """Return the canonical device name or raise :class:`DeviceError` saying what works."""
+    name = device.strip().lower()
+    if name == "cpu":
+        return "cpu"
+    if _CUDA.match(name):
+        index = int(name.partition(":")[2] or 0)
+        available = _cuda_device_count()
+        if index >= available:
+            have = f"{available} CUDA device(s)" if available else "no CUDA device"
+            raise DeviceError(
+                f"device {device!r} is not available: this machine has {have} that PyTorch "
+                "can use, so only 'cpu' is implemented here; use --device cpu, or run on a "
+                "machine with an NVIDIA GPU and a CUDA build of PyTorch"
+            )
+        return f"cuda:{index}"
+    raise DeviceError(f"unknown device {device!r}: expected 'cpu' or 'cuda:N'")
+
+
+def _cuda_device_count() -> int:
+    """CUDA devices PyTorch can use here (0 without a CUDA build or a driver)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return 0
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def _cuda_count() -> int:
     return _cuda_device_count()
 
 
@@ -79,8 +114,6 @@ def parse_devices(spec: str, *, cuda_count: Callable[[], int] | None = None) -> 
     a GPU listed twice, or CPUs and GPUs mixed. ``cuda_count`` replaces
     ``torch.cuda.device_count()`` (tests).
     """
-    from kf.evaluation.device import DeviceError, parse_device
-
     count = cuda_count or _cuda_count
     parts = [p.strip().lower() for p in spec.split(",")]
     if not spec.strip() or any(not p for p in parts):
@@ -227,7 +260,7 @@ def configure_runner_pools(devices: Sequence[str], build_slots: int) -> None:
     size of each instead. With one device nothing changes: stages use the process's
     default pool.
     """
-    from kf.evaluation.sandbox import RunnerPool
+    from kf.evaluation.grader.sandbox import RunnerPool
 
     gpus = list(dict.fromkeys(d for d in devices if d.startswith("cuda")))
     if len(gpus) < 2:

@@ -144,7 +144,7 @@ def _host_id() -> str:
 #: Set by kf's runner inside its box (``$KF_BUILD_SERVICE``): builds a library through
 #: the grader (``(source, flags, defines, timeout_s) -> path``), which compiles it in a
 #: box of its own and stores it in the shared cache under the key it computed itself
-#: (kf.evaluation.builds); raises :class:`NativeCompileError`.
+#: (kf.evaluation.grader.builds); raises :class:`NativeCompileError`.
 remote_builder: Callable[[str, list[str], dict[str, str], float], str] | None = None
 
 
@@ -187,7 +187,7 @@ def build_path(
     timeout_s: float | None = None,
 ) -> Path:
     """Like :func:`build` but return the library's path without loading it."""
-    from kf.evaluation.buildlimits import build_timeout_s
+    from kf.evaluation.grader.buildlimits import build_timeout_s
 
     timeout_s = build_timeout_s(timeout_s)
     key, cxx, argv = build_key(source, flags=flags, defines=defines)
@@ -209,7 +209,7 @@ def build_path(
             src = Path(tmp) / "kernel.cpp"
             src.write_text(source)
             out = Path(tmp) / "kernel.so"
-            from kf.evaluation.builds import run_capped
+            from kf.evaluation.grader.builds import run_capped
 
             code, log = run_capped([cxx, *argv, str(src), "-o", str(out)], timeout_s=timeout_s)
             if code is None:

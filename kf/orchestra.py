@@ -90,7 +90,7 @@ def worker_agents(device: str = "cpu", *, devices: int = 1) -> list[type[Agent[A
     from agents.worker import compile_concurrency, device_agents
 
     if device.startswith("cuda") and devices == 1:
-        from kf.evaluation.sandbox import configure_default_pool
+        from kf.evaluation.grader.sandbox import configure_default_pool
 
         settings = current()
         size = settings.eval_pool

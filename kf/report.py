@@ -3,7 +3,7 @@
 KernelBench's ``fast_p``: the fraction of the run's tasks whose best kernel is correct
 and more than ``p`` times faster than PyTorch eager (``fast_0`` counts correct tasks).
 ``fast_p_vs_best`` and ``geomean_speedup_vs_best`` state the same against the better
-of eager and ``torch.compile`` (timed in the same session, :mod:`kf.evaluation.profiling`);
+of eager and ``torch.compile`` (timed in the same session, :mod:`kf.evaluation.grader.profiling`);
 a task whose best kernel has no ``torch.compile`` time counts against eager there, and
 ``tasks_without_compiled_baseline`` says how many did.
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kf.evaluation.audit import TaskAudit
-from kf.evaluation.reports import CompileReport, CountersReport, ProfileReport, VerifyReport
+from kf.evaluation.grader.audit import TaskAudit
+from kf.evaluation.grader.reports import CompileReport, CountersReport, ProfileReport, VerifyReport
 from kf.events import Decision, Observation, event
 
 __all__ = [

@@ -6,8 +6,8 @@ docs/settings.md, nowhere else. A process reads its settings through :func:`curr
 its own environment, read once and read again only when its ``KF_*`` variables change
 (a test's ``monkeypatch.setenv``), with what its command line asked for on top
 (:func:`apply`). A runner process reads its own settings the same way, from the
-environment its pool started it with (:mod:`kf.evaluation.sandbox`, whose boxed runners
-see an allow-listed few, :mod:`kf.evaluation.box`).
+environment its pool started it with (:mod:`kf.evaluation.grader.sandbox`, whose boxed runners
+see an allow-listed few, :mod:`kf.evaluation.grader.box`).
 
 Values are parsed when asked for, as each reader did before: a malformed number fails the
 stage that needs it, with a message that names the variable, and nothing else.
@@ -88,7 +88,7 @@ class Settings:
     @property
     def build_timeout_s(self) -> float | None:
         """``KF_BUILD_TIMEOUT_S``: one build's limit, when set and positive (default 600 s,
-        :mod:`kf.evaluation.buildlimits`)."""
+        :mod:`kf.evaluation.grader.buildlimits`)."""
         raw = self._text("KF_BUILD_TIMEOUT_S").strip()
         if not raw:
             return None
@@ -134,7 +134,7 @@ class Settings:
     @property
     def pch_dir(self) -> str | None:
         """``KF_PCH_DIR``: where a build box looks for the precompiled header (set by the
-        grader's build box, :mod:`kf.evaluation.builds`)."""
+        grader's build box, :mod:`kf.evaluation.grader.builds`)."""
         return self._text("KF_PCH_DIR") or None
 
     @property
@@ -290,13 +290,13 @@ class Settings:
     @property
     def compile_mode(self) -> str:
         """``KF_COMPILE_MODE`` (``kf run --compile-mode``), as given (default ``default``;
-        checked by :func:`kf.evaluation.baseline_settings.compile_mode`)."""
+        checked by :func:`kf.evaluation.grader.baseline_settings.compile_mode`)."""
         return self._text("KF_COMPILE_MODE").strip() or "default"
 
     @property
     def tf32(self) -> str:
         """``KF_TF32`` (``kf run --tf32``), lower-cased (default ``off``; checked by
-        :func:`kf.evaluation.baseline_settings.tf32_setting`)."""
+        :func:`kf.evaluation.grader.baseline_settings.tf32_setting`)."""
         return self._text("KF_TF32").strip().lower() or "off"
 
     # -- devices, the bus, logs, the LLM -------------------------------------------------
@@ -380,7 +380,8 @@ def current() -> Settings:
 def apply(values: Mapping[str, str]) -> Settings:
     """Set variables for this process's settings (a command's flags: ``--tf32`` sets
     ``KF_TF32``) without touching its environment; returns the settings now in force.
-    The runners a pool starts get them in their environment (:mod:`kf.evaluation.sandbox`)."""
+    The runners a pool starts get them in their environment
+    (:mod:`kf.evaluation.grader.sandbox`)."""
     global _read
     with _lock:
         _applied.update(values)

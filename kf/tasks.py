@@ -181,6 +181,6 @@ def check_task(task: Task, device: str = "cpu", timeout_s: float = 120.0) -> Tas
     Raises :class:`TaskError` naming the file and the cause (an exception with its
     type and message, a missing name, a crash or a timeout).
     """
-    from kf.evaluation.task_check import run_task_check
+    from kf.evaluation.grader.task_check import run_task_check
 
     return run_task_check(task, device=device, timeout_s=timeout_s)

@@ -28,7 +28,7 @@ os.environ.setdefault("KF_TRUSTED_DEVICES", "*")
 
 def _box_unavailable() -> str | None:
     """Why runners cannot be boxed on this machine (None: they can)."""
-    from kf.evaluation import box
+    from kf.evaluation.grader import box
 
     return None if os.environ.get("KF_UNSAFE_NO_SANDBOX") == "1" else box.probe()
 

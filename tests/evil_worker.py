@@ -18,7 +18,7 @@ import msgspec
 import nats
 
 from kf import bus
-from kf.evaluation.reports import CompileReport, ProfileReport, VerifyReport
+from kf.evaluation.grader.reports import CompileReport, ProfileReport, VerifyReport
 from kf.events import Event, decode_envelope, decode_event, make_envelope
 from kf.facts import DeviceAnnounced, DeviceHeartbeat
 from kf.search_facts import (

@@ -23,7 +23,7 @@ import msgspec
 import nats
 
 from kf import bus
-from kf.evaluation.reports import ProfileReport
+from kf.evaluation.grader.reports import ProfileReport
 from kf.events import decode_envelope, decode_event, encode_envelope, make_envelope
 from kf.facts import RunFinished
 from kf.search_facts import CandidateAssigned, CandidateProfiled

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from kf.evaluation import RunnerPool, evaluate
-from kf.evaluation.protocol import LoadCandidate, LoadTask, Setup
-from kf.evaluation.runner import Runner
+from kf.evaluation.runner.loop import Runner
+from kf.evaluation.wire.protocol import LoadCandidate, LoadTask, Setup
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"
 TASK_FILE = FIXTURES / "task_gelu.py"

@@ -21,9 +21,9 @@ from kf.evaluation import (
     evaluate,
     verify_candidate,
 )
-from kf.evaluation.cli import _human
-from kf.evaluation.cli import main as eval_main
-from kf.evaluation.verifying import reverify_fast
+from kf.evaluation.grader.cli import _human
+from kf.evaluation.grader.cli import main as eval_main
+from kf.evaluation.grader.verifying import reverify_fast
 from kf.tasks import load_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"

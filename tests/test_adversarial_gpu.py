@@ -81,7 +81,7 @@ def test_adversarial_gpu_microsecond_kernel_not_suspect_side_stream_still_caught
 def test_adversarial_gpu_under_host_load_honest_not_suspect_side_stream_caught() -> None:
     """Under host load (twice as many spinning processes as cores, as several ``kf eval``
     and builds at once): the honest microsecond kernel is not suspect
-    (kf.evaluation.timing_checks re-measures a disagreement before flagging it), and the
+    (kf.evaluation.grader.timing_checks re-measures a disagreement before flagging it), and the
     side-stream cheat is flagged ``stream`` and either suspect or timed as it really runs,
     as on a quiet host."""
     from tests.test_timing_load import busy

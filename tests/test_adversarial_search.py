@@ -6,8 +6,8 @@ import msgspec
 import pytest
 
 from agents.archive import best_candidate
-from kf.evaluation.policy import relative_noise, within_noise
-from kf.evaluation.reports import CompileReport, ProfileReport, VerifyReport
+from kf.evaluation.grader.policy import relative_noise, within_noise
+from kf.evaluation.grader.reports import CompileReport, ProfileReport, VerifyReport
 from kf.search_facts import (
     CandidateCompiled,
     CandidateProfiled,
@@ -84,7 +84,7 @@ def test_profiler_retimes_challenger_within_noise_of_best(monkeypatch: pytest.Mo
     """A challenger within noise of the best that loses the pairing gets a lower speed-up."""
     from agents import profiler as profiler_module
     from kf.agent import AgentContext
-    from kf.evaluation import policy
+    from kf.evaluation.grader import policy
     from kf.tasks import Task
 
     first = ProfileReport(
@@ -122,7 +122,7 @@ def test_profiler_pairing_never_raises_a_measured_speedup(
     """A challenger that wins the pairing keeps the speed-up measured against eager, no more."""
     from agents import profiler as profiler_module
     from kf.agent import AgentContext
-    from kf.evaluation import policy
+    from kf.evaluation.grader import policy
     from kf.tasks import Task
 
     first = ProfileReport(
@@ -152,7 +152,7 @@ def test_profiler_does_not_retime_a_clear_win(monkeypatch: pytest.MonkeyPatch) -
     """A challenger well beyond the noise of the best is reported as first measured."""
     from agents import profiler as profiler_module
     from kf.agent import AgentContext
-    from kf.evaluation import policy
+    from kf.evaluation.grader import policy
     from kf.tasks import Task
 
     clear = ProfileReport(ok=True, speedup=4.0, runtime_ms=1.0, ref_runtime_ms=4.0)
@@ -172,7 +172,7 @@ H200_EAGER += [0.373, 0.373, 0.375, 0.376, 0.377, 0.379, 0.384, 0.387, 0.395]
 
 
 def test_eager_outlier_needs_history_and_a_clear_margin() -> None:
-    from kf.evaluation.policy import eager_median_if_outlier
+    from kf.evaluation.grader.policy import eager_median_if_outlier
 
     assert len(H200_EAGER) == 39
     median = eager_median_if_outlier(H200_EAGER, 0.518)
@@ -193,7 +193,7 @@ def test_profiler_states_speedup_against_usual_eager_after_an_outlier_session(
     earlier profiles on the same device say what eager usually takes."""
     from agents import profiler as profiler_module
     from kf.agent import AgentContext
-    from kf.evaluation import policy
+    from kf.evaluation.grader import policy
     from kf.events import Record, make_envelope
     from kf.tasks import Task
 
@@ -236,7 +236,8 @@ def test_kf_eval_states_its_speedup_by_the_profilers_policy(
     re-verification, and what the policy returns is what the evaluation reports."""
     from pathlib import Path
 
-    from kf.evaluation import evaluate, policy
+    from kf.evaluation import evaluate
+    from kf.evaluation.grader import policy
     from kf.tasks import load_task
 
     fixtures = Path(__file__).parent / "fixtures" / "adversarial"

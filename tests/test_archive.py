@@ -8,7 +8,7 @@ from typing import Any
 from agents.archive import ArchiveAgent, cell_key
 from agents.mutator import OFFLINE_MUTATOR, OfflineMutator
 from kf.agent import AgentContext
-from kf.evaluation.reports import CompileReport, ProfileReport, VerifyReport
+from kf.evaluation.grader.reports import CompileReport, ProfileReport, VerifyReport
 from kf.events import Event, Record, make_envelope
 from kf.facts import DeviceAnnounced, DeviceLost, RunFinished, RunStarted, TaskSpec
 from kf.params import parse

@@ -6,7 +6,7 @@ from typing import Any
 
 from agents.archive import ArchiveAgent
 from kf.agent import AgentContext
-from kf.evaluation.reports import CompileReport
+from kf.evaluation.grader.reports import CompileReport
 from kf.events import Event
 from kf.facts import DeviceAnnounced, RunStarted, TaskSpec
 from kf.search_facts import (

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from kf.evaluation import baseline_settings as bs
+from kf.evaluation.grader import baseline_settings as bs
+from kf.evaluation.runner import baselines
 
 ROOT = Path(__file__).resolve().parent.parent
 EVAL = ROOT / "tests" / "fixtures" / "eval"
@@ -23,12 +24,12 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KF_COMPILE_MODE", "max-autotune")
     monkeypatch.setenv("KF_TF32", "ON")
     assert bs.compile_mode() == "max-autotune" and bs.tf32_setting() == "on"
-    assert bs.compile_kwargs("max-autotune") == {
+    assert baselines.compile_kwargs("max-autotune") == {
         "backend": "inductor",
         "dynamic": False,
         "mode": "max-autotune",
     }
-    assert "mode" not in bs.compile_kwargs("default")  # as plain torch.compile(model)
+    assert "mode" not in baselines.compile_kwargs("default")  # as plain torch.compile(model)
     monkeypatch.setenv("KF_COMPILE_MODE", "fastest")
     with pytest.raises(bs.BaselineSettingError, match="KF_COMPILE_MODE='fastest'"):
         bs.compile_mode()
@@ -39,18 +40,18 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_tf32_is_set_explicitly_and_read_back() -> None:
     """PyTorch starts mixed (matmul off, cuDNN on); ``off`` turns both off, ``on`` both on."""
-    before = bs.read_tf32(torch)
+    before = baselines.read_tf32(torch)
     try:
-        assert bs.apply_tf32(torch, "off") == {
+        assert baselines.apply_tf32(torch, "off") == {
             "tf32": "off",
             "matmul_allow_tf32": False,
             "cudnn_allow_tf32": False,
             "float32_matmul_precision": "highest",
         }
-        on = bs.apply_tf32(torch, "on")
+        on = baselines.apply_tf32(torch, "on")
         assert on["matmul_allow_tf32"] and on["cudnn_allow_tf32"]
         assert on["float32_matmul_precision"] == "high"
-        assert bs.apply_tf32(torch, None)["tf32"] == "pytorch-default"
+        assert baselines.apply_tf32(torch, None)["tf32"] == "pytorch-default"
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before["matmul_allow_tf32"]
         torch.backends.cudnn.allow_tf32 = before["cudnn_allow_tf32"]

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from kf import native
-from kf.evaluation import RunnerPool, box, compile_candidate, verify_candidate
+from kf.evaluation import RunnerPool, compile_candidate, verify_candidate
+from kf.evaluation.grader import box
 from kf.tasks import load_task
 from tests.runner_cases import pool_under
 

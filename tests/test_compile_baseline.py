@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kf.evaluation import ProfileReport, RunnerPool, profile_candidate
-from kf.evaluation.cli import main as eval_main
+from kf.evaluation.grader.cli import main as eval_main
 from kf.tasks import load_task
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,7 +101,7 @@ def test_profile_whose_compile_outlasts_its_limit_loses_only_the_baseline(
     """A compile past $KF_COMPILE_BASELINE_TIMEOUT_S kills the reference runner; the
     profile is taken again with fresh runners against eager, and the next profile of
     the task does not try the compile again."""
-    from kf.evaluation import baseline
+    from kf.evaluation.grader import baseline
 
     monkeypatch.setenv("KF_COMPILE_BASELINE", "1")
     monkeypatch.setenv("KF_COMPILE_BASELINE_TIMEOUT_S", "0.01")  # no compile is that quick
@@ -183,7 +183,7 @@ def _run_envelopes(reports: dict[str, tuple[str, ProfileReport]]) -> list[Any]:
     given report, the archive's decisions folded back in as the archivist commits them."""
     from agents.archive import ArchiveAgent
     from kf.agent import AgentContext
-    from kf.evaluation.reports import CompileReport, VerifyReport
+    from kf.evaluation.grader.reports import CompileReport, VerifyReport
     from kf.events import Event, Record, make_envelope
     from kf.facts import DeviceAnnounced, RunStarted, TaskSpec
     from kf.search_facts import (

@@ -15,7 +15,7 @@ from agents.counters import CounterCollector, CounterState
 from kf.agent import AgentContext
 from kf.cuda import ncu
 from kf.evaluation import ProfileReport
-from kf.evaluation.counters import collect_counters
+from kf.evaluation.grader.counters import collect_counters
 from kf.events import Event, Record, make_envelope
 from kf.search_facts import CandidateProfiled
 from kf.tasks import load_task

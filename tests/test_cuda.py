@@ -231,9 +231,9 @@ def test_cuda_timing_gives_its_temporaries_back_and_warms_up_first() -> None:
     sample pays for allocating them again; the timed request makes only its own calls."""
     import time
 
-    from kf.evaluation import runner_common
-    from kf.evaluation.protocol import LoadTask, MakeInputs, Settle, Setup, Time
-    from kf.evaluation.runner import Runner
+    from kf.evaluation.runner import common as runner_common
+    from kf.evaluation.runner.loop import Runner
+    from kf.evaluation.wire.protocol import LoadTask, MakeInputs, Settle, Setup, Time
 
     ref = Runner(time.perf_counter_ns)
     ref.op_setup(Setup(device="cuda:0", threads=1))

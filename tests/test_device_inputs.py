@@ -14,11 +14,11 @@ import time
 import pytest
 import torch
 
-from kf.evaluation.grading import _Deadline, _setup_request
-from kf.evaluation.protocol import LoadTask, Setup
-from kf.evaluation.runner import Runner
-from kf.evaluation.runner_common import _Failure
-from kf.evaluation.spawn import Limits
+from kf.evaluation.grader.grading import _Deadline, _setup_request
+from kf.evaluation.grader.spawn import Limits
+from kf.evaluation.runner.common import _Failure
+from kf.evaluation.runner.loop import Runner
+from kf.evaluation.wire.protocol import LoadTask, Setup
 
 TASK = """
 import torch

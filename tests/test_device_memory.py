@@ -1,10 +1,11 @@
 """Admission by device memory: a task whose inputs and outputs cannot fit twice on the
-GPU is refused before any trial, with the estimate and the reason (kf.evaluation.admission)."""
+GPU is refused before any trial, with the estimate and the reason
+(kf.evaluation.grader.admission)."""
 
 from __future__ import annotations
 
-from kf.evaluation.admission import too_large
-from kf.evaluation.protocol import InputsMade
+from kf.evaluation.grader.admission import too_large
+from kf.evaluation.wire.protocol import InputsMade
 
 # KernelBench level1/23_Softmax: one 4096 x 393216 fp32 input, one output like it
 SOFTMAX = {

@@ -12,11 +12,11 @@ import types
 import pytest
 import torch
 
-from kf.evaluation import runner_common
-from kf.evaluation.compare import Fingerprint
-from kf.evaluation.protocol import Audit, Check, LoadTask, MakeInputs, Run, Setup
-from kf.evaluation.runner import Runner
-from kf.evaluation.variants import derived_shapes
+from kf.evaluation.runner import common as runner_common
+from kf.evaluation.runner.compare import Fingerprint
+from kf.evaluation.runner.loop import Runner
+from kf.evaluation.runner.variants import derived_shapes
+from kf.evaluation.wire.protocol import Audit, Check, LoadTask, MakeInputs, Run, Setup
 from tests.runner_cases import FIXTURES, runner_pair
 
 
@@ -124,7 +124,7 @@ def get_init_inputs():
 
 
 def _reference(writes: bool) -> Runner:
-    from kf.evaluation.protocol import LoadTask, Setup
+    from kf.evaluation.wire.protocol import LoadTask, Setup
 
     ref = Runner(time.perf_counter_ns)
     ref.op_setup(Setup(device="cpu", threads=1))
@@ -223,7 +223,7 @@ def test_gate_grows_a_large_set_by_an_eighth_at_most(
     bytes or more (here: any) grows to at most GROW_CAP × its bytes, still odd and
     larger than the task's (KernelBench's mat-vec: a 12.9 GB matrix instead of 8.6 GB,
     held in both runners, put kf at 3.07× KernelBench's peak on the H200)."""
-    from kf.evaluation import variants
+    from kf.evaluation.runner import variants
 
     if large:
         monkeypatch.setattr(variants, "GROW_CAP_ABOVE", 0)
@@ -247,7 +247,7 @@ def test_gate_sizes_a_task_that_cannot_run_on_meta_from_a_real_set(
 ) -> None:
     """A task whose get_inputs() cannot run on the meta device (here an .item()) is
     sized from a real set, as before, and grows to about 1.5× (no estimate to cap by)."""
-    from kf.evaluation import variants
+    from kf.evaluation.runner import variants
 
     monkeypatch.setattr(variants, "GROW_CAP_ABOVE", 0)
     module = _matvec_module()
@@ -269,7 +269,7 @@ def test_reference_times_a_large_set_it_does_not_write_without_a_copy(
 ) -> None:
     """The reference's timed calls get a copy of a small set, but share a large one its
     forward was seen not to write; one whose forward writes it gets copies."""
-    from kf.evaluation.protocol import Time
+    from kf.evaluation.wire.protocol import Time
 
     if large:
         monkeypatch.setattr(runner_common, "FINGERPRINT_ABOVE", 0)
@@ -288,7 +288,7 @@ def _profiled_requests() -> list[str]:
     """The runner requests' ops, in order, of a whole evaluation (profiled, its fresh
     inputs timed) of the honest candidate on the small task."""
     from kf.evaluation import RunnerPool, evaluate
-    from kf.evaluation.runner_handle import REQUESTS
+    from kf.evaluation.grader.runner_handle import REQUESTS
     from kf.tasks import load_task
 
     REQUESTS.clear()
@@ -324,8 +324,8 @@ def test_a_stages_peak_is_one_runners_peak_plus_what_the_others_hold() -> None:
     """A stage's requests go one at a time: the most its runners held at once is, over its
     requests, the handler's peak plus what the other runners held at the end of their last
     request (one from before the stage included); None when no runner states any (a CPU)."""
-    from kf.evaluation.grading import _peak_device_mb
-    from kf.evaluation.runner_handle import REQUESTS, RequestTiming
+    from kf.evaluation.grader.grading import _peak_device_mb
+    from kf.evaluation.grader.runner_handle import REQUESTS, RequestTiming
 
     ref, cand, other = (types.SimpleNamespace(pid=p) for p in (11, 12, 13))
     gb = 10**9
@@ -374,7 +374,7 @@ def test_scaled_inputs_are_scaled_in_place_unless_the_task_keeps_them() -> None:
     beside it was one more set on the device: 8 GiB for the mat-vec task's matrix); a
     tensor the task keeps and returns again, or one sharing its storage, is copied and
     left as it was; the values are those of an out-of-place product either way."""
-    from kf.evaluation.variants import scale_inputs
+    from kf.evaluation.runner.variants import scale_inputs
 
     kept = torch.randn(8)
     before = kept.clone()
@@ -400,7 +400,7 @@ def test_audit_makes_each_set_with_no_earlier_one_alive() -> None:
     held (a scaled set kept across the generator's yield was a second set on the device)."""
     import weakref
 
-    from kf.evaluation.protocol import Audit
+    from kf.evaluation.wire.protocol import Audit
 
     ref, _ = runner_pair((FIXTURES / "honest_cpp.py").read_text(), {}, {})
     seen: list[weakref.ref[torch.Tensor]] = []
@@ -433,7 +433,7 @@ def test_profile_reference_makes_only_the_fresh_set_it_judges(
     fresh set whose output it judges before the fresh timing, not every set the candidate
     times (each was another set on the device at KernelBench's sizes); the candidate
     still times every fresh set."""
-    from kf.evaluation.grading import _FRESH_SETS
+    from kf.evaluation.grader.grading import _FRESH_SETS
 
     monkeypatch.setenv("KF_TENSOR_TRANSPORT", "seed")
     ops = _profiled_requests()
@@ -502,7 +502,7 @@ def test_compile_check_calls_on_a_large_set_it_does_not_write_without_a_copy(
     shared (copies were 6.4 GB each at KernelBench's sizes, in a ``kf run``'s profile);
     a forward that writes its input gets copies, and the kept set is unchanged. The
     compiler is left out (the identity): what is checked is what each call is given."""
-    from kf.evaluation.protocol import CompileBaseline
+    from kf.evaluation.wire.protocol import CompileBaseline
 
     monkeypatch.setattr(runner_common, "FINGERPRINT_ABOVE", 0)
     monkeypatch.setattr(torch, "compile", lambda model, **_: model)
@@ -525,7 +525,7 @@ def test_settle_warms_up_outside_the_timed_requests_and_only_when_cold() -> None
     allocates them again. The timed requests themselves make exactly the calls they
     time (the grader's wall clock around them is compared with the samples), however
     cold the runner is. On a CPU nothing is given back, so nothing is warmed."""
-    from kf.evaluation.protocol import Settle, Time
+    from kf.evaluation.wire.protocol import Settle, Time
 
     ref = _reference(writes=False)
     ref.op_make_inputs(MakeInputs(seed=1, send=False))
@@ -550,8 +550,8 @@ def test_runners_settle_around_every_timed_request_when_they_take_turns(
     by its warm-up ``settle`` and followed by the one that gives blocks back, as requests
     of their own; the empty calls that measure the loop's cost are not (nothing to
     allocate); and the evaluation still passes."""
-    from kf.evaluation import profiling
-    from kf.evaluation.runner_handle import REQUESTS
+    from kf.evaluation.grader import profiling
+    from kf.evaluation.grader.runner_handle import REQUESTS
 
     monkeypatch.setattr(profiling, "_takes_turns", lambda device: True)
     _profiled_requests()

@@ -18,11 +18,11 @@ from kf.evaluation import (
     profile_candidate,
     verify_candidate,
 )
-from kf.evaluation.compare import compare_inputs, compare_outputs
-from kf.evaluation.grading import TIMER_DISAGREEMENT
-from kf.evaluation.profiling import cross_check_flags, timing_stats
-from kf.evaluation.protocol import LoadTask, MakeInputs, Ping, Pong, Setup
-from kf.evaluation.sandbox import REQUESTS
+from kf.evaluation.grader.grading import TIMER_DISAGREEMENT
+from kf.evaluation.grader.sandbox import REQUESTS
+from kf.evaluation.grader.timing_checks import cross_check_flags, timing_stats
+from kf.evaluation.runner.compare import compare_inputs, compare_outputs
+from kf.evaluation.wire.protocol import LoadTask, MakeInputs, Ping, Pong, Setup
 from kf.tasks import TaskError, load_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
@@ -215,7 +215,7 @@ def test_compare_inputs_detects_change() -> None:
 def test_reused_reference_keeps_the_inputs_it_made(pool: RunnerPool) -> None:
     """A reference runner serving a second candidate answers a repeated seed from what it
     made, with the same inputs; a model built from another seed makes its own."""
-    from kf.evaluation.grading import _Deadline, _setup_request
+    from kf.evaluation.grader.grading import _Deadline, _setup_request
 
     deadline = _Deadline(60)
     with pool.reference_lease("test-reuse") as ref:
@@ -255,7 +255,7 @@ def test_transport_round_trips_host_values_and_refuses_forged_descriptions() -> 
     PyTorch never produces, or an unknown dtype, is refused rather than rebuilt."""
     import msgspec
 
-    from kf.evaluation.transport import MAGIC, Exports, is_ipc, pack, unpack
+    from kf.evaluation.runner.transport import MAGIC, Exports, is_ipc, pack, unpack
 
     values = [torch.arange(6.0).reshape(2, 3), 3, "x"]
     data = pack(torch, values, Exports())
@@ -317,7 +317,7 @@ def test_warmed_runners_trace_and_verify() -> None:
 def test_default_pool_takes_settings_made_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """`kf run` checks its tasks (making the process's pool) before a CUDA worker gives
     the pool its size and warm-up device; configuring applies them to that pool."""
-    from kf.evaluation import sandbox
+    from kf.evaluation.grader import sandbox
 
     monkeypatch.delenv("KF_EVAL_POOL", raising=False)
     monkeypatch.delenv("KF_RUNNER_WARM", raising=False)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kf.evaluation.cli import main
+from kf.evaluation.grader.cli import main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
 TASK = str(FIXTURES / "task_gelu.py")
@@ -103,12 +103,12 @@ def test_run_on_an_unavailable_device_exits_two(
 
 
 def test_eval_module_subprocess_reports_json() -> None:
-    """``python -m kf.evaluation.cli`` on a candidate without ModelNew exits 1 with JSON."""
+    """``python -m kf.evaluation.grader.cli`` on a candidate without ModelNew exits 1 with JSON."""
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
-            "kf.evaluation.cli",
+            "kf.evaluation.grader.cli",
             TASK,
             str(FIXTURES / "no_model_new.py"),
             "--json",

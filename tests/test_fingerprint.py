@@ -1,5 +1,5 @@
 """The checksums a GPU candidate runner keeps of a large input instead of a copy
-(kf.evaluation.compare.fingerprint): equal for the same bytes, different after the kinds
+(kf.evaluation.runner.compare.fingerprint): equal for the same bytes, different after the kinds
 of change a kernel makes to its inputs by mistake, exact at any size."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kf.evaluation import compare
-from kf.evaluation.compare import Fingerprint, compare_inputs, fingerprint
+from kf.evaluation.runner import compare
+from kf.evaluation.runner.compare import Fingerprint, compare_inputs, fingerprint
 
 
 @pytest.mark.parametrize(

@@ -229,7 +229,7 @@ def test_forgery_duplicate_profile_prints_one_progress_line() -> None:
     held for another device's measurement says so, not "failed"."""
     import io
 
-    from kf.evaluation.reports import CompileReport, ProfileReport, VerifyReport
+    from kf.evaluation.grader.reports import CompileReport, ProfileReport, VerifyReport
     from kf.orchestra import Progress
     from kf.search_facts import CandidateCompiled, CandidateProfiled, CandidateVerified
     from tests.test_archive import announce, propose, rec, started

@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from kf.evaluation import box
-from kf.evaluation.sandbox import RunnerPool
-from kf.evaluation.task_check import run_task_check
+from kf.evaluation.grader import box
+from kf.evaluation.grader.sandbox import RunnerPool
+from kf.evaluation.grader.task_check import run_task_check
 from kf.tasks import TaskError, load_task
 
 ROOT = Path(__file__).resolve().parent.parent

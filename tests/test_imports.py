@@ -35,7 +35,7 @@ def test_the_package_still_offers_its_names_on_first_use() -> None:
     """``from kf.evaluation import evaluate`` loads the stage it names, and unknown names
     are an AttributeError as for any module."""
     loaded = _loaded_after("from kf.evaluation import evaluate, VerifyReport")
-    assert "kf.evaluation.pipeline" in loaded
+    assert "kf.evaluation.grader.pipeline" in loaded
     import kf.evaluation
 
     with pytest.raises(AttributeError, match="no_such_name"):

@@ -1,4 +1,4 @@
-"""``load_inline`` builds that the grader does for boxed runners (kf.evaluation.builds).
+"""``load_inline`` builds that the grader does for boxed runners (kf.evaluation.grader.builds).
 
 Inside its box a runner cannot write the shared build cache, so without this each runner
 box (compile, verify, profile) rebuilt every CUDA candidate into its own cache: on the
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kf.cuda import inline
-from kf.evaluation import box
-from kf.evaluation.builds import _own_toolchain, build_inline
+from kf.evaluation.grader import box
+from kf.evaluation.grader.builds import _own_toolchain, build_inline
 
 pytestmark = pytest.mark.skipif(box.probe() is not None, reason=f"no box here: {box.probe()}")
 
@@ -74,7 +74,7 @@ def test_build_inline_refuses_what_is_not_the_graders_toolchain(
 def test_build_inline_takes_every_architecture_list_pytorch_takes() -> None:
     """``TORCH_CUDA_ARCH_LIST`` as CUDA images set it (the H200 machine's is ``9.0a``):
     refusing ``9.0a`` failed every boxed load_inline build there."""
-    from kf.evaluation.builds import _ARCH
+    from kf.evaluation.grader.builds import _ARCH
 
     for arch in ("9.0", "9.0a", "10.0f", "8.6+PTX", "8.0;9.0a", "7.5 8.6 9.0+PTX"):
         assert _ARCH.fullmatch(arch), arch
@@ -85,7 +85,7 @@ def test_build_inline_takes_every_architecture_list_pytorch_takes() -> None:
 def test_a_refused_build_names_its_reason_in_the_compile_report() -> None:
     """The grader's reason reaches the report: "C++ compilation failed" alone, with an
     empty log, was all the H200 run said."""
-    from kf.evaluation.runner_candidate import _compile_failure
+    from kf.evaluation.runner.candidate import _compile_failure
     from kf.native import NativeCompileError
 
     exc = NativeCompileError("malformed CUDA architecture '9.0a'", "")

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kf.evaluation.reports import CompileReport, ProfileReport, VerifyReport
+from kf.evaluation.grader.reports import CompileReport, ProfileReport, VerifyReport
 from kf.task_select import SelectionError, select, select_loaded, task_id
 
 ROOT = Path(__file__).resolve().parent.parent

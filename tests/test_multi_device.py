@@ -19,13 +19,14 @@ import pytest
 from agents.build_pool import BuildPool
 from kf.bus import EmbeddedServer
 from kf.devices import (
+    DeviceError,
+    _cuda_device_count,
     device_slots,
     looks_like_device_error,
     parse_devices,
     primary_device,
     probe_health,
 )
-from kf.evaluation.device import DeviceError, _cuda_device_count
 from kf.events import decode_event
 from tests.test_faults import (
     ENV,

@@ -1,4 +1,4 @@
-"""Verdicts that know fp32 arithmetic: the float64 rule (kf.evaluation.tolerance).
+"""Verdicts that know fp32 arithmetic: the float64 rule (kf.evaluation.wire.tolerance).
 
 Real kernels on the CPU (C++ built with ``kf.native`` in kf's box, judged by a real
 reference runner): honest mat-vec and matmul kernels that sum in another order than
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from kf.evaluation import RunnerPool, TrialEvidence, VerifyReport, verify_candidate
-from kf.evaluation.compare import compare_outputs, judge_float64
-from kf.evaluation.float64 import check_with_float64, reference_in_float64
-from kf.evaluation.tolerance import Tolerance
+from kf.evaluation.runner.compare import compare_outputs, judge_float64
+from kf.evaluation.runner.float64 import check_with_float64, reference_in_float64
+from kf.evaluation.wire.tolerance import Tolerance
 from kf.tasks import Task, load_task
 from tests.runner_cases import pool_under
 

@@ -1,4 +1,4 @@
-"""The float64 rule on a GPU (kf.evaluation.float64): the reference's float64 run is
+"""The float64 rule on a GPU (kf.evaluation.runner.float64): the reference's float64 run is
 made on the device. KernelBench's level-1 task 4 at its first release's size with randn
 inputs (tests/test_numerics.py), and the long matmul: a candidate that accumulates in
 double is accepted (it fails plain allclose against cuBLAS' fp32 result on some trial),

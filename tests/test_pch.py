@@ -128,7 +128,7 @@ def test_torch_headers_in_cuda_sources_are_noticed() -> None:
 def test_the_grader_publishes_only_the_header_and_links_torchs_own(tmp_path: Path) -> None:
     """A build box's made folder is published as its .gch alone: the link beside it is the
     grader's own, to PyTorch's header, whatever the box left there."""
-    from kf.evaluation import builds
+    from kf.evaluation.grader import builds
 
     made = tmp_path / "work" / "pch" / "k"
     (made / "torch").mkdir(parents=True)

@@ -6,7 +6,7 @@ from typing import Any
 
 from agents.prompt_evolver import PromptEvolver
 from kf.agent import AgentContext
-from kf.evaluation.reports import ProfileReport, VerifyReport
+from kf.evaluation.grader.reports import ProfileReport, VerifyReport
 from kf.events import Event, Record, make_envelope
 from kf.facts import RunStarted
 from kf.llm_facts import LlmBudgetExhausted, PromptChosen, PromptRewriteRequested, PromptRewritten

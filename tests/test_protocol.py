@@ -1,4 +1,4 @@
-"""The grader ↔ runner protocol (kf.evaluation.protocol): every message survives the
+"""The grader ↔ runner protocol (kf.evaluation.wire.protocol): every message survives the
 wire as itself; a malformed or unknown one is a clear error where it is decoded; and a
 runner that writes garbage, a foreign message or a forged descriptor onto its socket
 gets a clear verdict, not a grader that fails later."""
@@ -17,9 +17,10 @@ import msgspec
 import pytest
 import torch
 
-from kf.evaluation import RunnerPool, compile_candidate, shared_memory
-from kf.evaluation import protocol as p
-from kf.evaluation.tolerance import Tolerance
+from kf.evaluation import RunnerPool, compile_candidate
+from kf.evaluation.wire import protocol as p
+from kf.evaluation.wire import shared_memory
+from kf.evaluation.wire.tolerance import Tolerance
 from kf.tasks import load_task
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -250,7 +251,7 @@ def test_protocol_runner_writing_garbage_gets_a_clear_verdict(
 def test_protocol_runner_exits_clearly_on_a_message_it_cannot_read(pool: RunnerPool) -> None:
     """A runner sent bytes that are no request exits, saying why in its log, and the
     grader sees it exit."""
-    from kf.evaluation.sandbox import RunnerCrashed
+    from kf.evaluation.grader.sandbox import RunnerCrashed
 
     with pool.lease() as handle:
         handle.conn.send_bytes(msgspec.msgpack.encode({"op": "format_disk"}))

@@ -1,4 +1,4 @@
-"""The runner's integrity guard over a runner made of roles (kf.evaluation.runner_guard).
+"""The runner's integrity guard over a runner made of roles (kf.evaluation.runner.guard).
 
 The runner class is assembled from its roles' classes in several modules; a candidate
 that replaces grading code anywhere in them (a role's method, a method shadowed on the
@@ -14,9 +14,11 @@ from typing import Any
 
 import pytest
 
-from kf.evaluation import runner_candidate, runner_common, runner_reference
-from kf.evaluation.runner import Runner
-from kf.evaluation.runner_guard import _Integrity
+from kf.evaluation.runner import candidate as runner_candidate
+from kf.evaluation.runner import common as runner_common
+from kf.evaluation.runner import reference as runner_reference
+from kf.evaluation.runner.guard import _Integrity
+from kf.evaluation.runner.loop import Runner
 
 
 def _empty(*_: Any) -> Any:
@@ -29,7 +31,7 @@ def _empty(*_: Any) -> Any:
         (runner_candidate.CandidateRole, "op_run", "Runner.op_run"),
         (runner_reference.ReferenceRole, "_check", "Runner._check"),
         (Runner, "op_check", "Runner.op_check"),  # shadows the role's method
-        (runner_common, "_flatten", "kf.evaluation.runner_common._flatten"),
+        (runner_common, "_flatten", "kf.evaluation.runner.common._flatten"),
         (runner_common.RunnerBase, "load", "Runner.load"),
     ],
 )

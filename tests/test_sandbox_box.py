@@ -1,4 +1,4 @@
-"""The runner box (kf.evaluation.box): a hostile candidate run through the real ``kf eval``
+"""The runner box (kf.evaluation.grader.box): a hostile candidate run through the real ``kf eval``
 and ``kf run`` stays in it; without bwrap kf refuses, or runs marked when told to."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kf.evaluation import box
+from kf.evaluation.grader import box
 
 ROOT = Path(__file__).resolve().parent.parent
 ADVERSARIAL = ROOT / "tests/fixtures/adversarial"
@@ -135,7 +135,7 @@ def _kf_eval(
     with sqlite3.connect(db) as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY, body TEXT)")
     grader = (
-        "import sys\nfrom kf.evaluation.cli import main\n"
+        "import sys\nfrom kf.evaluation.grader.cli import main\n"
         "sys.exit(main(sys.argv[2:]))  # argv[1]: the run's log, as kf run's command line has"
     )
     return subprocess.run(
@@ -324,7 +324,7 @@ def test_box_build_service_refuses_a_broken_build_with_the_compiler_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A build that fails in the build box stores nothing and returns the compiler's log."""
-    from kf.evaluation.builds import build_native
+    from kf.evaluation.grader.builds import build_native
 
     monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
     reply = build_native('extern "C" int f() { return undeclared_name; }', [], {}, 60.0)
@@ -342,7 +342,7 @@ def test_box_build_service_refuses_flags_that_run_programs(
     plugin, read a file of options or change the system root, in one line, and runs no
     compiler: the ``-wrapper`` command never runs (a candidate could skip the runner's
     own check and send such flags over its socket)."""
-    from kf.evaluation.builds import build_native
+    from kf.evaluation.grader.builds import build_native
 
     monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
     ran = tmp_path / "wrapper-ran"
@@ -373,7 +373,7 @@ def test_box_build_output_is_capped_head_and_tail(
     """A build that floods its output (a few MB of warnings here; 1.5 GB once took kf run
     to 4.4 GB of memory) gives the grader only its head and tail, saying how much went;
     the stream itself is read into a bounded buffer."""
-    from kf.evaluation.builds import OUTPUT_CAP_BYTES, build_native, run_capped
+    from kf.evaluation.grader.builds import OUTPUT_CAP_BYTES, build_native, run_capped
 
     monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
     noise = "#warning kf-flood " + "x" * 400 + "\n"
@@ -563,7 +563,7 @@ def test_box_runner_dies_with_a_killed_grader(tmp_path: Path) -> None:
     everything in their boxes go too (``--die-with-parent``)."""
     grader = (
         "import sys\n"
-        "from kf.evaluation.sandbox import RunnerHandle\n"
+        "from kf.evaluation.grader.sandbox import RunnerHandle\n"
         "h = RunnerHandle(sys.executable, 1)\n"
         "h.wait_ready()\n"
         "print(h.pid, flush=True)\n"
@@ -599,8 +599,8 @@ def test_box_runner_started_from_a_finished_thread_still_answers() -> None:
     thread that lives as long as the grader)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kf.evaluation.protocol import Ping, Pong
-    from kf.evaluation.sandbox import RunnerHandle
+    from kf.evaluation.grader.sandbox import RunnerHandle
+    from kf.evaluation.wire.protocol import Ping, Pong
 
     def start() -> RunnerHandle:
         started = RunnerHandle(sys.executable, 1)

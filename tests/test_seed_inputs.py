@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kf.evaluation import RunnerPool
-from kf.evaluation.protocol import Check, MakeInputs, Run
-from kf.evaluation.runner import Runner
+from kf.evaluation.runner.loop import Runner
+from kf.evaluation.wire.protocol import Check, MakeInputs, Run
 from tests.runner_cases import FIXTURES, check_default_verdict, pool_under, runner_pair
 
 
@@ -88,8 +88,8 @@ def test_payloads_over_the_piece_size_travel_in_pieces(monkeypatch: pytest.Monke
     """msgpack cannot carry one bytes object over 4 GiB (a 6.4 GB KernelBench output
     crashed the runner on the H200): longer payloads go as a list of pieces, through the
     real message encoding, and are judged as before."""
-    from kf.evaluation import runner_common as runner_module
-    from kf.evaluation.protocol import Ran, decode_from_runner, encode
+    from kf.evaluation.runner import common as runner_module
+    from kf.evaluation.wire.protocol import Ran, decode_from_runner, encode
 
     monkeypatch.setattr(runner_module, "PAYLOAD_PIECE", 4096)
     ref, cand = _pair((FIXTURES / "honest_cpp.py").read_text())

@@ -1,4 +1,4 @@
-"""Large tensors between runners as sealed memory files (kf.evaluation.shared_memory).
+"""Large tensors between runners as sealed memory files (kf.evaluation.wire.shared_memory).
 
 The file is written once by its sender, sealed, and its descriptor forwarded by the
 grader; the receiver refuses anything that is not a sealed memory file of the size its
@@ -23,9 +23,10 @@ from typing import Any
 import pytest
 import torch
 
-from kf.evaluation import RunnerPool, file_maker, shared_memory
-from kf.evaluation.protocol import Check, MakeInputs, Ran, Run, decode_from_runner, encode
-from kf.evaluation.runner import Runner
+from kf.evaluation import RunnerPool
+from kf.evaluation.runner.loop import Runner
+from kf.evaluation.wire import file_maker, shared_memory
+from kf.evaluation.wire.protocol import Check, MakeInputs, Ran, Run, decode_from_runner, encode
 from tests.runner_cases import FIXTURES, check_default_verdict, pool_under, runner_pair
 
 pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="needs memfd seals")
@@ -296,8 +297,8 @@ def test_memory_files_come_with_their_pages() -> None:
 def test_the_reference_runner_has_no_file_limit() -> None:
     """No candidate code runs in a reference runner: its large inputs and outputs go as
     memory files whatever the candidates' file limit."""
-    from kf.evaluation.grading import _Deadline, _setup_request
-    from kf.evaluation.sandbox import Limits
+    from kf.evaluation.grader.grading import _Deadline, _setup_request
+    from kf.evaluation.grader.sandbox import Limits
 
     class _Handle:
         threads, warm = 1, None

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kf.evaluation.sandbox import RunnerPool
-from kf.evaluation.task_check import run_task_check
+from kf.evaluation.grader.sandbox import RunnerPool
+from kf.evaluation.grader.task_check import run_task_check
 from kf.tasks import Task, TaskError, import_source, load_task, load_tasks
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"

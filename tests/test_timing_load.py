@@ -1,7 +1,7 @@
 """``timer_disagreement`` holds up under host load: an honest kernel is not suspect
 because the machine is busy (here: busy processes spinning on every core besides the
 evaluation), and the in-process timing cheat is still flagged under the same load
-(kf.evaluation.timing_checks: a disagreement is measured again, the batch by the minimum
+(kf.evaluation.grader.timing_checks: a disagreement is measured again, the batch by the minimum
 of repeats, the samples in pairs each right after an empty call). The GPU side-stream
 cheat under load is in ``tests/test_adversarial_gpu.py``."""
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kf.evaluation import RunnerPool, evaluate
-from kf.evaluation.timing_checks import confirmed, paired_disagreement, timer_disagreement
+from kf.evaluation.grader.timing_checks import confirmed, paired_disagreement, timer_disagreement
 from kf.tasks import Task, load_task
 from tests.runner_cases import pool_under
 

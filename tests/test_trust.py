@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kf.evaluation import RunnerPool, buildlimits, compile_candidate, verify_candidate
-from kf.evaluation.audit import audit_task
-from kf.evaluation.compare import compare_outputs
-from kf.evaluation.timing_checks import cache_suspected, timer_disagreement
-from kf.evaluation.tolerance import Tolerance, declared, resolve
-from kf.evaluation.variants import derived_shapes
+from kf.evaluation import RunnerPool, compile_candidate, verify_candidate
+from kf.evaluation.grader import buildlimits
+from kf.evaluation.grader.audit import audit_task
+from kf.evaluation.grader.timing_checks import cache_suspected, timer_disagreement
+from kf.evaluation.runner.compare import compare_outputs
+from kf.evaluation.runner.variants import derived_shapes
+from kf.evaluation.wire.tolerance import Tolerance, declared, resolve
 from kf.tasks import load_task
 from tests.harness import run_kf
 

@@ -69,7 +69,7 @@ _original: Callable[..., Any] | None = None
 #: Set by kf's runner inside its box (``$KF_BUILD_SERVICE``): builds an extension through
 #: the grader (``(arguments, environment) -> folder``), which runs the build in a box of
 #: its own, within its own build limit, and publishes it in the shared cache under the key
-#: it computed itself (:func:`kf.evaluation.builds.build_inline`); raises
+#: it computed itself (:func:`kf.evaluation.grader.builds.build_inline`); raises
 #: ``kf.native.NativeCompileError``. Without it, each runner box would build every
 #: candidate again into its own cache.
 remote_builder: Callable[[dict[str, Any], dict[str, Any]], str] | None = None

@@ -25,7 +25,7 @@ made with, ``--pch-dir`` and ``--pch-make``):
 
 Who chooses the two: :func:`kf.cuda.inline.load_inline` (both the cache's
 ``pch/<key>``, unboxed), or, through ``$KF_PCH_DIR`` and ``$KF_PCH_MAKE``, the grader's
-build box (:mod:`kf.evaluation.builds`): the shared cache's folder read-only, and the
+build box (:mod:`kf.evaluation.grader.builds`): the shared cache's folder read-only, and the
 build's private folder to make one in, which
 the grader then publishes under the key it computed itself from the call's flag
 arguments (:func:`kf.cuda.inline.pch_key`). A build can so only ever supply the header

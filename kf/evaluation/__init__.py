@@ -1,5 +1,9 @@
 """Evaluate candidates: compile, verify and profile, each in sandboxed runner processes.
 
+Two packages with a wall between them: :mod:`kf.evaluation.grader` (the agent's side,
+which never runs candidate code) and :mod:`kf.evaluation.runner` (what runs inside a
+box); they share only :mod:`kf.evaluation.wire` (the protocol's structs).
+
 The package's names are imported on first use (PEP 562), so importing one of its
 modules, or an event type that embeds a report, does not load the whole wing.
 """
@@ -10,11 +14,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kf.evaluation.compiling import compile_candidate, compile_session
-    from kf.evaluation.device import DeviceError, parse_device
-    from kf.evaluation.pipeline import evaluate
-    from kf.evaluation.profiling import Timing, profile_candidate, profile_session
-    from kf.evaluation.reports import (
+    from kf.devices import DeviceError, parse_device
+    from kf.evaluation.grader.compiling import compile_candidate, compile_session
+    from kf.evaluation.grader.pipeline import evaluate
+    from kf.evaluation.grader.profiling import Timing, profile_candidate, profile_session
+    from kf.evaluation.grader.reports import (
         FAILURE_KINDS,
         CompileReport,
         EvalResult,
@@ -22,32 +26,32 @@ if TYPE_CHECKING:
         TrialEvidence,
         VerifyReport,
     )
-    from kf.evaluation.sandbox import Limits, RunnerPool, default_pool
-    from kf.evaluation.session import GradingSession
-    from kf.evaluation.verifying import verify_candidate, verify_session
+    from kf.evaluation.grader.sandbox import Limits, RunnerPool, default_pool
+    from kf.evaluation.grader.session import GradingSession
+    from kf.evaluation.grader.verifying import verify_candidate, verify_session
 
 #: each public name and the module that defines it
 _WHERE = {
-    "compile_candidate": "compiling",
-    "compile_session": "compiling",
-    "DeviceError": "device",
-    "parse_device": "device",
-    "evaluate": "pipeline",
-    "Timing": "profiling",
-    "profile_candidate": "profiling",
-    "profile_session": "profiling",
-    "FAILURE_KINDS": "reports",
-    "CompileReport": "reports",
-    "EvalResult": "reports",
-    "ProfileReport": "reports",
-    "TrialEvidence": "reports",
-    "VerifyReport": "reports",
-    "Limits": "sandbox",
-    "RunnerPool": "sandbox",
-    "default_pool": "sandbox",
-    "GradingSession": "session",
-    "verify_candidate": "verifying",
-    "verify_session": "verifying",
+    "compile_candidate": "kf.evaluation.grader.compiling",
+    "compile_session": "kf.evaluation.grader.compiling",
+    "DeviceError": "kf.devices",
+    "parse_device": "kf.devices",
+    "evaluate": "kf.evaluation.grader.pipeline",
+    "Timing": "kf.evaluation.grader.profiling",
+    "profile_candidate": "kf.evaluation.grader.profiling",
+    "profile_session": "kf.evaluation.grader.profiling",
+    "FAILURE_KINDS": "kf.evaluation.grader.reports",
+    "CompileReport": "kf.evaluation.grader.reports",
+    "EvalResult": "kf.evaluation.grader.reports",
+    "ProfileReport": "kf.evaluation.grader.reports",
+    "TrialEvidence": "kf.evaluation.grader.reports",
+    "VerifyReport": "kf.evaluation.grader.reports",
+    "Limits": "kf.evaluation.grader.sandbox",
+    "RunnerPool": "kf.evaluation.grader.sandbox",
+    "default_pool": "kf.evaluation.grader.sandbox",
+    "GradingSession": "kf.evaluation.grader.session",
+    "verify_candidate": "kf.evaluation.grader.verifying",
+    "verify_session": "kf.evaluation.grader.verifying",
 }
 
 __all__ = [
@@ -78,7 +82,7 @@ def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'kf.evaluation' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"kf.evaluation.{module}"), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

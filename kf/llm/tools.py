@@ -192,7 +192,7 @@ def run_device_tool(
     runner that could not start is a reply with ``error`` set.
     """
     from kf.evaluation import compile_candidate, profile_candidate, verify_candidate
-    from kf.evaluation.counters import collect_counters
+    from kf.evaluation.grader.counters import collect_counters
     from kf.tasks import Task, TaskError
 
     t0 = time.monotonic()

@@ -1,0 +1,85 @@
+"""The ``torch.compile`` baseline: whether it is wanted, its limits and cache, and its
+compilation in the reference runner.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kf.evaluation.grader import baseline_settings
+from kf.evaluation.grader.grading import _ref_key, log
+from kf.evaluation.grader.sandbox import RunnerCrashed, RunnerFailed, RunnerHandle, RunnerTimeout
+from kf.evaluation.wire.protocol import BaselineCompiled, CompileBaseline
+from kf.settings import current
+from kf.tasks import Task
+
+
+def compile_baseline_wanted() -> bool:
+    """Whether profiles also time the reference under ``torch.compile``
+    (``$KF_COMPILE_BASELINE``, default on; ``0`` turns it off)."""
+    return current().compile_baseline
+
+
+def _compile_timeout_s() -> float:
+    """How long one ``torch.compile`` of a reference may take (``$KF_COMPILE_BASELINE_TIMEOUT_S``,
+    default 600 s); it does not count against the profile's own timeout."""
+    return current().compile_baseline_timeout_s
+
+
+def _inductor_cache_dir() -> str | None:
+    """Where reference runners keep inductor's caches: ``$KF_CACHE_DIR/inductor`` (or
+    ``~/.cache/kf/inductor``), so a fresh reference runner recompiles a task's reference
+    from the cache in about a second; None (the runner's own scratch directory, lost
+    with it) with ``$KF_COMPILE_CACHE=0``, and None when ``$TORCHINDUCTOR_CACHE_DIR``
+    is set (runners inherit it)."""
+    if not current().compile_cache:
+        return None
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return None
+    from kf.evaluation.grader.box import unsafe_requested
+
+    if not unsafe_requested():
+        # boxed runners see the shared cache read-only, and a cache every runner could
+        # write would let a candidate plant pickles for the next reference runner: inside
+        # the box inductor compiles into the runner's own scratch, lost with it
+        return None
+    return os.path.join(current().cache_dir, "inductor")
+
+
+class _BaselineLost(Exception):
+    """The reference runner died or hung compiling or timing the compiled reference."""
+
+
+# baseline compiles that killed or hung their runner, per reference key and seed: not
+# tried again in this process
+_baseline_lost: dict[str, str] = {}
+
+
+def _compile_baseline(
+    task: Task, ref: RunnerHandle, device: str, seed: int, want: bool
+) -> BaselineCompiled:
+    """Have the reference runner compile the reference for its current inputs (or find it
+    compiled): its reply, with ``error`` set when there is no compiled baseline."""
+    if not want:
+        return BaselineCompiled(error="turned off by $KF_COMPILE_BASELINE=0")
+    lost_key = f"{_ref_key(task, device)}:{seed}"
+    if lost_key in _baseline_lost:
+        return BaselineCompiled(error=_baseline_lost[lost_key], cached=True)
+    try:
+        reply = ref.request(
+            CompileBaseline(cache_dir=_inductor_cache_dir(), mode=baseline_settings.compile_mode()),
+            _compile_timeout_s(),
+            what="torch.compile of the reference",
+        )
+    except (RunnerTimeout, RunnerCrashed) as exc:
+        why = f"torch.compile of the reference lost its runner: {exc}"
+        _baseline_lost[lost_key] = why
+        log.warning("compile_baseline_lost", task=task.name, error=why)
+        raise _BaselineLost(why) from exc
+    except RunnerFailed as exc:
+        return BaselineCompiled(error=f"torch.compile of the reference failed: {exc}")
+    if reply.error:
+        log.info("compile_baseline_failed", task=task.name, error=reply.error)
+    elif not reply.cached:
+        log.info("compile_baseline_compiled", task=task.name, seconds=reply.compile_s)
+    return reply

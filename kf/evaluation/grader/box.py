@@ -1,0 +1,350 @@
+"""The box every runner process starts in: bubblewrap (``bwrap``), not a hand-rolled one.
+
+A runner is started as ``bwrap <options> -- python -P -m kf.evaluation.runner FD 0``
+with (see docs/sandbox.md for the why of each):
+
+- its own user, PID, network, IPC, UTS and cgroup namespaces (``--unshare-all``), uid
+  and gid 65534 inside, ``--die-with-parent`` and ``--new-session``: nothing the
+  candidate starts outlives the runner, and it has no network (not even loopback that
+  reaches the host's);
+- a mount namespace built from nothing: an empty, read-only root holding only what the
+  runner needs, bound read-only (the system directories, a few files of ``/etc``, the
+  Python installation, kf's own package, the shared build cache, GPU device nodes);
+  the run's log, the user's home, the repository, ``/tmp`` and other processes are not
+  there;
+- one writable place: the scratch folder, a tmpfs of ``$KF_SANDBOX_SCRATCH_MB`` (1024)
+  MiB at the same path as the runner's host-side folder (its cwd, ``$HOME``,
+  ``$TMPDIR`` and ``/tmp``), plus a small ``/dev/shm``; it vanishes with the box;
+- an environment reduced to an allow-list (``--clearenv`` and ``--setenv``): no
+  token or key of kf's reaches a candidate.
+
+Where the box cannot be set up (no bwrap, or its start-up probe fails, e.g. because
+user namespaces are unavailable), :func:`mode` raises :class:`SandboxUnavailable`
+with a one-line reason, unless ``$KF_UNSAFE_NO_SANDBOX=1`` asks for runners without
+the box; every stage report then says ``sandbox="unsafe-no-sandbox"`` and carries an
+``unsandboxed`` flag. ``$KF_BWRAP`` names the bwrap binary (e.g. one unpacked from the
+Debian package with ``dpkg -x``); otherwise ``bwrap`` is looked up on ``PATH``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from kf.evaluation.grader.box_binds import (
+    gpu_binds,
+    kf_package_root,
+    library_folders,
+    pythonpath_folders,
+    readonly_binds,
+    shared_cache,
+    system_binds,
+)
+from kf.evaluation.grader.box_limits import (
+    SandboxUnavailable,
+    in_cgroup,
+    limited,
+    pids_limit,
+    process_limit,
+    sweep_cgroups,
+)
+from kf.settings import SettingError, current
+
+__all__ = [
+    "BOX_UID",
+    "MODE_BWRAP",
+    "MODE_UNSAFE",
+    "UNSANDBOXED_FLAG",
+    "SandboxUnavailable",
+    "bwrap_path",
+    "command",
+    "environment",
+    "limited",
+    "mode",
+    "pids_limit",
+    "probe",
+    "process_limit",
+    "require",
+    "reset",
+    "sweep_cgroups",
+    "unsafe_requested",
+]
+
+BOX_UID = 65534
+MODE_BWRAP = "bwrap"
+MODE_UNSAFE = "unsafe-no-sandbox"
+#: The flag every stage report of an unsandboxed evaluation carries.
+UNSANDBOXED_FLAG = "unsandboxed: the runners ran outside kf's box (--unsafe-no-sandbox)"
+
+_SCRATCH_MB = 1024
+_SHM_MB = 64
+
+#: Environment variables a runner gets (when set in the grader's environment); the box
+#: sets its own HOME, TMPDIR, USER, LOGNAME, PYTHONPATH and the cache paths.
+ALLOWED_ENV = frozenset(
+    {
+        "PATH",
+        "LANG",
+        "LC_ALL",
+        "LC_CTYPE",
+        "TZ",
+        "LD_LIBRARY_PATH",
+        # compilers and the variables that change what they do (kf.cuda.objcache's key)
+        "CXX",
+        "CC",
+        "CPATH",
+        "C_INCLUDE_PATH",
+        "CPLUS_INCLUDE_PATH",
+        "OBJC_INCLUDE_PATH",
+        "GCC_EXEC_PREFIX",
+        "COMPILER_PATH",
+        "SOURCE_DATE_EPOCH",
+        "NVCC_PREPEND_FLAGS",
+        "NVCC_APPEND_FLAGS",
+        "NVCC_CCBIN",
+        "MAX_JOBS",
+        "KF_BUILD_TIMEOUT_S",
+        # CUDA and PyTorch
+        "CUDA_HOME",
+        "CUDA_PATH",
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "CUDA_MODULE_LOADING",
+        "NVIDIA_VISIBLE_DEVICES",
+        "NVIDIA_DRIVER_CAPABILITIES",
+        "TORCH_CUDA_ARCH_LIST",
+        "TRITON_LIBCUDA_PATH",
+        "TRITON_PTXAS_PATH",
+        # kept off on the H200 machines (KINDS.md): a program must not turn it on
+        "NCCL_NVLS_ENABLE",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+        "NVSHMEM_DISABLE_NVLS",
+        # threads and allocator (set by kf.evaluation.grader.sandbox, or the user's own)
+        "OMP_NUM_THREADS",
+        "OMP_WAIT_POLICY",
+        "OMP_PROC_BIND",
+        "OMP_PLACES",
+        "MKL_NUM_THREADS",
+        "MALLOC_MMAP_THRESHOLD_",
+        "MALLOC_TRIM_THRESHOLD_",
+        "PYTHONUNBUFFERED",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONHASHSEED",
+        # kf's own settings that runner-side code reads
+        "KF_RUNNER_WARM",
+        "KF_OBJCACHE",
+        "KF_OBJCACHE_LOG",
+        "KF_CUDA_ARCH",
+        "KF_CUDA_REPORT",
+    }
+)
+# Never passed, whatever an allow-list says (``$KF_SANDBOX_ENV`` included).
+_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "API_KEY", "NKEY")
+
+_lock = threading.Lock()
+_probed: dict[str, str | None] = {}
+
+
+def unsafe_requested() -> bool:
+    """Whether ``$KF_UNSAFE_NO_SANDBOX=1`` asks for runners without the box."""
+    return current().unsafe_no_sandbox
+
+
+def bwrap_path() -> str | None:
+    """``$KF_BWRAP`` when set (even if it does not exist: the probe says so), else
+    ``bwrap`` on ``PATH``, else None."""
+    given = current().bwrap
+    if given:
+        return given
+    return shutil.which("bwrap")
+
+
+def _megabytes(name: str, default: int) -> int:
+    try:
+        mb = current().megabytes(name)
+    except SettingError as exc:
+        raise SandboxUnavailable(str(exc)) from exc
+    return default if mb is None else mb
+
+
+def scratch_bytes() -> int:
+    """The size of a box's scratch tmpfs: ``$KF_SANDBOX_SCRATCH_MB`` MiB (1024)."""
+    return _megabytes("KF_SANDBOX_SCRATCH_MB", _SCRATCH_MB) << 20
+
+
+def _allowed(name: str) -> bool:
+    upper = name.upper()
+    return not any(word in upper for word in _SECRET_WORDS)
+
+
+def environment(base: Mapping[str, str], scratch: Path, extra: Mapping[str, str]) -> dict[str, str]:
+    """The runner's environment: the allow-listed names of ``base``, the names listed
+    in ``$KF_SANDBOX_ENV`` (comma-separated, never one that looks like a secret), the
+    box's own paths, then ``extra``."""
+    names = set(ALLOWED_ENV)
+    names |= set(current().sandbox_env)
+    env = {k: v for k, v in base.items() if k in names and _allowed(k)}
+    cache = shared_cache()
+    env.update(
+        HOME=str(scratch),
+        TMPDIR=str(scratch),
+        USER="nobody",
+        LOGNAME="nobody",
+        PYTHONPATH=os.pathsep.join(map(str, [kf_package_root(), *pythonpath_folders()])),
+        # the box's own build caches (writable, gone with it); the shared one is read-only
+        KF_CACHE_DIR=str(scratch / ".kf-cache"),
+        TORCH_EXTENSIONS_DIR=str(scratch / ".torch_extensions"),
+    )
+    if cache is not None:
+        env["KF_CACHE_SHARED"] = str(cache)
+    if "LD_LIBRARY_PATH" in env:  # only the folders whose libraries the box has
+        bound = library_folders(env["LD_LIBRARY_PATH"])
+        env["LD_LIBRARY_PATH"] = ":".join(map(str, bound))
+        if not bound:
+            del env["LD_LIBRARY_PATH"]
+    env.update({k: v for k, v in extra.items() if _allowed(k)})
+    return env
+
+
+def command(
+    *,
+    python: str,
+    scratch: Path,
+    log_path: Path | None,
+    env: Mapping[str, str],
+    ro_paths: Sequence[str] = (),
+    rw_paths: Sequence[str] = (),
+    bwrap: str | None = None,
+) -> list[str]:
+    """bwrap's argv up to ``--``, for a runner whose scratch folder is ``scratch`` (its
+    host-side folder, holding ``log_path``, the runner's output, which stays writable
+    in the box; none for a build box) and whose environment is ``env``; ``ro_paths``
+    and ``rw_paths`` are bound in besides (a tool such as ncu, its output folder)."""
+    exe = bwrap or bwrap_path()
+    if exe is None:
+        raise SandboxUnavailable("bubblewrap (bwrap) is not installed")
+    args = [
+        *in_cgroup(),
+        exe,
+        "--unshare-all",
+        "--die-with-parent",
+        "--new-session",
+        "--uid",
+        str(BOX_UID),
+        "--gid",
+        str(BOX_UID),
+        "--hostname",
+        "kf-box",
+        "--clearenv",
+    ]
+    for key, value in sorted(env.items()):
+        args += ["--setenv", key, value]
+    system_binds(args)
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    args += ["--size", str(_megabytes("KF_SANDBOX_SHM_MB", _SHM_MB) << 20), "--tmpfs", "/dev/shm"]
+    gpu_binds(args)
+    # the one writable place: /tmp, a size-limited tmpfs holding the scratch folder (or
+    # the scratch folder itself, with /tmp a link to it, when it is elsewhere); mounted
+    # before the read-only binds, so that one under /tmp (a test's cache) stays visible
+    size = str(scratch_bytes())
+    if scratch.is_relative_to("/tmp"):
+        args += ["--size", size, "--tmpfs", "/tmp", "--dir", str(scratch)]
+    else:
+        args += ["--size", size, "--tmpfs", str(scratch), "--symlink", str(scratch), "/tmp"]
+    for path in readonly_binds(python, ro_paths):
+        args += ["--ro-bind", str(path), str(path)]
+    if log_path is not None:
+        args += ["--bind", str(log_path), str(log_path)]
+    for rw in rw_paths:
+        args += ["--bind", rw, rw]
+    args += ["--chdir", str(scratch), "--remount-ro", "/"]
+    return args
+
+
+def _probe_now(exe: str) -> str | None:
+    """Start one box as a runner would and check what is inside; None when it works."""
+    if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
+        return f"bubblewrap not found at {exe}"
+    scratch = Path(tempfile.mkdtemp(prefix="kf-box-probe-"))
+    try:
+        log_path = scratch / "runner.log"
+        log_path.touch()
+        env = environment(os.environ, scratch, {})
+        argv = command(
+            python=sys.executable, scratch=scratch, log_path=log_path, env=env, bwrap=exe
+        )
+        check = (
+            "import os, socket\n"
+            f"assert os.getuid() == {BOX_UID}, os.getuid()\n"
+            "import kf.evaluation.wire.protocol\n"
+            "s = socket.socket(); s.settimeout(1)\n"
+            "try:\n"
+            "    s.connect(('127.0.0.1', 9)); print('net')\n"
+            "except OSError:\n"
+            "    pass\n"
+            "print('ok', os.getpid())\n"
+        )
+        try:
+            done = subprocess.run(
+                [*argv, "--", sys.executable, "-P", "-c", check],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{exe} could not run: {exc}"
+        out = done.stdout.split()
+        if done.returncode != 0 or out[:1] != ["ok"] or "net" in out:
+            why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            if "net" in out:
+                why = "the box's network namespace reached 127.0.0.1"
+            return f"{exe} failed its start-up probe: {why}"
+        if out[1:2] != ["2"]:  # pid 1 is bwrap's init in the box's own PID namespace
+            return f"{exe} started no PID namespace (the runner's pid is {out[1:2]})"
+        return None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def probe() -> str | None:
+    """Why the box cannot be set up here, or None when it can (probed once per bwrap)."""
+    exe = bwrap_path()
+    if exe is None:
+        return "bubblewrap (bwrap) is not installed"
+    with _lock:
+        if exe not in _probed:
+            _probed[exe] = _probe_now(exe)
+        return _probed[exe]
+
+
+def reset() -> None:
+    """Forget earlier probes (after ``$KF_BWRAP`` or ``PATH`` changed)."""
+    with _lock:
+        _probed.clear()
+
+
+def mode() -> str:
+    """``"bwrap"`` when runners start in the box; ``"unsafe-no-sandbox"`` when
+    ``$KF_UNSAFE_NO_SANDBOX=1`` asks for none; else :class:`SandboxUnavailable`."""
+    if unsafe_requested():
+        return MODE_UNSAFE
+    why = probe()
+    if why is None:
+        return MODE_BWRAP
+    raise SandboxUnavailable(
+        f"refusing to evaluate: the runner sandbox cannot be set up ({why}); install "
+        "bubblewrap (apt-get install bubblewrap) or point KF_BWRAP at a bwrap binary, or "
+        "evaluate without it, marked, with --unsafe-no-sandbox (KF_UNSAFE_NO_SANDBOX=1)"
+    )
+
+
+def require() -> str:
+    """:func:`mode`, for a command to call before it starts evaluating."""
+    return mode()

@@ -1,0 +1,447 @@
+"""Trusted builds for boxed runners: the grader compiles a candidate's C++ in a box of its own.
+
+Inside kf's runner box the shared build cache is read-only, so no candidate can put a
+library under a key that another build will load (docs/sandbox.md). So that candidates
+still share builds, :func:`kf.native.build` in a boxed runner asks the grader over the
+runner's socket (:class:`~kf.evaluation.wire.protocol.BuildNative`, answered with
+:class:`~kf.evaluation.wire.protocol.Built`), and
+:func:`build_native` here:
+
+1. computes the key itself (:func:`kf.native.build_key`), from the source, flags and
+   defines it was sent, and answers at once when the cache has it;
+2. otherwise writes the source into a fresh folder of its own under the cache and runs
+   the compiler in a *build box*: the runner box's read-only view of the system, no
+   network, uid 65534, an allow-listed environment, that folder the one writable place
+   besides a tmpfs; the cache itself is read-only there too;
+3. accepts only a plain file as the result and moves it to ``<key>.so``.
+
+Whatever the compiler does (a candidate controls its flags, and ``-wrapper`` or a plugin
+runs programs), its output can only ever land under the key of the very inputs it was
+given: a candidate can fill the entry for its own build, never another's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from kf.evaluation.grader import box
+
+__all__ = [
+    "MAX_BUILDS_PER_RUNNER",
+    "OUTPUT_CAP_BYTES",
+    "build_native",
+    "cap_text",
+    "run_capped",
+    "while_wanted",
+]
+
+#: builds one runner may ask for (a candidate that asks for more is refused)
+MAX_BUILDS_PER_RUNNER = 32
+#: the most of a build's output the grader keeps (head and tail, half each): 1.5 GB of
+#: compiler output once took ``kf run`` from 30 MB to 4.4 GB of memory
+OUTPUT_CAP_BYTES = 1 << 20
+_LOG = 20_000
+
+
+def _failed(error: str, log: str = "") -> dict[str, Any]:
+    return {"ok": False, "error": error, "log": cap_text(log, _LOG)}
+
+
+def cap_text(text: str, limit: int) -> str:
+    """``text`` cut to its first and last ``limit // 2`` characters, saying how many went."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    dropped = len(text) - 2 * half
+    return f"{text[:half]}\n[... {dropped} characters dropped ...]\n{text[-half:]}"
+
+
+class _Capture:
+    """The head and tail of a stream, at most ``limit`` bytes, and how much was dropped."""
+
+    def __init__(self, limit: int) -> None:
+        self.half = max(1, limit // 2)
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.dropped = 0
+
+    def add(self, chunk: bytes) -> None:
+        room = self.half - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        self.tail += chunk
+        if len(self.tail) > 2 * self.half:  # trimmed in batches: no copy per chunk
+            cut = len(self.tail) - self.half
+            self.dropped += cut
+            del self.tail[:cut]
+
+    def text(self) -> str:
+        if len(self.tail) > self.half:
+            cut = len(self.tail) - self.half
+            self.dropped += cut
+            del self.tail[:cut]
+        head = self.head.decode("utf-8", "replace")
+        tail = self.tail.decode("utf-8", "replace")
+        if not self.dropped:
+            return head + tail
+        return f"{head}\n[... {self.dropped} bytes of output dropped ...]\n{tail}"
+
+
+def run_capped(
+    argv: Sequence[str],
+    *,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    input_text: str | None = None,
+    limit: int = OUTPUT_CAP_BYTES,
+) -> tuple[int | None, str]:
+    """Run ``argv`` with its stdout and stderr read into at most ``limit`` bytes (the
+    head and the tail, and a line saying how much was dropped between them): its exit
+    status (None when it ran past ``timeout_s`` and was killed) and that output."""
+    proc = subprocess.Popen(
+        list(argv),
+        stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    capture = _Capture(limit)
+    assert proc.stdout is not None
+    stdout = proc.stdout
+
+    def read() -> None:
+        while chunk := os.read(stdout.fileno(), 1 << 20):
+            capture.add(chunk)
+
+    reader = threading.Thread(target=read, name="kf-build-output", daemon=True)
+    reader.start()
+    try:
+        if input_text is not None and proc.stdin is not None:
+            with proc.stdin:
+                proc.stdin.write(input_text.encode())
+        code: int | None = _wait(proc, timeout_s)
+    except (subprocess.TimeoutExpired, BrokenPipeError):
+        code = proc.poll()
+        if code is None:
+            proc.kill()
+            proc.wait()
+    reader.join()
+    stdout.close()
+    return code, capture.text()
+
+
+_wanted = threading.local()
+
+
+@contextlib.contextmanager
+def while_wanted(wanted: Callable[[], bool]) -> Iterator[None]:
+    """Builds this thread starts in the block are killed as soon as ``wanted()`` is False
+    (the runner that asked for one died: its stage must not wait for the build)."""
+    _wanted.check = wanted
+    try:
+        yield
+    finally:
+        _wanted.check = None
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """``proc.wait(timeout_s)``, the build killed (TimeoutExpired) once it is not wanted."""
+    check: Callable[[], bool] | None = getattr(_wanted, "check", None)
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            return proc.wait(max(0.0, min(0.5, end - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= end or (check is not None and not check()):
+                raise
+
+
+def build_native(
+    source: str, flags: list[str], defines: dict[str, str], timeout_s: float
+) -> dict[str, Any]:
+    """Build a ``kf.native`` library into the grader's cache: ``{"ok": True, "path": ...}``
+    or ``{"ok": False, "error": ..., "log": ...}`` (the compiler's output)."""
+    from kf import native
+    from kf.evaluation.grader.buildlimits import build_timeout_s
+
+    timeout_s = min(float(timeout_s), build_timeout_s())  # the runner asks; kf's limit caps
+    try:
+        key, cxx, argv = native.build_key(source, flags=flags, defines=defines)
+    except native.NativeCompileError as exc:
+        return _failed(str(exc).splitlines()[0], exc.log)
+    root = native.cache_dir()
+    lib = root / f"{key}.so"
+    if lib.exists():
+        return {"ok": True, "path": str(lib), "cached": True}
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists():
+            return {"ok": True, "path": str(lib), "cached": True}
+        work = Path(tempfile.mkdtemp(dir=root, prefix=f"{key}.build-"))
+        try:
+            return _compile(source, cxx, argv, work, lib, timeout_s)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _compile(
+    source: str, cxx: str, argv: list[str], work: Path, lib: Path, timeout_s: float
+) -> dict[str, Any]:
+    src, out = work / "kernel.cpp", work / "kernel.so"
+    src.write_text(source)
+    scratch = Path(tempfile.gettempdir()) / "kf-build"  # inside the box only (a tmpfs)
+    prefix = box.command(
+        python=sys.executable,
+        scratch=scratch,
+        log_path=None,
+        env=box.environment(os.environ, scratch, {}),
+        rw_paths=(str(work),),
+    )
+    code, log = run_capped(
+        [*prefix, "--", *box.limited([cxx, *argv, str(src), "-o", str(out)])],
+        timeout_s=timeout_s,
+        env={"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"},
+    )
+    if code is None:
+        return _failed(f"{cxx} timed out after {timeout_s:.0f}s", log)
+    if code != 0:
+        return _failed(f"{cxx} exited with status {code}", log)
+    try:
+        made = os.lstat(out)
+    except OSError:
+        return _failed(f"{cxx} wrote no library", log)
+    if not stat.S_ISREG(made.st_mode):
+        return _failed("the build's output is not a plain file", log)
+    os.chmod(out, 0o644)
+    os.replace(out, lib)
+    return {"ok": True, "path": str(lib), "cached": False}
+
+
+#: What runs in the build box for a ``load_inline`` extension: kf's own content-addressed
+#: ``load_inline``, into the build's private cache folder (``$KF_CACHE_DIR``).
+_INLINE_SCRIPT = """
+import json, sys
+from kf.cuda import inline
+inline.load_inline(**json.loads(sys.stdin.read()))
+"""
+
+#: ``TORCH_CUDA_ARCH_LIST``'s syntax: versions such as ``9.0``, ``9.0a``, ``10.0f`` or
+#: ``8.6+PTX``, separated by spaces or semicolons
+_ARCH = re.compile(r"[0-9]+\.[0-9]+[a-z]?(\+PTX)?([ ;][0-9]+\.[0-9]+[a-z]?(\+PTX)?)*")
+
+
+def _own_toolchain() -> dict[str, Any]:
+    """What :func:`kf.cuda.inline._environment` gives in this process, without touching
+    the GPU (the architecture is the runner's to say; it is checked, then used)."""
+    import torch
+
+    return {
+        "torch": str(torch.__version__),
+        "cuda": str(torch.version.cuda),
+        "python": sys.version.split()[0],
+        "cxx": os.environ.get("CXX", "c++"),
+    }
+
+
+def build_inline(
+    arguments: dict[str, Any], environment: dict[str, Any], timeout_s: float
+) -> dict[str, Any]:
+    """Build a boxed runner's ``load_inline`` extension into the grader's cache:
+    ``{"ok": True, "path": <folder>}`` or ``{"ok": False, "error": ..., "log": ...}``.
+
+    The key is computed here from the arguments and the toolchain the runner reported;
+    the toolchain must be this process's own (the same interpreter and PyTorch) and the
+    architecture a plain list of versions, and the build box is given exactly those, so
+    whatever the build does can only land under the key of the inputs it was given.
+    """
+    from kf.cuda import inline
+
+    own = _own_toolchain()
+    theirs = {k: environment.get(k) for k in own}
+    if theirs != own:
+        return _failed(f"the runner's toolchain {theirs} is not the grader's {own}")
+    arch = environment.get("arch")  # None: a host without CUDA (a C++ extension)
+    if arch is not None and (not isinstance(arch, str) or not _ARCH.fullmatch(arch)):
+        return _failed(f"malformed CUDA architecture {arch!r}")
+    if "name" not in arguments or set(arguments) & {"build_directory", "verbose"}:
+        return _failed("malformed load_inline arguments")
+    refused = _refused_inline_flag(arguments)
+    if refused:
+        return _failed(f"load_inline: {refused}")
+    try:  # the runner keys the call with PyTorch's defaults filled in: so does this
+        arguments = inline.build_material(inline.bound_arguments(**arguments))
+    except TypeError as exc:
+        return _failed(f"malformed load_inline arguments: {exc}")
+    env = {**own, "arch": arch}
+    key = inline.cache_key(arguments, env)
+    module_name = inline._module_name(str(arguments["name"]), inline.binding_key(arguments, env))
+    root = inline.cache_dir()
+    final = root / key
+    if (final / f"{module_name}.so").exists():
+        return {"ok": True, "path": str(final), "cached": True, "log": ""}
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / f"{module_name}.so").exists():
+            return {"ok": True, "path": str(final), "cached": True, "log": ""}
+        work = Path(tempfile.mkdtemp(dir=root, prefix=f"{key}.build-"))
+        try:
+            with _pch_folders(arguments, env, work) as pch_env:
+                return _build_inline(
+                    arguments, arch, work, final, key, module_name, timeout_s, pch_env
+                )
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+_pch_lock = threading.Lock()
+_pch_making: set[str] = set()
+
+
+@contextlib.contextmanager
+def _pch_folders(
+    arguments: dict[str, Any], env: dict[str, Any], work: Path
+) -> Iterator[dict[str, str]]:
+    """The build box's ``KF_PCH_DIR``/``KF_PCH_MAKE`` (:mod:`kf.cuda.pch`): the shared
+    cache's ``pch/<pch>`` read-only, and, for the one build at a time that makes the
+    header of a key the cache lacks, a folder in its own ``work`` to make it in, which is
+    published afterwards under the key computed here from the call's flag arguments and
+    the toolchain ``env``: only the ``.gch`` file is taken, the link beside it is made
+    here."""
+    from kf.cuda import inline
+    from kf.cuda import pch as pch_mod
+
+    if not inline.pch_wanted(arguments):
+        yield {"KF_PCH": "0"}  # the box would otherwise decide by its own default
+        return
+    pch = inline.pch_key(arguments, env)
+    shared = inline.cache_root() / "pch" / pch
+    box_env = {"KF_PCH_DIR": str(shared)}
+    with _pch_lock:
+        maker = not pch_mod.usable(shared) and pch not in _pch_making
+        if maker:
+            _pch_making.add(pch)
+    made = work / "pch" / pch
+    if maker:
+        box_env["KF_PCH_MAKE"] = str(made)
+    try:
+        yield box_env
+        if maker and pch_mod.usable(made) and not pch_mod.usable(shared):
+            _publish_pch(made, shared)
+    finally:
+        if maker:
+            with _pch_lock:
+                _pch_making.discard(pch)
+
+
+def _publish_pch(made: Path, shared: Path) -> None:
+    import torch.utils.cpp_extension as ext
+
+    from kf.cuda import pch as pch_mod
+
+    gch = made / pch_mod.GCH
+    # the link beside the header is the grader's own, to PyTorch's header: never the box's
+    found = [Path(d) / pch_mod.HEADER for d in ext.include_paths()]
+    real = next((path for path in found if path.is_file()), None)
+    try:
+        if real is None or not stat.S_ISREG(os.lstat(gch).st_mode):
+            return
+    except OSError:
+        return
+    try:
+        shared.parent.mkdir(parents=True, exist_ok=True)
+        temp = Path(tempfile.mkdtemp(dir=shared.parent, prefix=".publish-"))
+    except OSError:
+        return
+    try:
+        (temp / "torch").mkdir()
+        os.replace(gch, temp / pch_mod.GCH)
+        (temp / pch_mod.HEADER).symlink_to(real)
+        (temp / pch_mod.MARK).write_text("ok")
+        for path in (temp, temp / "torch", temp / pch_mod.GCH, temp / pch_mod.MARK):
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        os.replace(temp, shared)
+    except OSError:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _refused_inline_flag(arguments: dict[str, Any]) -> str | None:
+    """Why one of a ``load_inline`` call's compiler or linker flags is refused, or None."""
+    from kf import native
+
+    for name in ("extra_cflags", "extra_cuda_cflags", "extra_sycl_cflags", "extra_ldflags"):
+        flags = arguments.get(name) or []
+        for flag in [flags] if isinstance(flags, str) else flags:
+            why = native.refused_flag(str(flag))
+            if why:
+                return why
+    return None
+
+
+def _build_inline(
+    arguments: dict[str, Any],
+    arch: str | None,
+    work: Path,
+    final: Path,
+    key: str,
+    module_name: str,
+    timeout_s: float,
+    pch_env: dict[str, str],
+) -> dict[str, Any]:
+    import json
+
+    scratch = Path(tempfile.gettempdir()) / "kf-build"  # inside the box only (a tmpfs)
+    extra = {
+        "KF_CACHE_DIR": str(work),
+        "TORCH_EXTENSIONS_DIR": str(work / "torch_extensions"),
+        **({"TORCH_CUDA_ARCH_LIST": arch} if arch is not None else {}),
+        "CXX": os.environ.get("CXX", "c++"),
+        "KF_CACHE_SHARED": "",
+        **pch_env,
+    }
+    prefix = box.command(
+        python=sys.executable,
+        scratch=scratch,
+        log_path=None,
+        env=box.environment(os.environ, scratch, extra),
+        rw_paths=(str(work),),
+    )
+    code, log = run_capped(
+        [*prefix, "--", *box.limited([sys.executable, "-P", "-c", _INLINE_SCRIPT])],
+        timeout_s=timeout_s,
+        input_text=json.dumps(arguments),
+        env={"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"},
+    )
+    if code is None:
+        return _failed(f"the load_inline build timed out after {timeout_s:.0f}s", log)
+    if code != 0:
+        return _failed(f"the load_inline build exited with status {code}", log)
+    built = work / "cuda_ext" / key
+    if not (built / f"{module_name}.so").is_file():
+        left = sorted(p.name for p in (work / "cuda_ext").glob("*"))
+        return _failed(
+            f"the load_inline build left no {module_name}.so under its key {key} (it left {left})",
+            log,
+        )
+    for path in built.rglob("*"):
+        mode = os.lstat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            return _failed(f"the build left {path.name}, which is not a plain file", log)
+    for path in (built, *built.rglob("*")):
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(built, final)
+    return {"ok": True, "path": str(final), "cached": False, "log": cap_text(log, _LOG)}

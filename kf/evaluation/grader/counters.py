@@ -1,0 +1,131 @@
+"""Hardware counters: the profiled call run once more under Nsight Compute."""
+
+from __future__ import annotations
+
+import time
+
+from kf.evaluation.grader import box
+from kf.evaluation.grader.grading import _CandidateFailed
+from kf.evaluation.grader.reports import CountersReport
+from kf.evaluation.grader.sandbox import Limits, RunnerError, RunnerHandle, RunnerPool
+from kf.evaluation.grader.session import GradingSession, Stage
+from kf.evaluation.wire.protocol import Counters
+from kf.tasks import Task
+
+#: how long the counters of one candidate may take by default (ncu replays each kernel)
+COUNTERS_TIMEOUT_S = 300.0
+
+
+def collect_counters(
+    task: Task,
+    source: str,
+    *,
+    device: str,
+    seed: int = 0,
+    timeout_s: float = COUNTERS_TIMEOUT_S,
+    limits: Limits | None = None,
+    pool: RunnerPool | None = None,
+) -> CountersReport:
+    """Nsight Compute's counters for one forward call of a (verified) candidate.
+
+    The candidate runs in a runner started under ``ncu`` (:mod:`kf.cuda.ncu`), inside
+    the runner's box, after a forward call checked against the reference as in every
+    stage. ncu is never run outside the box: where the driver lets only administrators
+    read counters, the report says so. Unboxed runners (``--unsafe-no-sandbox``) try
+    once outside their network namespace instead, and the report says that. Call it
+    with the device to itself: ncu replays each kernel.
+    """
+    session = GradingSession(
+        task, source, device=device, seed=seed, pool=pool, limits=limits or Limits(),
+        timeout_s=timeout_s,
+    )  # fmt: skip
+    return counters_session(session)
+
+
+def counters_session(session: GradingSession) -> CountersReport:
+    """:func:`collect_counters` of the session's candidate."""
+    stage = Stage(session)
+    return stage.sandboxed(_counters(stage))
+
+
+def _counters(stage: Stage) -> CountersReport:
+    """:func:`counters_session` in ``stage``."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from kf.cuda import ncu
+
+    device, pool = stage.device, stage.session.runners
+    start = time.monotonic()
+    tool = ncu.find_ncu()
+    if not device.startswith("cuda") or tool is None:
+        why = "not a CUDA device" if tool else "ncu (Nsight Compute) was not found"
+        return CountersReport(ok=False, error=why, device=device)
+    version = ncu.version(tool)
+    folder = Path(tempfile.mkdtemp(prefix="kf-ncu-"))
+    try:
+        for isolate in (True, False):
+            log_file = folder / f"ncu-{int(isolate)}.csv"
+            stage.restart_clock()
+            cand = RunnerHandle(
+                pool.python,
+                pool.threads,
+                wrapper=ncu.command(tool, str(log_file)),
+                isolate=isolate,
+                ro_paths=(str(Path(tool).resolve().parent),),
+                rw_paths=(str(folder),),
+            )
+            stage.use(cand=cand)
+            boxed = cand.sandbox == box.MODE_BWRAP
+            isolated = cand.isolated_network
+            try:
+                with stage.reference_lease():
+                    _, _, problem = stage.loaded_and_checked()
+                    if problem is not None:
+                        return CountersReport(
+                            ok=False, error=f"wrong output under ncu: {problem[1]}", tool=version,
+                            device=device, duration_s=time.monotonic() - start,
+                        )  # fmt: skip
+                    stage.candidate(Counters(), what="the profiled call")
+                cand.finish(stage.deadline.left())
+            except _CandidateFailed as exc:
+                return CountersReport(
+                    ok=False, error=f"{exc.kind}: {exc.error}", tool=version, device=device,
+                    duration_s=time.monotonic() - start,
+                )  # fmt: skip
+            except RunnerError as exc:  # the runner under ncu did not start or answer
+                if isolated and not boxed:
+                    continue  # ncu may not work inside the namespace: once more outside
+                return CountersReport(
+                    ok=False, error=f"the runner under ncu failed: {exc}; log: "
+                    f"{exc.log_tail[-1500:]}", tool=version, device=device,
+                    duration_s=time.monotonic() - start,
+                )  # fmt: skip
+            finally:
+                tail = cand.log_tail()
+                cand.kill()
+            text = log_file.read_text(errors="replace") if log_file.exists() else ""
+            kernels = ncu.parse(text)
+            if kernels:
+                return CountersReport(
+                    ok=True, tool=version, device=device, kernels=tuple(kernels),
+                    summary=ncu.summarise(kernels), network_isolated=isolated,
+                    duration_s=time.monotonic() - start,
+                )  # fmt: skip
+            if boxed and ncu.permission_refused(text + tail):
+                return CountersReport(
+                    ok=False, error="ncu may not read the GPU's counters inside kf's box (the "
+                    "driver lets only administrators: NVreg_RestrictProfilingToAdminUsers=0 "
+                    "allows everyone)", tool=version, device=device,
+                    duration_s=time.monotonic() - start,
+                )  # fmt: skip
+            if boxed or not (isolated and ncu.permission_refused(text + tail)):
+                break
+        detail = (text.strip() or tail.strip())[-1500:]
+        return CountersReport(
+            ok=False, error=f"ncu measured no kernel: {detail}", tool=version, device=device,
+            duration_s=time.monotonic() - start,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

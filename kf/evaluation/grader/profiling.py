@@ -1,0 +1,352 @@
+"""The profile stage: the candidate and PyTorch eager (and ``torch.compile``) timed
+alternately, with the cross-checks of the timing.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, NamedTuple
+
+import msgspec
+
+from kf.evaluation.grader import baseline_settings
+from kf.evaluation.grader.baseline import (
+    _baseline_lost,
+    _BaselineLost,
+    _compile_baseline,
+    compile_baseline_wanted,
+)
+from kf.evaluation.grader.grading import (
+    _FRESH_SETS,
+    CACHE_SUSPECTED,
+    OUTPUT_CHANGED,
+    TIMER_DISAGREEMENT,
+    _CandidateFailed,
+    _device_lock,
+    _seed_trials,
+    log,
+)
+from kf.evaluation.grader.measuring import (
+    batch_check,
+    cache_again,
+    empty_call,
+    fresh_timing,
+    paired_again,
+    round_trip_ns,
+    turn,
+)
+from kf.evaluation.grader.reports import ProfileReport
+from kf.evaluation.grader.sandbox import (
+    Limits,
+    RunnerCrashed,
+    RunnerFailed,
+    RunnerPool,
+    RunnerTimeout,
+)
+from kf.evaluation.grader.session import GradingSession, Stage
+from kf.evaluation.grader.timing_checks import (
+    REMEASURE,
+    cache_suspected,
+    confirmed,
+    timer_disagreement,
+    timing_stats,
+)
+from kf.evaluation.wire.protocol import Time
+from kf.evaluation.wire.tolerance import Tolerance
+from kf.tasks import Task
+
+
+def profile_candidate(
+    task: Task,
+    source: str,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    warmup: int = 5,
+    min_trials: int = 20,
+    min_time_s: float = 0.5,
+    max_trials: int = 1000,
+    timeout_s: float = 120.0,
+    limits: Limits | None = None,
+    pool: RunnerPool | None = None,
+    compile_baseline: bool | None = None,
+    tolerance: Tolerance | None = None,
+) -> ProfileReport:
+    """Time the candidate, PyTorch eager and the reference under ``torch.compile``
+    alternately, in separate runners (eager and compiled share the candidate-free one),
+    in one session.
+
+    ``compile_baseline`` None follows ``$KF_COMPILE_BASELINE`` (default on). The
+    reference is compiled once per model seed and input shapes in its runner, which
+    later profiles of the task reuse; a compile that fails is recorded in the report
+    (``compile_baseline_error``) and the speed-up is stated against eager only. Raises
+    :class:`TaskError` when the task itself is broken.
+    """
+    session = GradingSession(
+        task, source, device=device, seed=seed, pool=pool, limits=limits or Limits(),
+        timeout_s=timeout_s, tolerance=tolerance,
+    )  # fmt: skip
+    options = Timing(warmup, min_trials, min_time_s, max_trials)
+    return profile_session(session, options, compile_baseline=compile_baseline)
+
+
+class Timing(NamedTuple):
+    """How long a profile times: warm-up calls, then at least ``min_trials`` samples and
+    ``min_time_s`` of the candidate's calls, at most ``max_trials``."""
+
+    warmup: int = 5
+    min_trials: int = 20
+    min_time_s: float = 0.5
+    max_trials: int = 1000
+
+
+def profile_session(
+    session: GradingSession,
+    options: Timing | None = None,
+    *,
+    compile_baseline: bool | None = None,
+) -> ProfileReport:
+    """:func:`profile_candidate` of the session's candidate (``options`` None: :class:`Timing`'s
+    defaults)."""
+    options = options or Timing()
+    stage = Stage(session)
+    want = compile_baseline_wanted() if compile_baseline is None else compile_baseline
+    try:
+        report = _profile(stage, options, want)
+    except _BaselineLost:
+        # the reference runner was lost to torch.compile; the failure is remembered, so
+        # this second session, with fresh runners, times against eager only
+        report = _profile(stage, options, want)
+    return stage.sandboxed(
+        msgspec.structs.replace(
+            report, phases=stage.phases(), peak_device_mb=stage.peak_device_mb()
+        )
+    )
+
+
+def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileReport:
+    """:func:`profile_session` in ``stage``.
+
+    Raises :class:`_BaselineLost` when the reference runner died or hung over the
+    compiled baseline (remembered, so a second call skips it).
+    """
+    session, task, device, seed = stage.session, stage.task, stage.device, stage.session.seed
+    warmup, min_trials, min_time_s, max_trials = options
+    timeout_s = session.timeout_s
+    with (
+        _device_lock(device),
+        stage.reference_lease(trimmed=True) as ref,
+        stage.candidate_lease() as cand,
+    ):
+        if not device.startswith("cuda"):
+            # replacement runners import torch now, not during a CPU timing; CUDA events
+            # time the GPU, which runner start-ups on the host do not slow
+            session.runners.wait_warm()
+        start = time.monotonic()
+        stage.restart_clock()
+        try:
+            made, setup, problem = stage.loaded_and_checked()
+            if problem is not None:
+                return ProfileReport(
+                    ok=False,
+                    failure_kind=problem[0],
+                    error=f"wrong output before timing: {problem[1]}",
+                    device=device,
+                    duration_s=time.monotonic() - start,
+                )
+
+            baseline = _compile_baseline(task, ref, device, seed, compile_baseline)
+            stage.restart_clock()  # the compile had a time limit of its own
+            compiled: dict[str, Any] = {"on": baseline.error is None, "error": baseline.error}
+
+            rtt_ns = min(round_trip_ns(stage) for _ in range(3))
+            # The grader's own wall clock around every timing request of the candidate:
+            # samples forged or shrunk in-process cannot add up to it.
+            # Per request: (calls, wall ms less the round trip, sum of the samples in ms).
+            batches: list[tuple[int, float, float]] = []
+
+            # On a GPU the two runners take turns: each gives its calls' temporaries back
+            # after its turn and allocates them again, untimed, before its next one;
+            # requests of their own, outside the wall clock around the timed ones
+            turns = _takes_turns(device)
+
+            def timed(is_candidate: bool, n: int) -> list[float]:
+                call = stage.candidate if is_candidate else stage.reference
+                with turn(call, turns):
+                    t0 = time.perf_counter_ns()
+                    reply = call(Time(n=n), what=f"timing {n} calls")
+                    samples = [ns / 1e6 for ns in reply.samples_ns]
+                    if is_candidate:
+                        spent = max(0, time.perf_counter_ns() - t0 - rtt_ns) / 1e6
+                        batches.append((len(samples), spent, sum(samples)))
+                return samples
+
+            def timed_compiled(n: int) -> list[float]:
+                """Samples of the compiled reference; none once it has failed."""
+                if not compiled["on"]:
+                    return []
+                try:
+                    with turn(
+                        lambda m: ref.request(m, stage.deadline.left()), turns, compiled=True
+                    ):
+                        reply = ref.request(
+                            Time(n=n, compiled=True),
+                            stage.deadline.left(),
+                            what=f"timing {n} compiled",
+                        )
+                except (RunnerTimeout, RunnerCrashed) as exc:
+                    why = f"the compiled reference lost its runner while timed: {exc}"
+                    _baseline_lost[f"{session.reference_key}:{seed}"] = why
+                    raise _BaselineLost(why) from exc
+                except RunnerFailed as exc:
+                    compiled.update(on=False, error=f"the compiled reference failed: {exc}")
+                    return []
+                return [ns / 1e6 for ns in reply.samples_ns]
+
+            est_c = statistics.median(timed(True, warmup) or [1.0])
+            batches.clear()  # warm-up calls (first launches, caches) are not compared
+            est_r = statistics.median(timed(False, warmup) or [1.0])
+            est_k = statistics.median(timed_compiled(warmup) or [0.0])
+            round_s = max(min_time_s / 10, 0.01)
+            per_round = max(1, min(200, int(round_s * 1e3 / max(est_c, est_r, est_k, 1e-3))))
+            cand_ms: list[float] = []
+            ref_ms: list[float] = []
+            comp_ms: list[float] = []
+            while len(cand_ms) < max_trials:
+                enough = len(cand_ms) >= min_trials and len(ref_ms) >= min_trials
+                enough = enough and (len(comp_ms) >= min_trials or not compiled["on"])
+                left = stage.deadline.left()
+                if enough and (sum(cand_ms) >= min_time_s * 1e3 or left < timeout_s / 3):
+                    break
+                cand_ms += timed(True, per_round)
+                ref_ms += timed(False, per_round)
+                comp_ms += timed_compiled(per_round)
+            c, r = timing_stats(cand_ms), timing_stats(ref_ms)
+            kc = timing_stats(comp_ms) if compiled["on"] and comp_ms else None
+
+            # Outside view: wall time of K back-to-back calls, minus one request's overhead.
+            # Same K calls seen by both clocks: machine noise cancels, a tampered clock does
+            # not; a disagreement is measured again (timing_checks.confirmed: host load only
+            # adds wall time, so the least disagreeing measurement decides)
+            k = max(5, min(10_000, math.ceil(50.0 / max(c["mean"], 1e-3))))
+            _, outside_ms, said = batch_check(stage, turns, k, rtt_ns)
+            said = confirmed(said, lambda: batch_check(stage, turns, k, rtt_ns)[2])
+            # the timing loop's own cost, from the candidate-free runner (timing_checks)
+            empty = empty_call(stage, per_round, rtt_ns)
+            disagree = timer_disagreement(batches, empty[0])
+            if disagree is not None:  # measured again, each request right after an empty call
+                disagree = paired_again(stage, timed, batches, per_round, rtt_ns)
+            flags = [f"{TIMER_DISAGREEMENT}: {said or disagree}"] if said or disagree else []
+
+            if stage.run_and_check(stage.run_request(made, seed), seed) is not None:
+                flags.append(f"{OUTPUT_CHANGED}: the timed inputs' output is wrong after timing")
+
+            # Fresh inputs after timing: stale buffers and result caches show up here.
+            fresh_seeds = _seed_trials(seed ^ 0xF4E5, _FRESH_SETS)
+            # the reference makes the first, which it judges; the others only when it
+            # sends them (a candidate that makes its own inputs makes every set from its
+            # seed): at KernelBench's sizes each is another set on the device
+            fresh = [stage.make_inputs(fs) for fs in fresh_seeds[: 1 if stage.own_inputs else None]]
+            problem = stage.run_and_check(
+                stage.run_request(fresh[0], fresh_seeds[0]), fresh_seeds[0]
+            )
+            if problem is not None:
+                return ProfileReport(
+                    ok=False,
+                    failure_kind="stale_output",
+                    error=f"wrong output on fresh inputs after timing: {problem[1]}",
+                    device=device,
+                    flags=tuple(flags),
+                    duration_s=time.monotonic() - start,
+                )
+            # the reference's sets are not needed while the candidate times its fresh
+            # ones (the candidate holds two at once): at KernelBench's sizes each is GBs
+            fresh_samples, repeated = fresh_timing(stage, ref, fresh_seeds, fresh)
+            fresh_ms = statistics.median(fresh_samples or [0.0])
+            # no paired calls (none asked for): compare with the timed median
+            cached = cache_suspected(fresh_samples, repeated or [c["median"]], empty[1])
+            # measured again on other fresh sets before it is flagged: a loaded host slows
+            # single calls at random, a cache keyed on the inputs is fast on every repeat
+            again = iter(range(1, REMEASURE + 1))
+            cached = confirmed(
+                cached,
+                lambda: cache_again(stage, ref, seed, next(again), empty[1], c["median"]),
+            )
+            if cached is not None:
+                flags.append(f"{CACHE_SUSPECTED}: {cached}")
+            flags += [f for f in cand.findings if f not in flags]
+        except _CandidateFailed as exc:
+            stage.after_candidate_failure(exc)
+            log.info("candidate_profile_failed", task=task.name, kind=exc.kind)
+            return ProfileReport(
+                ok=False,
+                failure_kind=exc.kind,
+                error=exc.error,
+                device=device,
+                duration_s=time.monotonic() - start,
+            )
+    timer = (
+        "time.perf_counter_ns bound at runner start-up before candidate import; one call per "
+        "sample; PyTorch eager (and the reference under torch.compile) timed alternately in "
+        "a candidate-free runner; cross-checked against the grader's wall clock over a "
+        "batch of calls"
+    )
+    best_ref = min(r["mean"], kc["mean"]) if kc is not None else None
+    report = ProfileReport(
+        ok=True,
+        runtime_ms=c["mean"],
+        runtime_std_ms=c["std"],
+        runtime_median_ms=c["median"],
+        runtime_min_ms=c["min"],
+        runtime_ci95_ms=c["ci95"],
+        trials=len(cand_ms),
+        ref_runtime_ms=r["mean"],
+        ref_runtime_std_ms=r["std"],
+        ref_runtime_median_ms=r["median"],
+        ref_trials=len(ref_ms),
+        ref_runtime_ci95_ms=r["ci95"],
+        fresh_runtime_ms=fresh_ms,
+        speedup=r["mean"] / c["mean"] if c["mean"] > 0 else 0.0,
+        timer=timer,
+        outside_wall_ms=outside_ms,
+        outside_calls=k,
+        empty_call_ms=empty[0],
+        flags=tuple(flags),
+        device=device,
+        threads=cand.threads,
+        duration_s=time.monotonic() - start,
+        compiled_runtime_ms=kc["mean"] if kc is not None else None,
+        compiled_runtime_std_ms=kc["std"] if kc is not None else 0.0,
+        compiled_runtime_median_ms=kc["median"] if kc is not None else 0.0,
+        compiled_runtime_ci95_ms=kc["ci95"] if kc is not None else 0.0,
+        compiled_trials=len(comp_ms) if kc is not None else 0,
+        compile_baseline=baseline.baseline,
+        compile_baseline_s=0.0 if baseline.cached else baseline.compile_s,
+        compile_baseline_cached=baseline.cached,
+        compile_baseline_graphs=baseline.graphs,
+        compile_baseline_error=None
+        if kc is not None
+        else str(compiled["error"] or "no sample of the compiled reference"),
+        speedup_vs_compiled=kc["mean"] / c["mean"] if kc is not None and c["mean"] > 0 else None,
+        speedup_vs_best=best_ref / c["mean"] if best_ref is not None and c["mean"] > 0 else None,
+        # what the reference runner said: a runner that does not say compiles the default
+        # mode and leaves TF32 as PyTorch starts (kf.evaluation.grader.baseline_settings)
+        compile_mode=(baseline.mode or "default") if kc is not None else "",
+        tf32=baseline_settings.tf32_summary(setup.precision) or "pytorch-default",
+    )
+    log.info(
+        "candidate_profiled",
+        task=task.name,
+        runtime_ms=report.runtime_ms,
+        speedup=report.speedup,
+        speedup_vs_compiled=report.speedup_vs_compiled,
+        flags=report.flags,
+    )
+    return report
+
+
+def _takes_turns(device: str) -> bool:
+    """Whether the runners settle between timed requests (a GPU's caching allocator)."""
+    return device.startswith("cuda")

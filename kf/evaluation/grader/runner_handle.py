@@ -1,0 +1,382 @@
+"""The grader's side of one runner process: its start-up message, typed requests and
+their replies (:mod:`kf.evaluation.wire.protocol`), the builds a boxed runner asks for, and
+its end.
+
+Bytes that are not MessagePack are a garbled reply (the runner is killed,
+:class:`RunnerCrashed`); a message that is not one of the protocol's, or does not
+answer the request sent (another request's id, another request's reply type, a second
+message nobody asked for) is tampering (:class:`RunnerFailed`, the runner killed); a
+:class:`~kf.evaluation.wire.protocol.Failed` reply raises :class:`RunnerFailed` with its kind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any, NamedTuple, TypeVar
+
+import msgspec
+
+from kf.evaluation.grader import box, spawn
+from kf.evaluation.grader.builds import while_wanted
+from kf.evaluation.wire import protocol, shared_memory
+from kf.evaluation.wire.protocol import decode_from_runner, encode
+
+__all__ = [
+    "REQUESTS",
+    "STARTUP_TIMEOUT_S",
+    "RequestTiming",
+    "RunnerCrashed",
+    "RunnerError",
+    "RunnerFailed",
+    "RunnerHandle",
+    "RunnerStartError",
+    "RunnerTimeout",
+]
+
+_LOG_TAIL = 4000
+STARTUP_TIMEOUT_S = 180.0
+_R = TypeVar("_R", bound=protocol.Reply)
+
+#: The last requests to any runner of this process, oldest first: where a stage's time
+#: goes (``bench/gpu_stage_phases.py`` reads it). Appending to a deque is thread-safe.
+REQUESTS: deque[RequestTiming] = deque(maxlen=20_000)
+
+
+class RequestTiming(NamedTuple):
+    """One request to a runner: its op, the grader's wall time around it, the handler's
+    own time inside the runner (the rest is transport, queueing and scheduling), when it
+    ended (``time.monotonic``), and the runner's pid. ``op`` ``"lease_wait"`` is time
+    spent waiting for a leased runner to finish starting."""
+
+    op: str
+    wall_s: float
+    runner_s: float
+    ended: float
+    pid: int
+    #: the handler's own breakdown where it gives one (``run``: inputs, forward, outputs)
+    detail: dict[str, float] | None = None
+    #: device memory the runner's allocator reserved at most during the request, and held
+    #: at its end, as the runner states them (:class:`kf.evaluation.wire.protocol.Reply`)
+    peak_bytes: int = 0
+    held_bytes: int = 0
+    #: of those, the bytes in live tensors, most and last
+    peak_allocated_bytes: int = 0
+    allocated_bytes: int = 0
+
+
+class RunnerError(Exception):
+    """A request to a runner did not produce a reply."""
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+class RunnerStartError(RuntimeError):
+    """No runner process could be started (a broken environment, not a candidate's fault)."""
+
+
+class RunnerTimeout(RunnerError):
+    """The runner did not answer in time and was killed."""
+
+
+class RunnerCrashed(RunnerError):
+    """The runner process died; ``signal_name`` is set when a signal killed it."""
+
+    def __init__(self, message: str, log_tail: str, returncode: int | None) -> None:
+        super().__init__(message, log_tail)
+        self.returncode = returncode
+        self.signal_name: str | None = None
+        if returncode is not None and returncode < 0:
+            try:
+                self.signal_name = signal.Signals(-returncode).name
+            except ValueError:
+                self.signal_name = f"signal {-returncode}"
+
+
+class RunnerFailed(RunnerError):
+    """The runner answered with an error (``kind`` says which: exception, compile_error…)."""
+
+    def __init__(self, kind: str, message: str, log_tail: str = "") -> None:
+        super().__init__(message, log_tail)
+        self.kind = kind
+
+
+class RunnerHandle:
+    """The grader's side of one runner process."""
+
+    def __init__(
+        self,
+        python: str,
+        threads: int,
+        *,
+        wrapper: Sequence[str] = (),
+        isolate: bool = True,
+        warm: str | None = None,
+        ro_paths: Sequence[str] = (),
+        rw_paths: Sequence[str] = (),
+    ) -> None:
+        """Start a runner in the box (:mod:`kf.evaluation.grader.box`,
+        :func:`kf.evaluation.grader.spawn.start`);
+        ``wrapper`` (e.g. ncu's argv) runs it, inside the box, with ``ro_paths`` and
+        ``rw_paths`` bound in besides (the tool, its output folder); ``warm`` names the
+        device whose start-up work (a CUDA context, the op tracer) it does before it says
+        it is ready.
+
+        Raises :class:`kf.evaluation.grader.box.SandboxUnavailable` where the box cannot be set
+        up and ``$KF_UNSAFE_NO_SANDBOX=1`` does not ask for none. Unboxed runners (that
+        mode) start in a network namespace unless ``isolate`` is False.
+        """
+        started = spawn.start(
+            python,
+            threads,
+            wrapper=wrapper,
+            isolate=isolate,
+            warm=warm,
+            ro_paths=ro_paths,
+            rw_paths=rw_paths,
+        )
+        #: "bwrap", or "unsafe-no-sandbox": what every report of this runner says
+        self.sandbox = started.sandbox
+        self.isolated_network = started.isolated_network
+        self.scratch = started.scratch
+        self.log_path = started.log_path
+        self.proc = started.proc
+        self.threads = threads
+        self.warm = warm
+        self.findings: list[str] = []
+        self.builds = 0  # kf.native builds served for this runner (kf.evaluation.grader.builds)
+        self.build_s = 0.0  # seconds spent serving them (not counted against a request)
+        # descriptors of shared-memory payloads go beside the messages, on the same socket
+        self.fd_sock = socket.socket(fileno=os.dup(started.sock.fileno()))
+        self.conn = Connection(started.sock.detach())
+        self.ready = False
+        self.closed = False
+        # set by the grader: do not keep this (reference) runner for reuse
+        self.discard = False
+        self._ready_lock = threading.Lock()
+        self.spawned_at = time.monotonic()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self) -> str:
+        try:  # only the tail is read: the log may hold up to $KF_EVAL_FILE_MB
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - _LOG_TAIL))
+                data = f.read(_LOG_TAIL)
+        except OSError:
+            return ""
+        return data.decode("utf-8", "replace")
+
+    def _receive(self, timeout_s: float, what: str) -> protocol.ToGrader:
+        end = time.monotonic() + timeout_s
+        while True:
+            msg = self._receive_one(max(0.0, end - time.monotonic()), timeout_s, what)
+            if self.sandbox != box.MODE_BWRAP:
+                return msg
+            if isinstance(msg, protocol.BuildNative | protocol.BuildInline):
+                began = time.monotonic()
+                # a build for a runner that died (its box killed) is killed, not waited for
+                with while_wanted(lambda: self.proc.poll() is None):
+                    self._serve_build(msg)
+                spent = time.monotonic() - began
+                # a build has the build limit, not the request's: its time is not the request's
+                self.build_s += spent
+                end += spent
+            else:
+                return msg
+
+    def _serve_build(self, msg: protocol.BuildNative | protocol.BuildInline) -> None:
+        """Build a boxed runner's ``kf.native`` library or ``load_inline`` extension
+        (:mod:`kf.evaluation.grader.builds`)."""
+        from kf.evaluation.grader.buildlimits import build_timeout_s
+        from kf.evaluation.grader.builds import MAX_BUILDS_PER_RUNNER, build_inline, build_native
+
+        self.builds += 1
+        result: dict[str, Any]
+        try:
+            if self.builds > MAX_BUILDS_PER_RUNNER:
+                result = {
+                    "ok": False,
+                    "error": f"more than {MAX_BUILDS_PER_RUNNER} builds asked for by one runner",
+                }
+            elif isinstance(msg, protocol.BuildInline):
+                # the grader's build limit
+                result = build_inline(dict(msg.arguments), dict(msg.environment), build_timeout_s())
+            else:
+                timeout_s = min(msg.timeout_s, build_timeout_s())
+                result = build_native(msg.source, msg.flags, msg.defines, timeout_s)
+            reply = msgspec.convert(result, protocol.Built)
+        except (KeyError, TypeError, ValueError) as exc:  # msgspec.ValidationError included
+            reply = protocol.Built(ok=False, error=f"malformed build request: {exc}")
+        with contextlib.suppress(OSError):
+            self.conn.send_bytes(encode(reply))
+
+    def _receive_one(self, left_s: float, timeout_s: float, what: str) -> protocol.ToGrader:
+        try:
+            has_reply = self.conn.poll(left_s)
+        except OSError:
+            has_reply = True
+        if not has_reply:
+            tail = self.log_tail()
+            self.kill()
+            raise RunnerTimeout(f"no answer after {timeout_s:.1f}s during {what}", tail)
+        try:
+            reply = shared_memory.receive_message(
+                self.conn.recv_bytes, self.fd_sock, self.conn.poll, decode_from_runner, 10.0
+            )
+        except (EOFError, OSError) as exc:
+            returncode = self._wait_exit()
+            tail = self.log_tail()
+            self.kill()
+            if returncode is not None and returncode < 0:
+                name = RunnerCrashed("", "", returncode).signal_name
+                why = f"process killed by {name} during {what}"
+            else:
+                why = f"process exited with status {returncode} during {what}"
+            raise RunnerCrashed(why, tail, returncode) from exc
+        except protocol.ForeignMessage as exc:  # the runner's own code sends none
+            tail = self.log_tail()
+            self.kill()
+            raise RunnerFailed(
+                "tampering",
+                f"the runner's message during {what} is not one of kf's runner protocol (a "
+                f"message forged or injected on the grading socket): {exc}",
+                tail,
+            ) from exc
+        except Exception as exc:  # not MessagePack, descriptors not as announced: garbage
+            tail = self.log_tail()
+            self.kill()
+            raise RunnerCrashed(f"garbled reply during {what}: {exc}", tail, None) from exc
+        return reply
+
+    def _wait_exit(self) -> int | None:
+        try:
+            code = self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            return None
+        if self.sandbox == box.MODE_BWRAP and 128 < code < 128 + signal.NSIG:
+            return 128 - code  # bwrap exits 128 + N for a runner killed by signal N
+        return code
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Block until the runner has imported torch (raises RunnerError if it cannot)."""
+        with self._ready_lock:
+            if self.ready:
+                return
+            reply = self._receive(timeout_s, "start-up")
+            if not isinstance(reply, protocol.Ready):
+                self.kill()
+                raise RunnerCrashed(f"unexpected start-up message {reply!r}", self.log_tail(), None)
+            self.ready = True
+
+    def poll_ready(self) -> bool:
+        """True once the ready message has arrived (does not block)."""
+        with contextlib.suppress(OSError):
+            if not self.ready and self.conn.poll(0):
+                self.wait_ready(1.0)
+        return self.ready
+
+    def request(
+        self, message: protocol.Request[_R], timeout_s: float, *, what: str | None = None
+    ) -> _R:
+        """Send one request and wait for its reply; raise RunnerError on any failure
+        (:class:`RunnerFailed` for a :class:`~kf.evaluation.wire.protocol.Failed` reply).
+        ``what`` names the request in errors (its op by default)."""
+        self.wait_ready()
+        # an empty call (the timing loop's own cost) is told apart in the request log
+        op = "time_empty" if isinstance(message, protocol.Time) and message.empty else message.op
+        what = what or op
+        request_id = secrets.randbits(62)
+        began = time.monotonic()
+        try:
+            shared_memory.send_message(
+                self.conn.send_bytes,
+                self.fd_sock,
+                encode,
+                msgspec.structs.replace(message, id=request_id),
+            )
+        except OSError as exc:
+            returncode = self._wait_exit()
+            tail = self.log_tail()
+            self.kill()
+            raise RunnerCrashed(f"process gone before {what}", tail, returncode) from exc
+        reply = self._receive(timeout_s, what)
+        ended = time.monotonic()
+        answer = reply if isinstance(reply, protocol.Reply) else None
+        runner_s = answer.took_ns / 1e9 if answer is not None else 0.0
+        phases = reply.phases_ns if isinstance(reply, protocol.Ran) else None
+        detail = {k: v / 1e9 for k, v in phases.items()} if phases else None
+        memory = (
+            (answer.peak_bytes, answer.held_bytes, answer.peak_allocated_bytes,
+             answer.allocated_bytes)
+            if answer is not None
+            else (0, 0, 0, 0)
+        )  # fmt: skip
+        timing = RequestTiming(op, ended - began, runner_s, ended, self.pid, detail, *memory)
+        REQUESTS.append(timing)
+        expected = protocol.reply_type(message)
+        forged = answer is None or answer.id != request_id
+        forged = forged or not isinstance(reply, expected | protocol.Failed)
+        with contextlib.suppress(OSError):
+            forged = forged or self.conn.poll(0)  # a second message nobody asked for
+        if forged or answer is None:
+            tail = self.log_tail()
+            self.kill()
+            raise RunnerFailed(
+                "tampering",
+                f"the runner's reply during {what} did not answer the grader's request "
+                "(a message forged or injected on the grading socket)",
+                tail,
+            )
+        self.findings.extend(f for f in answer.findings if f not in self.findings)
+        if isinstance(answer, protocol.Failed):
+            raise RunnerFailed(answer.kind, answer.error, answer.log)
+        assert isinstance(answer, expected)
+        return answer
+
+    def finish(self, timeout_s: float) -> int | None:
+        """Ask the runner to exit and wait for it (and any wrapper, e.g. ncu) to end."""
+        with contextlib.suppress(OSError):
+            self.conn.send_bytes(encode(protocol.Exit()))
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        """Kill the runner's whole process group and remove its scratch directory."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.sandbox == box.MODE_BWRAP and self.proc.poll() is None:
+            # (not reaped yet: its pid is still bwrap's) bwrap's init in the box first: the
+            # kernel then kills everything in the box's PID namespace, and bwrap exits
+            # once it is empty, so nothing is left when the wait below returns
+            for child in spawn.children(self.proc.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(child, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        with contextlib.suppress(OSError):
+            self.fd_sock.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)

@@ -1,0 +1,270 @@
+"""Sandboxed runner processes and a pool of pre-spawned warm ones.
+
+A runner (``python -m kf.evaluation.runner``) is started in bubblewrap's box by
+:mod:`kf.evaluation.grader.spawn` and talked to through its :class:`RunnerHandle`
+(:mod:`kf.evaluation.grader.runner_handle`, typed messages of :mod:`kf.evaluation.wire.protocol`).
+Where the box cannot be set up kf refuses to evaluate, unless
+``$KF_UNSAFE_NO_SANDBOX=1`` asks for the old, unboxed runners, whose every report is
+marked. Limits (address space, CPU seconds, file size) are applied when a runner is set
+up for its one job. A runner serves one candidate (or one task reference) and is then
+killed; the pool here keeps a few started in advance so the next job's interpreter and
+torch import overlap this one's work. This module also names what the stages use of
+the other two, so that they import one place.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import structlog
+
+from kf.evaluation.grader.runner_handle import (
+    REQUESTS,
+    STARTUP_TIMEOUT_S,
+    RequestTiming,
+    RunnerCrashed,
+    RunnerError,
+    RunnerFailed,
+    RunnerHandle,
+    RunnerStartError,
+    RunnerTimeout,
+)
+from kf.evaluation.grader.spawn import Limits, default_threads, network_namespace_available
+from kf.settings import current
+
+__all__ = [
+    "REQUESTS",
+    "Limits",
+    "RequestTiming",
+    "RunnerCrashed",
+    "RunnerError",
+    "RunnerFailed",
+    "RunnerHandle",
+    "RunnerPool",
+    "RunnerStartError",
+    "RunnerTimeout",
+    "configure_default_pool",
+    "default_pool",
+    "default_threads",
+    "network_namespace_available",
+]
+
+log = structlog.get_logger("kf.evaluation.grader.sandbox")
+
+
+class RunnerPool:
+    """A thread-safe pool of warm runners; each leased runner is used once and killed."""
+
+    def __init__(
+        self,
+        size: int = 2,
+        *,
+        threads: int | None = None,
+        python: str | None = None,
+        warm: str | None = None,
+    ):
+        """``warm``: the device (``cuda:N``) whose start-up work runners do while idle."""
+        self.size = max(0, size)
+        self.warm = warm
+        self.threads = threads or default_threads()
+        self.python = python or sys.executable
+        self._idle: list[RunnerHandle] = []
+        self._leased: set[RunnerHandle] = set()
+        self._refs: dict[str, list[RunnerHandle]] = {}  # warm reference runners per task
+        self.max_references = 4
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _spawn(self) -> RunnerHandle:
+        handle = RunnerHandle(self.python, self.threads, warm=self.warm)
+        log.debug("runner_spawned", pid=handle.pid)
+        return handle
+
+    def _fill(self) -> None:
+        # Caller holds the lock.
+        while not self._closed and len(self._idle) < self.size:
+            self._idle.append(self._spawn())
+
+    def configure(self, *, size: int, warm: str | None) -> None:
+        """Change the number of idle runners kept and what they warm up for; idle
+        runners started for another warm-up are replaced."""
+        with self._lock:
+            stale = [h for h in self._idle if h.warm != warm]
+            self._idle = [h for h in self._idle if h.warm == warm]
+            self.size, self.warm = max(0, size), warm
+            self._fill()
+        for handle in stale:
+            handle.kill()
+
+    def start(self) -> None:
+        """Spawn the warm runners now (otherwise they are spawned on first use)."""
+        with self._lock:
+            self._fill()
+
+    def acquire(self) -> RunnerHandle:
+        """Take a runner (started earlier when possible) and spawn its replacement."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the runner pool is closed")
+            handle = self._idle.pop(0) if self._idle else self._spawn()
+            self._leased.add(handle)
+            self._fill()
+        return handle
+
+    def release(self, handle: RunnerHandle) -> None:
+        """Discard a leased runner (runners are never reused)."""
+        handle.kill()
+        with self._lock:
+            self._leased.discard(handle)
+
+    def acquire_ready(self, attempts: int = 3) -> RunnerHandle:
+        """A leased runner that has started; a runner that fails to start is replaced."""
+        for attempt in range(1, attempts + 1):
+            handle = self.acquire()
+            began = time.monotonic()
+            try:
+                handle.wait_ready()
+                ended = time.monotonic()
+                REQUESTS.append(RequestTiming("lease_wait", ended - began, 0.0, ended, handle.pid))
+            except RunnerError as exc:
+                self.release(handle)
+                log.warning(
+                    "runner_start_failed",
+                    attempt=attempt,
+                    error=str(exc),
+                    log_tail=exc.log_tail[-1000:],
+                )
+                if attempt == attempts:
+                    raise RunnerStartError(
+                        f"no runner could start ({exc}); its output ends with:\n"
+                        f"{exc.log_tail[-1500:]}"
+                    ) from exc
+                continue
+            return handle
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[RunnerHandle]:
+        """A started runner for one job, killed when the block ends."""
+        handle = self.acquire_ready()
+        try:
+            yield handle
+        finally:
+            self.release(handle)
+
+    @contextlib.contextmanager
+    def reference_lease(self, key: str) -> Iterator[RunnerHandle]:
+        """A candidate-free runner for the reference side of one job, reused per ``key``.
+
+        No candidate code ever runs in a reference runner (it only imports the task,
+        makes inputs, runs the reference and compares), so it can serve many candidates
+        of the same task: that saves a Python + torch start-up per stage. Any error
+        discards it; at most ``max_references`` are kept, the oldest killed first.
+        """
+        handle: RunnerHandle | None = None
+        with self._lock:
+            idle = self._refs.get(key, [])
+            while idle and handle is None:
+                h = idle.pop()
+                if h.proc.poll() is None:
+                    handle = h
+                    self._leased.add(h)
+                else:
+                    h.kill()
+        if handle is None:
+            handle = self.acquire_ready()
+        ok = False
+        try:
+            yield handle
+            ok = True
+        finally:
+            if not ok or handle.discard or handle.proc.poll() is not None:
+                self.release(handle)
+            else:
+                evicted: list[RunnerHandle] = []
+                with self._lock:
+                    self._leased.discard(handle)
+                    if self._closed:
+                        evicted.append(handle)
+                    else:
+                        self._refs.setdefault(key, []).append(handle)
+                        kept = [(k, h) for k, hs in self._refs.items() for h in hs]
+                        while len(kept) > self.max_references:
+                            k, h = kept.pop(0)
+                            self._refs[k].remove(h)
+                            evicted.append(h)
+                for h in evicted:
+                    h.kill()
+
+    def wait_warm(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Wait until every idle runner has finished starting (quiet machine for timing)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            idle = list(self._idle)
+        for handle in idle:
+            try:
+                handle.wait_ready(max(0.0, deadline - time.monotonic()))
+            except RunnerError:
+                with self._lock:
+                    if handle in self._idle:
+                        self._idle.remove(handle)
+
+    def close(self) -> None:
+        """Kill every runner, idle or leased; later acquires fail."""
+        with self._lock:
+            self._closed = True
+            handles = [*self._idle, *self._leased, *(h for hs in self._refs.values() for h in hs)]
+            self._idle.clear()
+            self._leased.clear()
+            self._refs.clear()
+        for handle in handles:
+            handle.kill()
+
+
+_default: RunnerPool | None = None
+_default_lock = threading.Lock()
+
+
+#: what the process's worker asked of its pool (:func:`configure_default_pool`)
+_configured: tuple[int, str | None] | None = None
+
+
+def _pool_settings() -> tuple[int, str | None]:
+    if _configured is not None:
+        return _configured
+    settings = current()
+    size = settings.eval_pool
+    return (2 if size is None else size), settings.runner_warm
+
+
+def default_pool() -> RunnerPool:
+    """The process-wide pool (size ``$KF_EVAL_POOL``, default 2, runners warmed for
+    ``$KF_RUNNER_WARM``, unless :func:`configure_default_pool` said otherwise), closed
+    at exit."""
+    global _default
+    with _default_lock:
+        if _default is None or _default._closed:
+            size, warm = _pool_settings()
+            _default = RunnerPool(size=size, warm=warm)
+            atexit.register(_default.close)
+        return _default
+
+
+def configure_default_pool(*, size: int | None = None, warm: str | None) -> None:
+    """Give the process-wide pool ``size`` idle runners (None: ``$KF_EVAL_POOL``, 2)
+    warmed for ``warm`` (a worker's choice for its device): now if the pool exists
+    already (a task check made it before the worker started; see
+    :meth:`RunnerPool.configure`), else when it is made."""
+    global _configured
+    if size is None:
+        size = _pool_settings()[0]
+    with _default_lock:
+        _configured = (size, warm)
+        pool = _default if _default is not None and not _default._closed else None
+    if pool is not None:
+        pool.configure(size=size, warm=warm)

@@ -1,0 +1,302 @@
+"""The grading session: what every stage of one candidate's evaluation takes
+(:class:`GradingSession`), and one stage of it under way (:class:`Stage`: its deadline,
+the runners it leased, and the requests to them).
+
+A stage function of :mod:`~kf.evaluation.grader.compiling`,
+:mod:`~kf.evaluation.grader.verifying`, :mod:`~kf.evaluation.grader.profiling`,
+:mod:`~kf.evaluation.grader.counters` (and the task check and
+the audit) takes a session; the public entry points (``verify_candidate(task, source,
+device=..., seed=...)`` and the others) make one from their arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TypeVar
+
+from kf.devices import parse_device
+from kf.evaluation.grader.grading import (
+    _after_candidate_failure,
+    _CandidateFailed,
+    _Deadline,
+    _own_inputs,
+    _peak_device_mb,
+    _phases,
+    _ref_key,
+    _Report,
+    _sandboxed,
+    _setup_request,
+    _trim,
+)
+from kf.evaluation.grader.reports import FAILURE_KINDS
+from kf.evaluation.grader.sandbox import (
+    Limits,
+    RunnerCrashed,
+    RunnerFailed,
+    RunnerHandle,
+    RunnerPool,
+    RunnerTimeout,
+    default_pool,
+)
+from kf.evaluation.wire.protocol import (
+    Check,
+    InputsMade,
+    LoadCandidate,
+    LoadTask,
+    MakeInputs,
+    Ran,
+    Reply,
+    Request,
+    Run,
+    SetUp,
+    TaskLoaded,
+    Verdict,
+)
+from kf.evaluation.wire.tolerance import Tolerance, resolve
+from kf.tasks import Task, TaskError
+
+__all__ = ["GradingSession", "Stage"]
+
+_R = TypeVar("_R", bound=Reply)
+
+
+@dataclass(frozen=True)
+class GradingSession:
+    """One candidate (``source``, empty for the task alone) of ``task`` graded on
+    ``device``: the seed its trials derive from, the pool its runners come from (None:
+    the process's), their limits, a stage's time limit and the tolerance (None: the
+    task's own, else KernelBench's)."""
+
+    task: Task
+    source: str = ""
+    device: str = "cpu"
+    seed: int = 0
+    pool: RunnerPool | None = None
+    limits: Limits = field(default_factory=Limits)
+    timeout_s: float = 120.0
+    tolerance: Tolerance | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", parse_device(self.device))
+
+    @property
+    def runners(self) -> RunnerPool:
+        """The pool the stages lease runners from."""
+        return self.pool or default_pool()
+
+    @cached_property
+    def tol(self) -> Tolerance:
+        """The tolerance the task's outputs are judged at."""
+        return resolve(self.tolerance, self.task.source)[0]
+
+    @property
+    def reference_key(self) -> str:
+        """The key reference runners of the task on the device are reused under."""
+        return _ref_key(self.task, self.device)
+
+
+class Stage:
+    """One stage of a session under way: its deadline, the reference runner (``ref``)
+    and candidate runner (``cand``) it leased, and its requests to them."""
+
+    def __init__(self, session: GradingSession, timeout_s: float | None = None) -> None:
+        self.session = session
+        self.task = session.task
+        self.device = session.device
+        self.deadline = _Deadline(session.timeout_s if timeout_s is None else timeout_s)
+        self.since = time.monotonic()
+        #: every runner the stage used, for its report's phases and sandbox
+        self.leased: list[RunnerHandle] = []
+        self._ref: RunnerHandle | None = None
+        self._cand: RunnerHandle | None = None
+
+    @property
+    def ref(self) -> RunnerHandle:
+        """The reference runner (set by :meth:`reference_lease` or :meth:`use`)."""
+        if self._ref is None:
+            raise RuntimeError("the stage has leased no reference runner yet")
+        return self._ref
+
+    @property
+    def cand(self) -> RunnerHandle:
+        """The candidate runner (set by :meth:`candidate_lease` or :meth:`use`)."""
+        if self._cand is None:
+            raise RuntimeError("the stage has leased no candidate runner yet")
+        return self._cand
+
+    def restart_clock(self) -> None:
+        """A fresh deadline (after work with a time limit of its own)."""
+        self.deadline = _Deadline(self.deadline.timeout_s)
+
+    def use(self, *, ref: RunnerHandle | None = None, cand: RunnerHandle | None = None) -> None:
+        """Grade with these runners from now on."""
+        for handle in (ref, cand):
+            if handle is not None:
+                self.leased.append(handle)
+        self._ref = ref or self._ref
+        self._cand = cand or self._cand
+
+    @contextlib.contextmanager
+    def reference_lease(self, *, trimmed: bool = False) -> Iterator[RunnerHandle]:
+        """The task's (reused) reference runner for this stage; ``trimmed``: it drops
+        its large tensors before going back idle."""
+        with self.session.runners.reference_lease(self.session.reference_key) as ref:
+            self.use(ref=ref)
+            try:
+                yield ref
+            finally:
+                if trimmed:
+                    _trim(ref)
+
+    @contextlib.contextmanager
+    def candidate_lease(self) -> Iterator[RunnerHandle]:
+        """A fresh runner for the candidate, killed when the block ends."""
+        with self.session.runners.lease() as cand:
+            self.use(cand=cand)
+            yield cand
+
+    def after_candidate_failure(self, exc: _CandidateFailed) -> None:
+        """A GPU candidate runner that crashed or hung may hold IPC mappings of the
+        reference's tensors, which then stay pinned: that reference is not reused."""
+        _after_candidate_failure(self.ref, exc, self.device)
+
+    def phases(self) -> dict[str, float]:
+        """Seconds per request op of the stage's runners so far."""
+        return _phases(self.since, *self.leased)
+
+    def peak_device_mb(self) -> float | None:
+        """The most device memory the stage's runners held at once so far (MB; None off a
+        GPU): :func:`kf.evaluation.grader.grading._peak_device_mb`."""
+        return _peak_device_mb(self.since, *self.leased)
+
+    def sandboxed(self, report: _Report) -> _Report:
+        """``report`` saying where the stage's runners ran."""
+        return _sandboxed(report, self.leased)
+
+    # -- requests ------------------------------------------------------------------
+    def reference(self, request: Request[_R], what: str | None = None) -> _R:
+        """A request to the reference runner; any failure there is the task's fault."""
+        task = self.task
+        try:
+            return self.ref.request(request, self.deadline.left(), what=what)
+        except RunnerFailed as exc:
+            raise TaskError(f"{task.label}: {exc}") from exc
+        except RunnerTimeout as exc:
+            raise TaskError(f"{task.label}: the reference timed out ({exc})") from exc
+        except RunnerCrashed as exc:
+            raise TaskError(
+                f"{task.label}: the reference crashed ({exc}); log: {exc.log_tail[-500:]}"
+            ) from exc
+
+    def candidate(self, request: Request[_R], what: str | None = None) -> _R:
+        """A request to the candidate runner; failures become :class:`_CandidateFailed`.
+
+        The builds the runner asks of the grader meanwhile (an import-time ``load_inline``
+        or ``kf.native`` build) have the build limit: their time extends the stage's."""
+        built = self.cand.build_s
+        try:
+            return self.cand.request(request, self.deadline.left(), what=what)
+        except RunnerFailed as exc:
+            if exc.kind == "task_error":
+                raise TaskError(f"{self.task.label}: {exc}") from exc
+            kind = exc.kind if exc.kind in FAILURE_KINDS else "exception"
+            raise _CandidateFailed(kind, str(exc), exc.log_tail) from exc
+        except RunnerTimeout as exc:
+            raise _CandidateFailed(
+                "timeout",
+                f"candidate timed out after {self.deadline.timeout_s:g}s ({exc})",
+                exc.log_tail,
+            ) from exc
+        except RunnerCrashed as exc:
+            raise _CandidateFailed("crash", f"candidate crashed: {exc}", exc.log_tail) from exc
+        finally:
+            self.deadline.end += self.cand.build_s - built
+
+    def setup_reference(self) -> SetUp:
+        """Set the reference runner up (its answer: ``precision``, its TF32 settings)."""
+        s = self.session
+        return self.reference(
+            _setup_request(self.ref, s.device, s.limits, self.deadline, reference=True)
+        )
+
+    def setup_candidate(self, nice: int = 0) -> SetUp:
+        """Set the candidate runner up (a failure here is the runner's, not the candidate's)."""
+        s = self.session
+        request = _setup_request(self.cand, s.device, s.limits, self.deadline, nice=nice)
+        return self.cand.request(request, self.deadline.left())
+
+    def load_task(self, seed: int | None = None) -> TaskLoaded:
+        """Load the task in the reference runner, seeded with ``seed`` (None: the session's)."""
+        task = self.task
+        seed = self.session.seed if seed is None else seed
+        return self.reference(LoadTask(source=task.source, name=task.name, seed=seed))
+
+    @property
+    def own_inputs(self) -> bool:
+        """Whether the candidate runner makes each trial's inputs from its seed itself."""
+        return _own_inputs(self.cand, self.device)
+
+    def load_pair(self) -> SetUp:
+        """Set both runners up, load the task in the reference and ``ModelNew`` in the
+        candidate; the reference runner's answer to its set-up.
+
+        The reference's ``init`` (the constructor arguments, made after seeding) goes to
+        the candidate so both modules are built from the same inputs and parameters.
+        """
+        s = self.session
+        setup = self.setup_reference()
+        self.setup_candidate()
+        init = self.load_task().init
+        self.candidate(
+            LoadCandidate(
+                source=s.source,
+                seed=s.seed,
+                init=init,
+                task_source=s.task.source,
+                task_name=s.task.name,
+            ),
+            what="construction of ModelNew",
+        )
+        return setup
+
+    def make_inputs(self, seed: int, scale: float | None = None) -> InputsMade:
+        """The reference's inputs for ``seed`` (times ``scale``), sent where the candidate
+        runner does not make its own."""
+        return self.reference(MakeInputs(seed=seed, scale=scale, send=not self.own_inputs))
+
+    def run_request(
+        self, made: InputsMade, seed: int, scale: float | None = None, *, trace: bool = False
+    ) -> Run:
+        """What a ``run`` request carries of a trial: its seed (and the hidden
+        distribution's ``scale``), or the reference's inputs."""
+        if self.own_inputs:
+            return Run(seed=seed, scale=scale, trace=trace)
+        return Run(inputs=made.inputs, trace=trace)
+
+    def judge(self, ran: Ran, seed: int) -> Verdict:
+        """The reference runner's verdict on what the candidate returned for ``seed``'s
+        inputs, at the session's tolerance."""
+        return self.reference(Check.of(ran, seed, self.session.tol)).verdict
+
+    def run_and_check(self, run: Run, seed: int) -> tuple[str, str] | None:
+        """Run the candidate once and have the reference judge it: None, or (kind, reason)."""
+        ran = self.candidate(run, what="forward")
+        verdict = self.judge(ran, seed)
+        return None if verdict.ok else (str(verdict.kind), str(verdict.reason))
+
+    def loaded_and_checked(self) -> tuple[InputsMade, SetUp, tuple[str, str] | None]:
+        """:meth:`load_pair`, then one checked call on the session seed's inputs: (the
+        inputs, the reference's set-up, the problem or None when the output was right).
+
+        What profiling and the counters do before measuring: the inputs stay in the
+        candidate runner.
+        """
+        setup = self.load_pair()
+        seed = self.session.seed
+        made = self.make_inputs(seed)
+        problem = self.run_and_check(self.run_request(made, seed), seed)
+        return made, setup, problem

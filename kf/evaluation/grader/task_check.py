@@ -1,0 +1,37 @@
+"""The task check: a task file loads, runs and gives outputs, in a reference runner."""
+
+from __future__ import annotations
+
+from kf.evaluation.grader.sandbox import Limits, RunnerPool
+from kf.evaluation.grader.session import GradingSession, Stage
+from kf.evaluation.wire.protocol import MakeInputs
+from kf.tasks import Task, TaskInfo
+
+
+def run_task_check(
+    task: Task,
+    *,
+    device: str = "cpu",
+    timeout_s: float = 120.0,
+    limits: Limits | None = None,
+    pool: RunnerPool | None = None,
+) -> TaskInfo:
+    """See :func:`kf.tasks.check_task`."""
+    session = GradingSession(
+        task, device=device, pool=pool, limits=limits or Limits(), timeout_s=timeout_s
+    )
+    stage = Stage(session)
+    with session.runners.lease() as ref:
+        stage.use(ref=ref)
+        stage.setup_reference()
+        stage.load_task(seed=0)
+        info = stage.reference(MakeInputs(seed=0))
+    return TaskInfo(
+        name=task.name,
+        input_shapes=info.input_shapes,
+        input_dtypes=info.input_dtypes,
+        output_shapes=info.output_shapes,
+        output_dtypes=info.output_dtypes,
+        eager_ms=info.eager_ms,
+        device=session.device,
+    )

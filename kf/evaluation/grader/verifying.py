@@ -1,0 +1,262 @@
+"""The verify stage: trials on the task's inputs, the generalisation gate's shapes,
+the hidden input distributions; and the re-verification of a speed-up above 10×.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+from kf.evaluation.grader.admission import _BIG_LOCKS, _big_task_bytes, _footprint, too_large
+from kf.evaluation.grader.grading import (
+    DISTRIBUTION_FAILED,
+    REVERIFY_ABOVE,
+    _CandidateFailed,
+    _evidence,
+    _seed_trials,
+    _trim,
+    log,
+)
+from kf.evaluation.grader.reports import ProfileReport, TrialEvidence, VerifyReport
+from kf.evaluation.grader.sandbox import Limits, RunnerPool
+from kf.evaluation.grader.session import GradingSession, Stage
+from kf.evaluation.wire.protocol import MakeInputs, Run
+from kf.evaluation.wire.tolerance import Tolerance, for_dtype, resolve, rule_of
+from kf.tasks import Task
+
+
+def verify_candidate(
+    task: Task,
+    source: str,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    trials: int = 5,
+    timeout_s: float = 120.0,
+    limits: Limits | None = None,
+    pool: RunnerPool | None = None,
+    generalise: bool = True,
+    tolerance: Tolerance | None = None,
+) -> VerifyReport:
+    """Check the candidate against the reference on ``trials`` fresh seeded inputs (KernelBench).
+
+    The first trial records the PyTorch ops ``forward`` dispatches (flag
+    ``torch_compute``). With ``generalise``, the candidate is then checked on input
+    shapes it never saw (the task's ``get_extra_inputs()``, else a rescaled leading
+    dimension): the generalisation gate; failing it is ``generalisation_failed``.
+    Raises :class:`TaskError` when the task itself is broken.
+    """
+    session = GradingSession(
+        task, source, device=device, seed=seed, pool=pool, limits=limits or Limits(),
+        timeout_s=timeout_s, tolerance=tolerance,
+    )  # fmt: skip
+    return verify_session(session, trials=trials, generalise=generalise)
+
+
+def verify_session(
+    session: GradingSession, *, trials: int = 5, generalise: bool = True
+) -> VerifyReport:
+    """:func:`verify_candidate` of the session's candidate."""
+    stage = Stage(session)
+    return stage.sandboxed(_verify(stage, trials, generalise))
+
+
+def _verify(stage: Stage, trials: int, generalise: bool) -> VerifyReport:
+    """:func:`verify_session` in ``stage``."""
+    session, task, device = stage.session, stage.task, stage.device
+    evidence: list[TrialEvidence] = []
+    variants: list[TrialEvidence] = []
+    hidden: list[TrialEvidence] = []
+    flags: list[str] = []
+    atol = rtol = 0.0
+    chosen, chosen_from = resolve(session.tolerance, task.source)
+    with stage.reference_lease() as ref, stage.candidate_lease() as cand:
+        start = time.monotonic()
+        stage.restart_clock()
+
+        def report(**kw: Any) -> VerifyReport:
+            return VerifyReport(
+                trials=len(evidence),
+                max_abs_err=max((e.max_abs_err for e in evidence), default=0.0),
+                max_rel_err=max((e.max_rel_err for e in evidence), default=0.0),
+                evidence=tuple(evidence),
+                atol=atol,
+                rtol=rtol,
+                min_tolerance=max((e.min_tol for e in evidence), default=0.0),
+                tolerance_source=chosen_from,
+                duration_s=time.monotonic() - start,
+                variant_evidence=tuple(variants),
+                distribution_evidence=tuple(hidden),
+                flags=tuple(flags) + tuple(f for f in cand.findings if f not in flags),
+                phases=stage.phases(),
+                peak_device_mb=stage.peak_device_mb(),
+                rule=rule_of(chosen),
+                float64_passed=sum(
+                    e.ok and e.rule == "float64" for e in (*evidence, *variants, *hidden)
+                ),
+                **kw,
+            )
+
+        big: threading.Lock | None = None
+        try:
+            stage.load_pair()
+            for i, trial_seed in enumerate(_seed_trials(session.seed, trials)):
+                made = stage.make_inputs(trial_seed)
+                refused = too_large(made, device) if i == 0 else None
+                if refused is not None:
+                    log.info("candidate_rejected", task=task.name, kind="too_large")
+                    return report(correct=False, failure_kind="too_large", error=refused)
+                if (
+                    big is None
+                    and device.startswith("cuda")
+                    and _footprint(made) > _big_task_bytes()
+                ):
+                    big = _BIG_LOCKS.setdefault(device, threading.Lock())
+                    big.acquire()
+                pairs = [for_dtype(chosen, d) for d in made.output_dtypes]
+                atol = max((a for a, _ in pairs), default=for_dtype(chosen, "float32")[0])
+                rtol = max((r for _, r in pairs), default=for_dtype(chosen, "float32")[1])
+                ran = stage.candidate(
+                    stage.run_request(made, trial_seed, trace=i == 0),
+                    what=f"forward (trial {i + 1})",
+                )
+                if ran.torch_ops:
+                    ops = ", ".join(f"aten.{op}" for op in ran.torch_ops[:8])
+                    flags.append(f"torch_compute: forward dispatched PyTorch ops {ops}")
+                verdict = stage.judge(ran, trial_seed)
+                evidence.append(_evidence(trial_seed, verdict))
+                if not verdict.ok:
+                    log.info("candidate_rejected", task=task.name, kind=verdict.kind)
+                    return report(
+                        correct=False,
+                        failure_kind=verdict.kind,
+                        error=f"trial {i + 1}/{trials} (seed {trial_seed}): {verdict.reason}",
+                    )
+            if generalise:
+                failed = _generalisation_gate(stage, variants)
+                if failed is not None:
+                    log.info("candidate_rejected", task=task.name, kind="generalisation_failed")
+                    return report(correct=False, failure_kind="generalisation_failed", error=failed)
+                failed = _hidden_distributions(stage, hidden)
+                if failed is not None:
+                    log.info("candidate_rejected", task=task.name, kind=DISTRIBUTION_FAILED)
+                    return report(correct=False, failure_kind=DISTRIBUTION_FAILED, error=failed)
+        except _CandidateFailed as exc:
+            stage.after_candidate_failure(exc)
+            log.info("candidate_rejected", task=task.name, kind=exc.kind)
+            detail = (
+                f"\n{exc.log[-1500:]}" if exc.kind in ("crash", "exception") and exc.log else ""
+            )
+            return report(correct=False, failure_kind=exc.kind, error=exc.error + detail)
+        finally:
+            _trim(ref)
+            if big is not None:
+                big.release()
+    log.info("candidate_verified", task=task.name, trials=len(evidence))
+    return report(correct=True)
+
+
+def _hidden_distributions(stage: Stage, evidence: list[TrialEvidence]) -> str | None:
+    """Run the candidate on the task's inputs scaled by each of
+    :data:`kf.evaluation.grader.grading.SCALES` (never seen before); None, or why it failed.
+
+    A distribution the reference rejects, or a task with no floating-point input, is
+    skipped."""
+    from kf.evaluation.grader.grading import SCALES
+
+    seeds = _seed_trials(stage.session.seed ^ 0xD157, len(SCALES))
+    for scale, trial_seed in zip(SCALES, seeds, strict=True):
+        made = stage.make_inputs(trial_seed, scale)
+        if made.missing:  # the reference rejects them
+            continue
+        label = f"inputs ×{scale:g}"
+        run = stage.run_request(made, trial_seed, scale)
+        failed = _unseen_trial(stage, evidence, trial_seed, label, run, "hidden inputs")
+        if failed is not None:
+            return failed
+    return None
+
+
+def _unseen_trial(
+    stage: Stage, evidence: list[TrialEvidence], trial_seed: int, label: str, run: Run, check: str
+) -> str | None:
+    """One trial on inputs the candidate never saw (``run``), judged by the reference
+    and added to ``evidence``; None, or why ``check`` failed."""
+    try:
+        ran = stage.candidate(run, what=f"forward on {label}")
+    except _CandidateFailed as exc:
+        stage.after_candidate_failure(exc)
+        evidence.append(TrialEvidence(seed=trial_seed, ok=False, reason=exc.error, label=label))
+        return f"{check}, {label} (never seen before): {exc.kind}: {exc.error}"
+    verdict = stage.judge(ran, trial_seed)
+    evidence.append(_evidence(trial_seed, verdict, label))
+    if not verdict.ok:
+        return f"{check}, {label} (never seen before): {verdict.kind}: {verdict.reason}"
+    return None
+
+
+def _generalisation_gate(stage: Stage, evidence: list[TrialEvidence]) -> str | None:
+    """Run the candidate on input shapes it never saw; None, or why it failed."""
+    for variant, trial_seed in enumerate(_seed_trials(stage.session.seed ^ 0x6E4E, 4)):
+        made = stage.reference(MakeInputs(seed=trial_seed, variant=variant))
+        if made.missing or made.inputs is None:
+            break
+        run = Run(inputs=made.inputs)  # the reference chose the shapes: they travel
+        gate = "generalisation gate"
+        failed = _unseen_trial(stage, evidence, trial_seed, made.variant, run, gate)
+        if failed is not None:
+            return failed
+    return None
+
+
+def reverify_fast(
+    task: Task,
+    source: str,
+    report: ProfileReport,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    timeout_s: float = 120.0,
+    pool: RunnerPool | None = None,
+    tolerance: Tolerance | None = None,
+) -> ProfileReport:
+    """Re-verify a speed-up above :data:`REVERIFY_ABOVE` on fresh seeds and shapes, and flag it.
+
+    The profile is returned unchanged below the threshold; above it, it carries the
+    re-verification and a ``speedup_over_10x`` flag, and fails (``reverify_failed``)
+    when the re-verification does.
+    """
+    session = GradingSession(
+        task, source, device=device, seed=seed, pool=pool, timeout_s=timeout_s,
+        tolerance=tolerance,
+    )  # fmt: skip
+    return reverify_session(session, report)
+
+
+def reverify_session(session: GradingSession, report: ProfileReport) -> ProfileReport:
+    """:func:`reverify_fast` of the session's candidate: on the seed after the session's,
+    with the runners' default limits."""
+    if not report.ok or report.speedup <= REVERIFY_ABOVE:
+        return report
+    again = verify_session(dataclasses.replace(session, seed=session.seed + 1, limits=Limits()))
+    task = session.task
+    note = (
+        f"speedup_over_10x: {report.speedup:.1f}× re-verified on {again.trials} fresh inputs "
+        f"and {len(again.variant_evidence)} unseen shapes: "
+        + ("passed" if again.correct else f"FAILED ({again.failure_kind})")
+    )
+    log.info("candidate_reverified", task=task.name, speedup=report.speedup, ok=again.correct)
+    if again.correct:
+        return msgspec.structs.replace(report, flags=(*report.flags, note), reverify=again)
+    return msgspec.structs.replace(
+        report,
+        ok=False,
+        failure_kind="reverify_failed",
+        error=f"a {report.speedup:.1f}× speed-up did not survive re-verification: {again.error}",
+        flags=(*report.flags, note),
+        reverify=again,
+    )

@@ -1,0 +1,192 @@
+"""The sandboxed runner process's request loop: ``python -m kf.evaluation.runner FD
+PARENT_PID`` (the package's ``__main__``) runs :func:`main`.
+
+It binds its clock, imports torch, says it is ready and then serves requests from the
+grader on the socket ``FD``. One runner serves one candidate (or one task reference)
+and is then discarded. Candidate code runs here, so the clock is bound in :func:`main`
+before anything else is imported, and is never stored where the candidate can reach
+it by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from kf.evaluation.runner.candidate import CandidateRole, _remote_build, _remote_inline_build
+from kf.evaluation.runner.common import _describe, _Failure, _tb
+from kf.evaluation.runner.guard import _Integrity, _OpRecorder, _Watch
+from kf.evaluation.runner.reference import ReferenceRole
+from kf.evaluation.wire import shared_memory
+from kf.settings import current
+
+__all__ = ["Runner", "main"]
+
+
+class Runner(ReferenceRole, CandidateRole):
+    """Request handlers; ``self.model`` is either the task's Model or the candidate's ModelNew.
+    One runner process serves one role: the reference (:mod:`~kf.evaluation.runner.reference`)
+    or the candidate (:mod:`~kf.evaluation.runner.candidate`)."""
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the grader goes away, so a runner is never left behind.
+
+    The runner's parent is the grader, or a wrapper the grader started (ncu): either
+    way, being re-parented means that parent died, and the grader's pid vanishing
+    means the grader did. In the box (``parent_pid`` 0) the parent is bwrap's init,
+    which dies with the grader (``--die-with-parent``) and takes the box with it.
+    """
+    first = os.getppid()
+    while True:
+        if os.getppid() != first:
+            os._exit(70)
+        if parent_pid and first != parent_pid:
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                os._exit(70)
+            except OSError:
+                pass  # exists, just not ours to signal
+        time.sleep(0.5)
+
+
+def _warm(torch: Any, device: str) -> None:
+    """Start-up work that a GPU stage would otherwise wait for (``$KF_RUNNER_WARM``).
+
+    A pooled runner starts while earlier candidates are graded, so what it does before
+    it says it is ready costs no stage any time: the CUDA context on ``device`` (about
+    0.6 s on an H200), and the op tracer's first entry into a dispatch mode, which
+    imports ``torch._dynamo`` (1.5 to 2 s). Nothing of a candidate exists yet. A failure
+    is only logged: set-up reports it properly.
+    """
+    start = time.perf_counter()
+    try:
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+            torch.empty(1, device=device)
+        with _OpRecorder(torch):
+            torch.zeros(1).add_(1)
+    except Exception as exc:  # set-up raises the real error with its context
+        print(f"kf runner: warm-up for {device} failed: {_describe(exc)}", flush=True)
+    else:
+        print(
+            f"kf runner: warmed up for {device} in {time.perf_counter() - start:.2f}s", flush=True
+        )
+
+
+def main(argv: list[str]) -> int:
+    clock_ns = time.perf_counter_ns  # bound before any candidate code is imported
+    watch = _Watch()
+    sys.addaudithook(watch.hook)  # cannot be removed; inert until a candidate is loaded
+    import faulthandler
+    from multiprocessing.connection import Connection
+
+    import msgspec
+
+    from kf.evaluation.wire import protocol
+
+    faulthandler.enable()  # a crashing candidate leaves a Python traceback in the log
+    fd, parent_pid = int(argv[0]), int(argv[1])
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    conn = Connection(fd)
+    # bound before any candidate code runs: the socket's bytes, and the descriptors of
+    # shared-memory payloads beside them (kf.evaluation.wire.shared_memory)
+    send, recv = conn.send_bytes, conn.recv_bytes
+    encode, decode = protocol.encode, protocol.decode_from_grader
+    fd_sock = socket.socket(fileno=os.dup(fd))
+    watch.grading = fd_sock
+    send_message = functools.partial(shared_memory.send_message, send, fd_sock, encode)
+    receive_message = functools.partial(
+        shared_memory.receive_message, recv, fd_sock, conn.poll, decode, 60.0
+    )
+    settings = current()  # this runner's, from the environment its pool gave it
+    if settings.build_service:  # in the box: the grader builds
+        import kf.native
+
+        kf.native.remote_builder = functools.partial(_remote_build, send, recv, encode, decode)
+        import kf.cuda.inline
+
+        kf.cuda.inline.remote_builder = functools.partial(
+            _remote_inline_build, send, recv, encode, decode
+        )
+    runner = Runner(clock_ns, watch)
+    if settings.runner_warm:
+        _warm(runner.torch, settings.runner_warm)
+    send(encode(protocol.Ready(pid=os.getpid(), torch=str(runner.torch.__version__))))
+    guard: _Integrity | None = None
+    while True:
+        try:
+            msg = receive_message()
+        except EOFError:
+            return 0
+        except ValueError as exc:  # protocol.ProtocolError, or descriptors not as announced
+            print(f"kf runner: exiting on a message it cannot read: {exc}", flush=True)
+            return 2
+        if isinstance(msg, protocol.Exit):
+            return 0
+        if isinstance(msg, protocol.LoadCandidate) and guard is None:
+            # before any candidate code runs
+            guard = _Integrity(runner, clock_ns, send, recv, send_message, receive_message)
+        handler = (
+            getattr(runner, f"op_{msg.op}", None) if isinstance(msg, protocol.Request) else None
+        )
+        began = clock_ns()
+        cuda = _cuda_of(runner)
+        if cuda is not None:
+            with contextlib.suppress(Exception):
+                cuda.reset_peak_memory_stats()
+        reply: protocol.Reply
+        try:
+            if handler is None:
+                raise _Failure("protocol", f"unexpected message {msg.op!r}")
+            reply = handler(msg)
+        except _Failure as failure:
+            reply = protocol.Failed(kind=failure.kind, error=failure.error, log=failure.log)
+        except BaseException as exc:
+            reply = protocol.Failed(kind="exception", error=_describe(exc), log=_tb())
+        if guard is not None:
+            tampered = guard.check(runner, clock_ns)
+            if tampered:
+                reply = protocol.Failed(
+                    kind="tampering",
+                    error=f"the candidate altered the runner that grades it: {tampered}",
+                )
+        reply = msgspec.structs.replace(
+            reply,
+            id=msg.id if isinstance(msg, protocol.Request) else 0,
+            took_ns=clock_ns() - began,  # the handler's time, for the grader's request log
+            findings=tuple(watch.drain()),
+            **_memory(cuda),
+        )
+        sys.stdout.flush()
+        send_message(reply)
+        del reply
+
+
+def _cuda_of(runner: Any) -> Any:
+    """``torch.cuda`` once the runner's backend is a GPU's, else None."""
+    backend = getattr(runner, "backend", None)
+    return runner.torch.cuda if getattr(backend, "name", "") == "cuda" else None
+
+
+def _memory(cuda: Any) -> dict[str, int]:
+    """The reply's device-memory fields: the caching allocator's reserved and allocated
+    bytes, at most during the request and at its end (none off a GPU)."""
+    if cuda is None:
+        return {}
+    try:
+        return {
+            "peak_bytes": int(cuda.max_memory_reserved()),
+            "held_bytes": int(cuda.memory_reserved()),
+            "peak_allocated_bytes": int(cuda.max_memory_allocated()),
+            "allocated_bytes": int(cuda.memory_allocated()),
+        }
+    except Exception:  # a device lost mid-request: the reply says so already
+        return {}
