@@ -502,34 +502,40 @@ class ArchiveAgent(Agent[ArchiveState]):
     # -- confirmation of untrusted results (issue 34) ---------------------------------------
 
     def _needs_confirmation(self, state: ArchiveState, c: Cand, ev: CandidateProfiled) -> bool:
-        """Whether a result from ``ev.device_id`` must be measured again elsewhere first: the
-        run names the devices it trusts, this is not one, and the result would enter the
-        archive (a speed-up above the bound, or the best of its cell)."""
+        """Whether a result from ``ev.device_id`` must be measured again elsewhere first."""
+        return self._confirmation_reason(state, c, ev) is not None
+
+    def _confirmation_reason(
+        self, state: ArchiveState, c: Cand, ev: CandidateProfiled
+    ) -> str | None:
+        """Why a result from ``ev.device_id`` must be measured again elsewhere first, or None:
+        the run names the devices it trusts, this is not one, and the result would count: a
+        speed-up above the bound, the best of its cell, or a tuned candidate at another shape
+        set (it ranks nowhere in the archive, but ``kf export`` dispatches to it there, by its
+        speed-up, so its correctness and speed are one device's word otherwise)."""
         trusted = state.config.confirm_trusted
         r = ev.report
         if trusted is None or ev.device_id in trusted or is_suspect(r.flags):
-            return False
-        if c.shape_index != 0:  # ranks nowhere
-            return False
-        if r.speedup > state.config.confirm_above:
-            return True
+            return None
+        if c.shape_index != 0:
+            return f"a tuned candidate at shape set {c.shape_index}, which kf export runs there"
+        bound = state.config.confirm_above
+        if r.speedup > bound:
+            return f"a speed-up of {r.speedup:.2f}x, above {bound:g}x"
         t = state.tasks[c.task]
         incumbent = state.candidates.get(
             t.elites.get(cell_key(c.island, describe(c.source).cell()), "")
         )
-        return incumbent is None or (incumbent.speedup or 0.0) < r.speedup
+        if incumbent is None or (incumbent.speedup or 0.0) < r.speedup:
+            return "it would be the best of its cell"
+        return None
 
     def _ask_confirmation(
         self, state: ArchiveState, c: Cand, ev: CandidateProfiled, plan: list[Event]
     ) -> None:
         """Hold the result; the candidate runs its stages again on another device."""
         speedup = ev.report.speedup
-        bound = state.config.confirm_above
-        reason = (
-            f"a speed-up of {speedup:.2f}x, above {bound:g}x"
-            if speedup > bound
-            else "it would be the best of its cell"
-        )
+        reason = self._confirmation_reason(state, c, ev)
         c.confirming, c.claimed_by, c.claimed_speedup = True, ev.device_id, speedup
         c.status, c.device_id = "proposed", None
         c.runtime_ms, c.ref_ms = ev.report.runtime_ms, ev.report.ref_runtime_ms  # as claimed

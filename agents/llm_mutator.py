@@ -264,7 +264,10 @@ class LlmMutator(Agent[LlmMutatorState]):
                 c.outcome = f"never ran: {ev.reason}"
         elif isinstance(ev, CountersMeasured):
             c = state.cands.get(ev.candidate_id)
-            if c is not None and ev.report.ok:
+            # the model is told only the counters of a device the run trusts (issue 34: a
+            # device's own word; None in logs before the list, or with every device trusted)
+            trusted = state.config.get("confirm_trusted")
+            if c is not None and ev.report.ok and (trusted is None or ev.device_id in trusted):
                 c.counters = dict(ev.report.summary)
         elif isinstance(ev, (CandidateCompiled, CandidateRejected)):
             c = state.cands.get(ev.candidate_id)

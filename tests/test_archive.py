@@ -424,3 +424,61 @@ def test_archive_result_no_other_device_can_confirm_stays_out() -> None:
     assert not [e for e in out if isinstance(e, EliteAdmitted)]
     assert d.state.candidates["seed1"].suspect
     assert [e for e in out if isinstance(e, (TaskSkipped, RunFinished))]
+
+
+class Recording(Driver):
+    """A driver that keeps every event it was fed and every decision, in log order."""
+
+    def __init__(self) -> None:
+        self.log: list[Event] = []
+        super().__init__()
+
+    def feed(self, ev: Event) -> list[Event]:
+        self.log.append(ev)
+        out = super().feed(ev)
+        self.log.extend(out)
+        return out
+
+
+def test_archive_forged_counters_change_no_decision_report_or_prompt() -> None:
+    """Counters are one device's word and informational: a lying device's counters for its
+    own assignment (absurd values, entitled) change none of the archive's decisions and
+    nothing of kf report (headline included), and the LLM mutator does not tell the model
+    counters of a device the run does not trust (a trusted device's it does)."""
+    from agents.llm_mutator import LlmMutator
+    from kf.evaluation.grader.reports import CountersReport
+    from kf.report import build_report_from
+    from kf.search_facts import CountersMeasured
+
+    def counters(device: str) -> CountersMeasured:
+        summary = {"dram_throughput_pct": 1e9, "sm_throughput_pct": -5.0, "kernels": 0.0}
+        report = CountersReport(ok=True, device="cuda", summary=summary)
+        return CountersMeasured(candidate_id="seed1", task="t", device_id=device, report=report)
+
+    reports = []
+    for forged in (False, True):
+        d = Recording()  # seed1 goes to "d", which the run does not trust; "home" confirms
+        d.feed(announce("home"))
+        d.feed(started(confirm_trusted=["home"]))
+        d.feed(propose("seed1"))
+        if forged:
+            assert not d.feed(counters("d"))  # no decision
+        d.finish("seed1", speedup=50.0)
+        d.finish("seed1", speedup=1.5)
+        envs = [
+            make_envelope(e, run_id="r", source="t@x", event_id=f"x{i}", seq=i + 1)
+            for i, e in enumerate(d.log)
+        ]
+        report = build_report_from(envs)
+        report.pop("events")
+        report.pop("run_stats")  # wall-clock spans of the envelopes made here
+        reports.append(report)
+    assert reports[0] == reports[1]
+    assert reports[1]["tasks"][0]["best_speedup"] == 1.5  # what "home" measured
+
+    mutator = LlmMutator(AgentContext(run_id="r", agent_id="llm@t"))
+    for device, told in (("d", False), ("home", True)):
+        st = mutator.initial_state()
+        for ev in (started(confirm_trusted=["home"]), propose("seed1"), counters(device)):
+            st = mutator.evolve(st, rec(ev))
+        assert (st.cands["seed1"].counters is not None) == told

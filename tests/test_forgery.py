@@ -144,7 +144,8 @@ LIAR_RUN = "liar"
 def lying_worker(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``kf run`` with its own (trusted) worker, and a remote worker ``evil`` with its own,
     valid credentials that reports every candidate assigned to it as 77× faster without
-    running it (tests/evil_worker.py)."""
+    running it, with absurd counters, and answers its tuning requests with a configuration
+    "a million times faster" that it never timed (tests/evil_worker.py)."""
     from hardware_agents.cpu import host_id
     from kf.devices import device_slots
 
@@ -164,7 +165,9 @@ def lying_worker(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     procs: list[subprocess.Popen[str]] = []
     with EmbeddedServer(credentials=creds) as server:
         try:
-            main = proc(["kf.cli", *run_args(server.url, db, LIAR_RUN, 4)], {**logins, **trust})
+            # tuning on (4: the least that tunes a shape set): the liar answers its requests
+            args = [*run_args(server.url, db, LIAR_RUN, 4), "--tune-budget", "4"]
+            main = proc(["kf.cli", *args], {**logins, **trust})
             liar = proc(
                 ["tests.evil_worker", server.url, LIAR_RUN, evil.user, evil.password, "evil"],
                 trust,
@@ -221,6 +224,37 @@ def test_forgery_lying_worker_needs_another_device_to_confirm(
         check=False,
     )
     assert check.returncode == 0 and json.loads(check.stdout)["check"]["ok"], check.stdout
+
+
+def test_forgery_lying_tuner_and_counters_raise_no_speedup(lying_worker: dict[str, Any]) -> None:
+    """The liar's tuning answer (a configuration it claims is a million times faster) only
+    makes the archive evaluate that configuration: the tuned candidate, pinned to the liar,
+    is claimed 77x there and measured again by the run's own device, which decides; the
+    liar's counters are committed (its own assignments) and change nothing reported."""
+    db = lying_worker["db"]
+    assert "lied about tuning" in lying_worker["lies"]
+    lies = [t for t in of_type(db, "tuning.config_tuned") if t.device_id == "evil"]
+    assert lies and all(t.improved and t.best_ms == 1e-6 for t in lies)
+    chosen = [c for c in of_type(db, "search.tuned_chosen") if c.device_id == "evil"]
+    assert chosen, of_type(db, "search.tuned_chosen")
+    tuned = [
+        p.candidate_id
+        for p in of_type(db, "kernel.candidate_proposed")
+        if p.operator == "tune" and p.tuned_on == "evil"
+    ]
+    assert tuned
+    asked = {a.candidate_id for a in of_type(db, "search.confirmation_requested")}
+    confirmed = {c.candidate_id: c for c in of_type(db, "search.candidate_confirmed")}
+    for cid in tuned:
+        assert cid in asked and cid in confirmed, cid
+        assert confirmed[cid].confirmed_by == lying_worker["local"]
+        assert not confirmed[cid].accepted and confirmed[cid].measured_speedup < 10.0
+    assert [c for c in of_type(db, "kernel.counters_measured") if c.device_id == "evil"]
+    report = json.loads(lying_worker["out"])
+    rows = [r for r in report["tasks"][0]["tuning"] if r["device_id"] == "evil"]
+    assert rows and all((r["tuned_speedup"] or 0.0) < 10.0 for r in rows), rows
+    best = report["tasks"][0]["best_speedup"]
+    assert best is None or best < 10.0
 
 
 def test_forgery_duplicate_profile_prints_one_progress_line() -> None:

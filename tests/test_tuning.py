@@ -235,6 +235,76 @@ def test_logs_before_search_version_3_never_tune() -> None:
     assert SEED_SRC  # the fixture template the driver proposes declares a space
 
 
+def _propose_chosen(d: Driver, chosen: TunedChosen) -> CandidateProposed:
+    """The offline mutator's proposal of the tuned candidate ``chosen`` names, fed."""
+    m = OfflineMutator(AgentContext(run_id="r", agent_id="mutator@t"))
+    st = m.evolve(m.initial_state(), rec(propose("s1")))
+    proposal = m.react(st, rec(chosen, f"chosen-{chosen.shape_index}"))[0]
+    assert isinstance(proposal, CandidateProposed)
+    d.feed(proposal)
+    return proposal
+
+
+def test_a_lying_tuner_raises_no_speedup_and_export_runs_what_another_device_measured() -> None:
+    """A tuning answer from a device the run does not trust only chooses which configuration
+    to evaluate: the tuned candidates it names run the normal stages on that device, and
+    their results are measured again on another device before they count: at the task's own
+    shape set (a 77x claim, as any result) and at another shape set (below the bound and in
+    no cell, but what kf export dispatches to there). Without the trust list (old logs, or
+    KF_TRUSTED_DEVICES=*) the liar's 3x at shape set 1 would have been taken."""
+    from kf.events import make_envelope
+    from kf.export import tuned_choices
+    from kf.search_facts import CandidateConfirmed, ConfirmationRequested
+
+    lie = {"device_id": "evil", "best_ms": 1e-6, "baseline_ms": 1.0}
+    for trusted in (["d"], None):
+        d = Driver()  # device "d": the run's own
+        d.feed(announce("evil"))
+        d.feed(started(budget=1, search_version=3, tune_budget=8, confirm_trusted=trusted))
+        d.feed(propose("s1"))
+        assert d.state.candidates["s1"].device_id == "d"
+        out = d.finish("s1", speedup=1.5)
+        assert {r.device_id for r in out if isinstance(r, TuningRequested)} == {"d", "evil"}
+        fast = _tuned(0, {"UNROLL": 4, "CHUNK": 16, "SIMD": 1}, last=False)
+        d.feed(msgspec.structs.replace(fast, **lie))
+        other = _tuned(1, {"UNROLL": 2, "CHUNK": 64, "SIMD": 1}, last=True)
+        out = d.feed(msgspec.structs.replace(other, **lie))
+        chosen = [x for x in out if isinstance(x, TunedChosen)]
+        assert [(c.shape_index, c.device_id) for c in chosen] == [(0, "evil"), (1, "evil")]
+        proposals = [_propose_chosen(d, c) for c in chosen]
+        ids = [p.candidate_id for p in proposals]
+        assert all(d.state.candidates[i].device_id == "evil" for i in ids)  # tuned there
+        asked = [
+            e
+            for i, claim in zip(ids, (77.0, 3.0), strict=True)
+            for e in d.finish(i, speedup=claim)
+            if isinstance(e, ConfirmationRequested)
+        ]
+        envs = [make_envelope(p, run_id="r", source="t@x") for p in proposals]
+        if trusted is None:
+            assert not asked
+            (row,) = tuned_choices(d.state, envs, "t")
+            assert row.speedup == 3.0  # the liar's word, dispatched by kf export
+            continue
+        assert [(a.candidate_id, a.claimed_by) for a in asked] == [(i, "evil") for i in ids]
+        assert "shape set 1, which kf export runs there" in asked[1].reason
+        assert all(d.state.candidates[i].device_id == "d" for i in ids)  # measured again
+        done = [
+            e
+            for i, measured in zip(ids, (1.2, 1.1), strict=True)
+            for e in d.finish(i, speedup=measured)
+            if isinstance(e, CandidateConfirmed)
+        ]
+        assert [(c.confirmed_by, c.accepted) for c in done] == [("d", False), ("d", False)]
+        assert [d.state.candidates[i].speedup for i in ids] == [1.2, 1.1]
+        admitted = [e.speedup for e in d.decisions if isinstance(e, EliteAdmitted)]
+        assert admitted == [1.5], admitted  # the seed's; the tuned 1.2 is not better
+        (row,) = tuned_choices(d.state, envs, "t")
+        assert (row.candidate_id, row.speedup) == (ids[1], 1.1)  # what "d" measured
+        d.feed(_tuned(0, {}, last=True, improved=False))  # the run's own tuner: nothing better
+        assert d.state.finished
+
+
 # -- one real run ----------------------------------------------------------------------------
 
 
