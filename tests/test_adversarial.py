@@ -188,3 +188,20 @@ def test_adversarial_cli_rejects_tampering(capsys: pytest.CaptureFixture[str]) -
     assert status == 1
     assert "tampering" in out
     assert "altered the runner" in err
+
+
+def test_pairing_times_two_real_candidates_and_refuses_a_wrong_one(pool: RunnerPool) -> None:
+    """The paired re-timing (a challenger within noise of the incumbent) loads both in
+    fresh boxed runners of one session and times them in alternating rounds: each side
+    gets its samples; a side whose output is wrong on the checked inputs gives no
+    pairing at all (the caller keeps its own measurement)."""
+    from kf.evaluation.grader.pairing import paired_times
+
+    times = paired_times(TASK, source("honest_cpp"), source("honest_rows"), pool=pool, **QUICK)
+    assert times is not None
+    mine, theirs = times
+    assert len(mine) >= QUICK["min_trials"] and len(theirs) >= QUICK["min_trials"]
+    assert all(t > 0 for t in mine + theirs)
+    wrong, honest = source("nan_output"), source("honest_cpp")
+    assert paired_times(TASK, wrong, honest, pool=pool, **QUICK) is None
+    assert paired_times(TASK, honest, wrong, pool=pool, **QUICK) is None

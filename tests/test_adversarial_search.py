@@ -90,18 +90,18 @@ def test_profiler_retimes_challenger_within_noise_of_best(monkeypatch: pytest.Mo
     first = ProfileReport(
         ok=True, speedup=2.1, runtime_ms=1.0, runtime_ci95_ms=0.1, ref_runtime_ms=2.1
     )
-    paired = {"inc": 1.0, "new": 1.25}  # the challenger is slower when timed side by side
-
-    def fake_profile(task: Task, source: str, **kw: object) -> ProfileReport:
-        return ProfileReport(ok=True, speedup=2.0, runtime_ms=paired[source], ref_runtime_ms=2.0)
-
     calls: list[str] = []
 
     def once(task: Task, source: str, **kw: object) -> ProfileReport:
         calls.append(source)
-        return first if len(calls) == 1 else fake_profile(task, source)
+        return first
+
+    def paired(task: Task, mine: str, theirs: str, **kw: object) -> tuple[list[float], ...]:
+        calls.append(f"{mine}|{theirs}")
+        return [1.25] * 20, [1.0] * 20  # the challenger is slower when timed side by side
 
     monkeypatch.setattr(policy, "profile_candidate", once)
+    monkeypatch.setattr(policy, "paired_times", paired)
     monkeypatch.setattr(policy, "reverify_fast", lambda t, s, r, **kw: r)
     agent = profiler_module.Profiler(AgentContext(run_id="r", agent_id="profiler@t"))
     state = profiler_module.ProfilerState(
@@ -111,7 +111,7 @@ def test_profiler_retimes_challenger_within_noise_of_best(monkeypatch: pytest.Mo
     )
     task = Task.from_source("t", "x")
     report = agent._profile(state, task, "new", "new")
-    assert calls == ["new", "inc", "new", "inc", "new"]
+    assert calls == ["new", "new|inc"]
     assert abs(report.speedup - 2.0 * 1.0 / 1.25) < 1e-9
     assert any(f.startswith("retimed:") for f in report.flags)
 
@@ -128,16 +128,9 @@ def test_profiler_pairing_never_raises_a_measured_speedup(
     first = ProfileReport(
         ok=True, speedup=2.1, runtime_ms=1.0, runtime_ci95_ms=0.1, ref_runtime_ms=2.1
     )
-    paired = {"inc": 1.5, "new": 1.0}  # side by side the challenger looks 1.5x faster
-
-    def once(task: Task, source: str, **kw: object) -> ProfileReport:
-        if once.calls == 0:  # type: ignore[attr-defined]
-            once.calls = 1  # type: ignore[attr-defined]
-            return first
-        return ProfileReport(ok=True, speedup=2.0, runtime_ms=paired[source], ref_runtime_ms=2.0)
-
-    once.calls = 0  # type: ignore[attr-defined]
-    monkeypatch.setattr(policy, "profile_candidate", once)
+    monkeypatch.setattr(policy, "profile_candidate", lambda t, s, **kw: first)
+    # side by side the challenger looks 1.5x faster
+    monkeypatch.setattr(policy, "paired_times", lambda t, a, b, **kw: ([1.0] * 20, [1.5] * 20))
     monkeypatch.setattr(policy, "reverify_fast", lambda t, s, r, **kw: r)
     agent = profiler_module.Profiler(AgentContext(run_id="r", agent_id="profiler@t"))
     state = profiler_module.ProfilerState(

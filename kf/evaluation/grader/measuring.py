@@ -23,6 +23,11 @@ from kf.evaluation.grader.timing_checks import (
 from kf.evaluation.wire.protocol import Batch, Ping, Settle, Time, TimeInputs
 
 
+def calls_in(round_s: float, est_ms: float) -> int:
+    """How many calls of about ``est_ms`` make a timing round of ``round_s`` (1 to 200)."""
+    return max(1, min(200, int(round_s * 1e3 / max(est_ms, 1e-3))))
+
+
 @contextlib.contextmanager
 def turn(send: Callable[[Settle], Any], on: bool, *, compiled: bool = False) -> Iterator[None]:
     """One runner's timing turn (when ``on``: the runners take turns on a GPU): the

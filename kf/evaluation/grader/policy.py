@@ -15,7 +15,8 @@ guards against speed-ups that are not real, each of which can only lower a figur
    never fires.
 3. **A challenger within noise.** A candidate whose speed-up beats the incumbent's (the
    task's best so far) by less than the two timings' noise is re-timed paired with it
-   (alternating, same session); when the pairing says it is slower than its measurement
+   (both in fresh runners of one session, timed in alternating rounds:
+   :mod:`kf.evaluation.grader.pairing`); when the pairing says it is slower than its measurement
    did, its speed-up is lowered accordingly, never raised above what was measured against
    eager. ``kf eval`` has no incumbent.
 
@@ -34,6 +35,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from kf.evaluation.grader.pairing import paired_times
 from kf.evaluation.grader.profiling import profile_candidate
 from kf.evaluation.grader.reports import ProfileReport
 from kf.evaluation.grader.verifying import reverify_fast
@@ -42,7 +44,6 @@ from kf.tasks import Task
 __all__ = [
     "EAGER_HISTORY",
     "EAGER_OUTLIER",
-    "RETIME_ROUNDS",
     "Incumbent",
     "against_usual_eager",
     "eager_median_if_outlier",
@@ -51,7 +52,6 @@ __all__ = [
     "within_noise",
 ]
 
-RETIME_ROUNDS = 2
 # An eager time is an outlier when it lies above the median of at least EAGER_HISTORY
 # earlier sessions by more than EAGER_OUTLIER (relative) and by more than three robust
 # standard deviations of those sessions (1.4826 × their median absolute deviation).
@@ -150,15 +150,10 @@ def _retime(
     task: Task, report: ProfileReport, source: str, incumbent: Incumbent, kw: dict[str, Any]
 ) -> ProfileReport:
     """Alternate incumbent and challenger; restate the speed-up against the incumbent."""
-    mine: list[float] = []
-    theirs: list[float] = []
-    for _ in range(RETIME_ROUNDS):
-        inc = profile_candidate(task, incumbent.source, **kw)
-        again = profile_candidate(task, source, **kw)
-        if not (inc.ok and again.ok):
-            return report
-        theirs.append(inc.runtime_ms)
-        mine.append(again.runtime_ms)
+    times = paired_times(task, source, incumbent.source, **kw)
+    if times is None or not times[0] or not times[1]:
+        return report
+    mine, theirs = times
     t_c, t_i = statistics.fmean(mine), statistics.fmean(theirs)
     # The paired timing decides the ranking, never the size of a speed-up: it may lower
     # the challenger's figure (to below the incumbent's when it lost the pairing), but
@@ -167,9 +162,9 @@ def _retime(
     speedup = min(report.speedup, paired)
     note = (
         f"retimed: within noise of incumbent {incumbent.candidate_id[:12]} "
-        f"({report.speedup:.3f}× vs {incumbent.speedup:.3f}×); paired over {RETIME_ROUNDS} "
-        f"rounds: {t_c:.4f} ms vs {t_i:.4f} ms, so {paired:.3f}× by the pairing; "
-        f"reported {speedup:.3f}×"
+        f"({report.speedup:.3f}× vs {incumbent.speedup:.3f}×); timed side by side "
+        f"({len(mine)} and {len(theirs)} calls): {t_c:.4f} ms vs {t_i:.4f} ms, "
+        f"so {paired:.3f}× by the pairing; reported {speedup:.3f}×"
     )
     # the pairing corrects the challenger's own time: every baseline's figure moves alike
     factor = speedup / report.speedup if report.speedup > 0 else 1.0

@@ -31,6 +31,7 @@ from kf.evaluation.grader.grading import (
 from kf.evaluation.grader.measuring import (
     batch_check,
     cache_again,
+    calls_in,
     empty_call,
     fresh_timing,
     paired_again,
@@ -209,8 +210,10 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
             batches.clear()  # warm-up calls (first launches, caches) are not compared
             est_r = statistics.median(timed(False, warmup) or [1.0])
             est_k = statistics.median(timed_compiled(warmup) or [0.0])
+            # each side gets about the same time a round (its own count of calls), so a
+            # fast candidate's profile does not time the slower eager side as many times
             round_s = max(min_time_s / 10, 0.01)
-            per_round = max(1, min(200, int(round_s * 1e3 / max(est_c, est_r, est_k, 1e-3))))
+            per_c, per_r, per_k = (calls_in(round_s, est) for est in (est_c, est_r, est_k))
             cand_ms: list[float] = []
             ref_ms: list[float] = []
             comp_ms: list[float] = []
@@ -220,9 +223,9 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
                 left = stage.deadline.left()
                 if enough and (sum(cand_ms) >= min_time_s * 1e3 or left < timeout_s / 3):
                     break
-                cand_ms += timed(True, per_round)
-                ref_ms += timed(False, per_round)
-                comp_ms += timed_compiled(per_round)
+                cand_ms += timed(True, per_c)
+                ref_ms += timed(False, per_r)
+                comp_ms += timed_compiled(per_k)
             c, r = timing_stats(cand_ms), timing_stats(ref_ms)
             kc = timing_stats(comp_ms) if compiled["on"] and comp_ms else None
 
@@ -234,10 +237,10 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
             _, outside_ms, said = batch_check(stage, turns, k, rtt_ns)
             said = confirmed(said, lambda: batch_check(stage, turns, k, rtt_ns)[2])
             # the timing loop's own cost, from the candidate-free runner (timing_checks)
-            empty = empty_call(stage, per_round, rtt_ns)
+            empty = empty_call(stage, per_c, rtt_ns)
             disagree = timer_disagreement(batches, empty[0])
             if disagree is not None:  # measured again, each request right after an empty call
-                disagree = paired_again(stage, timed, batches, per_round, rtt_ns)
+                disagree = paired_again(stage, timed, batches, per_c, rtt_ns)
             flags = [f"{TIMER_DISAGREEMENT}: {said or disagree}"] if said or disagree else []
 
             if stage.run_and_check(stage.run_request(made, seed), seed) is not None:
