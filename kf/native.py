@@ -209,7 +209,7 @@ def build_path(
             src = Path(tmp) / "kernel.cpp"
             src.write_text(source)
             out = Path(tmp) / "kernel.so"
-            from kf.evaluation.grader.builds import run_capped
+            from kf.capture import run_capped
 
             code, log = run_capped([cxx, *argv, str(src), "-o", str(out)], timeout_s=timeout_s)
             if code is None:

@@ -373,7 +373,8 @@ def test_box_build_output_is_capped_head_and_tail(
     """A build that floods its output (a few MB of warnings here; 1.5 GB once took kf run
     to 4.4 GB of memory) gives the grader only its head and tail, saying how much went;
     the stream itself is read into a bounded buffer."""
-    from kf.evaluation.grader.builds import OUTPUT_CAP_BYTES, build_native, run_capped
+    from kf.capture import OUTPUT_CAP_BYTES, run_capped
+    from kf.evaluation.grader.builds import build_native
 
     monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
     noise = "#warning kf-flood " + "x" * 400 + "\n"

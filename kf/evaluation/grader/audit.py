@@ -20,26 +20,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
+from kf.evaluation.grader.reports import TaskAudit
 from kf.evaluation.wire.protocol import Audit
 
 if TYPE_CHECKING:
     from kf.evaluation.grader.session import GradingSession
 
 __all__ = ["TaskAudit", "audit_session", "audit_task"]
-
-
-class TaskAudit(msgspec.Struct, frozen=True, kw_only=True):
-    """Whether a task's reference outputs depend on its inputs (see the module doc)."""
-
-    degenerate: bool
-    reason: str = ""
-    input_sets: int = 0  # input sets the reference was run on
-    spread: float = 0.0  # max |out_i - out_0| / max |out_0| over the sets
-    constant_passes: int = 0  # sets on which a constant answer would pass
-    duration_s: float = 0.0
-    error: str | None = None  # the audit could not run (the task is not judged degenerate)
 
 
 def audit_task(

@@ -10,8 +10,6 @@ from typing import Any, Literal
 
 import msgspec
 
-from kf.evaluation.grader.audit import TaskAudit
-
 __all__ = [
     "FAILURE_KINDS",
     "FLAG_REASONS",
@@ -21,10 +19,24 @@ __all__ = [
     "EvalResult",
     "FailureKind",
     "ProfileReport",
+    "TaskAudit",
     "TrialEvidence",
     "VerifyReport",
     "is_suspect",
 ]
+
+
+class TaskAudit(msgspec.Struct, frozen=True, kw_only=True):
+    """Whether a task's reference outputs depend on its inputs (see kf.evaluation.grader.audit)."""
+
+    degenerate: bool
+    reason: str = ""
+    input_sets: int = 0  # input sets the reference was run on
+    spread: float = 0.0  # max |out_i - out_0| / max |out_0| over the sets
+    constant_passes: int = 0  # sets on which a constant answer would pass
+    duration_s: float = 0.0
+    error: str | None = None  # the audit could not run (the task is not judged degenerate)
+
 
 FailureKind = Literal[
     "exception",

@@ -27,8 +27,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 
+from kf.capture import while_wanted
 from kf.evaluation.grader import box, spawn
-from kf.evaluation.grader.builds import while_wanted
 from kf.evaluation.wire import protocol, shared_memory
 from kf.evaluation.wire.protocol import decode_from_runner, encode
 
