@@ -7,12 +7,15 @@ import asyncio
 import json
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kf.logs import configure
-from kf.settings import apply, current
+from kf.settings import current
+
+if TYPE_CHECKING:
+    from kf.app import RunRequest
 
 __all__ = ["main"]
 
@@ -22,6 +25,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_PART_DIED = 3
 #: stopped by SIGINT (Ctrl-C); SIGTERM gives 143 (kf.shutdown)
 EXIT_INTERRUPTED = 130
+
+T = TypeVar("T")
 
 
 def _add_nats_options(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -101,6 +106,42 @@ def _install_signal_handlers(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
+def _guarded(
+    verb: str,
+    args: argparse.Namespace,
+    work: Coroutine[Any, Any, T],
+    *,
+    usage: tuple[type[Exception], ...] = (ValueError,),
+    resume: bool = False,
+) -> tuple[int, T | None]:
+    """Run a command's coroutine through :mod:`kf.shutdown` (a stop kills its children),
+    and say how it ended, as ``kf <verb>: …`` and an exit code (README, "Exit codes"):
+    ``(0, its result)``, else ``(code, None)``. ``usage`` are the exceptions that mean bad
+    input or settings (2); with ``resume`` an ending that keeps the log says how to resume."""
+    from kf import shutdown
+    from kf.orchestra import PartDied
+
+    try:
+        return EXIT_OK, shutdown.run(work, reap=_own(args))
+    except (KeyboardInterrupt, shutdown.Terminated) as exc:
+        return _stopped(verb, exc, resume=resume), None
+    except PartDied as exc:  # the embedded nats-server, an agent past its restarts, the bus
+        why = str(exc)
+    except ExceptionGroup as group:  # the same, from a task group
+        first = group.exceptions[0]
+        why = str(first) if isinstance(first, PartDied) else f"a part gave up: {first!r}"
+    except usage as exc:
+        print(f"kf {verb}: {exc}", file=sys.stderr)
+        return EXIT_USAGE, None
+    except ConnectionError as exc:  # no NATS at the start
+        print(f"kf {verb}: {exc}", file=sys.stderr)
+        return EXIT_FAILED, None
+    print(f"kf {verb}: {why}", file=sys.stderr)
+    if resume:
+        print(RESUME_HINT, file=sys.stderr)
+    return EXIT_PART_DIED, None
+
+
 # -- kf agent ------------------------------------------------------------------------------
 
 
@@ -143,24 +184,10 @@ async def _agent_main(args: argparse.Namespace) -> int:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     """Run one registered agent (entry-point group ``kf.agents``) against a run."""
-    from kf import shutdown
     from kf.agent import AgentLoadError
-    from kf.orchestra import PartDied
 
-    try:
-        return shutdown.run(_agent_main(args), reap=_own(args))
-    except (KeyboardInterrupt, shutdown.Terminated) as exc:
-        return _stopped("agent", exc)
-    except (AgentLoadError, ValueError) as exc:
-        print(f"kf agent: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except ExceptionGroup as group:  # the bus lost, the agent past its restarts
-        first = group.exceptions[0]
-        print(f"kf agent: {first if isinstance(first, PartDied) else repr(first)}", file=sys.stderr)
-        return EXIT_PART_DIED
-    except ConnectionError as exc:
-        print(f"kf agent: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    code, _ = _guarded("agent", args, _agent_main(args), usage=(AgentLoadError, ValueError))
+    return code
 
 
 # -- kf replay -----------------------------------------------------------------------------
@@ -196,6 +223,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             "head": result.head,
             "hash": result.hash,
             "state": _jsonable(result.snapshots),
+            "task_checks": _jsonable(result.task_checks),
         }
         if checked is not None:
             out["check"] = {
@@ -218,6 +246,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         for kind, snap in result.snapshots.items():
             print(f"[{kind}]")
             print(_summary(snap))
+        for name, c in sorted(result.task_checks.items()):
+            what = f"eager {c.info.eager_ms:.3f} ms" if c.info else (c.error or "passed")
+            print(f"task check: {name} {'passed' if c.ok else 'FAILED'} on {c.device} ({what})")
         print(f"state hash: {result.hash}")
         if checked is not None:
             if checked.ok:
@@ -251,161 +282,31 @@ def _summary(snap: Any) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Evolve kernels for the given tasks on this machine."""
-    from kf.devices import DeviceError
-    from kf.evaluation.wire.tolerance import tolerance_from_args
-    from kf.llm.cli import llm_config
-    from kf.orchestra import PartDied, RunOptions, run_search
-    from kf.report import build_report_from, format_table
-    from kf.tasks import TaskError, check_task, load_tasks_skipping
+    """Evolve kernels for the given tasks on this machine (the work is :mod:`kf.app`'s)."""
+    from kf.app import RunRefused, prepare_run, search
+    from kf.report import format_table
 
-    llm = llm_config(args)
-    if isinstance(llm, str):
-        print(f"kf run: {llm}", file=sys.stderr)
+    request = _run_request(args)
+    if isinstance(request, str):
+        print(f"kf run: {request}", file=sys.stderr)
         return EXIT_USAGE
-    tolerance = tolerance_from_args(args)
-    if isinstance(tolerance, str):
-        print(f"kf run: {tolerance}", file=sys.stderr)
-        return EXIT_USAGE
-    from kf.tuning import tuning_config
-
-    tune = tuning_config(args)
-    if isinstance(tune, str):
-        print(f"kf run: {tune}", file=sys.stderr)
-        return EXIT_USAGE
-    if args.budget < 1:
-        print("kf run: --budget must be at least 1", file=sys.stderr)
-        return EXIT_USAGE
-    if args.db and not args.join:  # one writer per log: say so before anything starts
-        from kf.log import LogLocked, check_writable
-
-        try:
-            check_writable(Path(args.db))
-        except LogLocked as exc:
-            print(f"kf run: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-    if args.nats:  # before anything starts: a bus without per-role users is refused
-        roles = ["proposer"] if args.join else ["archivist", "proposer"]
-        roles += [] if args.no_worker else ["worker"]
-        if _shared_login_refused("run", args, _bus_options(args, args.nats, "kf-run"), roles):
-            return EXIT_USAGE
-    if not (args.join and args.no_worker):  # the task checks and the worker run candidates
-        refused = _require_sandbox(args.unsafe_no_sandbox)
-        if refused:
-            print(f"kf run: {refused}", file=sys.stderr)
-            return EXIT_USAGE
-    from kf.devices import parse_devices, primary_device
-
     try:
-        # a joined run's workers have the devices; here only the kind matters
-        devices = [] if args.join else parse_devices(args.device)
-    except DeviceError as exc:
-        print(f"kf run: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    device = devices[0] if devices else primary_device(args.device)
-    try:
-        # in a folder, a broken task is skipped with its reason and the others run
-        tasks, skipped = load_tasks_skipping(args.tasks)
-        if args.select is not None:  # --tasks 1,19,23-26,Softmax (kf.task_select)
-            from kf.task_select import SelectionError, select_loaded
-
-            if not args.tasks.is_dir():
-                raise TaskError(f"--tasks chooses tasks of a folder; {args.tasks} is a file")
-            try:
-                tasks, skipped = select_loaded(tasks, skipped, args.select, lambda t: t.name)
-            except SelectionError as exc:
-                raise TaskError(f"{args.tasks}: {exc}") from exc
-        if not args.join:  # a joined deployment's workers check on their own devices
-            if not args.no_worker:
-                from kf.orchestra import prepare_worker
-
-                prepare_worker(args.device)
-            checked = []
-            for t in tasks:
-                try:
-                    check_task(t, device=device)
-                    checked.append(t)
-                except TaskError as exc:
-                    if not args.tasks.is_dir():
-                        raise
-                    skipped.append((t.path or t.name, str(exc)))
-            tasks = checked
-        for where, why in skipped:
-            print(f"kf run: skipping {where}: {why}", file=sys.stderr)
-        if not tasks:
-            raise TaskError(f"{args.tasks}: no usable task ({len(skipped)} skipped)")
-    except (TaskError, DeviceError) as exc:
+        plan = prepare_run(request)
+    except RunRefused as exc:
+        _say_skipped(exc.skipped)
         print(f"kf run: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("kf run: interrupted while checking the tasks; no run was started", file=sys.stderr)
-        return 130
-    opts = RunOptions(
-        budget=args.budget,
-        seed=args.seed,
-        db=args.db,
-        device=device,
-        devices=devices if not args.no_worker else [],
-        nats_url=args.nats,
-        islands=args.islands,
-        # two candidates in flight per local device unless told
-        max_in_flight=args.max_in_flight
-        if args.max_in_flight is not None
-        else 2 * (len(devices) if devices and not args.no_worker else 1),
-        timeout_s=args.timeout,
-        build_timeout_s=args.build_timeout,
-        serve=(args.serve_host, args.serve_port) if args.serve else None,
-        run_id=args.run,
-        join=args.join,
-        local_worker=not args.no_worker,
-        heartbeat_s=args.heartbeat,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        resume=args.resume,
-        bus_timeout_s=args.bus_timeout,
-    )
-    opts.extra.update(tolerance.config())  # the run's tolerance, if not the default
-    trusted = _trusted_devices(args, devices or [device])
-    if trusted is not None:  # other devices' archive-bound results are measured twice
-        opts.extra["confirm_trusted"] = trusted
-    opts.tune_budget = tune["tune_budget"]
-    if skipped:
-        opts.extra["skipped_tasks"] = dict(skipped)  # recorded in the run's first event
-    if args.select is not None:
-        opts.extra["task_selection"] = args.select
-    # the baselines' settings (kf.evaluation.grader.baseline_settings): the local worker's grader
-    # reads them from the process's settings; recorded as asked, and each profile says
-    # what ran
-    asked = {"KF_COMPILE_MODE": args.compile_mode, "KF_TF32": args.tf32}
-    settings = apply({k: v for k, v in asked.items() if v})
-    opts.extra["compile_mode"] = settings.get("KF_COMPILE_MODE") or "default"
-    opts.extra["tf32"] = settings.get("KF_TF32") or "off"
-    if llm:
-        opts.llm_url = args.llm_url
-        opts.extra.update(llm)
-    if args.nats:
-        opts.bus_options = _bus_options(args, args.nats, "kf-run")
-    from kf import shutdown
-
-    try:
-        # SIGTERM stops the run as SIGINT does: agents, connections and the embedded
-        # nats-server are stopped and temporary folders removed before the exit
-        _, envelopes = shutdown.run(
-            run_search(tasks, opts, out=sys.stderr if args.json else sys.stdout),
-            reap=_own(args),
-        )
-    except (KeyboardInterrupt, shutdown.Terminated) as exc:
-        return _stopped("run", exc, resume=True)
-    except PartDied as exc:
-        print(f"kf run: {exc}", file=sys.stderr)
-        print(RESUME_HINT, file=sys.stderr)
-        return EXIT_PART_DIED
-    except ValueError as exc:
-        print(f"kf run: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except ConnectionError as exc:
-        print(f"kf run: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    report = build_report_from(envelopes)
+        return EXIT_INTERRUPTED
+    _say_skipped(plan.skipped)
+    # SIGTERM stops the run as SIGINT does: agents, connections and the embedded
+    # nats-server are stopped and temporary folders removed before the exit
+    out = sys.stderr if args.json else sys.stdout
+    code, result = _guarded("run", args, search(plan, out=out), resume=True)
+    if result is None:
+        return code
+    report = result.report
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -414,11 +315,63 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not args.join:
             db = args.db or f"runs/{report['run_id']}.db"
             print(f"\nlog: {db}    (kf report {db} --json; kf replay {db} --check)")
-    unrunnable = _unrunnable(report)
-    if unrunnable:
-        print(f"kf run: no device could run any candidate: {unrunnable}", file=sys.stderr)
+    if result.unrunnable:
+        print(f"kf run: no device could run any candidate: {result.unrunnable}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _run_request(args: argparse.Namespace) -> RunRequest | str:
+    """``kf run``'s flags as a :class:`kf.app.RunRequest`, or what is wrong with them."""
+    from kf.app import RunRequest
+    from kf.evaluation.wire.tolerance import tolerance_from_args
+    from kf.llm.cli import llm_config
+    from kf.tuning import tuning_config
+
+    llm = llm_config(args)
+    if isinstance(llm, str):
+        return llm
+    tolerance = tolerance_from_args(args)
+    if isinstance(tolerance, str):
+        return tolerance
+    tune = tuning_config(args)
+    if isinstance(tune, str):
+        return tune
+    return RunRequest(
+        tasks=args.tasks,
+        select=args.select,
+        budget=args.budget,
+        seed=args.seed,
+        db=args.db,
+        resume=args.resume,
+        device=args.device,
+        islands=args.islands,
+        max_in_flight=args.max_in_flight,
+        timeout_s=args.timeout,
+        build_timeout_s=args.build_timeout,
+        tune_budget=tune["tune_budget"],
+        llm_url=args.llm_url,
+        llm=llm,
+        tolerance=tolerance.config(),
+        compile_mode=args.compile_mode,
+        tf32=args.tf32,
+        unsafe_no_sandbox=args.unsafe_no_sandbox,
+        serve=(args.serve_host, args.serve_port) if args.serve else None,
+        run_id=args.run,
+        join=args.join,
+        local_worker=not args.no_worker,
+        heartbeat_s=args.heartbeat,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        nats_url=args.nats,
+        bus_options=_bus_options(args, args.nats, "kf-run") if args.nats else None,
+        allow_shared_token=args.allow_shared_token,
+        bus_timeout_s=args.bus_timeout,
+    )
+
+
+def _say_skipped(skipped: Sequence[tuple[str, str]]) -> None:
+    for where, why in skipped:
+        print(f"kf run: skipping {where}: {why}", file=sys.stderr)
 
 
 def _own(args: argparse.Namespace) -> bool:
@@ -442,65 +395,18 @@ def _stopped(verb: str, exc: BaseException, *, resume: bool = False) -> int:
     return code
 
 
-def _unrunnable(report: dict[str, Any]) -> str | None:
-    """Why the run's devices could run none of its candidates (None if any ran)."""
-    reasons = []
-    for t in report["tasks"]:
-        unroutable = t.get("failures", {}).get("unroutable", 0)
-        skipped = t.get("skipped") or ""
-        if t["candidates"] and unroutable == t["candidates"]:
-            reasons.append(f"{t['task']}: all {unroutable} candidates unroutable")
-        elif not t["candidates"] and skipped.startswith("no live device"):
-            reasons.append(f"{t['task']}: {skipped}")
-        else:
-            return None
-    return "; ".join(reasons) or None
-
-
-def _require_sandbox(unsafe: bool) -> str | None:
-    """Why candidates cannot be boxed here (None: they can, or ``--unsafe-no-sandbox``)."""
-    from kf.evaluation.grader.box import SandboxUnavailable, require
-
-    if unsafe:
-        apply({"KF_UNSAFE_NO_SANDBOX": "1"})
-    try:
-        require()
-    except SandboxUnavailable as exc:
-        return str(exc)
-    return None
-
-
-def _trusted_devices(args: argparse.Namespace, devices: list[str]) -> list[str] | None:
-    """The run's own worker's device ids (as kf.orchestra names them), and
-    ``KF_TRUSTED_DEVICES`` (kf.auth.trusted_devices)."""
-    from hardware_agents.cpu import host_id
-    from kf.auth import trusted_devices
-    from kf.devices import device_slots
-
-    local = [] if args.join or args.no_worker else devices
-    return trusted_devices([s.device_id for s in device_slots(local, host_id())] if local else [])
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
     """Serve a run started elsewhere with this machine's device."""
+    from kf.app import require_sandbox
     from kf.bus import valid_run_id
-    from kf.orchestra import PartDied, run_worker
+    from kf.orchestra import run_worker
 
-    async def go() -> None:
-        await run_worker(  # SIGINT and SIGTERM cancel it (kf.shutdown)
-            valid_run_id(args.run),
-            _bus_options(args, args.nats, "kf-worker"),
-            device=args.device,
-            options=options,
-        )
-
-    refused = _require_sandbox(args.unsafe_no_sandbox)
+    refused = require_sandbox(args.unsafe_no_sandbox)
     if refused:
         print(f"kf worker: {refused}", file=sys.stderr)
         return EXIT_USAGE
-    if _shared_login_refused(
-        "worker", args, _bus_options(args, args.nats, "kf-worker"), ["worker"]
-    ):
+    opts = _bus_options(args, args.nats, "kf-worker")
+    if _shared_login_refused("worker", args, opts, ["worker"]):
         return EXIT_USAGE
     options: dict[str, Any] = {
         "timeout_s": args.timeout,
@@ -510,24 +416,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     }
     if args.name:
         options["device_id"] = args.name
-    from kf import shutdown
 
-    try:
-        shutdown.run(go(), reap=_own(args))
-    except (KeyboardInterrupt, shutdown.Terminated) as exc:
-        return _stopped("worker", exc)
-    except ValueError as exc:
-        print(f"kf worker: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except ConnectionError as exc:
-        print(f"kf worker: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except ExceptionGroup as group:  # the bus lost, an agent past its restarts
-        first = group.exceptions[0]
-        why = first if isinstance(first, PartDied) else f"a part gave up: {first!r}"
-        print(f"kf worker: {why}", file=sys.stderr)
-        return EXIT_PART_DIED
-    return EXIT_OK
+    async def go() -> None:  # SIGINT and SIGTERM cancel it (kf.shutdown)
+        await run_worker(valid_run_id(args.run), opts, device=args.device, options=options)
+
+    code, _ = _guarded("worker", args, go())
+    return code
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -633,17 +527,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     tuned = f"; {len(choices) - len(left_out)} shape(s) dispatched to tuned configurations"
     print(f"wrote {args.output} ({task}, {best.speedup:.2f}× over eager{tuned if text else ''})")
     return EXIT_OK
-
-
-# -- placeholders ----------------------------------------------------------------------------
-
-
-def _not_yet(verb: str, issue: str) -> Any:
-    def run(args: argparse.Namespace) -> int:
-        print(f"kf {verb}: not available yet ({issue})", file=sys.stderr)
-        return EXIT_USAGE
-
-    return run
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -23,8 +23,9 @@ from kf import bus
 from kf.agent import Agent, AgentContext, make_agent_id
 from kf.auth import RunBus
 from kf.devices import DeviceSlot
-from kf.events import Envelope, Record, decode_event, derived_id, make_envelope
+from kf.events import Envelope, Event, Record, decode_event, derived_id, make_envelope
 from kf.facts import RunFinished, RunStarted, TaskSpec
+from kf.fold import fold
 from kf.log import EventLog
 from kf.runtime import AgentRunner, CommittedFeed, Outbox, supervise
 from kf.settings import current
@@ -65,10 +66,13 @@ class RunOptions:
     heartbeat_s: float = 10.0
     heartbeat_timeout_s: float = 30.0
     serve: tuple[str, int] | None = None  # (host, port): the dashboard beside the run
-    resume: bool = False  # continue a log's run even when the settings asked for differ
+    resuming: bool = False  # the log holds this run already: continue it (kf.app.opening)
     tune_budget: int = 12  # configurations tuned per task and device (kf.tuning; 0: off)
     bus_timeout_s: float = BUS_LOST_S  # --nats: seconds without the server before giving up
     extra: dict[str, Any] = field(default_factory=dict)
+    # observations made before the run started (the task checks, kf.app.checks), each with
+    # the time it was made: recorded right after ``run.started`` (also on resume)
+    records: list[tuple[Event, float]] = field(default_factory=list)
 
 
 def new_run_id() -> str:
@@ -265,8 +269,7 @@ class Progress:
         ev = rec.event
         self.seen.append(rec.envelope)
         before = self._status(getattr(ev, "candidate_id", None))
-        if self.agent.listens_to(rec.envelope.type):
-            self.state = self.agent.evolve(self.state, rec)
+        self.state = fold([rec], self.agent, self.state)
         if isinstance(ev, RunFinished):
             self.finished = ev
         elif isinstance(ev, TaskSkipped):
@@ -333,25 +336,9 @@ async def run_search(
     from agents.archivist import Archivist
     from agents.mutator import OFFLINE_MUTATOR
 
-    resume = o.db is not None and o.db.exists() and not o.join
-    if resume and o.db is not None:
-        run_id = _run_id_of(o.db)
-        differs = _differences(o.db, tasks, o)
-        if differs and not o.resume:
-            raise ValueError(
-                f"{o.db} holds run {run_id}, started with other settings ("
-                + "; ".join(differs)
-                + "): pass --resume to continue that run as it was started, or choose "
-                "another --db for a new run"
-            )
-        if differs:
-            print(
-                f"kf run: resuming {run_id} as it was started (" + "; ".join(differs) + ")",
-                file=out,
-                flush=True,
-            )
-    else:
-        run_id = bus.valid_run_id(o.run_id) if o.run_id else new_run_id()
+    # which run (a new one, or the one the log holds: o.resuming) was decided by the
+    # caller (kf.app.opening)
+    run_id = bus.valid_run_id(o.run_id) if o.run_id else new_run_id()
     db = o.db or Path("runs") / f"{run_id}.db"
     if o.nats_url is None and o.join:
         raise ValueError("--join needs --nats: the run's agents must already be running")
@@ -398,8 +385,7 @@ async def run_search(
                 supervise(lambda: arch, stop_archivist, ready, name="archivist"), name="archivist"
             )
             await _first(ready.wait(), [archivist_task, *rb.watched()])
-        if not resume:
-            await _publish_start(rb.proposer, run_id, tasks, o, mutator)
+        await _record_start(rb.proposer, run_id, tasks, o, mutator)
         if not o.join:
             agent_tasks.append(
                 asyncio.create_task(
@@ -540,10 +526,29 @@ async def _first(main: Any, watch: list[asyncio.Task[None]]) -> None:
     raise PartDied(f"{names} stopped before the run finished")
 
 
-async def _publish_start(
+async def _record_start(
     nc: Any, run_id: str, tasks: list[Task], o: RunOptions, mutator: str
 ) -> None:
-    started = RunStarted(
+    """Record the run's start (unless it is resumed) and ``o.records`` after it."""
+    source = make_agent_id("cli")
+    envelopes = [make_envelope(ev, run_id=run_id, source=source, at=at) for ev, at in o.records]
+    if not o.resuming:
+        # one id per run: starting the same run twice (a retried --join) commits it once
+        start_id = derived_id("run.started", run_id)
+        started = _started(run_id, tasks, o, mutator)
+        envelopes.insert(0, make_envelope(started, run_id=run_id, source=source, event_id=start_id))
+    if not envelopes:
+        return
+    outbox = Outbox(nc, run_id)
+    ob_task = asyncio.create_task(outbox.run())
+    outbox.put(envelopes)
+    await outbox.flush()
+    ob_task.cancel()
+
+
+def _started(run_id: str, tasks: list[Task], o: RunOptions, mutator: str) -> RunStarted:
+    """The run's first event: its config, seed and tasks (their sources)."""
+    return RunStarted(
         run_id=run_id,
         seed=o.seed,
         config={
@@ -571,15 +576,6 @@ async def _publish_start(
         ),
         kf_version=_version(),
     )
-    outbox = Outbox(nc, run_id)
-    ob_task = asyncio.create_task(outbox.run())
-    # one id per run: starting the same run twice (a retried --join) commits it once
-    start_id = derived_id("run.started", run_id)
-    outbox.put(
-        [make_envelope(started, run_id=run_id, source=make_agent_id("cli"), event_id=start_id)]
-    )
-    await outbox.flush()
-    ob_task.cancel()
 
 
 async def _follow(nc: Any, run_id: str, progress: Progress) -> None:
@@ -596,40 +592,6 @@ async def _follow(nc: Any, run_id: str, progress: Progress) -> None:
                 return
     finally:
         await feed.unsubscribe()
-
-
-def _differences(db: Path, tasks: list[Task], o: RunOptions) -> list[str]:
-    """What differs between the run a log holds and the one asked for now."""
-    with EventLog(db, readonly=True) as elog:
-        first = next(iter(elog.read(1, 1)), None)
-    if first is None or first.type != RunStarted.tag:
-        return []
-    started = decode_event(first)
-    assert isinstance(started, RunStarted)
-    out: list[str] = []
-    logged = {t.name: t.sha256 for t in started.tasks}
-    asked = {t.name: t.sha256 for t in tasks}
-    if logged != asked:
-        changed = sorted(n for n in asked if n in logged and asked[n] != logged[n])
-        if set(logged) != set(asked):
-            out.append(f"tasks {sorted(logged)} in the log, {sorted(asked)} now")
-        if changed:
-            out.append(f"task source changed: {', '.join(changed)}")
-    for key, now in (("budget", o.budget), ("device", o.device), ("llm", bool(o.llm_url))):
-        if started.config.get(key) != now:
-            out.append(f"{key} {started.config.get(key)!r} in the log, {now!r} now")
-    if started.seed != o.seed:
-        out.append(f"seed {started.seed} in the log, {o.seed} now")
-    return out
-
-
-def _run_id_of(db: Path) -> str:
-    from kf.log import EventLog
-
-    with EventLog(db, readonly=True) as elog:
-        for env in elog.read(1, 1):
-            return env.run_id
-    raise ValueError(f"{db}: the log is empty; delete it or choose another --db")
 
 
 def _version() -> str:

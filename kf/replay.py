@@ -1,7 +1,8 @@
 """Replay: fold a log into the deciding agents' states, and prove the decisions deterministic.
 
 ``fold`` rebuilds every deciding agent's state from the log (with :func:`kf.fold.fold`)
-and hashes the snapshots.
+and hashes the snapshots; it also gives the task checks the log recorded
+(``kernel.task_checked``), which are observations and take no part in the hash.
 ``check`` walks the log once more and, at every committed event, recomputes what each
 deciding agent would decide from the prefix up to that event, comparing with the
 decisions recorded in the log (same ids, types, data and ``based_on``). The first
@@ -22,6 +23,7 @@ from kf.agent import Agent, AgentContext, agent_types, snapshot_hash
 from kf.events import Decision, Envelope, Event, EventError, Record, decode_event, derived_id
 from kf.fold import fold as fold_events
 from kf.log import EventLog, Integrity, LogError
+from kf.search_facts import TaskChecked, TaskChecks
 
 __all__ = ["CheckResult", "Difference", "FoldResult", "check", "deciding_agent_types", "fold"]
 
@@ -37,6 +39,7 @@ class FoldResult:
     snapshots: dict[str, Any]
     hash: str
     run_id: str = ""
+    task_checks: dict[str, TaskChecked] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ def fold(elog: EventLog, types: Sequence[type[Agent[Any]]]) -> FoldResult:
         snapshots=snaps,
         hash=snapshot_hash(snaps),
         run_id=history[0].envelope.run_id if history else "",
+        task_checks=fold_events(history, TaskChecks()),
     )
 
 

@@ -17,15 +17,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kf.agent import AgentContext
-from kf.events import Envelope, Record, decode_event
+from kf.events import Envelope, decode_event
+from kf.fold import fold
 from kf.log import EventLog, check_integrity
 from kf.mutator_stats import format_mutator_stats, mutator_stats
 from kf.run_stats import format_run_stats, run_stats
+from kf.search_facts import TaskChecks
+
+if TYPE_CHECKING:
+    from agents.archive import ArchiveState
 
 __all__ = [
     "FAST_P",
@@ -49,22 +54,17 @@ _STAGE_EVENTS = frozenset(
 )
 
 
-def fold_archive(elog: EventLog, *, ignore_integrity: bool = False) -> Any:
+def fold_archive(elog: EventLog, *, ignore_integrity: bool = False) -> ArchiveState:
     """The archive state after the whole log, once its chain is verified (see module doc)."""
     check_integrity(elog, ignore=ignore_integrity)
     return fold_envelopes(elog.read())
 
 
-def fold_envelopes(envelopes: Iterable[Envelope]) -> Any:
+def fold_envelopes(envelopes: Iterable[Envelope]) -> ArchiveState:
     """The archive state after these committed envelopes (in ``seq`` order)."""
     from agents.archive import ArchiveAgent
 
-    agent = ArchiveAgent(AgentContext(run_id="", agent_id="archive@report"))
-    state = agent.initial_state()
-    for env in envelopes:
-        if agent.listens_to(env.type):
-            state = agent.evolve(state, Record(env, decode_event(env)))
-    return state
+    return fold(envelopes, ArchiveAgent(AgentContext(run_id="", agent_id="archive@report")))
 
 
 def build_report(db: str | Path, *, ignore_integrity: bool = False) -> dict[str, Any]:
@@ -100,7 +100,7 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
     for name, t in state.tasks.items():
         best = best_candidate(state, name)
         filled += len(t.elites)
-        entry = {
+        entry: dict[str, Any] = {
             "task": name,
             "candidates": t.proposed,
             "compiled": t.compiled,
@@ -179,6 +179,7 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
         "degenerate_tasks": sorted(t["task"] for t in tasks if t["degenerate"]),
         "mutator": mutators[0] if len(mutators) == 1 else mutators,
         "devices": devices,
+        "task_checks": task_checks(envelopes),
         "run_stats": run_stats(envelopes),
         # stage reports whose runners ran outside kf's box (--unsafe-no-sandbox)
         "unsandboxed_results": sum(
@@ -191,6 +192,40 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
         # one row per task in KernelBench's terms, and scores per level (kf.kernelbench)
         "kernelbench": kernelbench_section(tasks, envelopes),
     }
+
+
+def task_checks(envelopes: Iterable[Envelope]) -> list[dict[str, Any]]:
+    """The run's task checks (``kernel.task_checked``, the last of each task), by task:
+    where each ran and what it gave (outputs, eager time), or why it failed."""
+    return [
+        {
+            "task": name,
+            "ok": c.ok,
+            "device": c.device,
+            "eager_ms": c.info.eager_ms if c.info else None,
+            "output_shapes": c.info.output_shapes if c.info else None,
+            "error": c.error or None,
+        }
+        for name, c in sorted(fold(envelopes, TaskChecks()).items())
+    ]
+
+
+def _check_lines(report: dict[str, Any]) -> list[str]:
+    """One line for the task checks the run recorded: where they ran, and which failed."""
+    checks = report.get("task_checks") or []
+    if not checks:
+        return []
+    where = ", ".join(sorted({c["device"] for c in checks}))
+    failed = [
+        f"{c['task']} ({((c['error'] or '').splitlines() or [''])[0][:120]})"
+        for c in checks
+        if not c["ok"]
+    ]
+    passed = len(checks) - len(failed)
+    return [
+        f"task check on {where}: {passed} passed"
+        + (f", {len(failed)} failed: " + "; ".join(failed) if failed else "")
+    ]
 
 
 def _scores(speedups: dict[str, float], vs_best: dict[str, float], n: int) -> dict[str, Any]:
@@ -416,6 +451,7 @@ def format_table(report: dict[str, Any]) -> str:
             )
         )
     lines += _degenerate_lines(report)
+    lines += _check_lines(report)
     kb = report.get("kernelbench") or {}
     if any(r["level"] is not None for r in kb.get("rows", [])):
         from kf.kernelbench import format_levels

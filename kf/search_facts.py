@@ -8,7 +8,8 @@ from typing import Any
 
 from kf.evaluation.grader.audit import TaskAudit
 from kf.evaluation.grader.reports import CompileReport, CountersReport, ProfileReport, VerifyReport
-from kf.events import Decision, Observation, event
+from kf.events import Decision, Observation, Record, event
+from kf.tasks import TaskInfo
 
 __all__ = [
     "CandidateAssigned",
@@ -26,6 +27,8 @@ __all__ = [
     "MutationFailed",
     "ParentSelected",
     "TaskAudited",
+    "TaskChecked",
+    "TaskChecks",
     "TaskSkipped",
     "TunedChosen",
     "TuningRequested",
@@ -163,6 +166,41 @@ class TaskAudited(Observation, frozen=True, kw_only=True):
     task: str
     device_id: str
     audit: TaskAudit
+
+
+@event("kernel.task_checked")
+class TaskChecked(Observation, frozen=True, kw_only=True):
+    """A task's reference was loaded and run once in a sandboxed runner before the run
+    searched it (``kf run``'s task check): it gave outputs (``info``: shapes, dtypes,
+    eager time), or it failed (``error``, one line) and the task was left out of the run."""
+
+    task: str
+    sha256: str  # the source that was checked
+    device: str  # where it ran (cpu, cuda:0): a run's device, not a worker's device id
+    ok: bool
+    info: TaskInfo | None = None
+    error: str = ""
+    path: str | None = None
+    duration_s: float = 0.0
+
+
+class TaskChecks:
+    """The task checks a log records, by task: the last of each (a projection for
+    :func:`kf.fold.fold`)."""
+
+    def initial_state(self) -> dict[str, TaskChecked]:
+        """No task checked yet."""
+        return {}
+
+    def listens_to(self, tag: str) -> bool:
+        """Only ``kernel.task_checked``."""
+        return tag == TaskChecked.tag
+
+    def evolve(self, state: dict[str, TaskChecked], rec: Record) -> dict[str, TaskChecked]:
+        """The check replaces any earlier one of its task."""
+        if isinstance(rec.event, TaskChecked):
+            state[rec.event.task] = rec.event
+        return state
 
 
 @event("search.parent_selected")

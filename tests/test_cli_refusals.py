@@ -6,6 +6,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from kf.events import decode_event
+from kf.log import EventLog
 from tests.harness import run_kf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +38,10 @@ def test_run_rerun_with_other_settings_is_refused_unless_resume(tmp_path: Path) 
     assert "resuming" in resumed.stdout and "as it was started" in resumed.stdout
     same = kf("run", task, "--budget", "1", "--db", str(db), "--tune-budget", "0")
     assert same.returncode == 0, same.stderr[-3000:]
+    # the task was checked once, by the first run: each resume reused the recorded check
+    with EventLog(db, readonly=True) as elog:
+        checks = [decode_event(e) for e in elog.read(types=["kernel.task_checked"])]
+    assert [(c.task, c.ok) for c in checks] == [("scale_relu", True)]  # type: ignore[attr-defined]
 
 
 def test_run_folder_skips_a_broken_task_and_runs_the_others(tmp_path: Path) -> None:
@@ -64,3 +70,16 @@ def test_run_folder_skips_a_broken_task_and_runs_the_others(tmp_path: Path) -> N
 
     report = json.loads(proc.stdout)
     assert [t["task"] for t in report["tasks"]] == ["scale_relu"]
+    # both checks are the run's, recorded right after its start: passed and failed
+    with EventLog(db, readonly=True) as elog:
+        types = [e.type for e in elog.read(1, 3)]
+        checks = {c.task: c for c in map(decode_event, elog.read(types=["kernel.task_checked"]))}
+    assert types == ["run.started", "kernel.task_checked", "kernel.task_checked"]
+    assert set(checks) == {"scale_relu", "raises"}  # broken.py never loaded: nothing to run
+    good, bad = checks["scale_relu"], checks["raises"]
+    assert good.ok and good.info.output_shapes == [[64, 256]]  # type: ignore[attr-defined]
+    assert not bad.ok and "reference is broken" in bad.error  # type: ignore[attr-defined]
+    assert {c["task"]: c["ok"] for c in report["task_checks"]} == {
+        "scale_relu": True,
+        "raises": False,
+    }

@@ -1,8 +1,8 @@
 """The layer rules, held by a test, reading every import of a module (a function's body
 included):
 
-- the runtime (every module of ``kf`` but the application layer: cli, orchestra, report,
-  dashboard) imports no agent (``agents`` or ``hardware_agents``);
+- the runtime (every module of ``kf`` but the application layer: cli, app, orchestra,
+  report, dashboard) imports no agent (``agents`` or ``hardware_agents``);
 - device agents (``hardware_agents``) only describe devices: they import nothing of
   ``agents``;
 - ``KF_*`` environment variables are read in one place, :mod:`kf.settings`, and no module
@@ -23,7 +23,7 @@ APPLICATION = {"kf/cli.py", "kf/orchestra.py", "kf/report.py"}
 RUNTIME = sorted(
     p
     for p in (ROOT / "kf").rglob("*.py")
-    if str(p.relative_to(ROOT)) not in APPLICATION and "dashboard" not in p.parts
+    if str(p.relative_to(ROOT)) not in APPLICATION and not {"dashboard", "app"} & set(p.parts)
 )
 HARDWARE = sorted((ROOT / "hardware_agents").glob("*.py"))
 EVERY = sorted([*(ROOT / "kf").rglob("*.py"), *(ROOT / "agents").glob("*.py"), *HARDWARE])

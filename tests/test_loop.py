@@ -99,6 +99,12 @@ def test_loop_replay_check_passes_and_hash_is_stable(run_db: tuple[Path, dict]) 
     assert out["check"]["ok"] is True and out["check"]["decisions_checked"] > 0
     second = json.loads(kf("replay", str(db), "--json").stdout)
     assert out["hash"] == second["hash"]
+    # the task checks are in the log, the replay's and the report's: every task, on cpu
+    checks = out["task_checks"]
+    assert set(checks) == {"crashy", "noseed", "scale_relu"}
+    assert all(c["ok"] and c["device"] == "cpu" for c in checks.values())
+    assert checks["scale_relu"]["info"]["output_shapes"] == [[64, 256]]
+    assert [c["task"] for c in run_db[1]["task_checks"]] == ["crashy", "noseed", "scale_relu"]
 
 
 def test_loop_announces_the_cpu_device(run_db: tuple[Path, dict]) -> None:

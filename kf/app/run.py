@@ -1,0 +1,263 @@
+"""A search, start to end, callable from Python: what ``kf run`` does, without argparse.
+
+Two steps. :func:`prepare_run` refuses what cannot run faithfully (one line each), loads
+the tasks, opens the log (a new run, or the one ``--db`` holds), and checks the tasks
+(:mod:`kf.app.checks`); nothing is started and no log is written before it returns, so a
+bad task loses nothing. :func:`search` then starts the run (or resumes it), records the
+task checks in its log, follows it to its end and reports. :func:`run` does both::
+
+    from kf.app import RunRequest, run
+    result = run(RunRequest(tasks=Path("examples/tasks/gelu_bias.py"), budget=4))
+    result.report["tasks"][0]["best_speedup"]
+
+``kf run`` adds the process's signal handling (:mod:`kf.shutdown`) and prints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from kf.app.checks import check_tasks
+from kf.app.opening import LoggedRun, open_log, run_id_for
+from kf.app.request import RunRefused, RunRequest
+from kf.events import Envelope
+from kf.tasks import Task, TaskError
+
+if TYPE_CHECKING:
+    from kf.orchestra import RunOptions
+
+__all__ = ["RunPlan", "RunResult", "prepare_run", "run", "search"]
+
+
+@dataclass
+class RunPlan:
+    """A run ready to start: its tasks (checked), the tasks left out with their reasons,
+    the process's settings for it, and lines to show when it starts."""
+
+    request: RunRequest
+    tasks: list[Task]
+    skipped: list[tuple[str, str]]
+    options: RunOptions
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunResult:
+    """A finished run: its id, log, committed envelopes and ``kf report``'s report."""
+
+    run_id: str
+    db: Path | None  # None: a --join run, whose log is the deployment's
+    envelopes: list[Envelope]
+    report: dict[str, Any]
+
+    @property
+    def unrunnable(self) -> str | None:
+        """Why the run's devices could run none of its candidates (None if any ran)."""
+        reasons = []
+        for t in self.report["tasks"]:
+            unroutable = t.get("failures", {}).get("unroutable", 0)
+            skipped = t.get("skipped") or ""
+            if t["candidates"] and unroutable == t["candidates"]:
+                reasons.append(f"{t['task']}: all {unroutable} candidates unroutable")
+            elif not t["candidates"] and skipped.startswith("no live device"):
+                reasons.append(f"{t['task']}: {skipped}")
+            else:
+                return None
+        return "; ".join(reasons) or None
+
+
+def prepare_run(request: RunRequest) -> RunPlan:
+    """Everything before the run starts (see the module doc). Raises :class:`RunRefused`
+    (bad input or settings, one line); ``KeyboardInterrupt`` while the tasks are checked
+    reaches the caller, with no run started."""
+    from kf.devices import DeviceError, parse_devices, primary_device
+
+    refuse_early(request)
+    try:
+        # a joined run's workers have the devices; here only the kind matters
+        devices = [] if request.join else parse_devices(request.device)
+    except DeviceError as exc:
+        raise RunRefused(str(exc)) from exc
+    device = devices[0] if devices else primary_device(request.device)
+    skipped: list[tuple[str, str]] = []
+    try:
+        tasks, skipped = _load(request)
+        logged = open_log(request)
+        if not request.join:  # a joined deployment's workers check on their own devices
+            if request.local_worker:
+                from kf.orchestra import prepare_worker
+
+                prepare_worker(request.device)
+            checked = check_tasks(
+                tasks, device, recorded=logged.checks, single=not request.tasks.is_dir()
+            )
+            tasks, records = checked.passed, checked.made
+            skipped += checked.failed
+        else:
+            records = []
+        if not tasks:
+            raise TaskError(f"{request.tasks}: no usable task ({len(skipped)} skipped)")
+        run_id, differs = run_id_for(logged, request, tasks, device)
+    except (TaskError, ValueError) as exc:  # DeviceError and LogError are ValueErrors
+        raise RunRefused(str(exc), skipped) from exc
+    options = _options(request, devices, device, skipped, run_id, logged)
+    options.records = list(records)
+    notes = (
+        [f"kf run: resuming {run_id} as it was started (" + "; ".join(differs) + ")"]
+        if differs
+        else []
+    )
+    return RunPlan(request=request, tasks=tasks, skipped=skipped, options=options, notes=notes)
+
+
+def refuse_early(request: RunRequest) -> None:
+    """What is refused before anything is loaded or checked (:class:`RunRefused`)."""
+    if request.budget < 1:
+        raise RunRefused("--budget must be at least 1")
+    if request.db and not request.join:  # one writer per log: say so before anything starts
+        from kf.log import LogLocked, check_writable
+
+        try:
+            check_writable(request.db)
+        except LogLocked as exc:
+            raise RunRefused(str(exc)) from exc
+    if request.nats_url:  # a bus without per-role users is refused
+        from kf.auth import shared_login_refusal
+
+        roles = ["proposer"] if request.join else ["archivist", "proposer"]
+        roles += ["worker"] if request.local_worker else []
+        logins = [request.bus_options.for_role(r) for r in roles]
+        why = shared_login_refusal("run", logins, request.allow_shared_token)
+        if why:
+            raise RunRefused(why)
+    if not (request.join and not request.local_worker):  # the checks and the worker run code
+        refused = require_sandbox(request.unsafe_no_sandbox)
+        if refused:
+            raise RunRefused(refused)
+
+
+def require_sandbox(unsafe: bool) -> str | None:
+    """Why candidates cannot be boxed here (None: they can, or ``unsafe``, which runs them
+    outside kf's box from now on in this process)."""
+    from kf.evaluation.grader.box import SandboxUnavailable, require
+    from kf.settings import apply
+
+    if unsafe:
+        apply({"KF_UNSAFE_NO_SANDBOX": "1"})
+    try:
+        require()
+    except SandboxUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def _load(request: RunRequest) -> tuple[list[Task], list[tuple[str, str]]]:
+    """The tasks asked for; in a folder, a file that does not load is skipped with its
+    reason and the others run."""
+    from kf.tasks import load_tasks_skipping
+
+    tasks, skipped = load_tasks_skipping(request.tasks)
+    if request.select is None:
+        return tasks, skipped
+    from kf.task_select import SelectionError, select_loaded
+
+    if not request.tasks.is_dir():
+        raise TaskError(f"--tasks chooses tasks of a folder; {request.tasks} is a file")
+    try:
+        return select_loaded(tasks, skipped, request.select, lambda t: t.name)
+    except SelectionError as exc:
+        raise TaskError(f"{request.tasks}: {exc}") from exc
+
+
+def _options(
+    request: RunRequest,
+    devices: list[str],
+    device: str,
+    skipped: list[tuple[str, str]],
+    run_id: str,
+    logged: LoggedRun,
+) -> RunOptions:
+    """The process's settings of the run (:class:`kf.orchestra.RunOptions`); the run's
+    config records them."""
+    from kf.orchestra import RunOptions
+    from kf.settings import apply
+
+    local = devices if request.local_worker else []
+    o = RunOptions(
+        budget=request.budget,
+        seed=request.seed,
+        db=request.db or Path("runs") / f"{run_id}.db",
+        device=device,
+        devices=local,
+        nats_url=request.nats_url,
+        bus_options=request.bus_options,
+        islands=request.islands,
+        # two candidates in flight per local device unless told
+        max_in_flight=request.max_in_flight
+        if request.max_in_flight is not None
+        else 2 * (len(local) or 1),
+        timeout_s=request.timeout_s,
+        build_timeout_s=request.build_timeout_s,
+        serve=request.serve,
+        run_id=run_id,
+        join=request.join,
+        local_worker=request.local_worker,
+        heartbeat_s=request.heartbeat_s,
+        heartbeat_timeout_s=request.heartbeat_timeout_s,
+        resuming=logged.exists,
+        bus_timeout_s=request.bus_timeout_s,
+        tune_budget=request.tune_budget,
+        llm_url=request.llm_url if request.llm else None,
+    )
+    o.extra.update(request.tolerance)  # the run's tolerance, if not the default
+    trusted = _trusted_devices(request, devices or [device])
+    if trusted is not None:  # other devices' archive-bound results are measured twice
+        o.extra["confirm_trusted"] = trusted
+    if skipped:
+        o.extra["skipped_tasks"] = dict(skipped)  # recorded in the run's first event
+    if request.select is not None:
+        o.extra["task_selection"] = request.select
+    # the baselines' settings (kf.evaluation.grader.baseline_settings): the local worker's
+    # grader reads them from the process's settings; recorded as asked, and each profile
+    # says what ran
+    asked = {"KF_COMPILE_MODE": request.compile_mode, "KF_TF32": request.tf32}
+    settings = apply({k: v for k, v in asked.items() if v})
+    o.extra["compile_mode"] = settings.get("KF_COMPILE_MODE") or "default"
+    o.extra["tf32"] = settings.get("KF_TF32") or "off"
+    o.extra.update(request.llm)
+    return o
+
+
+def _trusted_devices(request: RunRequest, devices: list[str]) -> list[str] | None:
+    """The run's own worker's device ids (as kf.orchestra names them), and
+    ``KF_TRUSTED_DEVICES`` (kf.auth.trusted_devices)."""
+    from hardware_agents.cpu import host_id
+    from kf.auth import trusted_devices
+    from kf.devices import device_slots
+
+    local = [] if request.join or not request.local_worker else devices
+    return trusted_devices([s.device_id for s in device_slots(local, host_id())] if local else [])
+
+
+async def search(plan: RunPlan, *, out: TextIO = sys.stdout) -> RunResult:
+    """Start (or resume) the planned run, record its task checks, follow it to its end
+    with progress on ``out``, and report. The exceptions of
+    :func:`kf.orchestra.run_search` (``PartDied``, ``ConnectionError``, ``ValueError``)
+    reach the caller."""
+    from kf.orchestra import run_search
+    from kf.report import build_report_from
+
+    for line in plan.notes:
+        print(line, file=out, flush=True)
+    run_id, envelopes = await run_search(plan.tasks, plan.options, out=out)
+    db = None if plan.request.join else plan.options.db
+    return RunResult(run_id=run_id, db=db, envelopes=envelopes, report=build_report_from(envelopes))
+
+
+def run(request: RunRequest, *, out: TextIO = sys.stdout) -> RunResult:
+    """:func:`prepare_run`, then :func:`search` in a new event loop."""
+    return asyncio.run(search(prepare_run(request), out=out))
