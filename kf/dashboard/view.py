@@ -30,6 +30,7 @@ from kf.facts import (
     RunFinished,
     RunStarted,
 )
+from kf.fold import fold
 from kf.search_facts import (
     CandidateCompiled,
     CandidateProfiled,
@@ -146,8 +147,7 @@ class RunView:
         t = env.time
         self.started_at = t if self.started_at is None else min(self.started_at, t)
         self.last_time = t if self.last_time is None else max(self.last_time, t)
-        if self._agent.listens_to(env.type):
-            self.archive = self._agent.evolve(self.archive, rec)
+        self.archive = fold([rec], self._agent, self.archive)
         meta = {"seq": rec.seq, "type": env.type, "time": t, "source": env.source}
         if isinstance(ev, RunStarted):
             self.config = dict(ev.config)
