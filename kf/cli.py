@@ -544,7 +544,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kf", description=__doc__)
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (or KF_LOG_LEVEL)")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for add in (_agent_parser, _replay_parser, _eval_parser, _run_parser, _worker_parser):
+        add(sub)
+    for add in (_report_parser, _export_parser, _serve_parser):
+        add(sub)
+    return p
 
+
+def _add_sandbox_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--unsafe-no-sandbox",
+        action="store_true",
+        help="run candidates outside kf's bubblewrap box (they can read kf's environment "
+        "and files); every result says so",
+    )
+
+
+def _agent_parser(sub: Any) -> None:
+    """``kf agent``."""
     a = sub.add_parser("agent", help="run one registered agent type against a run")
     a.add_argument("kind", help="an agent type registered in the kf.agents entry-point group")
     _add_nats_options(a, required=True)
@@ -567,6 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.set_defaults(func=cmd_agent)
 
+
+def _replay_parser(sub: Any) -> None:
+    """``kf replay``."""
     r = sub.add_parser("replay", help="fold a run's log; --check proves the decisions")
     r.add_argument("db", type=Path)
     r.add_argument("--check", action="store_true", help="recompute every decision")
@@ -574,10 +594,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--agent", action="append", metavar="KIND", help="only these deciding agents")
     r.set_defaults(func=cmd_replay)
 
+
+def _eval_parser(sub: Any) -> None:
+    """``kf eval`` (its own parser takes the rest: kf.evaluation.grader.cli)."""
     e = sub.add_parser("eval", help="verify and time one candidate for a task", add_help=False)
     e.add_argument("rest", nargs=argparse.REMAINDER)
     e.set_defaults(func=cmd_eval)
 
+
+def _run_parser(sub: Any) -> None:
+    """``kf run``: the search's own options."""
     rn = sub.add_parser("run", help="evolve kernels for a task file or a folder of tasks")
     rn.add_argument("tasks", type=Path, help="a KernelBench-format task file, or a folder of them")
     rn.add_argument("--budget", type=int, default=20, help="candidates per task (seeds included)")
@@ -626,6 +652,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_check_options(rn)
     rn.add_argument("--json", action="store_true", help="print the final report as JSON")
+    _run_deployment_options(rn)
+    rn.set_defaults(func=cmd_run)
+
+
+def _run_deployment_options(rn: argparse.ArgumentParser) -> None:
+    """``kf run``: baselines, the box, the dashboard, and where the run's parts run."""
     from kf.evaluation.grader.baseline_settings import COMPILE_MODES, TF32_SETTINGS
 
     rn.add_argument(
@@ -638,12 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=TF32_SETTINGS,
         help="TF32 in every runner, the reference's included (default off; or $KF_TF32)",
     )
-    rn.add_argument(
-        "--unsafe-no-sandbox",
-        action="store_true",
-        help="run candidates outside kf's bubblewrap box (they can read kf's environment "
-        "and files); every result says so",
-    )
+    _add_sandbox_option(rn)
     rn.add_argument("--serve", action="store_true", help="serve the dashboard while running")
     rn.add_argument("--serve-port", type=int, default=8765, help="dashboard port (0: any)")
     rn.add_argument("--serve-host", default="127.0.0.1", help="dashboard address (loopback)")
@@ -665,9 +692,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds of silence before the archivist declares a device lost and re-dispatches",
     )
     _add_nats_options(rn, required=False)
-    rn.set_defaults(func=cmd_run)
 
+
+def _worker_parser(sub: Any) -> None:
+    """``kf worker``."""
     w = sub.add_parser("worker", help="serve a run from this machine's device")
+    from kf.devices import DEVICE_HELP
+    from kf.evaluation.wire.tolerance import add_options as add_check_options
+
     w.add_argument("--device", default="cpu", help=DEVICE_HELP)
     w.add_argument("--run", required=True, metavar="RUN_ID")
     w.add_argument("--timeout", type=float, default=180.0)
@@ -678,15 +710,13 @@ def build_parser() -> argparse.ArgumentParser:
         "prefix of each one's id (<name>/<device>)",
     )
     w.add_argument("--heartbeat", type=float, default=10.0, help="heartbeat seconds")
-    w.add_argument(
-        "--unsafe-no-sandbox",
-        action="store_true",
-        help="run candidates outside kf's bubblewrap box (they can read kf's environment "
-        "and files); every result says so",
-    )
+    _add_sandbox_option(w)
     _add_nats_options(w, required=True)
     w.set_defaults(func=cmd_worker)
 
+
+def _report_parser(sub: Any) -> None:
+    """``kf report``."""
     rp = sub.add_parser("report", help="summarise a run from its log")
     rp.add_argument("db", type=Path)
     rp.add_argument("--json", action="store_true")
@@ -706,6 +736,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.set_defaults(func=cmd_report)
 
+
+def _export_parser(sub: Any) -> None:
+    """``kf export``."""
     ex = sub.add_parser("export", help="write a task's best kernel as a drop-in module")
     ex.add_argument("db", type=Path)
     ex.add_argument("-o", "--output", type=Path, required=True)
@@ -717,6 +750,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ex.set_defaults(func=cmd_export)
 
+
+def _serve_parser(sub: Any) -> None:
+    """``kf serve``."""
     sv = sub.add_parser("serve", help="dashboard for a run (live while it runs)")
     sv.add_argument("db", type=Path, help="the run's event log (runs/<run_id>.db)")
     sv.add_argument("--port", type=int, default=8765, help="TCP port (0: any free port)")
@@ -730,7 +766,6 @@ def build_parser() -> argparse.ArgumentParser:
         "(DNS rebinding protection); repeatable",
     )
     sv.set_defaults(func=cmd_serve)
-    return p
 
 
 def _split_eval(argv: Sequence[str]) -> tuple[list[str], list[str]] | None:
