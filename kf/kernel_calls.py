@@ -110,7 +110,7 @@ _MODULE_ATTRS = frozenset(
 )
 
 
-def _dotted(node: ast.AST) -> str:
+def dotted_name(node: ast.AST) -> str:
     """``a.b.c`` for a Name/Attribute chain, else ``""``."""
     parts: list[str] = []
     while isinstance(node, ast.Attribute):
@@ -183,7 +183,7 @@ class _Module:
                     self.jit.add(top.name)
                     self.built = True
             elif isinstance(top, ast.ClassDef):
-                cls = _Class(top, bases=[_dotted(b) for b in top.bases])
+                cls = _Class(top, bases=[dotted_name(b) for b in top.bases])
                 for item in top.body:
                     if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
                         cls.methods[item.name] = item
@@ -270,7 +270,7 @@ class _Module:
                             self._bind(cls, t.attr, n.value, local)
                 elif (
                     isinstance(n, ast.Call)
-                    and _dotted(n.func) == "setattr"
+                    and dotted_name(n.func) == "setattr"
                     and len(n.args) == 3
                     and isinstance(n.args[0], ast.Name)
                     and n.args[0].id == "self"
@@ -284,13 +284,13 @@ class _Module:
             cls.natives.add(attr)
             cls.known.add(attr)
             return
-        name = _dotted(value)
+        name = dotted_name(value)
         if isinstance(value, ast.Name) and name in self.functions:
             cls.funcs[attr] = name
             cls.known.add(attr)
             return
         if isinstance(value, ast.Call):
-            callee = _dotted(value.func)
+            callee = dotted_name(value.func)
             if callee in self.classes:
                 cls.classes[attr] = callee
                 cls.known.add(attr)
@@ -310,8 +310,8 @@ class _Module:
         if isinstance(value, ast.Constant | ast.List | ast.Tuple | ast.Dict | ast.Set):
             return True
         if isinstance(value, ast.Call):
-            head = self._full(_dotted(value.func)).split(".")[0]
-            return head in _LIBRARY_HEADS or _dotted(value.func) in _BUILTINS
+            head = self._full(dotted_name(value.func)).split(".")[0]
+            return head in _LIBRARY_HEADS or dotted_name(value.func) in _BUILTINS
         return isinstance(value, ast.BinOp | ast.UnaryOp | ast.Compare | ast.BoolOp)
 
     # -- expressions ------------------------------------------------------------
@@ -325,14 +325,14 @@ class _Module:
 
     def _is_jit(self, deco: ast.expr) -> bool:
         target = deco.func if isinstance(deco, ast.Call) else deco
-        full = self._full(_dotted(target))
+        full = self._full(dotted_name(target))
         last = full.rsplit(".", 1)[-1]
         return last in ("jit", "njit", "autotune", "heuristics", "kernel") and not full.startswith(
             "torch."
         )
 
     def _is_build_call(self, call: ast.Call) -> bool:
-        dotted = _dotted(call.func)
+        dotted = dotted_name(call.func)
         if not dotted:
             return False
         full = self._full(dotted)
@@ -346,7 +346,8 @@ class _Module:
     def _chain_builds(self, value: ast.AST) -> bool:
         """Whether an expression builds native code somewhere in its call chain."""
         return any(
-            isinstance(n, ast.Call) and (self._is_build_call(n) or _dotted(n.func) in self.builders)
+            isinstance(n, ast.Call)
+            and (self._is_build_call(n) or dotted_name(n.func) in self.builders)
             for n in ast.walk(value)
         )
 
@@ -358,7 +359,10 @@ class _Module:
             return self._native_expr(value.body, local, cls) or self._native_expr(
                 value.orelse, local, cls
             )
-        if isinstance(value, ast.Call) and _dotted(value.func) in ("getattr", "functools.partial"):
+        if isinstance(value, ast.Call) and dotted_name(value.func) in (
+            "getattr",
+            "functools.partial",
+        ):
             return bool(value.args) and self._native_expr(value.args[0], local, cls)
         root = _root(value)
         if isinstance(value, ast.Call | ast.Attribute | ast.Subscript | ast.Name) and isinstance(
@@ -511,7 +515,7 @@ class _Walk:
             if not isinstance(arg, ast.Constant) and m._native_expr(arg, local, cls):
                 self.reached = True
                 return
-        dotted = _dotted(func)
+        dotted = dotted_name(func)
         full = m._full(dotted)
         if full.startswith("torch.ops.") and m.built:
             self.reached = True  # ops a build registered (load_inline, load_library)
@@ -534,10 +538,10 @@ class _Walk:
                 self.unresolved.append(name)
             return
         dynamic = [
-            x for x in ast.walk(func) if isinstance(x, ast.Call) and _dotted(x.func) in _DYNAMIC
+            x for x in ast.walk(func) if isinstance(x, ast.Call) and dotted_name(x.func) in _DYNAMIC
         ]
         if dynamic:
-            self.unresolved.append(f"{_dotted(dynamic[0].func)}(...)")
+            self.unresolved.append(f"{dotted_name(dynamic[0].func)}(...)")
             return
         root = _root(func)
         if not isinstance(root, ast.Name):

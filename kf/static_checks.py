@@ -23,7 +23,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from kf.kernel_calls import _dotted, analyse
+from kf.kernel_calls import analyse, dotted_name
 
 __all__ = ["CODES", "check_source"]
 
@@ -196,7 +196,7 @@ def _reachable(cls: ast.ClassDef, start: str) -> list[ast.FunctionDef]:
         seen.append(name)
         for node in ast.walk(methods[name]):
             if isinstance(node, ast.Call):
-                callee = _dotted(node.func)
+                callee = dotted_name(node.func)
                 if callee.startswith("self.") and callee.count(".") == 1:
                     todo.append(callee.split(".", 1)[1])
     return [methods[n] for n in seen]
@@ -219,9 +219,11 @@ def _forward_checks(tree: ast.Module, aliases: _Aliases) -> Iterator[str]:
             if (
                 isinstance(node, ast.Assign)
                 and isinstance(node.value, ast.Call)
-                and aliases.is_compute(_dotted(node.value.func))
+                and aliases.is_compute(dotted_name(node.value.func))
             ):
-                layers.update(_dotted(t).removeprefix("self.") for t in node.targets if _dotted(t))
+                layers.update(
+                    dotted_name(t).removeprefix("self.") for t in node.targets if dotted_name(t)
+                )
     compute: list[tuple[str, ast.AST]] = []
     calls = analyse(tree)
     kernels = set(calls.names) if calls is not None else set()
@@ -234,7 +236,7 @@ def _forward_checks(tree: ast.Module, aliases: _Aliases) -> Iterator[str]:
             if not isinstance(node, ast.Call):
                 continue
             func = node.func.value if isinstance(node.func, ast.Subscript) else node.func
-            callee = _dotted(func)  # kernel[grid](...) launches a Triton kernel
+            callee = dotted_name(func)  # kernel[grid](...) launches a Triton kernel
             parts = callee.split(".")
             if aliases.is_compute(callee):
                 compute.append((callee, node))
@@ -279,12 +281,12 @@ def _module_checks(tree: ast.Module, aliases: _Aliases) -> Iterator[str]:
                     "introspection", f"imports {', '.join(sorted(heads & {'gc', 'inspect'}))}", node
                 )
         elif isinstance(node, ast.Call):
-            callee = _dotted(node.func)
+            callee = dotted_name(node.func)
             last = callee.rsplit(".", 1)[-1]
             if last in ("Stream", "stream", "Event", "ExternalStream") and "cuda" in callee:
                 yield _warn("stream", f"calls {callee}", node)
             elif last == "setattr" and node.args:
-                target = _dotted(node.args[0])
+                target = dotted_name(node.args[0])
                 if target.split(".")[0] in ({"time", "sys", "kf"} | aliases.torch):
                     yield _warn("timer_patching", f"setattr on {target}", node)
             elif last in _INTROSPECTION and callee.split(".")[0] in ("sys", "gc", "inspect"):
@@ -294,7 +296,7 @@ def _module_checks(tree: ast.Module, aliases: _Aliases) -> Iterator[str]:
         elif isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
-                dotted = _dotted(t)
+                dotted = dotted_name(t)
                 head = dotted.split(".")[0]
                 if (
                     isinstance(t, ast.Attribute)

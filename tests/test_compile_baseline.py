@@ -105,7 +105,7 @@ def test_profile_whose_compile_outlasts_its_limit_loses_only_the_baseline(
 
     monkeypatch.setenv("KF_COMPILE_BASELINE", "1")
     monkeypatch.setenv("KF_COMPILE_BASELINE_TIMEOUT_S", "0.01")  # no compile is that quick
-    monkeypatch.setattr(baseline, "_baseline_lost", {})
+    monkeypatch.setattr(baseline, "baseline_lost", {})
     task = load_task(EVAL / "task_uncompilable.py")
     source = (EVAL / "honest_twice.py").read_text()
     first = profile_candidate(task, source, pool=pool, **FAST)

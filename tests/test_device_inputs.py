@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from kf.evaluation.grader.grading import _Deadline, _setup_request
+from kf.evaluation.grader.grading import Deadline, setup_request
 from kf.evaluation.grader.spawn import Limits
-from kf.evaluation.runner.common import _Failure
+from kf.evaluation.runner.common import RequestFailure
 from kf.evaluation.runner.loop import Runner
 from kf.evaluation.wire.protocol import LoadTask, Setup
 
@@ -51,7 +51,7 @@ def test_the_grader_asks_for_device_inputs_on_a_gpu_only(
         monkeypatch.delenv("KF_DEVICE_INPUTS", raising=False)
     else:
         monkeypatch.setenv("KF_DEVICE_INPUTS", env)
-    setup = _setup_request(_Handle(), device, Limits(), _Deadline(10), reference=True)  # type: ignore[arg-type]
+    setup = setup_request(_Handle(), device, Limits(), Deadline(10), reference=True)  # type: ignore[arg-type]
     assert setup.device_inputs is asked
 
 
@@ -80,7 +80,7 @@ def test_a_task_that_needs_host_inputs_is_told_how() -> None:
         "x = torch.rand(8, 8); return [torch.from_numpy(x.numpy()), x]",
     )
     runner = _runner(source, True)
-    with pytest.raises(_Failure) as err:
+    with pytest.raises(RequestFailure) as err:
         runner._get_inputs(1)
     assert err.value.kind == "task_error" and "KF_DEVICE_INPUTS=0" in err.value.error
     assert len(_runner(source, False)._get_inputs(1)) == 2

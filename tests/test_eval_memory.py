@@ -26,7 +26,7 @@ def test_reference_lets_old_trials_go_before_making_a_new_one(
     """With a budget smaller than one trial, the trials held while the next set is made
     are none (at KernelBench's sizes each held trial is 12.8 GB more at the peak), and a
     check of a dropped trial still gets the right verdict (it is made again)."""
-    monkeypatch.setattr(runner_common, "_TRIALS_FLOOR", 1)
+    monkeypatch.setattr(runner_common, "TRIALS_FLOOR", 1)
     ref, cand = runner_pair((FIXTURES / "honest_cpp.py").read_text(), {}, {"own_inputs": True})
     ref.made_budget = 1
     held_while_making: list[int] = []
@@ -324,7 +324,7 @@ def test_a_stages_peak_is_one_runners_peak_plus_what_the_others_hold() -> None:
     """A stage's requests go one at a time: the most its runners held at once is, over its
     requests, the handler's peak plus what the other runners held at the end of their last
     request (one from before the stage included); None when no runner states any (a CPU)."""
-    from kf.evaluation.grader.grading import _peak_device_mb
+    from kf.evaluation.grader.grading import stage_peak_device_mb
     from kf.evaluation.grader.runner_handle import REQUESTS, RequestTiming
 
     ref, cand, other = (types.SimpleNamespace(pid=p) for p in (11, 12, 13))
@@ -340,12 +340,12 @@ def test_a_stages_peak_is_one_runners_peak_plus_what_the_others_hold() -> None:
     ]:
         REQUESTS.append(RequestTiming(op, 0.1, 0.1, ended, pid, None, peak, held))
     try:
-        assert _peak_device_mb(1.5, ref, cand) == 21_000.0  # type: ignore[arg-type]
-        assert _peak_device_mb(4.5, ref, cand) == 17_000.0  # type: ignore[arg-type]
-        assert _peak_device_mb(1.5, other) == 50_000.0  # type: ignore[arg-type]
+        assert stage_peak_device_mb(1.5, ref, cand) == 21_000.0  # type: ignore[arg-type]
+        assert stage_peak_device_mb(4.5, ref, cand) == 17_000.0  # type: ignore[arg-type]
+        assert stage_peak_device_mb(1.5, other) == 50_000.0  # type: ignore[arg-type]
         REQUESTS.clear()
         REQUESTS.append(RequestTiming("run", 0.1, 0.1, 3.0, 12, None))
-        assert _peak_device_mb(0.0, cand) is None  # type: ignore[arg-type]
+        assert stage_peak_device_mb(0.0, cand) is None  # type: ignore[arg-type]
     finally:
         REQUESTS.clear()
 
@@ -433,14 +433,14 @@ def test_profile_reference_makes_only_the_fresh_set_it_judges(
     fresh set whose output it judges before the fresh timing, not every set the candidate
     times (each was another set on the device at KernelBench's sizes); the candidate
     still times every fresh set."""
-    from kf.evaluation.grader.grading import _FRESH_SETS
+    from kf.evaluation.grader.grading import FRESH_SETS
 
     monkeypatch.setenv("KF_TENSOR_TRANSPORT", "seed")
     ops = _profiled_requests()
     fresh = len(ops) - 1 - ops[::-1].index("time_inputs")
     batch = fresh - 1 - ops[:fresh][::-1].index("batch")
     assert ops[batch:fresh].count("make_inputs") == 1
-    assert _FRESH_SETS > 1
+    assert FRESH_SETS > 1
 
 
 @pytest.mark.parametrize(("budget", "kept"), [(1 << 20, True), (8192, False)])

@@ -215,11 +215,11 @@ def test_compare_inputs_detects_change() -> None:
 def test_reused_reference_keeps_the_inputs_it_made(pool: RunnerPool) -> None:
     """A reference runner serving a second candidate answers a repeated seed from what it
     made, with the same inputs; a model built from another seed makes its own."""
-    from kf.evaluation.grader.grading import _Deadline, _setup_request
+    from kf.evaluation.grader.grading import Deadline, setup_request
 
-    deadline = _Deadline(60)
+    deadline = Deadline(60)
     with pool.reference_lease("test-reuse") as ref:
-        setup = _setup_request(
+        setup = setup_request(
             ref, "cpu", __import__("kf.evaluation").evaluation.Limits(), deadline, reference=True
         )
         ref.request(setup, 30)

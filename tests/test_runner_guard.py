@@ -17,7 +17,7 @@ import pytest
 from kf.evaluation.runner import candidate as runner_candidate
 from kf.evaluation.runner import common as runner_common
 from kf.evaluation.runner import reference as runner_reference
-from kf.evaluation.runner.guard import _Integrity
+from kf.evaluation.runner.guard import Integrity
 from kf.evaluation.runner.loop import Runner
 
 
@@ -31,7 +31,7 @@ def _empty(*_: Any) -> Any:
         (runner_candidate.CandidateRole, "op_run", "Runner.op_run"),
         (runner_reference.ReferenceRole, "_check", "Runner._check"),
         (Runner, "op_check", "Runner.op_check"),  # shadows the role's method
-        (runner_common, "_flatten", "kf.evaluation.runner.common._flatten"),
+        (runner_common, "flatten_outputs", "kf.evaluation.runner.common.flatten_outputs"),
         (runner_common.RunnerBase, "load", "Runner.load"),
     ],
 )
@@ -39,7 +39,7 @@ def test_the_guard_names_grading_code_replaced_in_any_runner_module(
     owner: Any, name: str, named: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runner = Runner(time.perf_counter_ns)
-    guard = _Integrity(runner, runner.clock_ns)
+    guard = Integrity(runner, runner.clock_ns)
     assert guard.check(runner, runner.clock_ns) is None
     replacement: Callable[..., Any] = _empty
     monkeypatch.setattr(owner, name, replacement, raising=False)

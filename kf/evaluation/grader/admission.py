@@ -1,6 +1,6 @@
 """Device-memory admission: a task whose trial cannot fit twice in the device's memory
 is refused before any trial, with the estimate (:func:`too_large`); tasks above
-``$KF_BIG_TASK_MB`` are verified one at a time per device (``_BIG_LOCKS``)."""
+``$KF_BIG_TASK_MB`` are verified one at a time per device (``BIG_LOCKS``)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ import threading
 from kf.evaluation.wire.protocol import InputsMade
 from kf.settings import current
 
-_BIG_LOCKS: dict[str, threading.Lock] = {}
+BIG_LOCKS: dict[str, threading.Lock] = {}
 
 
-def _big_task_bytes() -> int:
+def big_task_bytes() -> int:
     """Inputs plus outputs above which a task's verifications run one at a time on a GPU
     (``$KF_BIG_TASK_MB``, default 2048): two of KernelBench's 6 GB tasks side by side,
     each with a reference and a candidate process, do not fit in an H200."""
     return current().big_task_bytes
 
 
-def _footprint(made: InputsMade) -> int:
+def set_footprint(made: InputsMade) -> int:
     """Bytes of one input set and its outputs, from a ``make_inputs`` reply."""
     sizes = {"float64": 8, "int64": 8, "complex64": 8, "float16": 2, "bfloat16": 2, "int16": 2}
     total = 0
@@ -44,7 +44,7 @@ def too_large(made: InputsMade, device: str) -> str | None:
     total = made.device_total_bytes
     if not device.startswith("cuda") or total <= 0:
         return None
-    footprint = _footprint(made)
+    footprint = set_footprint(made)
     need = 2 * footprint
     if need <= total:
         return None

@@ -50,7 +50,7 @@ def audit_task(
 
 def audit_session(session: GradingSession, trials: int = 5) -> TaskAudit:
     """:func:`audit_task` of the session's task."""
-    from kf.evaluation.grader.grading import SCALES, _seed_trials
+    from kf.evaluation.grader.grading import SCALES, seed_trials
     from kf.evaluation.grader.sandbox import RunnerError
     from kf.evaluation.grader.session import Stage
     from kf.tasks import TaskError
@@ -63,7 +63,7 @@ def audit_session(session: GradingSession, trials: int = 5) -> TaskAudit:
             stage.load_task()
             reply = stage.reference(
                 Audit(
-                    seeds=_seed_trials(session.seed, trials),
+                    seeds=seed_trials(session.seed, trials),
                     scales=[s for s in SCALES if s > 0],
                     tol=session.tol,
                 )

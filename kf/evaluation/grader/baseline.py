@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from kf.evaluation.grader import baseline_settings
-from kf.evaluation.grader.grading import _ref_key, log
+from kf.evaluation.grader.grading import log, reference_runner_key
 from kf.evaluation.grader.sandbox import RunnerCrashed, RunnerFailed, RunnerHandle, RunnerTimeout
 from kf.evaluation.wire.protocol import BaselineCompiled, CompileBaseline
 from kf.settings import current
@@ -46,25 +46,25 @@ def _inductor_cache_dir() -> str | None:
     return os.path.join(current().cache_dir, "inductor")
 
 
-class _BaselineLost(Exception):
+class BaselineLost(Exception):
     """The reference runner died or hung compiling or timing the compiled reference."""
 
 
 # baseline compiles that killed or hung their runner, per reference key and seed: not
 # tried again in this process
-_baseline_lost: dict[str, str] = {}
+baseline_lost: dict[str, str] = {}
 
 
-def _compile_baseline(
+def compile_reference(
     task: Task, ref: RunnerHandle, device: str, seed: int, want: bool
 ) -> BaselineCompiled:
     """Have the reference runner compile the reference for its current inputs (or find it
     compiled): its reply, with ``error`` set when there is no compiled baseline."""
     if not want:
         return BaselineCompiled(error="turned off by $KF_COMPILE_BASELINE=0")
-    lost_key = f"{_ref_key(task, device)}:{seed}"
-    if lost_key in _baseline_lost:
-        return BaselineCompiled(error=_baseline_lost[lost_key], cached=True)
+    lost_key = f"{reference_runner_key(task, device)}:{seed}"
+    if lost_key in baseline_lost:
+        return BaselineCompiled(error=baseline_lost[lost_key], cached=True)
     try:
         reply = ref.request(
             CompileBaseline(cache_dir=_inductor_cache_dir(), mode=baseline_settings.compile_mode()),
@@ -73,9 +73,9 @@ def _compile_baseline(
         )
     except (RunnerTimeout, RunnerCrashed) as exc:
         why = f"torch.compile of the reference lost its runner: {exc}"
-        _baseline_lost[lost_key] = why
+        baseline_lost[lost_key] = why
         log.warning("compile_baseline_lost", task=task.name, error=why)
-        raise _BaselineLost(why) from exc
+        raise BaselineLost(why) from exc
     except RunnerFailed as exc:
         return BaselineCompiled(error=f"torch.compile of the reference failed: {exc}")
     if reply.error:

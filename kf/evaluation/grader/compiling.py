@@ -8,7 +8,7 @@ import time
 
 import msgspec
 
-from kf.evaluation.grader.grading import _build_niceness, _CandidateFailed, _truncate, log
+from kf.evaluation.grader.grading import CandidateFailed, build_niceness, log, truncate
 from kf.evaluation.grader.reports import CompileReport
 from kf.evaluation.grader.sandbox import Limits, RunnerPool
 from kf.evaluation.grader.session import GradingSession, Stage
@@ -58,7 +58,7 @@ def _compile(stage: Stage) -> CompileReport:
         start = time.monotonic()
         stage.restart_clock()
         try:
-            stage.setup_candidate(nice=_build_niceness())
+            stage.setup_candidate(nice=build_niceness())
             stage.candidate(
                 LoadCandidate(source=source, seed=0, task_source=task.source, task_name=task.name),
                 what="import and construction of ModelNew",
@@ -67,12 +67,12 @@ def _compile(stage: Stage) -> CompileReport:
             build_log = "\n".join(
                 line for line in cand.log_tail().splitlines() if line.startswith("kf.cuda")
             )
-        except _CandidateFailed as exc:
+        except CandidateFailed as exc:
             log.info("candidate_compile_failed", task=task.name, kind=exc.kind)
             return CompileReport(
                 ok=False,
                 error=exc.error,
-                log=_truncate(exc.log),
+                log=truncate(exc.log),
                 duration_s=time.monotonic() - start,
                 failure_kind=exc.kind,
                 warnings=static + tuple(cand.findings),

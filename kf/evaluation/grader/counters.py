@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from kf.evaluation.grader import box
-from kf.evaluation.grader.grading import _CandidateFailed
+from kf.evaluation.grader.grading import CandidateFailed
 from kf.evaluation.grader.reports import CountersReport
 from kf.evaluation.grader.sandbox import Limits, RunnerError, RunnerHandle, RunnerPool
 from kf.evaluation.grader.session import GradingSession, Stage
@@ -89,7 +89,7 @@ def _counters(stage: Stage) -> CountersReport:
                         )  # fmt: skip
                     stage.candidate(Counters(), what="the profiled call")
                 cand.finish(stage.deadline.left())
-            except _CandidateFailed as exc:
+            except CandidateFailed as exc:
                 return CountersReport(
                     ok=False, error=f"{exc.kind}: {exc.error}", tool=version, device=device,
                     duration_s=time.monotonic() - start,

@@ -39,18 +39,18 @@ DISTRIBUTION_FAILED = "distribution_failed"  # wrong on the task's inputs scaled
 #: hidden input distributions: factors applied to the task's floating-point inputs
 #: (the runner's :func:`kf.evaluation.runner.variants.scale_inputs`)
 SCALES: tuple[float, ...] = (3.0, 0.01, -1.0)
-_FRESH_SETS = 3
+FRESH_SETS = 3
 _device_locks: dict[str, threading.Lock] = {}
 _device_locks_guard = threading.Lock()
 
 
-def _device_lock(device: str) -> threading.Lock:
+def device_lock(device: str) -> threading.Lock:
     """One profile at a time per device in this process, so timings do not overlap."""
     with _device_locks_guard:
         return _device_locks.setdefault(device, threading.Lock())
 
 
-class _Deadline:
+class Deadline:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.end = time.monotonic() + timeout_s
@@ -59,16 +59,16 @@ class _Deadline:
         return max(0.001, self.end - time.monotonic())
 
 
-class _CandidateFailed(Exception):
+class CandidateFailed(Exception):
     def __init__(self, kind: str, error: str, log: str = "") -> None:
         super().__init__(error)
         self.kind, self.error, self.log = kind, error, log
 
 
-_Report = TypeVar("_Report", CompileReport, VerifyReport, ProfileReport, CountersReport)
+AnyReport = TypeVar("AnyReport", CompileReport, VerifyReport, ProfileReport, CountersReport)
 
 
-def _sandboxed(report: _Report, handles: list[RunnerHandle]) -> _Report:
+def with_sandbox_marks(report: AnyReport, handles: list[RunnerHandle]) -> AnyReport:
     """``report`` saying where its runners ran (``sandbox``), and flagged ``unsandboxed``
     when any of them ran outside the box."""
     modes = {h.sandbox for h in handles}
@@ -86,16 +86,16 @@ def _sandboxed(report: _Report, handles: list[RunnerHandle]) -> _Report:
     return msgspec.structs.replace(report, sandbox=mode)
 
 
-def _ref_key(task: Task, device: str) -> str:
+def reference_runner_key(task: Task, device: str) -> str:
     """Reference runners are reused per task text and device."""
     return f"{task.sha256}:{device}"
 
 
-def _setup_request(
+def setup_request(
     handle: RunnerHandle,
     device: str,
     limits: Limits,
-    deadline: _Deadline,
+    deadline: Deadline,
     *,
     reference: bool = False,
     nice: int = 0,
@@ -123,7 +123,7 @@ def _setup_request(
         # a 6.4 GB input on the host took longer than everything else in a trial
         device_inputs=device.startswith("cuda") and current().device_inputs,
         # or a candidate runner makes its trial inputs from the seed itself
-        own_inputs=not reference and _own_inputs(handle, device),
+        own_inputs=not reference and makes_own_inputs(handle, device),
         # a reused reference keeps the input sets it made (the trial seeds repeat)
         reference_cache_bytes=_reference_cache_bytes() if reference else 0,
         # TF32 set explicitly, the same in every runner (kf.evaluation.grader.baseline_settings)
@@ -153,7 +153,7 @@ def _shm_min_bytes() -> int | None:
     return settings.shm_min_bytes or shared_memory.MIN_BYTES
 
 
-def _own_inputs(handle: RunnerHandle, device: str) -> bool:
+def makes_own_inputs(handle: RunnerHandle, device: str) -> bool:
     """Whether the candidate runner makes each trial's inputs from the trial's seed
     itself, as the reference runner does (``$KF_TENSOR_TRANSPORT=seed``; by default for
     boxed GPU runners, between which CUDA IPC does not work: legacy IPC handles do not
@@ -173,7 +173,7 @@ def _reference_cache_bytes() -> int:
     return current().reference_cache_bytes
 
 
-def _build_niceness() -> int:
+def build_niceness() -> int:
     """How much lower than grading a build runs (``$KF_BUILD_NICE``, default 10).
 
     Builds keep every core busy on a GPU worker while verification and timing of
@@ -182,14 +182,14 @@ def _build_niceness() -> int:
     return current().build_nice
 
 
-def _after_candidate_failure(ref: RunnerHandle, exc: _CandidateFailed, device: str) -> None:
+def discard_reference_if_pinned(ref: RunnerHandle, exc: CandidateFailed, device: str) -> None:
     """A GPU candidate runner that crashed or hung may hold IPC mappings of the
     reference's tensors, which then stay pinned: that reference is not reused."""
     if device.startswith("cuda") and exc.kind in ("crash", "timeout"):
         ref.discard = True
 
 
-def _phases(since: float, *handles: RunnerHandle) -> dict[str, float]:
+def stage_phases(since: float, *handles: RunnerHandle) -> dict[str, float]:
     """Seconds the stage's runners took per request op since ``since`` (the request log;
     ``lease_wait``: waiting for a leased runner to start)."""
     pids = {h.pid for h in handles}
@@ -200,7 +200,7 @@ def _phases(since: float, *handles: RunnerHandle) -> dict[str, float]:
     return {op: round(s, 4) for op, s in sorted(spent.items())}
 
 
-def _peak_device_mb(since: float, *handles: RunnerHandle) -> float | None:
+def stage_peak_device_mb(since: float, *handles: RunnerHandle) -> float | None:
     """The most device memory the stage's runners held at once since ``since``, in MB, as
     they state it (their allocators' reserved bytes; CUDA contexts not counted); None off
     a GPU. A stage's requests go one at a time, so while one runner handles a request the
@@ -221,17 +221,17 @@ def _peak_device_mb(since: float, *handles: RunnerHandle) -> float | None:
     return round(peak / 1e6, 1) if peak else None
 
 
-def _trim(ref: RunnerHandle) -> None:
+def trim_reference(ref: RunnerHandle) -> None:
     """Ask a reference runner to drop large per-stage tensors before it idles."""
     with contextlib.suppress(RunnerError):
         ref.request(Trim(), 30.0)
 
 
-def _truncate(text: str) -> str:
+def truncate(text: str) -> str:
     return text if len(text) <= _MAX_LOG else "… (truncated)\n" + text[-_MAX_LOG:]
 
 
-def _evidence(seed: int, verdict: Verdict, label: str = "") -> TrialEvidence:
+def trial_evidence(seed: int, verdict: Verdict, label: str = "") -> TrialEvidence:
     """One trial's evidence from a verdict."""
     return TrialEvidence(
         seed=seed,
@@ -251,6 +251,6 @@ _FLOAT64_FIELDS = (
 )  # fmt: skip
 
 
-def _seed_trials(seed: int, trials: int) -> list[int]:
+def seed_trials(seed: int, trials: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(2**31) for _ in range(trials)]

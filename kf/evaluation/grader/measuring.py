@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kf.evaluation.grader.grading import _FRESH_SETS, _seed_trials, _trim
+from kf.evaluation.grader.grading import FRESH_SETS, seed_trials, trim_reference
 from kf.evaluation.grader.session import Stage
 from kf.evaluation.grader.timing_checks import (
     REMEASURE,
@@ -69,7 +69,7 @@ def fresh_timing(
     the reference's sets where it sends them) and, paired, one on its timed inputs after
     each, in ms."""
     given = [f.inputs for f in made if f.inputs is not None]
-    _trim(ref)
+    trim_reference(ref)
     sets = (
         TimeInputs(seeds=seeds, paired=True)
         if stage.own_inputs
@@ -84,7 +84,7 @@ def cache_again(
 ) -> str | None:
     """:func:`cache_suspected` measured again on fresh sets no call has seen (a cache
     filled by the first measurement would make the same sets look repeated)."""
-    seeds = _seed_trials(seed ^ 0xF4E5 ^ (attempt << 20), _FRESH_SETS)
+    seeds = seed_trials(seed ^ 0xF4E5 ^ (attempt << 20), FRESH_SETS)
     made = [] if stage.own_inputs else [stage.make_inputs(s) for s in seeds]
     fresh, repeated = fresh_timing(stage, ref, seeds, made)
     return cache_suspected(fresh, repeated or [median_ms], empty_ms)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from kf.evaluation.grader.grading import _CandidateFailed, _device_lock, log
+from kf.evaluation.grader.grading import CandidateFailed, device_lock, log
 from kf.evaluation.grader.measuring import calls_in, turn
 from kf.evaluation.grader.sandbox import Limits, RunnerError, RunnerPool
 from kf.evaluation.grader.session import GradingSession, Stage
@@ -67,7 +67,7 @@ def paired_times(
     mine, theirs = Stage(sessions[0]), Stage(sessions[1])
     try:
         with (
-            _device_lock(mine.device),
+            device_lock(mine.device),
             mine.reference_lease(trimmed=True) as ref,
             mine.candidate_lease(),
             theirs.candidate_lease(),
@@ -80,7 +80,7 @@ def paired_times(
                     return None
                 stage.restart_clock()
             return _rounds(mine, theirs, warmup, min_trials, min_time_s)
-    except (_CandidateFailed, TaskError, RunnerError) as exc:
+    except (CandidateFailed, TaskError, RunnerError) as exc:
         log.info("paired_retime_failed", task=task.name, error=str(exc)[:200])
         return None
 

@@ -13,20 +13,20 @@ import msgspec
 
 from kf.evaluation.grader import baseline_settings
 from kf.evaluation.grader.baseline import (
-    _baseline_lost,
-    _BaselineLost,
-    _compile_baseline,
+    BaselineLost,
+    baseline_lost,
     compile_baseline_wanted,
+    compile_reference,
 )
 from kf.evaluation.grader.grading import (
-    _FRESH_SETS,
     CACHE_SUSPECTED,
+    FRESH_SETS,
     OUTPUT_CHANGED,
     TIMER_DISAGREEMENT,
-    _CandidateFailed,
-    _device_lock,
-    _seed_trials,
+    CandidateFailed,
+    device_lock,
     log,
+    seed_trials,
 )
 from kf.evaluation.grader.measuring import (
     batch_check,
@@ -116,7 +116,7 @@ def profile_session(
     want = compile_baseline_wanted() if compile_baseline is None else compile_baseline
     try:
         report = _profile(stage, options, want)
-    except _BaselineLost:
+    except BaselineLost:
         # the reference runner was lost to torch.compile; the failure is remembered, so
         # this second session, with fresh runners, times against eager only
         report = _profile(stage, options, want)
@@ -130,14 +130,14 @@ def profile_session(
 def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileReport:
     """:func:`profile_session` in ``stage``.
 
-    Raises :class:`_BaselineLost` when the reference runner died or hung over the
+    Raises :class:`BaselineLost` when the reference runner died or hung over the
     compiled baseline (remembered, so a second call skips it).
     """
     session, task, device, seed = stage.session, stage.task, stage.device, stage.session.seed
     warmup, min_trials, min_time_s, max_trials = options
     timeout_s = session.timeout_s
     with (
-        _device_lock(device),
+        device_lock(device),
         stage.reference_lease(trimmed=True) as ref,
         stage.candidate_lease() as cand,
     ):
@@ -158,7 +158,7 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
                     duration_s=time.monotonic() - start,
                 )
 
-            baseline = _compile_baseline(task, ref, device, seed, compile_baseline)
+            baseline = compile_reference(task, ref, device, seed, compile_baseline)
             stage.restart_clock()  # the compile had a time limit of its own
             compiled: dict[str, Any] = {"on": baseline.error is None, "error": baseline.error}
 
@@ -199,8 +199,8 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
                         )
                 except (RunnerTimeout, RunnerCrashed) as exc:
                     why = f"the compiled reference lost its runner while timed: {exc}"
-                    _baseline_lost[f"{session.reference_key}:{seed}"] = why
-                    raise _BaselineLost(why) from exc
+                    baseline_lost[f"{session.reference_key}:{seed}"] = why
+                    raise BaselineLost(why) from exc
                 except RunnerFailed as exc:
                     compiled.update(on=False, error=f"the compiled reference failed: {exc}")
                     return []
@@ -247,7 +247,7 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
                 flags.append(f"{OUTPUT_CHANGED}: the timed inputs' output is wrong after timing")
 
             # Fresh inputs after timing: stale buffers and result caches show up here.
-            fresh_seeds = _seed_trials(seed ^ 0xF4E5, _FRESH_SETS)
+            fresh_seeds = seed_trials(seed ^ 0xF4E5, FRESH_SETS)
             # the reference makes the first, which it judges; the others only when it
             # sends them (a candidate that makes its own inputs makes every set from its
             # seed): at KernelBench's sizes each is another set on the device
@@ -280,7 +280,7 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
             if cached is not None:
                 flags.append(f"{CACHE_SUSPECTED}: {cached}")
             flags += [f for f in cand.findings if f not in flags]
-        except _CandidateFailed as exc:
+        except CandidateFailed as exc:
             stage.after_candidate_failure(exc)
             log.info("candidate_profile_failed", task=task.name, kind=exc.kind)
             return ProfileReport(

@@ -20,17 +20,17 @@ from typing import TypeVar
 
 from kf.devices import parse_device
 from kf.evaluation.grader.grading import (
-    _after_candidate_failure,
-    _CandidateFailed,
-    _Deadline,
-    _own_inputs,
-    _peak_device_mb,
-    _phases,
-    _ref_key,
-    _Report,
-    _sandboxed,
-    _setup_request,
-    _trim,
+    AnyReport,
+    CandidateFailed,
+    Deadline,
+    discard_reference_if_pinned,
+    makes_own_inputs,
+    reference_runner_key,
+    setup_request,
+    stage_peak_device_mb,
+    stage_phases,
+    trim_reference,
+    with_sandbox_marks,
 )
 from kf.evaluation.grader.reports import FAILURE_KINDS
 from kf.evaluation.grader.sandbox import (
@@ -96,7 +96,7 @@ class GradingSession:
     @property
     def reference_key(self) -> str:
         """The key reference runners of the task on the device are reused under."""
-        return _ref_key(self.task, self.device)
+        return reference_runner_key(self.task, self.device)
 
 
 class Stage:
@@ -107,7 +107,7 @@ class Stage:
         self.session = session
         self.task = session.task
         self.device = session.device
-        self.deadline = _Deadline(session.timeout_s if timeout_s is None else timeout_s)
+        self.deadline = Deadline(session.timeout_s if timeout_s is None else timeout_s)
         self.since = time.monotonic()
         #: every runner the stage used, for its report's phases and sandbox
         self.leased: list[RunnerHandle] = []
@@ -130,7 +130,7 @@ class Stage:
 
     def restart_clock(self) -> None:
         """A fresh deadline (after work with a time limit of its own)."""
-        self.deadline = _Deadline(self.deadline.timeout_s)
+        self.deadline = Deadline(self.deadline.timeout_s)
 
     def use(self, *, ref: RunnerHandle | None = None, cand: RunnerHandle | None = None) -> None:
         """Grade with these runners from now on."""
@@ -150,7 +150,7 @@ class Stage:
                 yield ref
             finally:
                 if trimmed:
-                    _trim(ref)
+                    trim_reference(ref)
 
     @contextlib.contextmanager
     def candidate_lease(self) -> Iterator[RunnerHandle]:
@@ -159,23 +159,23 @@ class Stage:
             self.use(cand=cand)
             yield cand
 
-    def after_candidate_failure(self, exc: _CandidateFailed) -> None:
+    def after_candidate_failure(self, exc: CandidateFailed) -> None:
         """A GPU candidate runner that crashed or hung may hold IPC mappings of the
         reference's tensors, which then stay pinned: that reference is not reused."""
-        _after_candidate_failure(self.ref, exc, self.device)
+        discard_reference_if_pinned(self.ref, exc, self.device)
 
     def phases(self) -> dict[str, float]:
         """Seconds per request op of the stage's runners so far."""
-        return _phases(self.since, *self.leased)
+        return stage_phases(self.since, *self.leased)
 
     def peak_device_mb(self) -> float | None:
         """The most device memory the stage's runners held at once so far (MB; None off a
-        GPU): :func:`kf.evaluation.grader.grading._peak_device_mb`."""
-        return _peak_device_mb(self.since, *self.leased)
+        GPU): :func:`kf.evaluation.grader.grading.stage_peak_device_mb`."""
+        return stage_peak_device_mb(self.since, *self.leased)
 
-    def sandboxed(self, report: _Report) -> _Report:
+    def sandboxed(self, report: AnyReport) -> AnyReport:
         """``report`` saying where the stage's runners ran."""
-        return _sandboxed(report, self.leased)
+        return with_sandbox_marks(report, self.leased)
 
     # -- requests ------------------------------------------------------------------
     def reference(self, request: Request[_R], what: str | None = None) -> _R:
@@ -193,7 +193,7 @@ class Stage:
             ) from exc
 
     def candidate(self, request: Request[_R], what: str | None = None) -> _R:
-        """A request to the candidate runner; failures become :class:`_CandidateFailed`.
+        """A request to the candidate runner; failures become :class:`CandidateFailed`.
 
         The builds the runner asks of the grader meanwhile (an import-time ``load_inline``
         or ``kf.native`` build) have the build limit: their time extends the stage's."""
@@ -204,15 +204,15 @@ class Stage:
             if exc.kind == "task_error":
                 raise TaskError(f"{self.task.label}: {exc}") from exc
             kind = exc.kind if exc.kind in FAILURE_KINDS else "exception"
-            raise _CandidateFailed(kind, str(exc), exc.log_tail) from exc
+            raise CandidateFailed(kind, str(exc), exc.log_tail) from exc
         except RunnerTimeout as exc:
-            raise _CandidateFailed(
+            raise CandidateFailed(
                 "timeout",
                 f"candidate timed out after {self.deadline.timeout_s:g}s ({exc})",
                 exc.log_tail,
             ) from exc
         except RunnerCrashed as exc:
-            raise _CandidateFailed("crash", f"candidate crashed: {exc}", exc.log_tail) from exc
+            raise CandidateFailed("crash", f"candidate crashed: {exc}", exc.log_tail) from exc
         finally:
             self.deadline.end += self.cand.build_s - built
 
@@ -220,13 +220,13 @@ class Stage:
         """Set the reference runner up (its answer: ``precision``, its TF32 settings)."""
         s = self.session
         return self.reference(
-            _setup_request(self.ref, s.device, s.limits, self.deadline, reference=True)
+            setup_request(self.ref, s.device, s.limits, self.deadline, reference=True)
         )
 
     def setup_candidate(self, nice: int = 0) -> SetUp:
         """Set the candidate runner up (a failure here is the runner's, not the candidate's)."""
         s = self.session
-        request = _setup_request(self.cand, s.device, s.limits, self.deadline, nice=nice)
+        request = setup_request(self.cand, s.device, s.limits, self.deadline, nice=nice)
         return self.cand.request(request, self.deadline.left())
 
     def load_task(self, seed: int | None = None) -> TaskLoaded:
@@ -238,7 +238,7 @@ class Stage:
     @property
     def own_inputs(self) -> bool:
         """Whether the candidate runner makes each trial's inputs from its seed itself."""
-        return _own_inputs(self.cand, self.device)
+        return makes_own_inputs(self.cand, self.device)
 
     def load_pair(self) -> SetUp:
         """Set both runners up, load the task in the reference and ``ModelNew`` in the

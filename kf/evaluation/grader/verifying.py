@@ -11,15 +11,15 @@ from typing import Any
 
 import msgspec
 
-from kf.evaluation.grader.admission import _BIG_LOCKS, _big_task_bytes, _footprint, too_large
+from kf.evaluation.grader.admission import BIG_LOCKS, big_task_bytes, set_footprint, too_large
 from kf.evaluation.grader.grading import (
     DISTRIBUTION_FAILED,
     REVERIFY_ABOVE,
-    _CandidateFailed,
-    _evidence,
-    _seed_trials,
-    _trim,
+    CandidateFailed,
     log,
+    seed_trials,
+    trial_evidence,
+    trim_reference,
 )
 from kf.evaluation.grader.reports import ProfileReport, TrialEvidence, VerifyReport
 from kf.evaluation.grader.sandbox import Limits, RunnerPool
@@ -104,7 +104,7 @@ def _verify(stage: Stage, trials: int, generalise: bool) -> VerifyReport:
         big: threading.Lock | None = None
         try:
             stage.load_pair()
-            for i, trial_seed in enumerate(_seed_trials(session.seed, trials)):
+            for i, trial_seed in enumerate(seed_trials(session.seed, trials)):
                 made = stage.make_inputs(trial_seed)
                 refused = too_large(made, device) if i == 0 else None
                 if refused is not None:
@@ -113,9 +113,9 @@ def _verify(stage: Stage, trials: int, generalise: bool) -> VerifyReport:
                 if (
                     big is None
                     and device.startswith("cuda")
-                    and _footprint(made) > _big_task_bytes()
+                    and set_footprint(made) > big_task_bytes()
                 ):
-                    big = _BIG_LOCKS.setdefault(device, threading.Lock())
+                    big = BIG_LOCKS.setdefault(device, threading.Lock())
                     big.acquire()
                 pairs = [for_dtype(chosen, d) for d in made.output_dtypes]
                 atol = max((a for a, _ in pairs), default=for_dtype(chosen, "float32")[0])
@@ -128,7 +128,7 @@ def _verify(stage: Stage, trials: int, generalise: bool) -> VerifyReport:
                     ops = ", ".join(f"aten.{op}" for op in ran.torch_ops[:8])
                     flags.append(f"torch_compute: forward dispatched PyTorch ops {ops}")
                 verdict = stage.judge(ran, trial_seed)
-                evidence.append(_evidence(trial_seed, verdict))
+                evidence.append(trial_evidence(trial_seed, verdict))
                 if not verdict.ok:
                     log.info("candidate_rejected", task=task.name, kind=verdict.kind)
                     return report(
@@ -145,7 +145,7 @@ def _verify(stage: Stage, trials: int, generalise: bool) -> VerifyReport:
                 if failed is not None:
                     log.info("candidate_rejected", task=task.name, kind=DISTRIBUTION_FAILED)
                     return report(correct=False, failure_kind=DISTRIBUTION_FAILED, error=failed)
-        except _CandidateFailed as exc:
+        except CandidateFailed as exc:
             stage.after_candidate_failure(exc)
             log.info("candidate_rejected", task=task.name, kind=exc.kind)
             detail = (
@@ -153,7 +153,7 @@ def _verify(stage: Stage, trials: int, generalise: bool) -> VerifyReport:
             )
             return report(correct=False, failure_kind=exc.kind, error=exc.error + detail)
         finally:
-            _trim(ref)
+            trim_reference(ref)
             if big is not None:
                 big.release()
     log.info("candidate_verified", task=task.name, trials=len(evidence))
@@ -168,7 +168,7 @@ def _hidden_distributions(stage: Stage, evidence: list[TrialEvidence]) -> str | 
     skipped."""
     from kf.evaluation.grader.grading import SCALES
 
-    seeds = _seed_trials(stage.session.seed ^ 0xD157, len(SCALES))
+    seeds = seed_trials(stage.session.seed ^ 0xD157, len(SCALES))
     for scale, trial_seed in zip(SCALES, seeds, strict=True):
         made = stage.make_inputs(trial_seed, scale)
         if made.missing:  # the reference rejects them
@@ -188,12 +188,12 @@ def _unseen_trial(
     and added to ``evidence``; None, or why ``check`` failed."""
     try:
         ran = stage.candidate(run, what=f"forward on {label}")
-    except _CandidateFailed as exc:
+    except CandidateFailed as exc:
         stage.after_candidate_failure(exc)
         evidence.append(TrialEvidence(seed=trial_seed, ok=False, reason=exc.error, label=label))
         return f"{check}, {label} (never seen before): {exc.kind}: {exc.error}"
     verdict = stage.judge(ran, trial_seed)
-    evidence.append(_evidence(trial_seed, verdict, label))
+    evidence.append(trial_evidence(trial_seed, verdict, label))
     if not verdict.ok:
         return f"{check}, {label} (never seen before): {verdict.kind}: {verdict.reason}"
     return None
@@ -201,7 +201,7 @@ def _unseen_trial(
 
 def _generalisation_gate(stage: Stage, evidence: list[TrialEvidence]) -> str | None:
     """Run the candidate on input shapes it never saw; None, or why it failed."""
-    for variant, trial_seed in enumerate(_seed_trials(stage.session.seed ^ 0x6E4E, 4)):
+    for variant, trial_seed in enumerate(seed_trials(stage.session.seed ^ 0x6E4E, 4)):
         made = stage.reference(MakeInputs(seed=trial_seed, variant=variant))
         if made.missing or made.inputs is None:
             break

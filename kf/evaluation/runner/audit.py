@@ -24,7 +24,7 @@ def _num(t: Any) -> Any:
 def audit_reference(runner: Any, msg: Audit) -> Audited:
     """The reference runner's side (``op_audit``): run ``Model`` on each seed's inputs
     and scaled copies of the first, and judge whether a constant would pass."""
-    from kf.evaluation.runner.compare import _CHUNK, compact, compare_outputs
+    from kf.evaluation.runner.compare import CHUNK_ELEMENTS, compact, compare_outputs
     from kf.evaluation.runner.variants import scale_inputs
 
     torch = runner.torch
@@ -47,8 +47,8 @@ def audit_reference(runner: Any, msg: Audit) -> Audited:
         a whole tensor of zeros is one more output's worth of device memory."""
         for o in expected:
             flat = o.reshape(-1)
-            for start in range(0, max(flat.numel(), 1), _CHUNK):
-                part = flat[start : start + _CHUNK]
+            for start in range(0, max(flat.numel(), 1), CHUNK_ELEMENTS):
+                part = flat[start : start + CHUNK_ELEMENTS]
                 zero = torch.zeros_like(part)
                 if not compare_outputs(torch, [part], [zero], tol)["ok"]:
                     return False
@@ -59,8 +59,10 @@ def audit_reference(runner: Any, msg: Audit) -> Audited:
         """max |a − b|, a chunk at a time (no whole-size temporaries)."""
         fa, fb = a.reshape(-1), b.reshape(-1)
         worst = 0.0
-        for start in range(0, fa.numel(), _CHUNK):
-            part = (_num(fa[start : start + _CHUNK]) - _num(fb[start : start + _CHUNK])).abs()
+        for start in range(0, fa.numel(), CHUNK_ELEMENTS):
+            part = (
+                _num(fa[start : start + CHUNK_ELEMENTS]) - _num(fb[start : start + CHUNK_ELEMENTS])
+            ).abs()
             worst = max(worst, float(part.max()))
         return worst
 

@@ -9,8 +9,14 @@ from collections.abc import Callable
 from typing import Any
 
 from kf.evaluation.runner import common as runner_common
-from kf.evaluation.runner.common import RunnerBase, _describe, _Failure, _flatten, _tb
-from kf.evaluation.runner.guard import _DATA_OPS, _OpRecorder
+from kf.evaluation.runner.common import (
+    RequestFailure,
+    RunnerBase,
+    describe_exception,
+    flatten_outputs,
+    traceback_tail,
+)
+from kf.evaluation.runner.guard import DATA_OPS, OpRecorder
 from kf.evaluation.wire import protocol as p
 
 
@@ -32,24 +38,28 @@ class CandidateRole(RunnerBase):
         try:
             module = import_source("kf_candidate", msg.source, filename="<candidate>")
         except NativeCompileError as exc:
-            raise _Failure("compile_error", _compile_failure(exc), exc.log) from exc
+            raise RequestFailure("compile_error", _compile_failure(exc), exc.log) from exc
         except BaseException as exc:
-            raise _Failure(
-                "exception", f"importing the candidate raised {_describe(exc)}", _tb()
+            raise RequestFailure(
+                "exception",
+                f"importing the candidate raised {describe_exception(exc)}",
+                traceback_tail(),
             ) from exc
         cls = getattr(module, "ModelNew", None)
         if cls is None:
-            raise _Failure("exception", "the candidate defines no class ModelNew")
+            raise RequestFailure("exception", "the candidate defines no class ModelNew")
         if not callable(cls):
-            raise _Failure("exception", "ModelNew is not callable")
+            raise RequestFailure("exception", "ModelNew is not callable")
         self.torch.manual_seed(seed)
         try:
             model = cls(*init)
         except NativeCompileError as exc:
-            raise _Failure("compile_error", _compile_failure(exc), exc.log) from exc
+            raise RequestFailure("compile_error", _compile_failure(exc), exc.log) from exc
         except BaseException as exc:
-            raise _Failure(
-                "exception", f"ModelNew(*get_init_inputs()) raised {_describe(exc)}", _tb()
+            raise RequestFailure(
+                "exception",
+                f"ModelNew(*get_init_inputs()) raised {describe_exception(exc)}",
+                traceback_tail(),
             ) from exc
         self.model = self.backend.to_device(model)
         return p.CandidateLoaded()
@@ -65,7 +75,9 @@ class CandidateRole(RunnerBase):
         if msg.inputs is None and msg.seed is not None and self.own_inputs:
             self.inputs, pristine = self._seeded(msg.seed, msg.scale)
         elif msg.inputs is None:
-            raise _Failure("protocol", "a run request with no inputs and no seed to make them")
+            raise RequestFailure(
+                "protocol", "a run request with no inputs and no seed to make them"
+            )
         else:
             self.inputs = [self.backend.to_device(v) for v in self.load(msg.inputs)]
             above = runner_common.FINGERPRINT_ABOVE
@@ -74,7 +86,7 @@ class CandidateRole(RunnerBase):
                 # variant's 12.9 GB back for the reference to compare would hold it twice
                 pristine = checkable(torch, self.inputs, above)
         t1 = self.clock_ns()
-        recorder = _OpRecorder(torch) if msg.trace else None
+        recorder = OpRecorder(torch) if msg.trace else None
         try:
             with torch.no_grad():
                 if recorder is not None:
@@ -84,10 +96,12 @@ class CandidateRole(RunnerBase):
                     out = self.model(*self.inputs)
             self.backend.synchronize()
         except BaseException as exc:
-            raise _Failure("exception", f"ModelNew.forward raised {_describe(exc)}", _tb()) from exc
+            raise RequestFailure(
+                "exception", f"ModelNew.forward raised {describe_exception(exc)}", traceback_tail()
+            ) from exc
         t2 = self.clock_ns()
-        outs = _flatten(torch, out, "ModelNew.forward", "exception")
-        ops = [] if recorder is None else [op for op in recorder.ops if op not in _DATA_OPS]
+        outs = flatten_outputs(torch, out, "ModelNew.forward", "exception")
+        ops = [] if recorder is None else [op for op in recorder.ops if op not in DATA_OPS]
         outputs = self.dump(outs)
         del out, outs
         if pristine is None:
@@ -121,8 +135,10 @@ class CandidateRole(RunnerBase):
                 finally:
                     torch.cuda.profiler.stop()
         except BaseException as exc:
-            raise _Failure(
-                "exception", f"forward raised {_describe(exc)} under the profiler", _tb()
+            raise RequestFailure(
+                "exception",
+                f"forward raised {describe_exception(exc)} under the profiler",
+                traceback_tail(),
             ) from exc
         return p.CountersRan()
 
@@ -137,7 +153,7 @@ class CandidateRole(RunnerBase):
         return p.BatchRan(total_ns=self.clock_ns() - start)
 
 
-def _remote_build(
+def remote_build(
     send: Callable[[bytes], None],
     recv: Callable[[], bytes],
     encode: Callable[[p.Message], bytes],
@@ -173,7 +189,7 @@ def _compile_failure(exc: BaseException) -> str:
     return f"C++ compilation failed: {first}" if first else "C++ compilation failed"
 
 
-def _remote_inline_build(
+def remote_inline_build(
     send: Callable[[bytes], None],
     recv: Callable[[], bytes],
     encode: Callable[[p.Message], bytes],

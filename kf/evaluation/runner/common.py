@@ -14,28 +14,28 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from kf.evaluation.runner.baselines import apply_tf32
-from kf.evaluation.runner.guard import _Watch
+from kf.evaluation.runner.guard import Watch
 from kf.evaluation.runner.transport import Exports, is_ipc, pack, unpack
 from kf.evaluation.wire import file_maker, shared_memory
 from kf.evaluation.wire import protocol as p
 
 _MAX_ERROR = 2000
 _TRIM_ABOVE_BYTES = 1 << 30  # cached-but-free GPU memory a runner gives back
-_TRIALS_KEPT = 4  # trials (pristine inputs, expected outputs) a reference runner holds
+TRIALS_KEPT = 4  # trials (pristine inputs, expected outputs) a reference runner holds
 
 #: the bytes of trials a reference runner may hold whatever its cache budget
-_TRIALS_FLOOR = 1 << 30
+TRIALS_FLOOR = 1 << 30
 
 
 _MAX_LOG = 20_000
 
 
-def _describe(exc: BaseException) -> str:
+def describe_exception(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= _MAX_ERROR else text[:_MAX_ERROR] + " …"
 
 
-class _Failure(Exception):
+class RequestFailure(Exception):
     """A request failed in a way the grader should see with a given kind."""
 
     def __init__(self, kind: str, error: str, log: str = "") -> None:
@@ -45,7 +45,7 @@ class _Failure(Exception):
         self.log = log
 
 
-class _Compiled(NamedTuple):
+class Compiled(NamedTuple):
     """The reference under ``torch.compile`` for one model and input signature.
 
     ``fn`` is None when compiling failed; ``reply`` is what the first request was told
@@ -56,10 +56,10 @@ class _Compiled(NamedTuple):
     reply: p.BaselineCompiled
 
 
-_MAX_COMPILED = 4  # compiled references a runner keeps (one per model seed and input shapes)
+MAX_COMPILED = 4  # compiled references a runner keeps (one per model seed and input shapes)
 
 
-class _Made(NamedTuple):
+class Made(NamedTuple):
     """One input set a reference runner made: the reply, pristine inputs, expected outputs."""
 
     reply: p.InputsMade
@@ -80,7 +80,7 @@ def _nothing(*_: Any) -> None:
     """What ``time`` calls with ``empty``: nothing, to measure the loop around a call."""
 
 
-def _dynamo_graphs(torch: Any) -> int:
+def dynamo_graphs(torch: Any) -> int:
     """Graphs dynamo has compiled in this process so far (0 where torch does not say)."""
     try:
         from torch._dynamo.utils import counters
@@ -90,20 +90,20 @@ def _dynamo_graphs(torch: Any) -> int:
         return 0
 
 
-def _tb() -> str:
+def traceback_tail() -> str:
     text = traceback.format_exc()
     return text[-_MAX_LOG:]
 
 
-def _flatten(torch: Any, out: Any, what: str, kind: str) -> list[Any]:
+def flatten_outputs(torch: Any, out: Any, what: str, kind: str) -> list[Any]:
     items = [out] if isinstance(out, torch.Tensor) else out
     if not isinstance(items, list | tuple):
-        raise _Failure(
+        raise RequestFailure(
             kind, f"{what} returned {type(out).__name__}, not a tensor or a tuple of tensors"
         )
     for item in items:
         if type(item) not in (torch.Tensor, torch.nn.Parameter):
-            raise _Failure(
+            raise RequestFailure(
                 kind, f"{what} returned a {type(item).__name__}, not a plain torch.Tensor"
             )
     return list(items)
@@ -112,7 +112,7 @@ def _flatten(torch: Any, out: Any, what: str, kind: str) -> list[Any]:
 class RunnerBase:
     """Set-up, payloads, the task's import and inputs, and timing: what every role needs."""
 
-    def __init__(self, clock_ns: Callable[[], int], watch: _Watch | None = None) -> None:
+    def __init__(self, clock_ns: Callable[[], int], watch: Watch | None = None) -> None:
         import torch
 
         from kf.evaluation.runner.device import Backend, make_backend
@@ -126,7 +126,7 @@ class RunnerBase:
         self._inputs_from: list[Any] = []
         self.trials: dict[int, tuple[list[Any], list[Any]]] = {}
         self.trial_variant: dict[int, int | None] = {}
-        self.watch = watch or _Watch()
+        self.watch = watch or Watch()
         self.cold = False  # cached blocks given back since the last call (op_settle)
         # CUDA runners hand tensors over as IPC handles (kf.evaluation.runner.transport)
         self.ipc = False
@@ -135,18 +135,18 @@ class RunnerBase:
         self.shm: int | None = None
         self.exports = Exports()
         # a candidate runner that makes its trial inputs from the seed itself (the grader
-        # then moves only outputs: kf.evaluation.grader.grading._own_inputs)
+        # then moves only outputs: kf.evaluation.grader.grading.makes_own_inputs)
         self.own_inputs = False
         #: the task's get_inputs() makes its tensors on the (CUDA) device
         self.device_inputs = False
         # a reused reference runner keeps the inputs and outputs it made, per seed
-        self.made: OrderedDict[tuple[int, int, int | None, float | None], _Made] = OrderedDict()
+        self.made: OrderedDict[tuple[int, int, int | None, float | None], Made] = OrderedDict()
         self.trial_scale: dict[int, float | None] = {}  # hidden distributions' factors
         self.made_budget = 0
         self.model_seed = 0
         # a reused reference runner keeps its torch.compile'd reference, per model seed
         # and input signature, so later candidates of the task do not pay the compile
-        self.compiled: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
+        self.compiled: OrderedDict[tuple[Any, ...], Compiled] = OrderedDict()
 
     @property
     def inputs(self) -> list[Any]:
@@ -273,13 +273,15 @@ class RunnerBase:
         try:
             module = import_source(f"kf_task_{name}", source, filename=f"<task {name}>")
         except BaseException as exc:
-            raise _Failure("task_error", f"import raised {_describe(exc)}", _tb()) from exc
+            raise RequestFailure(
+                "task_error", f"import raised {describe_exception(exc)}", traceback_tail()
+            ) from exc
         for attr in REQUIRED_NAMES:
             kind = "class" if attr == "Model" else "function"
             if not hasattr(module, attr):
-                raise _Failure("task_error", f"defines no {kind} {attr}")
+                raise RequestFailure("task_error", f"defines no {kind} {attr}")
             if not callable(getattr(module, attr)):
-                raise _Failure("task_error", f"{attr} is not callable")
+                raise RequestFailure("task_error", f"{attr} is not callable")
         self.task_module = module
         return module
 
@@ -288,11 +290,13 @@ class RunnerBase:
         try:
             init = module.get_init_inputs()
         except BaseException as exc:
-            raise _Failure(
-                "task_error", f"get_init_inputs() raised {_describe(exc)}", _tb()
+            raise RequestFailure(
+                "task_error",
+                f"get_init_inputs() raised {describe_exception(exc)}",
+                traceback_tail(),
             ) from exc
         if not isinstance(init, list | tuple):
-            raise _Failure(
+            raise RequestFailure(
                 "task_error", f"get_init_inputs() returned {type(init).__name__}, not a list"
             )
         return list(init)
@@ -320,11 +324,15 @@ class RunnerBase:
                 if on_device
                 else ""
             )
-            raise _Failure(
-                "task_error", f"get_inputs(){where} raised {_describe(exc)}", _tb()
+            raise RequestFailure(
+                "task_error",
+                f"get_inputs(){where} raised {describe_exception(exc)}",
+                traceback_tail(),
             ) from exc
         if not isinstance(raw, list | tuple):
-            raise _Failure("task_error", f"get_inputs() returned {type(raw).__name__}, not a list")
+            raise RequestFailure(
+                "task_error", f"get_inputs() returned {type(raw).__name__}, not a list"
+            )
         return list(raw)
 
     def _seeded(
@@ -377,7 +385,7 @@ class RunnerBase:
         if compiled:
             known = self.compiled.get(self._signature(self.inputs))
             if known is None or known.fn is None:
-                raise _Failure("protocol", "no compiled reference for these inputs")
+                raise RequestFailure("protocol", "no compiled reference for these inputs")
             return known.fn
         return _nothing if empty else self.model
 
@@ -393,7 +401,9 @@ class RunnerBase:
                     model(*inputs)
                 self.backend.synchronize()
             except BaseException as exc:
-                raise _Failure("exception", f"forward raised {_describe(exc)}", _tb()) from exc
+                raise RequestFailure(
+                    "exception", f"forward raised {describe_exception(exc)}", traceback_tail()
+                ) from exc
             self.cold = False
         elif not msg.warm:
             self._trim_device_cache()
@@ -410,8 +420,10 @@ class RunnerBase:
                     backend.flush_cache()
                     samples.append(backend.time_call_ns(lambda: model(*inputs)))
         except BaseException as exc:
-            raise _Failure(
-                "exception", f"forward raised {_describe(exc)} while timing", _tb()
+            raise RequestFailure(
+                "exception",
+                f"forward raised {describe_exception(exc)} while timing",
+                traceback_tail(),
             ) from exc
         return p.Timed(samples_ns=samples)
 
@@ -440,9 +452,13 @@ class RunnerBase:
                                 float(v.sum())
                         backend.flush_cache()
                         into.append(backend.time_call_ns(functools.partial(model, *which)))
-            except BaseException as exc:  # whatever the candidate's call raised, a _Failure too
-                raise _Failure(
-                    "exception", f"forward raised {_describe(exc)} on fresh inputs", _tb()
+            except (
+                BaseException
+            ) as exc:  # whatever the candidate's call raised, a RequestFailure too
+                raise RequestFailure(
+                    "exception",
+                    f"forward raised {describe_exception(exc)} on fresh inputs",
+                    traceback_tail(),
                 ) from exc
             del inputs, which
         self._trim_device_cache()

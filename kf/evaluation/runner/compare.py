@@ -30,7 +30,7 @@ def tolerance(dtype_name: str) -> float:
     return 1e-2 if dtype_name in _HALF else 1e-4
 
 
-_CHUNK = 1 << 25  # elements compared at once (256 MiB per float64 temporary)
+CHUNK_ELEMENTS = 1 << 25  # elements compared at once (256 MiB per float64 temporary)
 
 
 def _name(torch: Any, dtype: Any) -> str:
@@ -95,9 +95,9 @@ def compare_outputs(
         total = flat_want.numel()
         over_count = nonfinite = 0
         abs_err = rel_err = min_tol = 0.0
-        for start in range(0, total, _CHUNK):
-            have64 = flat_have[start : start + _CHUNK].to(want_c.device).double()
-            want64 = flat_want[start : start + _CHUNK].double()
+        for start in range(0, total, CHUNK_ELEMENTS):
+            have64 = flat_have[start : start + CHUNK_ELEMENTS].to(want_c.device).double()
+            want64 = flat_want[start : start + CHUNK_ELEMENTS].double()
             finite = torch.isfinite(want64)
             nonfinite += int((~torch.isfinite(have64) & finite).sum())
             if nonfinite:
@@ -151,10 +151,10 @@ def float64_errors(torch: Any, want: Any, given: Any, exact: Any) -> Errors:
     sq_c = sq_e = 0.0
     max_c = max_e = 0.0
     counted = 0
-    for start in range(0, flat_x.numel(), _CHUNK):
-        x = flat_x[start : start + _CHUNK].double()
-        c = flat_g[start : start + _CHUNK].to(device).double()
-        e = flat_w[start : start + _CHUNK].to(device).double()
+    for start in range(0, flat_x.numel(), CHUNK_ELEMENTS):
+        x = flat_x[start : start + CHUNK_ELEMENTS].double()
+        c = flat_g[start : start + CHUNK_ELEMENTS].to(device).double()
+        e = flat_w[start : start + CHUNK_ELEMENTS].to(device).double()
         keep = torch.isfinite(x) & torch.isfinite(e) & torch.isfinite(c)
         dc, de = (c - x)[keep], (e - x)[keep]
         counted += int(keep.sum())

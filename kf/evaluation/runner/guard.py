@@ -53,7 +53,7 @@ _INTROSPECTION_EVENTS = frozenset(
 
 
 # aten ops that move, view or allocate data; anything else in forward is PyTorch compute.
-_DATA_OPS = frozenset(
+DATA_OPS = frozenset(
     {
         "_local_scalar_dense",
         "_to_copy",
@@ -92,7 +92,7 @@ _DATA_OPS = frozenset(
 )
 
 
-class _Watch:
+class Watch:
     """An audit hook: once a candidate is loaded it blocks network calls and notes
     introspection (garbage collector, frames, tracers) and runner classes being patched.
 
@@ -166,7 +166,7 @@ def _functions(owner: Any) -> dict[str, tuple[Any, Any]]:
     return out
 
 
-class _Integrity:
+class Integrity:
     """What the runner's grading code looked like before the candidate was imported."""
 
     def __init__(self, runner: RunnerBase, clock_ns: Callable[[], int], *bound: Any) -> None:
@@ -228,7 +228,7 @@ class _Integrity:
         return ", ".join(sorted(changed)[:5]) if changed else None
 
 
-class _OpRecorder:
+class OpRecorder:
     """Records the aten ops a call dispatches (a TorchDispatchMode built lazily)."""
 
     def __new__(cls, torch: Any) -> Any:

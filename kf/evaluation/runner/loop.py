@@ -19,9 +19,9 @@ import threading
 import time
 from typing import Any
 
-from kf.evaluation.runner.candidate import CandidateRole, _remote_build, _remote_inline_build
-from kf.evaluation.runner.common import _describe, _Failure, _tb
-from kf.evaluation.runner.guard import _Integrity, _OpRecorder, _Watch
+from kf.evaluation.runner.candidate import CandidateRole, remote_build, remote_inline_build
+from kf.evaluation.runner.common import RequestFailure, describe_exception, traceback_tail
+from kf.evaluation.runner.guard import Integrity, OpRecorder, Watch
 from kf.evaluation.runner.reference import ReferenceRole
 from kf.evaluation.wire import shared_memory
 from kf.settings import current
@@ -71,10 +71,10 @@ def _warm(torch: Any, device: str) -> None:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
             torch.empty(1, device=device)
-        with _OpRecorder(torch):
+        with OpRecorder(torch):
             torch.zeros(1).add_(1)
     except Exception as exc:  # set-up raises the real error with its context
-        print(f"kf runner: warm-up for {device} failed: {_describe(exc)}", flush=True)
+        print(f"kf runner: warm-up for {device} failed: {describe_exception(exc)}", flush=True)
     else:
         print(
             f"kf runner: warmed up for {device} in {time.perf_counter() - start:.2f}s", flush=True
@@ -83,7 +83,7 @@ def _warm(torch: Any, device: str) -> None:
 
 def main(argv: list[str]) -> int:
     clock_ns = time.perf_counter_ns  # bound before any candidate code is imported
-    watch = _Watch()
+    watch = Watch()
     sys.addaudithook(watch.hook)  # cannot be removed; inert until a candidate is loaded
     import faulthandler
     from multiprocessing.connection import Connection
@@ -110,17 +110,17 @@ def main(argv: list[str]) -> int:
     if settings.build_service:  # in the box: the grader builds
         import kf.native
 
-        kf.native.remote_builder = functools.partial(_remote_build, send, recv, encode, decode)
+        kf.native.remote_builder = functools.partial(remote_build, send, recv, encode, decode)
         import kf.cuda.inline
 
         kf.cuda.inline.remote_builder = functools.partial(
-            _remote_inline_build, send, recv, encode, decode
+            remote_inline_build, send, recv, encode, decode
         )
     runner = Runner(clock_ns, watch)
     if settings.runner_warm:
         _warm(runner.torch, settings.runner_warm)
     send(encode(protocol.Ready(pid=os.getpid(), torch=str(runner.torch.__version__))))
-    guard: _Integrity | None = None
+    guard: Integrity | None = None
     while True:
         try:
             msg = receive_message()
@@ -133,7 +133,7 @@ def main(argv: list[str]) -> int:
             return 0
         if isinstance(msg, protocol.LoadCandidate) and guard is None:
             # before any candidate code runs
-            guard = _Integrity(runner, clock_ns, send, recv, send_message, receive_message)
+            guard = Integrity(runner, clock_ns, send, recv, send_message, receive_message)
         handler = (
             getattr(runner, f"op_{msg.op}", None) if isinstance(msg, protocol.Request) else None
         )
@@ -145,12 +145,14 @@ def main(argv: list[str]) -> int:
         reply: protocol.Reply
         try:
             if handler is None:
-                raise _Failure("protocol", f"unexpected message {msg.op!r}")
+                raise RequestFailure("protocol", f"unexpected message {msg.op!r}")
             reply = handler(msg)
-        except _Failure as failure:
+        except RequestFailure as failure:
             reply = protocol.Failed(kind=failure.kind, error=failure.error, log=failure.log)
         except BaseException as exc:
-            reply = protocol.Failed(kind="exception", error=_describe(exc), log=_tb())
+            reply = protocol.Failed(
+                kind="exception", error=describe_exception(exc), log=traceback_tail()
+            )
         if guard is not None:
             tampered = guard.check(runner, clock_ns)
             if tampered:

@@ -14,16 +14,16 @@ import msgspec
 from kf.evaluation.runner import common as runner_common
 from kf.evaluation.runner.baselines import compile_kwargs, describe_compile
 from kf.evaluation.runner.common import (
-    _MAX_COMPILED,
-    _TRIALS_KEPT,
+    MAX_COMPILED,
+    TRIALS_KEPT,
+    Compiled,
+    Made,
+    RequestFailure,
     RunnerBase,
-    _Compiled,
-    _describe,
-    _dynamo_graphs,
-    _Failure,
-    _flatten,
-    _Made,
-    _tb,
+    describe_exception,
+    dynamo_graphs,
+    flatten_outputs,
+    traceback_tail,
 )
 from kf.evaluation.wire import protocol as p
 
@@ -51,8 +51,10 @@ class ReferenceRole(RunnerBase):
         try:
             model = module.Model(*init)
         except BaseException as exc:
-            raise _Failure(
-                "task_error", f"Model(*get_init_inputs()) raised {_describe(exc)}", _tb()
+            raise RequestFailure(
+                "task_error",
+                f"Model(*get_init_inputs()) raised {describe_exception(exc)}",
+                traceback_tail(),
             ) from exc
         self.model = self.backend.to_device(model)
         return p.TaskLoaded(init=self.dump(init))
@@ -70,8 +72,10 @@ class ReferenceRole(RunnerBase):
             try:
                 sets = list(extra())
             except BaseException as exc:
-                raise _Failure(
-                    "task_error", f"get_extra_inputs() raised {_describe(exc)}", _tb()
+                raise RequestFailure(
+                    "task_error",
+                    f"get_extra_inputs() raised {describe_exception(exc)}",
+                    traceback_tail(),
                 ) from exc
             return [("get_extra_inputs()", list(sets[variant]))] if variant < len(sets) else []
         from kf.evaluation.runner.variants import derived_shapes
@@ -115,7 +119,7 @@ class ReferenceRole(RunnerBase):
         self.trial_variant[seed] = variant
         self.trial_scale[seed] = scale
         while len(self.trials) > 1 and (
-            len(self.trials) > _TRIALS_KEPT
+            len(self.trials) > TRIALS_KEPT
             or sum(map(self._nbytes, self.trials.values())) > self._trials_budget()
         ):
             del self.trials[next(iter(self.trials))]
@@ -143,7 +147,7 @@ class ReferenceRole(RunnerBase):
 
     def _trials_budget(self) -> int:
         """Bytes of trials this runner may hold: its cache budget, at least the floor."""
-        return max(self.made_budget, runner_common._TRIALS_FLOOR)
+        return max(self.made_budget, runner_common.TRIALS_FLOOR)
 
     def _nbytes(self, trial: tuple[list[Any], list[Any]]) -> int:
         """The bytes of a trial's inputs and outputs."""
@@ -152,7 +156,7 @@ class ReferenceRole(RunnerBase):
         return tensor_bytes(self.torch, (*trial[0], *trial[1]))
 
     def _remember(
-        self, key: tuple[int, int, int | None, float | None], made: _Made, memory: dict[str, int]
+        self, key: tuple[int, int, int | None, float | None], made: Made, memory: dict[str, int]
     ) -> None:
         """Keep what was made for later candidates, within ``made_budget`` bytes, a set
         of at most :data:`CACHED_SET_SHARE` of it, and on a GPU only while the device
@@ -170,7 +174,7 @@ class ReferenceRole(RunnerBase):
         while sum(m.nbytes for m in self.made.values()) > self.made_budget:
             self.made.popitem(last=False)
 
-    def _make(self, seed: int, variant: int | None, scale: float | None) -> _Made:
+    def _make(self, seed: int, variant: int | None, scale: float | None) -> Made:
         """:meth:`_make_inputs`, made again with copies when the reference turns out to
         write to a large input it was called on (the set is a pure function of its
         seed, variant and scale)."""
@@ -223,7 +227,7 @@ class ReferenceRole(RunnerBase):
         variant: int | None,
         scale: float | None = None,
         options: Iterable[tuple[str, list[Any]]] | None = None,
-    ) -> _Made:
+    ) -> Made:
         torch = self.torch
         if scale is not None:  # a hidden input distribution (kf.evaluation.runner.variants)
             return self._scaled_inputs(seed, scale)
@@ -250,20 +254,22 @@ class ReferenceRole(RunnerBase):
                 self.backend.synchronize()
             except BaseException as exc:
                 if variant is None:
-                    raise _Failure(
-                        "task_error", f"Model.forward raised {_describe(exc)}", _tb()
+                    raise RequestFailure(
+                        "task_error",
+                        f"Model.forward raised {describe_exception(exc)}",
+                        traceback_tail(),
                     ) from exc
                 del given, inputs, pristine
                 continue
             break
         else:
-            return _Made(p.InputsMade(missing="the task has no other input shapes kf could derive"))
+            return Made(p.InputsMade(missing="the task has no other input shapes kf could derive"))
         eager_ms = (self.clock_ns() - start) / 1e6
         from kf.evaluation.runner.compare import aliases, compact, fingerprint
 
         if sums and any(fingerprint(torch, pristine[i]) != fp for i, fp in sums):
             raise _WroteItsInputs
-        outs = _flatten(torch, out, "Model.forward", "task_error")
+        outs = flatten_outputs(torch, out, "Model.forward", "task_error")
         del out
         # the reference's own outputs; one that shares storage with what it was given (a
         # view or an in-place op) keeps that copy alive, and none can alias the kept
@@ -291,19 +297,19 @@ class ReferenceRole(RunnerBase):
                 else ""
             ),
         )
-        return _Made(reply, pristine, expected, self._nbytes((pristine, expected)))
+        return Made(reply, pristine, expected, self._nbytes((pristine, expected)))
 
-    def _scaled_inputs(self, seed: int, scale: float) -> _Made:
+    def _scaled_inputs(self, seed: int, scale: float) -> Made:
         """The task's inputs for ``seed`` with floating-point tensors scaled: none when
         there are none, or when the reference rejects them."""
         from kf.evaluation.runner.variants import scale_inputs
 
         raw = scale_inputs(self.torch, self._get_inputs(seed), scale)
         if raw is None:
-            return _Made(p.InputsMade(missing="the task has no floating-point inputs"))
+            return Made(p.InputsMade(missing="the task has no floating-point inputs"))
         made = self._make_inputs(seed, 0, options=[(f"inputs ×{scale:g}", raw)])
         if made.pristine is None:
-            return _Made(p.InputsMade(missing=f"the reference rejects inputs ×{scale:g}"))
+            return Made(p.InputsMade(missing=f"the reference rejects inputs ×{scale:g}"))
         return made
 
     def op_trim(self, msg: p.Trim) -> p.Trimmed:
@@ -349,7 +355,7 @@ class ReferenceRole(RunnerBase):
             return {
                 "ok": False,
                 "kind": "exception",
-                "reason": f"unreadable output: {_describe(exc)}",
+                "reason": f"unreadable output: {describe_exception(exc)}",
             }
         tol = _builtins(msg.tol)
         verdict = compare_outputs(self.torch, expected, got, tol)
@@ -384,8 +390,8 @@ class ReferenceRole(RunnerBase):
         if msg.cache_dir:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = msg.cache_dir
         fn, reply = self._compile_reference(mode)
-        self.compiled[key] = _Compiled(fn, reply)
-        while len(self.compiled) > _MAX_COMPILED:
+        self.compiled[key] = Compiled(fn, reply)
+        while len(self.compiled) > MAX_COMPILED:
             self.compiled.popitem(last=False)
         return reply
 
@@ -406,7 +412,7 @@ class ReferenceRole(RunnerBase):
                 # whatever its cache directory is, so each fresh runner would rebuild them
                 # (about 15 s on 2 cores) even when every kernel is in the cache
                 torch._inductor.config.cpp_cache_precompile_headers = False
-            graphs_before = _dynamo_graphs(torch)
+            graphs_before = dynamo_graphs(torch)
             fn = torch.compile(self.model, **compile_kwargs(mode))
             # each call on the timed inputs as the timed calls get them (_private: a large
             # input the forward does not write is shared; a copy was 6.4 GB more at
@@ -428,7 +434,7 @@ class ReferenceRole(RunnerBase):
                 baseline=described,
                 mode=mode,
                 compile_s=(self.clock_ns() - start) / 1e9,
-                error=f"torch.compile failed: {_describe(exc)}",
+                error=f"torch.compile failed: {describe_exception(exc)}",
             )
         if not verdict["ok"]:
             return None, p.BaselineCompiled(
@@ -438,7 +444,7 @@ class ReferenceRole(RunnerBase):
                 error=f"torch.compile's output fails kf's check against eager: "
                 f"{verdict['kind']}: {verdict['reason']}",
             )
-        graphs = _dynamo_graphs(torch) - graphs_before
+        graphs = dynamo_graphs(torch) - graphs_before
         return fn, p.BaselineCompiled(
             baseline=described, mode=mode, compile_s=compile_s, graphs=graphs
         )
