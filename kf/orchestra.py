@@ -332,8 +332,6 @@ async def run_search(
     worker. With ``join`` it only publishes the run's start to a deployment whose agents
     run elsewhere (``compose.yaml``) and follows the run to its end.
     """
-    from agents.archive import ArchiveAgent
-    from agents.archivist import Archivist
     from agents.mutator import OFFLINE_MUTATOR
 
     # which run (a new one, or the one the log holds: o.resuming) was decided by the
@@ -353,11 +351,8 @@ async def run_search(
         device_ids=[s.device_id for s in slots],
         join=o.join,
     )
-    url, nc = rb.url, rb.follower
-    stop_agents, stop_archivist, ready = asyncio.Event(), asyncio.Event(), asyncio.Event()
     mutator = "llm" if o.llm_url else OFFLINE_MUTATOR
-    llm_hosted, mutator_cls, llm_workers = llm_roles(bool(o.llm_url))
-    where = f"log: {db}" if not o.join else f"joined via {bus.redact(url)}"
+    where = f"log: {db}" if not o.join else f"joined via {bus.redact(rb.url)}"
     print(
         f"kf run {run_id}: {len(tasks)} task(s), budget {o.budget} candidates each, "
         f"seed {o.seed}, device {','.join(o.devices) if len(o.devices) > 1 else o.device}"
@@ -365,38 +360,80 @@ async def run_search(
         file=out,
         flush=True,
     )
-    archivist_task: asyncio.Task[None] | None = None
-    agent_tasks: list[asyncio.Task[None]] = []
-    stop_dashboard: Any = None
+    parts = _Parts()
     try:
         if not o.join:
-            db.parent.mkdir(parents=True, exist_ok=True)
-            arch = Archivist(
-                AgentContext(
-                    run_id=run_id,
-                    agent_id=make_agent_id("archivist"),
-                    options={"heartbeat_timeout_s": o.heartbeat_timeout_s},
-                ),
-                db=db,
-                hosted=[ArchiveAgent, *llm_hosted],
-                nc=rb.archivist,
-            )
-            archivist_task = asyncio.create_task(
-                supervise(lambda: arch, stop_archivist, ready, name="archivist"), name="archivist"
-            )
-            await _first(ready.wait(), [archivist_task, *rb.watched()])
+            await parts.start_archivist(rb, run_id, db, o)
         await _record_start(rb.proposer, run_id, tasks, o, mutator)
-        if not o.join:
-            agent_tasks.append(
-                asyncio.create_task(
-                    supervise(
-                        _runner_factory(mutator_cls, run_id, rb.proposer, {}),
-                        stop_agents,
-                        name="mutator",
-                    ),
-                    name="the mutator",
-                )
+        parts.start_agents(rb, run_id, o, slots, worker_types)
+        if o.serve is not None and db.exists():
+            from kf.dashboard import start_dashboard
+
+            url_, parts.stop_dashboard = await start_dashboard(db, host=o.serve[0], port=o.serve[1])
+            print(
+                f"  dashboard: {url_} (while the run lasts; then: kf serve {db})",
+                file=out,
+                flush=True,
             )
+        progress = Progress(out=out, total_budget=o.budget * max(1, len(tasks)))
+        await _first(_follow(rb.follower, run_id, progress), parts.watched(rb, o))
+        if await parts.drain():
+            # what the agents said while draining (agent.stopped, device.left) is committed
+            # now; keep the caller's copy of the log complete
+            with EventLog(db, readonly=True) as elog:
+                progress.seen = list(elog.read())
+    finally:
+        await parts.stop()
+        await rb.close()
+    return run_id, progress.seen
+
+
+@dataclass
+class _Parts:
+    """The tasks of a run's local parts (the archivist; the mutator and the workers'
+    agents), and how they end: drained after the run, stopped on the way out."""
+
+    agents: list[asyncio.Task[None]] = field(default_factory=list)
+    archivist: asyncio.Task[None] | None = None
+    stop_agents: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_archivist: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_dashboard: Any = None
+
+    async def start_archivist(self, rb: RunBus, run_id: str, db: Path, o: RunOptions) -> None:
+        """The archivist on ``db``, hosting the archive (and the prompt evolver with an
+        LLM); returns once it serves."""
+        from agents.archive import ArchiveAgent
+        from agents.archivist import Archivist
+
+        db.parent.mkdir(parents=True, exist_ok=True)
+        ctx = AgentContext(
+            run_id=run_id,
+            agent_id=make_agent_id("archivist"),
+            options={"heartbeat_timeout_s": o.heartbeat_timeout_s},
+        )
+        hosted = [ArchiveAgent, *llm_roles(bool(o.llm_url))[0]]
+        arch = Archivist(ctx, db=db, hosted=hosted, nc=rb.archivist)
+        ready = asyncio.Event()
+        self.archivist = asyncio.create_task(
+            supervise(lambda: arch, self.stop_archivist, ready, name="archivist"),
+            name="archivist",
+        )
+        await _first(ready.wait(), [self.archivist, *rb.watched()])
+
+    def start_agents(
+        self,
+        rb: RunBus,
+        run_id: str,
+        o: RunOptions,
+        slots: list[DeviceSlot],
+        worker_types: list[type[Agent[Any]]],
+    ) -> None:
+        """The mutator (unless joined) and, for each local device, its worker agents and
+        tool server."""
+        _, mutator_cls, llm_workers = llm_roles(bool(o.llm_url))
+        if not o.join:
+            factory = _runner_factory(mutator_cls, run_id, rb.proposer, {})
+            self._spawn(supervise(factory, self.stop_agents, name="mutator"), "the mutator")
         for i, slot in enumerate(slots):
             opt = {
                 "device": slot.device,
@@ -408,62 +445,50 @@ async def run_search(
             }
             # the LLM-side worker agents (the tuner) serve the first device only
             for cls in [*worker_types, *(llm_workers if i == 0 else [])]:
-                worker_nc = rb.workers[slot.device_id]
-                agent_tasks.append(
-                    asyncio.create_task(
-                        supervise(
-                            _runner_factory(cls, run_id, worker_nc, opt),
-                            stop_agents,
-                            name=f"{cls.kind}@{slot.device_id}",
-                        ),
-                        name=f"the {cls.kind} of {slot.device_id}",
-                    )
+                factory = _runner_factory(cls, run_id, rb.workers[slot.device_id], opt)
+                name = f"{cls.kind}@{slot.device_id}"
+                self._spawn(
+                    supervise(factory, self.stop_agents, name=name),
+                    f"the {cls.kind} of {slot.device_id}",
                 )
-            agent_tasks.append(
-                asyncio.create_task(
-                    _tool_server(rb.worker, run_id, opt).run(stop_agents),
-                    name=f"the tool server of {slot.device_id}",
-                )
-            )
-        if o.serve is not None and db.exists():
-            from kf.dashboard import start_dashboard
+            server = _tool_server(rb.worker, run_id, opt)
+            self._spawn(server.run(self.stop_agents), f"the tool server of {slot.device_id}")
 
-            url_, stop_dashboard = await start_dashboard(db, host=o.serve[0], port=o.serve[1])
-            print(
-                f"  dashboard: {url_} (while the run lasts; then: kf serve {db})",
-                file=out,
-                flush=True,
-            )
-        progress = Progress(out=out, total_budget=o.budget * max(1, len(tasks)))
-        watch = [*agent_tasks, *([archivist_task] if archivist_task else []), *rb.watched()]
+    def _spawn(self, work: Any, name: str) -> None:
+        self.agents.append(asyncio.create_task(work, name=name))
+
+    def watched(self, rb: RunBus, o: RunOptions) -> list[asyncio.Task[None]]:
+        """The tasks whose end before the run's means a part died (kf.orchestra._first)."""
+        watch = [*self.agents, *([self.archivist] if self.archivist else []), *rb.watched()]
         if rb.server is None:  # a server kf did not start: a bounded wait for it
             clients = list({id(c): c for c in (rb.proposer, rb.archivist, *rb.workers.values())
                             if c is not None}.values())  # fmt: skip
             watch.append(
-                asyncio.create_task(watch_bus(clients, o.bus_timeout_s, url), name="the bus")
+                asyncio.create_task(watch_bus(clients, o.bus_timeout_s, rb.url), name="the bus")
             )
-        await _first(_follow(nc, run_id, progress), watch)
-        # agents drain (flushing what they produced) before the archivist stops
-        stop_agents.set()
-        await asyncio.gather(*agent_tasks)
-        stop_archivist.set()
-        if archivist_task is not None:
-            await archivist_task
-            # what the agents said while draining (agent.stopped, device.left) is committed
-            # now; keep the caller's copy of the log complete
-            with EventLog(db, readonly=True) as elog:
-                progress.seen = list(elog.read())
-    finally:
-        if stop_dashboard is not None:
-            await stop_dashboard()
-        stop_agents.set()
-        # agents first, all at once: each records what it cut short (agent.stopped)
-        # while the archivist still commits; then the archivist
-        await stop_tasks(agent_tasks)
-        stop_archivist.set()
-        await stop_tasks([archivist_task] if archivist_task else [])
-        await rb.close()
-    return run_id, progress.seen
+        return watch
+
+    async def drain(self) -> bool:
+        """After the run: the agents drain (flushing what they produced), then the
+        archivist stops; whether this process had one."""
+        self.stop_agents.set()
+        await asyncio.gather(*self.agents)
+        self.stop_archivist.set()
+        if self.archivist is None:
+            return False
+        await self.archivist
+        return True
+
+    async def stop(self) -> None:
+        """On the way out, however the run ended: the dashboard, then the agents all at
+        once (each records what it cut short, agent.stopped, while the archivist still
+        commits), then the archivist."""
+        if self.stop_dashboard is not None:
+            await self.stop_dashboard()
+        self.stop_agents.set()
+        await stop_tasks(self.agents)
+        self.stop_archivist.set()
+        await stop_tasks([self.archivist] if self.archivist else [])
 
 
 async def stop_tasks(tasks: list[asyncio.Task[None]], timeout_s: float = 5.0) -> None:
