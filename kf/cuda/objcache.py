@@ -87,7 +87,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from kf.cuda import pch
-from kf.cuda.inline import cache_root
 from kf.settings import current
 
 __all__ = [
@@ -263,7 +262,7 @@ def enabled() -> bool:
 
 def objects_dir() -> Path:
     """``$KF_CACHE_DIR/objects`` or ``~/.cache/kf/objects``."""
-    path = cache_root() / "objects"
+    path = current().cache_dir / "objects"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
