@@ -78,8 +78,7 @@ def build_report(db: str | Path, *, ignore_integrity: bool = False) -> dict[str,
 
 def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
     """The JSON report from committed envelopes (a log file, or a run followed over NATS)."""
-    from agents.archive import CELLS_PER_ISLAND, best_candidate
-    from agents.archive_tuning import summary as tuning_summary
+    from agents.archive import CELLS_PER_ISLAND
 
     state = fold_envelopes(envelopes)
     devices = sorted(
@@ -97,59 +96,14 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
     profiles = _profiles(envelopes)
     audits = _audits(envelopes)
     filled = 0
-    for name, t in state.tasks.items():
-        best = best_candidate(state, name)
-        filled += len(t.elites)
-        entry: dict[str, Any] = {
-            "task": name,
-            "candidates": t.proposed,
-            "compiled": t.compiled,
-            "correct": t.correct,
-            "profiled": t.profiled,
-            "failed": t.failed,
-            "best_speedup": best.speedup if best else None,
-            "best_candidate_id": best.id if best else None,
-            "best_config": best.config if best else None,
-            "best_cell": list(best.cell) if best and best.cell else None,
-            "ref_ms": best.ref_ms if best else None,
-            "best_ms": best.runtime_ms if best else None,
-            "best_std_ms": best.runtime_std_ms if best else None,
-            "archive_cells_filled": len(t.elites),
-            "skipped": t.skipped,
-            "best_flags": list(best.flags) if best else [],
-            # candidates kept out of the best list, with the reason
-            "suspect": [
-                {"candidate_id": c.id, "flags": list(c.flags)}
-                for c in state.candidates.values()
-                if c.task == name and c.suspect
-            ],
-            "failures": _failures(state, name),
-            "tuning": tuning_summary(state, name),
-            "tuned_candidates": sum(
-                1 for c in state.candidates.values() if c.task == name and c.operator == "tune"
-            ),
-            "generalisation_failed": [
-                {"candidate_id": c.id, "reason": c.generalisation}
-                for c in state.candidates.values()
-                if c.task == name and c.generalisation is not None
-            ],
-        }
-        entry.update(_baseline_entry(profiles, name, best.id if best else None))
-        audit = audits.get(name)
-        # a degenerate task (outputs independent of inputs): its speed-ups mean nothing
-        entry["degenerate"] = bool(audit is not None and audit.degenerate)
-        entry["audit"] = None if audit is None else msgspec.to_builtins(audit)
-        if entry["degenerate"] and best is not None:
-            entry["best_flags"] = [
-                *entry["best_flags"],
-                f"degenerate_task: the task's outputs do not depend on its inputs, so this "
-                f"speed-up means nothing ({audit.reason})",  # type: ignore[union-attr]
-            ]
+    for name in state.tasks:
+        entry = _task_entry(state, name, profiles, audits)
+        filled += entry["archive_cells_filled"]
         tasks.append(entry)
-        if best is not None and best.speedup is not None:
-            speedups[name] = best.speedup
+        if entry["best_speedup"] is not None:
+            speedups[name] = entry["best_speedup"]
             better = entry["best_speedup_vs_best"]
-            vs_best[name] = better if better is not None else best.speedup
+            vs_best[name] = better if better is not None else entry["best_speedup"]
     total_cells = len(state.tasks) * state.config.islands * CELLS_PER_ISLAND
     # the search's mutators (tuned candidates are counted per task, as tuned_candidates)
     mutators = sorted({c.mutator for c in state.candidates.values() if c.operator != "tune"})
@@ -192,6 +146,64 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
         # one row per task in KernelBench's terms, and scores per level (kf.kernelbench)
         "kernelbench": kernelbench_section(tasks, envelopes),
     }
+
+
+def _task_entry(
+    state: ArchiveState, name: str, profiles: dict[str, list[Any]], audits: dict[str, Any]
+) -> dict[str, Any]:
+    """One task's part of the report: its counts, its best kernel and how it compares
+    (eager, torch.compile, the better), what kept candidates out, tuning, the audit."""
+    from agents.archive import best_candidate
+    from agents.archive_tuning import summary as tuning_summary
+
+    t = state.tasks[name]
+    best = best_candidate(state, name)
+    entry: dict[str, Any] = {
+        "task": name,
+        "candidates": t.proposed,
+        "compiled": t.compiled,
+        "correct": t.correct,
+        "profiled": t.profiled,
+        "failed": t.failed,
+        "best_speedup": best.speedup if best else None,
+        "best_candidate_id": best.id if best else None,
+        "best_config": best.config if best else None,
+        "best_cell": list(best.cell) if best and best.cell else None,
+        "ref_ms": best.ref_ms if best else None,
+        "best_ms": best.runtime_ms if best else None,
+        "best_std_ms": best.runtime_std_ms if best else None,
+        "archive_cells_filled": len(t.elites),
+        "skipped": t.skipped,
+        "best_flags": list(best.flags) if best else [],
+        # candidates kept out of the best list, with the reason
+        "suspect": [
+            {"candidate_id": c.id, "flags": list(c.flags)}
+            for c in state.candidates.values()
+            if c.task == name and c.suspect
+        ],
+        "failures": _failures(state, name),
+        "tuning": tuning_summary(state, name),
+        "tuned_candidates": sum(
+            1 for c in state.candidates.values() if c.task == name and c.operator == "tune"
+        ),
+        "generalisation_failed": [
+            {"candidate_id": c.id, "reason": c.generalisation}
+            for c in state.candidates.values()
+            if c.task == name and c.generalisation is not None
+        ],
+    }
+    entry.update(_baseline_entry(profiles, name, best.id if best else None))
+    audit = audits.get(name)
+    # a degenerate task (outputs independent of inputs): its speed-ups mean nothing
+    entry["degenerate"] = bool(audit is not None and audit.degenerate)
+    entry["audit"] = None if audit is None else msgspec.to_builtins(audit)
+    if entry["degenerate"] and best is not None:
+        entry["best_flags"] = [
+            *entry["best_flags"],
+            f"degenerate_task: the task's outputs do not depend on its inputs, so this "
+            f"speed-up means nothing ({audit.reason})",  # type: ignore[union-attr]
+        ]
+    return entry
 
 
 def task_checks(envelopes: Iterable[Envelope]) -> list[dict[str, Any]]:
@@ -367,9 +379,9 @@ def _degenerate_lines(report: dict[str, Any]) -> list[str]:
     ]
 
 
-def format_table(report: dict[str, Any]) -> str:
-    """A plain-text table of the report."""
-    rows = [
+def _table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The table's header and one row per task."""
+    rows: list[tuple[str, ...]] = [
         (
             "task",
             "cands",
@@ -404,6 +416,11 @@ def format_table(report: dict[str, Any]) -> str:
                 (t["best_candidate_id"] or t["skipped"] or "—")[:40],
             )
         )
+    return rows
+
+
+def _task_notes(report: dict[str, Any]) -> list[str]:
+    """The lines under the table that say what to know about each task's results."""
     notes: list[str] = []
     for t in report["tasks"]:
         if t.get("degenerate"):
@@ -424,6 +441,13 @@ def format_table(report: dict[str, Any]) -> str:
             for g in t.get("generalisation_failed", [])
         ]
         notes += [_tuning_line(t["task"], s) for s in t.get("tuning", [])]
+    return notes
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A plain-text table of the report."""
+    rows = _table_rows(report)
+    notes = _task_notes(report)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
