@@ -186,8 +186,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     """Run one registered agent (entry-point group ``kf.agents``) against a run."""
     from kf.agent import AgentLoadError
 
-    code, _ = _guarded("agent", args, _agent_main(args), usage=(AgentLoadError, ValueError))
-    return code
+    code, result = _guarded("agent", args, _agent_main(args), usage=(AgentLoadError, ValueError))
+    return code if result is None else result  # _agent_main's own code (2 when refused)
 
 
 # -- kf replay -----------------------------------------------------------------------------
