@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import shutil
 import subprocess
 from pathlib import Path
 
+from kf.app import RunRequest, run
 from kf.events import decode_event
 from kf.log import EventLog
 from tests.harness import run_kf
@@ -26,8 +28,10 @@ def test_run_rerun_with_other_settings_is_refused_unless_resume(tmp_path: Path) 
     # no tuning (--tune-budget 0 in every command, so it is no difference): the settings
     # compared are the point, not the tuner's minute of timings after the search
     # one candidate is enough: the refusal compares settings, and resume reads them back
-    first = kf("run", task, "--budget", "1", "--db", str(db), "--tune-budget", "0")
-    assert first.returncode == 0, first.stderr[-3000:]
+    # the first run from Python (kf.app, no argparse); the command lines below resume its log
+    first = run(RunRequest(tasks=Path(task), budget=1, db=db, tune_budget=0), out=io.StringIO())
+    assert first.db == db and first.report["tasks"][0]["candidates"] == 1
+    assert first.unrunnable is None and first.report["finished"]
     again = kf("run", task, "--budget", "5", "--seed", "4", "--db", str(db), "--tune-budget", "0")
     assert again.returncode == 2
     message = again.stderr.strip().splitlines()[-1]
