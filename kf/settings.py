@@ -132,6 +132,13 @@ class Settings:
         return "all" if value in ("all", "1", "on") else "cuda"
 
     @property
+    def torchfree(self) -> bool:
+        """``KF_TORCHFREE``: ``load_inline``'s ``cuda_sources`` that name nothing of torch
+        are first compiled without the ``#include <torch/types.h>`` PyTorch puts in front
+        (:mod:`kf.cuda.torchfree`; default on, ``0``: off)."""
+        return self._text("KF_TORCHFREE", "1").strip().lower() not in OFF
+
+    @property
     def pch_dir(self) -> str | None:
         """``KF_PCH_DIR``: where a build box looks for the precompiled header (set by the
         grader's build box, :mod:`kf.evaluation.grader.builds`)."""

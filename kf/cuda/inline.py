@@ -32,12 +32,15 @@ import re
 import shlex
 import shutil
 import sys
+import tempfile
 import time
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kf.cuda import torchfree
 from kf.settings import current
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "load_inline",
     "pch_key",
     "pch_wanted",
+    "pytorch_load_inline",
     "uninstall",
 ]
 
@@ -76,7 +80,11 @@ remote_builder: Callable[[dict[str, Any], dict[str, Any]], str] | None = None
 
 
 class BuildRecord(dict[str, Any]):
-    """What one ``load_inline`` call did: ``name``, ``key``, ``cached``, ``seconds``."""
+    """What one ``load_inline`` call did: ``name``, ``key``, ``cached``, ``seconds``,
+    ``torch_in_cuda`` and ``cuda_prelude``: how its ``cuda.cu`` was built, ``torch``
+    (PyTorch's way, with ``#include <torch/types.h>``), ``none`` (without it,
+    :mod:`kf.cuda.torchfree`), ``torch-fallback`` (PyTorch's way after the build without
+    it failed) or ``""`` (no CUDA sources)."""
 
 
 _BUILDS: list[BuildRecord] = []
@@ -125,9 +133,18 @@ def _jsonable(value: Any) -> Any:
 
 
 def cache_key(arguments: dict[str, Any], environment: dict[str, Any]) -> str:
-    """The build's content address: every argument that shapes the build, and the toolchain."""
+    """The build's content address: every argument that shapes the build, the toolchain,
+    and whether its CUDA sources are first built without the torch include
+    (:mod:`kf.cuda.torchfree`; such a build and PyTorch's own never share a key)."""
     material = {k: v for k, v in arguments.items() if k not in _IGNORED}
+    if torchfree.wanted(arguments, pytorch_load_inline()):
+        material[_TORCHFREE_KEY] = torchfree.PLACEHOLDER
     return _digest(material, environment)
+
+
+#: in the key's material of a build that tries :mod:`kf.cuda.torchfree` first (not an
+#: argument name PyTorch uses)
+_TORCHFREE_KEY = "kf:torchfree"
 
 
 def _digest(material: dict[str, Any], environment: dict[str, Any]) -> str:
@@ -272,12 +289,17 @@ def _forget_version(module_name: str) -> None:
         entries.pop(module_name, None)
 
 
+def pytorch_load_inline() -> Callable[..., Any]:
+    """PyTorch's own ``load_inline`` (also while :func:`install` has put kf's in its place)."""
+    import torch.utils.cpp_extension as ext
+
+    return _original or ext.load_inline
+
+
 def bound_arguments(*args: Any, **kwargs: Any) -> dict[str, Any]:
     """A ``load_inline`` call's arguments by name, PyTorch's defaults filled in (what the
     keys are computed from); raises ``TypeError`` for arguments it does not take."""
-    import torch.utils.cpp_extension as ext
-
-    bound = inspect.signature(_original or ext.load_inline).bind(*args, **kwargs)
+    bound = inspect.signature(pytorch_load_inline()).bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
 
@@ -285,6 +307,92 @@ def bound_arguments(*args: Any, **kwargs: Any) -> dict[str, Any]:
 def build_material(arguments: dict[str, Any]) -> dict[str, Any]:
     """What of bound ``arguments`` shapes the build, as plain data (sent to the grader)."""
     return dict(_jsonable({k: v for k, v in arguments.items() if k not in _IGNORED}))
+
+
+#: written into each build's folder: how its ``cuda.cu`` was built (``cuda_prelude``)
+_META = "kf-build.json"
+
+#: the build report's words for how ``cuda.cu`` was built (read by the model)
+_PRELUDE_NOTES = {
+    "none": " (cuda.cu without PyTorch's #include <torch/types.h>)",
+    "torch-fallback": (
+        " (cuda.cu with PyTorch's #include <torch/types.h>: it did not build without it)"
+    ),
+}
+
+
+def _prelude_of(folder: Path, arguments: dict[str, Any]) -> str:
+    """How the build in ``folder`` compiled its ``cuda.cu`` (its :data:`_META`); builds
+    from before kf recorded it were PyTorch's."""
+    try:
+        value = json.loads((folder / _META).read_text()).get("cuda_prelude")
+    except (OSError, ValueError, AttributeError):
+        value = None
+    if isinstance(value, str):
+        return value
+    return "torch" if _given(arguments.get("cuda_sources")) else ""
+
+
+def _build(original: Callable[..., Any], arguments: dict[str, Any], module_name: str) -> str:
+    """Build with PyTorch's ``load_inline`` into ``arguments``' build folder, first without
+    the torch include where :func:`kf.cuda.torchfree.wanted`; how ``cuda.cu`` was built.
+
+    The attempt is quiet (``verbose=False``, its warnings and object-cache verdicts held
+    back) and, if it fails in any way, forgotten: the standard build then runs in the same
+    folder (ninja reuses the identical ``main.o``) and what it raises is what the caller
+    sees. Its verdicts and warnings are given out only when it succeeded.
+    """
+    if not torchfree.wanted(arguments, original):
+        original(**arguments)  # builds and imports from the work folder
+        return "torch" if _given(arguments.get("cuda_sources")) else ""
+    fd, held = tempfile.mkstemp(prefix="kf-torchfree-", suffix=".log")
+    os.close(fd)
+    ok = False
+    with _verdicts_to(held), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with contextlib.suppress(Exception):
+            original(**torchfree.arguments({**arguments, "verbose": False}))
+            ok = True
+    try:
+        verdicts = Path(held).read_text(errors="replace")
+    finally:
+        os.unlink(held)
+    if not ok:
+        _forget_version(module_name)
+        sys.modules.pop(module_name, None)
+        original(**arguments)
+        return "torch-fallback"
+    _replay(verdicts, bool(arguments.get("verbose")))
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return "none"
+
+
+@contextlib.contextmanager
+def _verdicts_to(path: str) -> Iterator[None]:
+    """The object cache's verdict lines (``$KF_OBJCACHE_LOG``) go to ``path`` meanwhile."""
+    saved = os.environ.get("KF_OBJCACHE_LOG")
+    os.environ["KF_OBJCACHE_LOG"] = path
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("KF_OBJCACHE_LOG", None)
+        else:
+            os.environ["KF_OBJCACHE_LOG"] = saved
+
+
+def _replay(verdicts: str, verbose: bool) -> None:
+    """Give the held verdicts where they would have gone: the log, and stderr if verbose."""
+    if not verdicts:
+        return
+    target = current().objcache_log
+    if target:
+        with contextlib.suppress(OSError), open(target, "a") as log:
+            log.write(verdicts)
+    if verbose:
+        sys.stderr.write(verdicts)
+        sys.stderr.flush()
 
 
 def load_inline(*args: Any, **kwargs: Any) -> Any:
@@ -326,8 +434,9 @@ def load_inline(*args: Any, **kwargs: Any) -> Any:
                 _forget_version(module_name)
                 pch = pch_key(arguments, environment) if pch_wanted(arguments) else None
                 with _object_cache(pch):
-                    original(**arguments)  # builds and imports from the work folder
+                    prelude = _build(original, arguments, module_name)
                 sys.modules.pop(module_name, None)
+                (work / _META).write_text(json.dumps({"cuda_prelude": prelude}))
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(work, final)
     module = _import(module_name, library, key)
@@ -337,12 +446,14 @@ def load_inline(*args: Any, **kwargs: Any) -> Any:
         cached=cached,
         seconds=time.perf_counter() - start,
         torch_in_cuda=torch_in_cuda_sources(arguments.get("cuda_sources")),
+        cuda_prelude=_prelude_of(library.parent, arguments),
     )
     _BUILDS.append(record)
     if current().cuda_report:
         how = "cache hit" if cached else "built"
         print(
-            f"kf.cuda.inline: {record['name']} {key[:12]} {how} in {record['seconds']:.2f}s",
+            f"kf.cuda.inline: {record['name']} {key[:12]} {how} in {record['seconds']:.2f}s"
+            + _PRELUDE_NOTES.get(record["cuda_prelude"], ""),
             flush=True,
         )
         if record["torch_in_cuda"] and not cached:

@@ -37,6 +37,7 @@ from typing import Any
 
 from kf.capture import run_capped
 from kf.evaluation.grader import box
+from kf.settings import current
 
 __all__ = [
     "MAX_BUILDS_PER_RUNNER",
@@ -302,6 +303,8 @@ def _build_inline(
         **({"TORCH_CUDA_ARCH_LIST": arch} if arch is not None else {}),
         "CXX": os.environ.get("CXX", "c++"),
         "KF_CACHE_SHARED": "",
+        # the key computed here has the grader's choice (kf.cuda.torchfree): so must the box's
+        "KF_TORCHFREE": "1" if current().torchfree else "0",
         **pch_env,
     }
     prefix = box.command(

@@ -130,8 +130,13 @@ def start(
             python=python,
             scratch=scratch,
             log_path=log_path,
-            # kf.native builds go through the grader (kf.evaluation.grader.builds)
-            env=box.environment(env, scratch, {"KF_BUILD_SERVICE": "1"}),
+            # kf.native builds go through the grader (kf.evaluation.grader.builds), which
+            # keys load_inline builds with its own KF_TORCHFREE: the runner must agree
+            env=box.environment(
+                env,
+                scratch,
+                {"KF_BUILD_SERVICE": "1", "KF_TORCHFREE": "1" if current().torchfree else "0"},
+            ),
             ro_paths=ro_paths,
             rw_paths=rw_paths,
         )
