@@ -212,6 +212,35 @@ class Settings:
         return tuple(Path(p) for p in self._text("KF_SANDBOX_RO_PATHS").split(":") if p)
 
     @property
+    def box_cgroup(self) -> bool:
+        """``KF_BOX_CGROUP``: a box's processes bounded by a ``pids`` cgroup of its own where
+        kf may make one (default on; ``0``: never, as where ``/sys/fs/cgroup`` is read-only)."""
+        return self._text("KF_BOX_CGROUP", "1").strip().lower() not in OFF
+
+    @property
+    def box_uids(self) -> tuple[int, int]:
+        """``KF_BOX_UIDS``: ``FIRST-LAST``, the host uids (and gids, the same numbers) a box's
+        processes run as, one per box in turn, where kf runs as root without a ``pids``
+        cgroup (default ``2100000000-2100065535``, which no account uses)."""
+        raw = self._text("KF_BOX_UIDS", "2100000000-2100065535").strip()
+        first, sep, last = raw.partition("-")
+        try:
+            lo, hi = int(first), int(last if sep else first)
+        except ValueError as exc:
+            raise SettingError(f"$KF_BOX_UIDS={raw!r} is not FIRST-LAST (whole numbers)") from exc
+        if not 0 < lo <= hi < 2**32 - 1:
+            raise SettingError(f"$KF_BOX_UIDS={raw!r}: expected 0 < FIRST <= LAST < 4294967295")
+        return lo, hi
+
+    @property
+    def runner_message_mb(self) -> int | None:
+        """``KF_RUNNER_MESSAGE_MB``: the largest message the grader reads from a runner's
+        socket, MiB (default: 1024; where tensors travel as bytes, a quarter of the host's
+        memory): :mod:`kf.evaluation.grader.runner_handle`."""
+        mb = self._number("KF_RUNNER_MESSAGE_MB", "a whole number of MiB")
+        return None if mb is None else max(1, mb)
+
+    @property
     def eval_netns(self) -> bool:
         """``KF_EVAL_NETNS``: unboxed runners in a fresh network namespace (default on; ``0``)."""
         return self._text("KF_EVAL_NETNS", "1") != "0"

@@ -200,14 +200,46 @@ def _no_connection(sock: socket.socket) -> bool:
     return False
 
 
+#: how a box's processes are bounded: this machine's way (a pids cgroup where kf may make
+#: one), and the uid mode, forced with KF_BOX_CGROUP=0 (root without a writable pids cgroup,
+#: as on the H200: each box as a host uid of its own, under RLIMIT_NPROC)
+LIMITS = [
+    pytest.param({}, id="default"),
+    pytest.param(
+        {"KF_BOX_CGROUP": "0"},
+        id="uid-mode",
+        marks=pytest.mark.skipif(os.geteuid() != 0, reason="the uid mode is for root"),
+    ),
+]
+
+
+def _limit_mode(extra: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> str:
+    """The process limit the grader's boxes get with ``extra`` set (the uid mode asked for
+    must be the one in force: on this machine root has a cgroup, so it is forced)."""
+    for name, value in extra.items():
+        monkeypatch.setenv(name, value)
+    limit = box.process_limit()
+    if extra:
+        assert limit == "uid", box.process_limit_note()
+    return limit
+
+
 @needs_box
+@pytest.mark.parametrize("limits", LIMITS)
 def test_box_hostile_candidate_finds_nothing_to_take(
-    tmp_path: Path, listener: socket.socket, cleanup: None
+    tmp_path: Path,
+    listener: socket.socket,
+    cleanup: None,
+    limits: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A candidate in the box runs as uid 65534 and sees no secret, home, log, repository,
-    network or disk outside its size-limited scratch folder."""
+    """A candidate in the box runs as uid 65534 (in the uid mode: a host uid of its box's
+    own) and sees no secret, home, log, repository, network or disk outside its
+    size-limited scratch folder; its fork bomb stops at the box's process limit."""
+    limit = _limit_mode(limits, monkeypatch)
     port = listener.getsockname()[1]
     env, readable, secret = _user_folders(tmp_path)
+    env.update(limits)
     candidate = _candidate(
         tmp_path,
         report=True,
@@ -225,7 +257,11 @@ def test_box_hostile_candidate_finds_nothing_to_take(
     assert report is not None, log[-3000:]
     found = json.loads(report.group(1))
 
-    assert (found["uid"], found["gid"]) == (box.BOX_UID, box.BOX_UID)
+    if limit == "uid":  # a host uid of the box's own, no account's
+        first, last = box.box_uids()
+        assert first <= found["uid"] == found["gid"] <= last, found
+    else:
+        assert (found["uid"], found["gid"]) == (box.BOX_UID, box.BOX_UID)
     assert found["env_secrets"] == {}
     assert not set(found["env_names"]) & set(SECRETS)
     assert found["proc_secrets"] == []
@@ -263,7 +299,7 @@ def test_box_hostile_candidate_finds_nothing_to_take(
     assert found["env_paths"]["LD_LIBRARY_PATH"] == str(tmp_path / "libs")
     # a fork bomb stops at the box's own process limit (threads count too), where this
     # machine gives kf a way to set one (docs/sandbox.md, "Processes")
-    if box.process_limit() != "none":
+    if limit != "none":
         assert 0 < found["forks"]["forked"] < PIDS, found["forks"]
         assert "Resource temporarily unavailable" in found["forks"]["error"]
     # a build flag that runs a program is refused before any compiler starts
@@ -300,13 +336,18 @@ def test_box_hostile_candidate_leaves_nothing_behind_after_every_stage(
 
 
 @needs_box
-def test_box_honest_native_candidate_is_built_by_the_grader(tmp_path: Path) -> None:
+@pytest.mark.parametrize("limits", LIMITS)
+def test_box_honest_native_candidate_is_built_by_the_grader(
+    tmp_path: Path, limits: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An honest C++ candidate passes in the box; its library was built by the grader, in
-    a build box, into the shared cache under the key the grader computed."""
+    a build box, into the shared cache under the key the grader computed (in the uid mode
+    too: the compiler's processes under the limit, the build folder the box's to write)."""
     from kf import native
 
+    _limit_mode(limits, monkeypatch)
     cache = tmp_path / "cache"
-    env = _grader_env(tmp_path, KF_CACHE_DIR=str(cache))
+    env = _grader_env(tmp_path, KF_CACHE_DIR=str(cache), KF_SANDBOX_PIDS=str(PIDS), **limits)
     proc = _kf_eval(tmp_path, ADVERSARIAL / "honest_cpp.py", env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)

@@ -28,6 +28,7 @@ Debian package with ``dpkg -x``); otherwise ``bwrap`` is looked up on ``PATH``.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -47,12 +48,21 @@ from kf.evaluation.grader.box_binds import (
     system_binds,
 )
 from kf.evaluation.grader.box_limits import (
+    BOX_UID,
+    PROBE_PIDS,
+    UID_MODE_OPTIONS,
     SandboxUnavailable,
+    box_uids,
+    give_to,
     in_cgroup,
     limited,
+    next_uid,
+    open_parents,
+    open_perms,
     pids_limit,
-    process_limit,
+    probe_findings,
     sweep_cgroups,
+    wanted_limit,
 )
 from kf.settings import SettingError, current
 
@@ -62,6 +72,7 @@ __all__ = [
     "MODE_UNSAFE",
     "UNSANDBOXED_FLAG",
     "SandboxUnavailable",
+    "box_uids",
     "bwrap_path",
     "command",
     "environment",
@@ -70,13 +81,15 @@ __all__ = [
     "pids_limit",
     "probe",
     "process_limit",
+    "process_limit_note",
     "require",
     "reset",
     "sweep_cgroups",
+    "uid_mode_problem",
     "unsafe_requested",
+    "wanted_limit",
 ]
 
-BOX_UID = 65534
 MODE_BWRAP = "bwrap"
 MODE_UNSAFE = "unsafe-no-sandbox"
 #: The flag every stage report of an unsandboxed evaluation carries.
@@ -147,8 +160,9 @@ ALLOWED_ENV = frozenset(
 # Never passed, whatever an allow-list says (``$KF_SANDBOX_ENV`` included).
 _SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "API_KEY", "NKEY")
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # probe() may probe the uid mode first
 _probed: dict[str, str | None] = {}
+_uid_probed: dict[str, str | None] = {}
 
 
 def unsafe_requested() -> bool:
@@ -221,94 +235,137 @@ def command(
     ro_paths: Sequence[str] = (),
     rw_paths: Sequence[str] = (),
     bwrap: str | None = None,
+    run: Sequence[str] | None = None,
+    limit: str | None = None,
+    pids: int | None = None,
 ) -> list[str]:
-    """bwrap's argv up to ``--``, for a runner whose scratch folder is ``scratch`` (its
-    host-side folder, holding ``log_path``, the runner's output, which stays writable
-    in the box; none for a build box) and whose environment is ``env``; ``ro_paths``
-    and ``rw_paths`` are bound in besides (a tool such as ncu, its output folder)."""
+    """bwrap's argv for a runner whose scratch folder is ``scratch`` (its host-side folder,
+    holding ``log_path``, the runner's output, which stays writable in the box; none for a
+    build box) and whose environment is ``env``; ``ro_paths`` and ``rw_paths`` are bound in
+    besides (a tool such as ncu, its output folder).
+
+    With ``run``, the whole command line, ``run`` inside the box under its process limit
+    (``limit``, :func:`process_limit`'s by default; ``pids`` processes, :func:`pids_limit`'s
+    by default): in the uid mode the box has no user namespace and ``run`` starts as a host
+    uid of the box's own (:func:`kf.evaluation.grader.box_limits.next_uid`), to which the
+    log and ``rw_paths`` are given. Without ``run``, bwrap's options up to ``--``, for a
+    box in a user namespace of its own (the caller adds ``--`` and its command)."""
     exe = bwrap or bwrap_path()
     if exe is None:
         raise SandboxUnavailable("bubblewrap (bwrap) is not installed")
-    args = [
-        *in_cgroup(),
-        exe,
-        "--unshare-all",
-        "--die-with-parent",
-        "--new-session",
-        "--uid",
-        str(BOX_UID),
-        "--gid",
-        str(BOX_UID),
-        "--hostname",
-        "kf-box",
-        "--clearenv",
-    ]
+    mode = (limit or process_limit()) if run is not None else None
+    uid = next_uid() if mode == "uid" else None
+    if uid is None:
+        head = ["--unshare-all", "--uid", str(BOX_UID), "--gid", str(BOX_UID)]
+    else:
+        head = list(UID_MODE_OPTIONS)
+    args = [*in_cgroup(), exe, *head, "--die-with-parent", "--new-session", "--hostname"]
+    args += ["kf-box", "--clearenv"]
     for key, value in sorted(env.items()):
         args += ["--setenv", key, value]
     system_binds(args)
     args += ["--proc", "/proc", "--dev", "/dev"]
-    args += ["--size", str(_megabytes("KF_SANDBOX_SHM_MB", _SHM_MB) << 20), "--tmpfs", "/dev/shm"]
+    shm = str(_megabytes("KF_SANDBOX_SHM_MB", _SHM_MB) << 20)
+    args += [*open_perms(uid, "1777"), "--size", shm, "--tmpfs", "/dev/shm"]
     gpu_binds(args)
-    # the one writable place: /tmp, a size-limited tmpfs holding the scratch folder (or
-    # the scratch folder itself, with /tmp a link to it, when it is elsewhere); mounted
-    # before the read-only binds, so that one under /tmp (a test's cache) stays visible
-    size = str(scratch_bytes())
-    if scratch.is_relative_to("/tmp"):
-        args += ["--size", size, "--tmpfs", "/tmp", "--dir", str(scratch)]
-    else:
-        args += ["--size", size, "--tmpfs", str(scratch), "--symlink", str(scratch), "/tmp"]
+    made = _writable_places(args, scratch, uid)
     for path in readonly_binds(python, ro_paths):
-        args += ["--ro-bind", str(path), str(path)]
-    if log_path is not None:
-        args += ["--bind", str(log_path), str(log_path)]
-    for rw in rw_paths:
-        args += ["--bind", rw, rw]
+        args += [*open_parents(path, uid, made), "--ro-bind", str(path), str(path)]
+    for rw in [*([log_path] if log_path is not None else []), *map(Path, rw_paths)]:
+        give_to(rw, uid)
+        args += [*open_parents(rw, uid, made), "--bind", str(rw), str(rw)]
     args += ["--chdir", str(scratch), "--remount-ro", "/"]
-    return args
+    if run is None:
+        return args
+    return [*args, "--", *limited(run, uid, mode, pids)]
 
 
-def _probe_now(exe: str) -> str | None:
-    """Start one box as a runner would and check what is inside; None when it works."""
+def _writable_places(args: list[str], scratch: Path, uid: int | None) -> set[Path]:
+    """The one writable place: ``/tmp``, a size-limited tmpfs holding the scratch folder
+    (or the scratch folder itself, with ``/tmp`` a link to it, when it is elsewhere);
+    mounted before the read-only binds, so that one under ``/tmp`` (a test's cache) stays
+    visible. The folders it made (for :func:`~kf.evaluation.grader.box_limits.open_parents`)."""
+    size = str(scratch_bytes())
+    made = {Path("/tmp"), scratch}
+    if scratch.is_relative_to("/tmp"):
+        args += [*open_perms(uid, "1777"), "--size", size, "--tmpfs", "/tmp"]
+        args += [*open_parents(scratch, uid, {Path("/tmp")}), *open_perms(uid, "1777"), "--dir"]
+        args.append(str(scratch))
+    else:
+        args += [*open_parents(scratch, uid, set()), *open_perms(uid, "1777"), "--size", size]
+        args += ["--tmpfs", str(scratch), "--symlink", str(scratch), "/tmp"]
+    made.update(scratch.parents)
+    return made
+
+
+#: what the start-up probe runs in a box: who and where it is, whether it reaches the
+#: host's loopback, its capabilities, GPU nodes it may not open, and (``argv[1]``, a
+#: process limit, not 0) how far a fork bomb gets
+_CHECK = """\
+import glob, json, os, signal, socket, sys
+import kf.evaluation.wire.protocol
+found = {"uid": os.getuid(), "pid": os.getpid(), "net": False}
+s = socket.socket(); s.settimeout(1)
+try:
+    s.connect(("127.0.0.1", 9)); found["net"] = True
+except OSError:
+    pass
+with open("/proc/self/status") as f:
+    found["caps"] = [int(v, 16) for k, v in (l.split(":") for l in f) if k.startswith("Cap")]
+nodes = [n for n in sorted(glob.glob("/dev/nvidia*")) if not os.path.isdir(n)]
+found["gpu"] = [n for n in nodes if not os.access(n, os.R_OK | os.W_OK)]
+kids, found["fork_error"] = [], ""
+for _ in range(4 * int(sys.argv[1])):
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        found["fork_error"] = str(exc)
+        break
+    if pid == 0:
+        signal.pause()
+        os._exit(0)
+    kids.append(pid)
+for pid in kids:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+found["forked"] = len(kids)
+print(json.dumps(found))
+"""
+
+
+def _probe_now(exe: str, limit: str | None = None) -> str | None:
+    """Start one box as a runner would (under the process limit ``limit``, by default
+    :func:`process_limit`'s) and check what is inside; None when it works. In the uid mode
+    it also checks that the box has no capability, may open the GPU's nodes, and that a
+    fork bomb stops at the limit (where the kernel does not enforce ``RLIMIT_NPROC``, as
+    some sandboxing kernels may not, the mode gives no limit)."""
     if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
         return f"bubblewrap not found at {exe}"
     scratch = Path(tempfile.mkdtemp(prefix="kf-box-probe-"))
     try:
         log_path = scratch / "runner.log"
         log_path.touch()
-        env = environment(os.environ, scratch, {})
+        mode = limit or process_limit()
+        pids = PROBE_PIDS if mode == "uid" else 0
         argv = command(
-            python=sys.executable, scratch=scratch, log_path=log_path, env=env, bwrap=exe
-        )
-        check = (
-            "import os, socket\n"
-            f"assert os.getuid() == {BOX_UID}, os.getuid()\n"
-            "import kf.evaluation.wire.protocol\n"
-            "s = socket.socket(); s.settimeout(1)\n"
-            "try:\n"
-            "    s.connect(('127.0.0.1', 9)); print('net')\n"
-            "except OSError:\n"
-            "    pass\n"
-            "print('ok', os.getpid())\n"
+            python=sys.executable,
+            scratch=scratch,
+            log_path=log_path,
+            env=environment(os.environ, scratch, {}),
+            bwrap=exe,
+            run=[sys.executable, "-P", "-c", _CHECK, str(pids)],
+            limit=mode,
+            pids=pids or None,
         )
         try:
-            done = subprocess.run(
-                [*argv, "--", sys.executable, "-P", "-c", check],
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=False,
-            )
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"{exe} could not run: {exc}"
-        out = done.stdout.split()
-        if done.returncode != 0 or out[:1] != ["ok"] or "net" in out:
+        lines = done.stdout.strip().splitlines()
+        if done.returncode != 0 or not lines:
             why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-            if "net" in out:
-                why = "the box's network namespace reached 127.0.0.1"
             return f"{exe} failed its start-up probe: {why}"
-        if out[1:2] != ["2"]:  # pid 1 is bwrap's init in the box's own PID namespace
-            return f"{exe} started no PID namespace (the runner's pid is {out[1:2]})"
-        return None
+        return probe_findings(exe, json.loads(lines[-1]), mode, pids)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -324,10 +381,50 @@ def probe() -> str | None:
         return _probed[exe]
 
 
+def uid_mode_problem() -> str | None:
+    """Why a box cannot run as a host uid of its own under ``RLIMIT_NPROC`` here (the uid
+    mode, :func:`kf.evaluation.grader.box_limits.wanted_limit`), or None when it can
+    (probed once per bwrap and ``$KF_BOX_UIDS``)."""
+    exe = bwrap_path()
+    if exe is None:
+        return "bubblewrap (bwrap) is not installed"
+    key = f"{exe}|{box_uids()}"
+    with _lock:
+        if key not in _uid_probed:
+            _uid_probed[key] = _probe_now(exe, "uid")
+        return _uid_probed[key]
+
+
+def process_limit() -> str:
+    """How a box's processes are bounded here: ``"cgroup"`` (a pids cgroup per box),
+    ``"uid"`` (root without one: each box's processes run as a host uid of their own from
+    ``$KF_BOX_UIDS``, under ``RLIMIT_NPROC``), ``"rlimit"`` (another user: ``RLIMIT_NPROC``
+    inside the box's user namespace), or ``"none"`` (:func:`process_limit_note` says why)."""
+    wanted = wanted_limit()
+    if wanted == "uid" and uid_mode_problem() is not None:
+        return "none"
+    return wanted
+
+
+def process_limit_note() -> str:
+    """One line: how a box's processes are bounded here, and why not where they are not."""
+    limit, n = process_limit(), pids_limit()
+    if limit == "cgroup":
+        return f"cgroup: a pids cgroup per box, pids.max={n}"
+    if limit == "uid":
+        first, last = box_uids()
+        return f"uid: each box as a host uid of its own ({first}-{last}), RLIMIT_NPROC={n}"
+    if limit == "rlimit":
+        return f"rlimit: RLIMIT_NPROC={n} inside the box's user namespace"
+    why = uid_mode_problem() if wanted_limit() == "uid" else "no pids cgroup, setpriv or prlimit"
+    return f"none: {why}"
+
+
 def reset() -> None:
     """Forget earlier probes (after ``$KF_BWRAP`` or ``PATH`` changed)."""
     with _lock:
         _probed.clear()
+        _uid_probed.clear()
 
 
 def mode() -> str:

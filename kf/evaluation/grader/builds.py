@@ -97,15 +97,16 @@ def _compile(
     src, out = work / "kernel.cpp", work / "kernel.so"
     src.write_text(source)
     scratch = Path(tempfile.gettempdir()) / "kf-build"  # inside the box only (a tmpfs)
-    prefix = box.command(
+    boxed = box.command(
         python=sys.executable,
         scratch=scratch,
         log_path=None,
         env=box.environment(os.environ, scratch, {}),
         rw_paths=(str(work),),
+        run=[cxx, *argv, str(src), "-o", str(out)],
     )
     code, log = run_capped(
-        [*prefix, "--", *box.limited([cxx, *argv, str(src), "-o", str(out)])],
+        boxed,
         timeout_s=timeout_s,
         env={"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"},
     )
@@ -307,15 +308,16 @@ def _build_inline(
         "KF_TORCHFREE": "1" if current().torchfree else "0",
         **pch_env,
     }
-    prefix = box.command(
+    boxed = box.command(
         python=sys.executable,
         scratch=scratch,
         log_path=None,
         env=box.environment(os.environ, scratch, extra),
         rw_paths=(str(work),),
+        run=[sys.executable, "-P", "-c", _INLINE_SCRIPT],
     )
     code, log = run_capped(
-        [*prefix, "--", *box.limited([sys.executable, "-P", "-c", _INLINE_SCRIPT])],
+        boxed,
         timeout_s=timeout_s,
         input_text=json.dumps(arguments),
         env={"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"},

@@ -126,7 +126,7 @@ def start(
         isolated_network = True
         # the log must exist before bwrap binds it into the box
         log_path.touch()
-        prefix = box.command(
+        argv = box.command(
             python=python,
             scratch=scratch,
             log_path=log_path,
@@ -139,9 +139,9 @@ def start(
             ),
             ro_paths=ro_paths,
             rw_paths=rw_paths,
+            # the grader's pid means nothing in the box's PID namespace: 0 says so
+            run=[*wrapper, *runner, "0"],
         )
-        # the grader's pid means nothing in the box's PID namespace: 0 says so
-        argv = [*prefix, "--", *box.limited([*wrapper, *runner, "0"])]
         env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"}
     else:
         isolated_network = isolate and network_namespace_available()
