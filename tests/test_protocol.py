@@ -236,6 +236,7 @@ def pool() -> Iterator[RunnerPool]:
         ("foreign_reply", "tampering", "not one of kf's runner protocol"),
         ("garble_reply", "crash", "garbled reply during import and construction of ModelNew"),
         ("borrow_descriptor", "crash", "names no descriptor"),
+        ("huge_message", "tampering", "announced 17179869184 bytes, over the 1024 MiB"),
     ],
 )
 def test_protocol_runner_writing_garbage_gets_a_clear_verdict(
@@ -260,3 +261,41 @@ def test_protocol_runner_exits_clearly_on_a_message_it_cannot_read(pool: RunnerP
     assert crashed.value.returncode == 2, crashed.value
     assert "kf runner: exiting on a message it cannot read" in crashed.value.log_tail
     assert "Invalid value 'format_disk' - at `$.op`" in crashed.value.log_tail
+
+
+def test_protocol_grader_reads_no_message_over_its_limit() -> None:
+    """The grader reads a runner's message only up to its limit: the length is read, one
+    over it is refused before any of its bytes (both length forms), one at the limit is
+    read whole, one that stops part-way and one whose socket closes end at once."""
+    import socket
+    import struct
+
+    from kf.evaluation.grader.runner_socket import (
+        MessageStalled,
+        MessageTooLarge,
+        message_limit,
+        read_message,
+    )
+
+    assert message_limit() == 1 << 30  # the default, with tensors as memory files
+    ours, theirs = socket.socketpair()
+    try:
+        theirs.sendall(struct.pack("!i", 8) + b"12345678")
+        assert bytes(read_message(ours.fileno(), 8)) == b"12345678"
+        theirs.sendall(struct.pack("!i", 9) + b"123456789")
+        with pytest.raises(MessageTooLarge) as small:
+            read_message(ours.fileno(), 8)
+        assert (small.value.size, small.value.limit) == (9, 8)
+        assert ours.recv(9) == b"123456789"  # not one byte of it was read
+        theirs.sendall(struct.pack("!i", -1) + struct.pack("!Q", 1 << 40))
+        with pytest.raises(MessageTooLarge, match=str(1 << 40)):
+            read_message(ours.fileno(), 1 << 30)
+        theirs.sendall(struct.pack("!i", 100) + b"only part")
+        with pytest.raises(MessageStalled, match="9 of 100 bytes came"):
+            read_message(ours.fileno(), 1 << 30, idle_s=0.2)
+        theirs.close()
+        with pytest.raises(EOFError):
+            read_message(ours.fileno(), 1 << 30)
+    finally:
+        ours.close()
+        theirs.close()

@@ -3,9 +3,12 @@ their replies (:mod:`kf.evaluation.wire.protocol`), the builds a boxed runner as
 its end.
 
 Bytes that are not MessagePack are a garbled reply (the runner is killed,
-:class:`RunnerCrashed`); a message that is not one of the protocol's, or does not
-answer the request sent (another request's id, another request's reply type, a second
-message nobody asked for) is tampering (:class:`RunnerFailed`, the runner killed); a
+:class:`RunnerCrashed`); a message longer than
+:func:`~kf.evaluation.grader.runner_socket.message_limit` is not read at all (the runner
+is killed, :class:`RunnerFailed` ``tampering``: kf's runner never sends one); a message
+that is not one of the protocol's, or does not answer the request sent (another
+request's id, another request's reply type, a second message nobody asked for) is
+tampering (:class:`RunnerFailed`, the runner killed); a
 :class:`~kf.evaluation.wire.protocol.Failed` reply raises :class:`RunnerFailed` with its kind.
 """
 
@@ -29,6 +32,12 @@ import msgspec
 
 from kf.capture import while_wanted
 from kf.evaluation.grader import box, spawn
+from kf.evaluation.grader.runner_socket import (
+    MessageStalled,
+    MessageTooLarge,
+    message_limit,
+    read_message,
+)
 from kf.evaluation.wire import protocol, shared_memory
 from kf.evaluation.wire.protocol import decode_from_runner, encode
 
@@ -234,9 +243,14 @@ class RunnerHandle:
             tail = self.log_tail()
             self.kill()
             raise RunnerTimeout(f"no answer after {timeout_s:.1f}s during {what}", tail)
+        limit = message_limit()
         try:
             reply = shared_memory.receive_message(
-                self.conn.recv_bytes, self.fd_sock, self.conn.poll, decode_from_runner, 10.0
+                lambda: read_message(self.conn.fileno(), limit),
+                self.fd_sock,
+                self.conn.poll,
+                decode_from_runner,
+                10.0,
             )
         except (EOFError, OSError) as exc:
             returncode = self._wait_exit()
@@ -248,6 +262,22 @@ class RunnerHandle:
             else:
                 why = f"process exited with status {returncode} during {what}"
             raise RunnerCrashed(why, tail, returncode) from exc
+        except MessageStalled as exc:
+            tail = self.log_tail()
+            self.kill()
+            raise RunnerTimeout(f"the runner's message during {what} stopped: {exc}", tail) from exc
+        except MessageTooLarge as exc:  # not read: the runner's own code sends none
+            tail = self.log_tail()
+            self.kill()
+            raise RunnerFailed(
+                "tampering",
+                f"the runner's message during {what} announced {exc.size} bytes, over the "
+                f"{exc.limit >> 20} MiB the grader reads as one message (KF_RUNNER_MESSAGE_MB): "
+                "kf's runner sends tensors of 1 MiB or more as memory files beside its "
+                "messages, so a message this large was written onto the grading socket by "
+                "something else, or holds outputs too large to travel as bytes",
+                tail,
+            ) from exc
         except protocol.ForeignMessage as exc:  # the runner's own code sends none
             tail = self.log_tail()
             self.kill()
