@@ -32,10 +32,13 @@ sys.path.insert(0, str(ROOT))
 
 FIX = ROOT / "tests" / "fixtures"
 ADV, HONEST, TRUST = FIX / "adversarial", FIX / "honest", FIX / "trust"
-GELU, BIG = ADV / "task_gelu.py", ADV / "task_gelu_big.py"
+GELU = FIX / "eval" / "task_gelu.py"
+#: the same task at 4096 x 8192 (tests.runner_cases.gelu_task): big enough that work
+#: hidden on a side stream shows
+BIG = (4096, 8192)
 
 # (candidate, task, what it does, gpu only)
-CHEATS = [
+CHEATS: list[tuple[Path, Path | tuple[int, int], str, bool]] = [
     (ADV / "torch_reference.py", GELU, "computes the reference with torch ops", False),
     (ADV / "never_calls_kernel.py", GELU, "builds a kernel, computes with PyTorch", False),
     (ADV / "try_fallback.py", GELU, "falls back to PyTorch in except", False),
@@ -66,7 +69,7 @@ CHEATS = [
     ),
     (ADV / "side_stream.py", BIG, "hides its work on a side stream", True),
 ]
-HONEST_SET = [
+HONEST_SET: list[tuple[Path, Path | tuple[int, int], str, bool]] = [
     (ADV / "honest_cpp.py", GELU, "C++ via kf.native, self.lib", False),
     (ADV / "honest_rows.py", GELU, "C++ via kf.native, rows", False),
     (HONEST / "module_attr.py", GELU, "library kept as self.op", False),
@@ -91,6 +94,7 @@ def main() -> int:
     from kf.evaluation import Limits, RunnerPool, evaluate
     from kf.evaluation.grader.box import SandboxUnavailable, require
     from kf.tasks import load_task
+    from tests.runner_cases import gelu_task
 
     try:
         require()
@@ -113,8 +117,13 @@ def main() -> int:
                     rows.append({**row, "outcome": "not run (C++ for a CPU)"})
                     continue
                 limits = Limits(file_bytes=8 << 20, cpu_s=20) if "hog" in cand.stem else None
+                task = (
+                    load_task(task_path)
+                    if isinstance(task_path, Path)
+                    else gelu_task(*task_path, name="task_gelu_big")
+                )
                 result = evaluate(
-                    load_task(task_path),
+                    task,
                     cand.read_text(),
                     device=args.device,
                     pool=pool,

@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kf.bus import EmbeddedServer
 from kf.logs import configure
+
+if TYPE_CHECKING:
+    from kf.evaluation import RunnerPool
 
 configure("WARNING", json=True)
 
@@ -62,3 +66,12 @@ def nats_server() -> Iterator[EmbeddedServer]:
 def db_path(tmp_path: Path) -> Path:
     """Where a test's event log lives."""
     return tmp_path / "run.db"
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[RunnerPool]:
+    """Two single-threaded warm runners shared by a module's tests (a module that needs
+    other runners defines its own ``pool``)."""
+    from tests.runner_cases import pool_under
+
+    yield from pool_under({})

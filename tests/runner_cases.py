@@ -1,7 +1,8 @@
-"""What the transport tests share (test_seed_inputs, test_shared_memory): a reference and
-a candidate runner in this process on the tiny adversarial task, a runner pool started
-under given environment variables, and whole evaluations of a fixture judged against the
-verdict the default transport gives it."""
+"""What the runner-level tests share: the tiny gelu task (tests/fixtures/eval/task_gelu.py,
+also at other sizes or with more in its source), a reference and a candidate runner in this
+process on it, a runner pool started under given environment variables, and whole
+evaluations of an adversarial fixture judged against the verdict the default transport
+gives it."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import pytest
 from kf.evaluation import RunnerPool, evaluate
 from kf.evaluation.runner.loop import Runner
 from kf.evaluation.wire.protocol import LoadCandidate, LoadTask, Setup
+from kf.tasks import Task, load_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"
-TASK_FILE = FIXTURES / "task_gelu.py"
+#: the tiny task: y = gelu(x + bias) on a 64 x 1024 float32 input
+TASK_FILE = Path(__file__).parent / "fixtures" / "eval" / "task_gelu.py"
 QUICK = {"min_time_s": 0.05, "warmup": 2, "min_trials": 10}
 PROFILED = ("honest_cpp", "cache_outputs")
 
@@ -38,6 +41,21 @@ def runner_pair(
     return ref, cand
 
 
+def gelu_task(
+    rows: int = 64, hidden: int = 1024, *, more: str = "", name: str = "task_gelu"
+) -> Task:
+    """TASK_FILE's task with inputs of ``rows`` x ``hidden`` and ``more`` appended to its
+    source (a tolerance it declares, its own extra inputs); the file itself when neither
+    changes."""
+    if (rows, hidden, more, name) == (64, 1024, "", "task_gelu"):
+        return load_task(TASK_FILE)
+    source = TASK_FILE.read_text()
+    for old, new in (("randn(64, 1024)", f"randn({rows}, {hidden})"), ("[1024]", f"[{hidden}]")):
+        assert old in source, f"{TASK_FILE} no longer has {old!r}"
+        source = source.replace(old, new)
+    return Task.from_source(name, source + more)
+
+
 def pool_under(env: dict[str, str]) -> Iterator[RunnerPool]:
     """A started pool of two runners spawned under ``env`` (for a module fixture)."""
     with pytest.MonkeyPatch.context() as mp:
@@ -56,8 +74,6 @@ def check_default_verdict(
 ) -> None:
     """``kf eval`` of fixture ``name`` gives the default path's verdict: passed (with
     ``kind_or_flag`` among its flags, or no flag) or failed with that kind."""
-    from kf.tasks import load_task
-
     result = evaluate(
         load_task(TASK_FILE), (FIXTURES / f"{name}.py").read_text(), pool=pool, timeout_s=90,
         profile_options=QUICK, profile=name in PROFILED,

@@ -7,7 +7,6 @@ Python API with a shared pool of warm runners and a short profile.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,11 +23,19 @@ from kf.evaluation import (
 from kf.evaluation.grader.cli import _human
 from kf.evaluation.grader.cli import main as eval_main
 from kf.evaluation.grader.verifying import reverify_fast
-from kf.tasks import load_task
+from tests.runner_cases import TASK_FILE, gelu_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"
-TASK = load_task(FIXTURES / "task_gelu.py")
-EXTRA_TASK = load_task(FIXTURES / "task_gelu_extra.py")
+TASK = gelu_task()
+#: the tiny task with its own unseen shapes: get_extra_inputs() for the gate
+EXTRA_TASK = gelu_task(
+    more="""
+
+def get_extra_inputs() -> list[list[torch.Tensor]]:
+    return [[torch.randn(7, 1024)], [torch.randn(130, 1024)]]
+""",
+    name="task_gelu_extra",
+)
 QUICK = {"min_time_s": 0.05, "warmup": 2, "min_trials": 10}
 
 # name → (verdict, failure kind or flag code, text the reason must contain)
@@ -61,17 +68,6 @@ PROFILED = {*HONEST, "cache_outputs", "grader_stack"}
 
 def source(name: str) -> str:
     return (FIXTURES / f"{name}.py").read_text()
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[RunnerPool]:
-    """A pool of single-threaded warm runners shared by this module's tests."""
-    runners = RunnerPool(size=2, threads=1)
-    runners.start()
-    try:
-        yield runners
-    finally:
-        runners.close()
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +179,7 @@ def test_adversarial_resource_limit_stops_candidate(
 
 def test_adversarial_cli_rejects_tampering(capsys: pytest.CaptureFixture[str]) -> None:
     """``kf eval`` on a runner-patching candidate exits 1 and says it was tampering."""
-    status = eval_main([str(FIXTURES / "task_gelu.py"), str(FIXTURES / "runner_patch.py")])
+    status = eval_main([str(TASK_FILE), str(FIXTURES / "runner_patch.py")])
     out, err = capsys.readouterr()
     assert status == 1
     assert "tampering" in out

@@ -11,7 +11,7 @@ import torch
 
 from kf.evaluation import evaluate
 from kf.static_checks import check_source
-from kf.tasks import load_task
+from tests.runner_cases import gelu_task
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,6 +22,8 @@ pytestmark = [
 ]
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"
+#: the tiny task at 4096 x 8192: big enough that work hidden on a side stream shows
+BIG = (4096, 8192)
 
 
 def test_adversarial_gpu_side_stream_is_flagged_and_timed() -> None:
@@ -29,7 +31,7 @@ def test_adversarial_gpu_side_stream_is_flagged_and_timed() -> None:
     source = (FIXTURES / "side_stream.py").read_text()
     assert any(w.startswith("stream:") for w in check_source(source))
     result = evaluate(
-        load_task(FIXTURES / "task_gelu.py"),
+        gelu_task(),
         source,
         device="cuda:0",
         profile_options={"min_time_s": 0.05, "warmup": 2, "min_trials": 10},
@@ -48,7 +50,7 @@ def test_adversarial_gpu_microsecond_kernel_not_suspect_side_stream_still_caught
     suspect; in 2026-12-02's test run its two clocks agreed: 0.17 ms a call)."""
     quick = {"min_time_s": 0.05, "warmup": 2, "min_trials": 10}
     honest = evaluate(
-        load_task(FIXTURES / "task_gelu.py"),
+        gelu_task(),
         (FIXTURES.parent / "honest" / "triton_wrapper.py").read_text(),
         device="cuda:0",
         profile_options=quick,
@@ -61,7 +63,7 @@ def test_adversarial_gpu_microsecond_kernel_not_suspect_side_stream_still_caught
         honest.flags,
     )
     cheat = evaluate(
-        load_task(FIXTURES / "task_gelu_big.py"),
+        gelu_task(*BIG, name="task_gelu_big"),
         (FIXTURES / "side_stream.py").read_text(),
         device="cuda:0",
         profile_options=quick,
@@ -89,13 +91,13 @@ def test_adversarial_gpu_under_host_load_honest_not_suspect_side_stream_caught()
     quick = {"min_time_s": 0.05, "warmup": 2, "min_trials": 10}
     with busy(max(4, 2 * (os.cpu_count() or 1))):
         honest = evaluate(
-            load_task(FIXTURES / "task_gelu.py"),
+            gelu_task(),
             (FIXTURES.parent / "honest" / "triton_wrapper.py").read_text(),
             device="cuda:0",
             profile_options=quick,
         )
         cheat = evaluate(
-            load_task(FIXTURES / "task_gelu_big.py"),
+            gelu_task(*BIG, name="task_gelu_big"),
             (FIXTURES / "side_stream.py").read_text(),
             device="cuda:0",
             profile_options=quick,

@@ -244,9 +244,10 @@ def test_kf_eval_states_its_speedup_by_the_profilers_policy(
     monkeypatch.setattr(policy, "profile_candidate", lambda t, s, **kw: fast)
     monkeypatch.setattr(policy, "reverify_fast", reverify)
     result = evaluate(
-        load_task(fixtures / "task_gelu.py"), (fixtures / "honest_cpp.py").read_text(),
+        load_task(fixtures.parent / "eval" / "task_gelu.py"),
+        (fixtures / "honest_cpp.py").read_text(),
         timeout_s=90,
-    )  # fmt: skip
+    )
     assert result.verify is not None and result.verify.correct
     assert seen == [12.0]
     assert result.profile is not None and result.profile.flags == ("speedup_over_10x: checked",)

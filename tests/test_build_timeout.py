@@ -24,7 +24,7 @@ from tests.runner_cases import pool_under
 
 pytestmark = pytest.mark.skipif(box.probe() is not None, reason=f"no box here: {box.probe()}")
 
-TASK = load_task(Path(__file__).parent / "fixtures" / "adversarial" / "task_gelu.py")
+TASK = load_task(Path(__file__).parent / "fixtures" / "eval" / "task_gelu.py")
 
 #: gelu(x + b) in C++, built in ModelNew's constructor (``MARK``: a fresh build each run)
 KERNEL = r"""

@@ -17,7 +17,7 @@ from kf.evaluation.runner.compare import Fingerprint
 from kf.evaluation.runner.loop import Runner
 from kf.evaluation.runner.variants import derived_shapes
 from kf.evaluation.wire.protocol import Audit, Check, LoadTask, MakeInputs, Run, Setup
-from tests.runner_cases import FIXTURES, runner_pair
+from tests.runner_cases import FIXTURES, TASK_FILE, runner_pair
 
 
 def test_reference_lets_old_trials_go_before_making_a_new_one(
@@ -296,7 +296,7 @@ def _profiled_requests() -> list[str]:
     pool.start()
     try:
         result = evaluate(
-            load_task(FIXTURES / "task_gelu.py"), (FIXTURES / "honest_cpp.py").read_text(),
+            load_task(TASK_FILE), (FIXTURES / "honest_cpp.py").read_text(),
             pool=pool, timeout_s=90, profile_options={"min_time_s": 0.05, "warmup": 2,
             "min_trials": 10}, profile=True,
         )  # fmt: skip

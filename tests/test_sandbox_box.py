@@ -22,7 +22,7 @@ from kf.evaluation.grader import box
 
 ROOT = Path(__file__).resolve().parent.parent
 ADVERSARIAL = ROOT / "tests/fixtures/adversarial"
-TASK = ADVERSARIAL / "task_gelu.py"
+TASK = ROOT / "tests/fixtures/eval/task_gelu.py"
 SECRETS = {
     "KF_NATS_TOKEN": "kf-secret-value-nats",
     "KF_LLM_API_KEY": "kf-secret-value-llm",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,16 +15,6 @@ from kf.tasks import Task, TaskError, import_source, load_task, load_tasks
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
 
 TINY_TASK = FIXTURES.joinpath("task_gelu.py").read_text()
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[RunnerPool]:
-    """A small pool of single-threaded runners for this module."""
-    runners = RunnerPool(size=1, threads=1)
-    try:
-        yield runners
-    finally:
-        runners.close()
 
 
 def test_load_task_reads_source_and_hash() -> None:

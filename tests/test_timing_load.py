@@ -14,27 +14,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
 from kf.evaluation import RunnerPool, evaluate
 from kf.evaluation.grader.timing_checks import confirmed, paired_disagreement, timer_disagreement
-from kf.tasks import Task, load_task
-from tests.runner_cases import pool_under
+from tests.runner_cases import gelu_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"
 #: gelu(x + b) on 4 x 64: a kernel of a few µs, where the timing loop's own cost is most
 #: of what the wall clock sees (under load, the old rule flagged it 1 time in 3 here)
-TINY = Task.from_source(
-    "tiny_gelu",
-    (FIXTURES / "task_gelu.py")
-    .read_text()
-    .replace("torch.randn(64, 1024)", "torch.randn(4, 64)")
-    .replace("return [1024]", "return [64]"),
-)
+TINY = gelu_task(4, 64, name="tiny_gelu")
 #: the same at 64 x 1024 (about 1 ms a call): forged samples (1 ns) are far beyond the
 #: wall clock's slack of 0.05 ms a call; at a few µs they are within it, and only the
 #: introspection flags name the cheat
-TASK = load_task(FIXTURES / "task_gelu.py")
+TASK = gelu_task()
 QUICK = {"min_time_s": 0.1, "warmup": 2, "min_trials": 20}
 
 
@@ -51,11 +42,6 @@ def busy(processes: int) -> Iterator[None]:
             proc.kill()
         for proc in spinners:
             proc.wait()
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[RunnerPool]:
-    yield from pool_under({})
 
 
 def _load() -> int:

@@ -7,7 +7,6 @@ import json
 import shutil
 import threading
 import types
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,11 @@ from kf.evaluation.runner.variants import derived_shapes
 from kf.evaluation.wire.tolerance import Tolerance, declared, resolve
 from kf.tasks import load_task
 from tests.harness import run_kf
+from tests.runner_cases import gelu_task
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TRUST = FIXTURES / "trust"
-GELU = load_task(FIXTURES / "adversarial" / "task_gelu.py")
+GELU = gelu_task()
 
 
 def source(name: str) -> str:
@@ -120,17 +120,6 @@ def test_gate_scales_the_tasks_size_constants() -> None:
 # -- with real runners ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[RunnerPool]:
-    """A pool of single-threaded warm runners shared by this module's tests."""
-    runners = RunnerPool(size=2, threads=1)
-    runners.start()
-    try:
-        yield runners
-    finally:
-        runners.close()
-
-
 def test_square_task_honest_kernel_passes_the_gate(pool: RunnerPool) -> None:
     """An honest kernel written for the task's own N × N contract is not falsely rejected."""
     report = verify_candidate(
@@ -169,7 +158,8 @@ def test_tolerance_per_run_and_per_task(pool: RunnerPool) -> None:
     )
     assert loose.correct, loose.error
     assert loose.atol == pytest.approx(1e-3) and loose.min_tolerance == pytest.approx(3e-4, rel=0.1)
-    own = verify_candidate(load_task(TRUST / "task_gelu_tol.py"), source("off_by_3e4"), pool=pool)
+    declares = gelu_task(more="\nKF_ATOL = 1e-3\nKF_RTOL = 1e-3\n", name="task_gelu_tol")
+    own = verify_candidate(declares, source("off_by_3e4"), pool=pool)
     assert own.correct, own.error
     assert own.tolerance_source == "the task's KF_ATOL/KF_RTOL"
 
