@@ -14,7 +14,6 @@ own error against float64 is about 1e-3.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ from kf.evaluation.runner.compare import compare_outputs, judge_float64
 from kf.evaluation.runner.float64 import check_with_float64, reference_in_float64
 from kf.evaluation.wire.tolerance import Tolerance
 from kf.tasks import Task, load_task
-from tests.runner_cases import pool_under
 
 FIXTURES = Path(__file__).parent / "fixtures" / "numerics"
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,13 +54,12 @@ def matvec_v0() -> Task:
 
 
 def _candidate(name: str) -> str:
-    return (FIXTURES / f"{name}.py").read_text()
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[RunnerPool]:
-    """Single-threaded warm runners shared by this module's verifications."""
-    yield from pool_under({})
+    """Fixture ``matvec_<kernel>`` or ``matmul_<kernel>``: its file (matvec.py, matmul.py)
+    with KERNEL set to that kernel."""
+    file, kernel = name.split("_", 1)
+    source = (FIXTURES / f"{file}.py").read_text()
+    assert 'KERNEL = "double"' in source and f'"{kernel}":' in source, name
+    return source.replace('KERNEL = "double"', f'KERNEL = "{kernel}"', 1)
 
 
 def _every(report: VerifyReport) -> list[TrialEvidence]:
