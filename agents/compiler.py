@@ -10,6 +10,7 @@ from agents.evaluator import EvaluatorAgent, EvaluatorState
 from kf.device_gate import gate_for
 from kf.devices import runner_pool
 from kf.evaluation import CompileReport, GradingSession, compile_session
+from kf.evaluation.grader.baseline_settings import Conditions
 from kf.events import Event, Record
 from kf.facts import RunStarted
 from kf.search_facts import CandidateAssigned, CandidateCompiled, CandidateProposed
@@ -38,7 +39,7 @@ class Compiler(EvaluatorAgent):
 
         async def build() -> CompileReport:
             async with pool.slot(self.device_id):
-                return await self.build(task, source)
+                return await self.build(task, source, state.conditions)
 
         report = await self.stage(build)
         if isinstance(report, list):  # the device failed: its candidates go elsewhere
@@ -55,14 +56,18 @@ class Compiler(EvaluatorAgent):
             )
         ]
 
-    async def build(self, task: Task, source: str) -> CompileReport:
+    async def build(self, task: Task, source: str, conditions: Conditions) -> CompileReport:
         """Compile in a sandbox, sharing the device with verification (timing waits)."""
         async with await gate_for(self.device).shared():
-            pool = runner_pool(self.device)
-            # made in the thread: for a GPU, a session imports torch and counts the devices
-            return await asyncio.to_thread(
-                lambda: compile_session(
-                    GradingSession(task, source, device=self.device, pool=pool),
-                    self.build_timeout_s,
-                )
+            return await self.build_now(task, source, conditions)
+
+    async def build_now(self, task: Task, source: str, conditions: Conditions) -> CompileReport:
+        """Compile in a sandbox now, in a thread (for a GPU, making a session imports torch
+        and counts the devices); the runner is set up under the run's ``conditions``."""
+        pool = runner_pool(self.device)
+        return await asyncio.to_thread(
+            lambda: compile_session(
+                GradingSession(task, source, device=self.device, pool=pool, conditions=conditions),
+                self.build_timeout_s,
             )
+        )

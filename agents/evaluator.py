@@ -16,6 +16,7 @@ from typing import Any, ClassVar, TypeVar
 import msgspec
 
 from kf.agent import Agent, AgentContext
+from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.wire.tolerance import Tolerance
 from kf.events import Event, Record
 from kf.facts import DeviceLeft, RunStarted
@@ -35,6 +36,9 @@ class EvaluatorState(msgspec.Struct, kw_only=True):
     tasks: dict[str, Any] = {}  # name → Task (not serialised: rebuilt from the log)
     sources: dict[str, str] = {}
     tolerance: Tolerance = Tolerance()  # the run's (config atol, rtol, tolerance)
+    # the run's other measuring conditions (config compile_baseline, compile_mode, tf32,
+    # device_inputs): every stage is graded under the recorded run's, never this process's
+    conditions: Conditions = Conditions()
     shapes: dict[str, int] = {}  # tuned candidate id → its shape set (kf.tuning), when not 0
 
 
@@ -61,6 +65,7 @@ class EvaluatorAgent(Agent[EvaluatorState]):
         if isinstance(ev, RunStarted):
             state.seed = ev.seed
             state.tolerance = Tolerance.of(ev.config)
+            state.conditions = Conditions.of(ev.config)
             state.tasks = {
                 t.name: Task.from_source(
                     t.name,

@@ -119,5 +119,5 @@ class Profiler(EvaluatorAgent):
         return stated_profile(
             task, source, eager_history=history, incumbent=incumbent, device=self.device,
             seed=state.seed, timeout_s=self.timeout_s, tolerance=state.tolerance,
-            pool=runner_pool(self.device),
+            conditions=state.conditions, pool=runner_pool(self.device),
         )  # fmt: skip

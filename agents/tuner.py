@@ -110,7 +110,11 @@ class Tuner(EvaluatorAgent):
         for index, shaped in shape_sets(task, limit):
             try:
                 info = await asyncio.to_thread(
-                    check_task, shaped, device=self.device, timeout_s=self.timeout_s
+                    check_task,
+                    shaped,
+                    device=self.device,
+                    timeout_s=self.timeout_s,
+                    conditions=state.conditions,
                 )
             except TaskError as exc:
                 if index == 0:
@@ -124,7 +128,9 @@ class Tuner(EvaluatorAgent):
         for index, shaped, info in shapes:
             rng = random.Random(_seed(state.seed, ev.task, self.device_id, index))
             out.append(
-                await self._tune_shape(ev, source, space, config, index, shaped, info, share, rng)
+                await self._tune_shape(
+                    ev, state, source, space, config, index, shaped, info, share, rng
+                )
             )
         out[-1] = msgspec.structs.replace(out[-1], last=True)
         return out
@@ -132,6 +138,7 @@ class Tuner(EvaluatorAgent):
     async def _tune_shape(
         self,
         ev: TuningRequested,
+        state: EvaluatorState,
         source: str,
         space: params.ParamSpace,
         config: params.Config,
@@ -147,7 +154,7 @@ class Tuner(EvaluatorAgent):
         trials: list[TuningTrial] = []
 
         async def time(cfg: params.Config) -> TuningTrial:
-            trial = await self._time(task, source, cfg, seed)
+            trial = await self._time(state, task, source, cfg, seed)
             trials.append(trial)
             timed[params.config_key(cfg)] = trial
             return trial
@@ -218,8 +225,9 @@ class Tuner(EvaluatorAgent):
         )
 
     async def _time(
-        self, task: Task, source: str, config: dict[str, Any], seed: int
+        self, state: EvaluatorState, task: Task, source: str, config: dict[str, Any], seed: int
     ) -> TuningTrial:
+        """One timing of ``config``, under the run's tolerance and conditions."""
         async with await gate_for(self.device).exclusive():
             report = await asyncio.to_thread(
                 profile_candidate,
@@ -232,6 +240,8 @@ class Tuner(EvaluatorAgent):
                 min_time_s=0.1,
                 timeout_s=self.timeout_s,
                 compile_baseline=False,  # a trial ranks configurations: eager suffices
+                tolerance=state.tolerance,
+                conditions=state.conditions,
             )
         return TuningTrial(
             config=dict(config),

@@ -62,6 +62,7 @@ class Verifier(EvaluatorAgent):
             seed=state.seed,
             timeout_s=self.timeout_s,
             tolerance=state.tolerance,
+            conditions=state.conditions,
         )
         ev = TaskAudited(task=task.name, device_id=self.device_id, audit=audit)
         self.emit(ev, event_id=derived_id("kernel.task_audited", self.ctx.run_id, task.name))
@@ -87,6 +88,7 @@ class Verifier(EvaluatorAgent):
                     pool=runner_pool(self.device),
                     timeout_s=self.timeout_s,
                     tolerance=state.tolerance,
+                    conditions=state.conditions,
                 )
                 try:
                     # made in the thread: for a GPU, a session imports torch and counts

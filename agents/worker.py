@@ -10,7 +10,6 @@ timing alone on the GPU (:mod:`kf.device_gate`), and several run at once;
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import Any
 
@@ -22,8 +21,8 @@ from agents.verifier import Verifier
 from hardware_agents.cpu_agent import CpuHardwareAgent
 from hardware_agents.cuda_agent import CudaHardwareAgent
 from kf.agent import Agent
-from kf.devices import runner_pool
-from kf.evaluation import CompileReport, compile_candidate
+from kf.evaluation import CompileReport
+from kf.evaluation.grader.baseline_settings import Conditions
 from kf.settings import Settings, current
 from kf.tasks import Task
 
@@ -55,16 +54,9 @@ class CudaCompiler(Compiler):
 
     concurrency = compile_concurrency()
 
-    async def build(self, task: Task, source: str) -> CompileReport:
+    async def build(self, task: Task, source: str, conditions: Conditions) -> CompileReport:
         """Compile without the device gate: the GPU is not what a build uses."""
-        return await asyncio.to_thread(
-            compile_candidate,
-            task,
-            source,
-            device=self.device,
-            timeout_s=self.build_timeout_s,
-            pool=runner_pool(self.device),
-        )
+        return await self.build_now(task, source, conditions)
 
 
 def verify_concurrency(settings: Settings | None = None) -> int:

@@ -13,8 +13,12 @@ import sys
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:
+    from kf.evaluation.grader.baseline_settings import Conditions
 
 __all__ = [
     "REQUIRED_NAMES",
@@ -175,12 +179,18 @@ def import_source(module_name: str, source: str, filename: str | None = None) ->
     return module
 
 
-def check_task(task: Task, device: str = "cpu", timeout_s: float = 120.0) -> TaskInfo:
-    """Run the task's reference once in a sandboxed process and describe its outputs.
+def check_task(
+    task: Task,
+    device: str = "cpu",
+    timeout_s: float = 120.0,
+    conditions: Conditions | None = None,
+) -> TaskInfo:
+    """Run the task's reference once in a sandboxed process and describe its outputs,
+    under the run's measuring ``conditions`` (None: the process's settings).
 
     Raises :class:`TaskError` naming the file and the cause (an exception with its
     type and message, a missing name, a crash or a timeout).
     """
     from kf.evaluation.grader.task_check import run_task_check
 
-    return run_task_check(task, device=device, timeout_s=timeout_s)
+    return run_task_check(task, device=device, timeout_s=timeout_s, conditions=conditions)

@@ -1,5 +1,6 @@
-"""The baselines' settings: the torch.compile mode (max-autotune as an option) and TF32 set
-explicitly in every runner, recorded in each profile as the reference runner stated them."""
+"""The run's measuring conditions: the torch.compile mode (max-autotune as an option) and TF32
+set explicitly in every runner from the grader's messages (never the runner's environment),
+recorded in each profile as the reference runner stated them."""
 
 from __future__ import annotations
 
@@ -10,32 +11,116 @@ import pytest
 import torch
 
 from kf.evaluation.grader import baseline_settings as bs
+from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.runner import baselines
+from kf.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 EVAL = ROOT / "tests" / "fixtures" / "eval"
 FAST: dict[str, Any] = {"min_time_s": 0.05, "min_trials": 5, "warmup": 2}
 
 
-def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("KF_COMPILE_MODE", raising=False)
-    monkeypatch.delenv("KF_TF32", raising=False)
-    assert bs.compile_mode() == "default" and bs.tf32_setting() == "off"
-    monkeypatch.setenv("KF_COMPILE_MODE", "max-autotune")
-    monkeypatch.setenv("KF_TF32", "ON")
-    assert bs.compile_mode() == "max-autotune" and bs.tf32_setting() == "on"
+def test_conditions_from_settings_and_from_the_run_config() -> None:
+    """The conditions a run starts with come from its settings (errors name the variable);
+    the run's config records them and gives them back, an older log's missing keys the
+    defaults."""
+    default = Conditions.from_settings(Settings.from_env({}))
+    assert default == Conditions()
+    assert (default.compile_mode, default.tf32) == ("default", "off") and default.compile_baseline
+    asked = Conditions.from_settings(
+        Settings.from_env(
+            {
+                "KF_COMPILE_MODE": "max-autotune",
+                "KF_TF32": "ON",
+                "KF_COMPILE_BASELINE": "off",
+                "KF_DEVICE_INPUTS": "0",
+            }
+        )
+    )
+    assert asked == Conditions(
+        compile_baseline=False, compile_mode="max-autotune", tf32="on", device_inputs=False
+    )
+    assert Conditions.of(asked.config()) == asked
+    older = Conditions.of({"compile_mode": "max-autotune"})  # before the other keys
+    assert older == Conditions(compile_mode="max-autotune")
+    assert Conditions().differences(asked) == [
+        "compile_baseline True in the log, False now",
+        "compile_mode 'default' in the log, 'max-autotune' now",
+        "tf32 'off' in the log, 'on' now",
+        "device_inputs True in the log, False now",
+    ]
     assert baselines.compile_kwargs("max-autotune") == {
         "backend": "inductor",
         "dynamic": False,
         "mode": "max-autotune",
     }
     assert "mode" not in baselines.compile_kwargs("default")  # as plain torch.compile(model)
-    monkeypatch.setenv("KF_COMPILE_MODE", "fastest")
-    with pytest.raises(bs.BaselineSettingError, match="KF_COMPILE_MODE='fastest'"):
-        bs.compile_mode()
-    monkeypatch.setenv("KF_TF32", "maybe")
-    with pytest.raises(bs.BaselineSettingError, match="expected off or on"):
-        bs.tf32_setting()
+    with pytest.raises(bs.BaselineSettingError, match=r"\$KF_COMPILE_MODE 'fastest'"):
+        Conditions.from_settings(Settings.from_env({"KF_COMPILE_MODE": "fastest"}))
+    with pytest.raises(
+        bs.BaselineSettingError, match=r"\$KF_TF32 'maybe': expected one of off, on$"
+    ):
+        Conditions.from_settings(Settings.from_env({"KF_TF32": "maybe"}))
+    with pytest.raises(bs.BaselineSettingError, match="tf32 'maybe'"):
+        Conditions.of({"tf32": "maybe"})  # a config kf did not write
+
+
+# A task that shows, in the shape of its input, what its runner's environment says of TF32
+# and what the runner applied: (2 if $KF_TF32 is on else 1, 2 if matmul TF32 is on else 1).
+WITNESS = """
+import os
+
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return x
+
+
+def get_inputs():
+    told = os.environ.get("KF_TF32") == "on"
+    return [torch.zeros(1 + told, 1 + torch.backends.cuda.matmul.allow_tf32)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+@pytest.mark.parametrize(("env", "tf32"), [("on", "off"), ("off", "on")])
+def test_runner_computes_under_the_sessions_tf32_not_its_environments(
+    env: str, tf32: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A runner started with $KF_TF32 saying one thing (and the grader's own environment
+    too) computes under the TF32 its set-up message carries, from the session's
+    conditions, and says so in its answer."""
+    from kf.evaluation import RunnerPool
+    from kf.evaluation.grader.session import GradingSession, Stage
+    from kf.evaluation.wire.protocol import MakeInputs
+    from kf.tasks import Task
+
+    monkeypatch.setenv("KF_TF32", env)
+    monkeypatch.setenv("KF_SANDBOX_ENV", "KF_TF32")  # a boxed runner gets it too
+    pool = RunnerPool(size=1)
+    try:
+        task = Task.from_source("witness", WITNESS)
+        session = GradingSession(task, pool=pool, conditions=Conditions(tf32=tf32))
+        stage = Stage(session)
+        with pool.reference_lease(session.reference_key) as ref:
+            stage.use(ref=ref)
+            setup = stage.setup_reference()
+            stage.load_task(seed=0)
+            made = stage.reference(MakeInputs(seed=0))
+    finally:
+        pool.close()
+    assert setup.precision is not None
+    assert setup.precision["tf32"] == tf32
+    assert setup.precision["matmul_allow_tf32"] is (tf32 == "on")
+    told, applied = made.input_shapes[0]
+    assert told == (2 if env == "on" else 1)  # the environment did say the contrary
+    assert applied == (2 if tf32 == "on" else 1)
 
 
 def test_tf32_is_set_explicitly_and_read_back() -> None:
@@ -59,26 +144,27 @@ def test_tf32_is_set_explicitly_and_read_back() -> None:
 
 
 def test_profile_records_the_settings_the_runners_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A profile under $KF_TF32=on and $KF_COMPILE_MODE=max-autotune records both as the
-    reference runner stated them; the compiled baseline is described with its mode."""
+    """A profile under the conditions TF32 on and compile mode max-autotune records both as
+    the reference runner stated them, whatever the environment says; the compiled baseline
+    is described with its mode. Without conditions, a library call takes the process's."""
     from kf.evaluation import RunnerPool, profile_candidate
     from kf.tasks import load_task
 
-    monkeypatch.setenv("KF_COMPILE_BASELINE", "1")
-    monkeypatch.setenv("KF_TF32", "on")
-    monkeypatch.setenv("KF_COMPILE_MODE", "max-autotune")
+    monkeypatch.setenv("KF_COMPILE_BASELINE", "0")
+    monkeypatch.setenv("KF_TF32", "off")
+    monkeypatch.setenv("KF_COMPILE_MODE", "reduce-overhead")
     pool = RunnerPool(size=1)
     try:
         task = load_task(EVAL / "task_gelu.py")
-        report = profile_candidate(task, (EVAL / "honest.py").read_text(), pool=pool, **FAST)
+        source = (EVAL / "honest.py").read_text()
+        run = Conditions(compile_baseline=True, compile_mode="max-autotune", tf32="on")
+        report = profile_candidate(task, source, pool=pool, conditions=run, **FAST)
         assert report.ok, report.error
         assert report.tf32 == "on"
         assert report.compile_baseline_error is None, report.compile_baseline_error
         assert report.compile_mode == "max-autotune"
         assert "mode max-autotune" in report.compile_baseline
-        monkeypatch.setenv("KF_COMPILE_BASELINE", "0")
-        monkeypatch.setenv("KF_TF32", "off")
-        off = profile_candidate(task, (EVAL / "honest.py").read_text(), pool=pool, **FAST)
+        off = profile_candidate(task, source, pool=pool, **FAST)
         assert off.ok and off.tf32 == "off" and off.compile_mode == ""
     finally:
         pool.close()

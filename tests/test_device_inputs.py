@@ -14,11 +14,13 @@ import time
 import pytest
 import torch
 
+from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.grader.grading import Deadline, setup_request
 from kf.evaluation.grader.spawn import Limits
 from kf.evaluation.runner.common import RequestFailure
 from kf.evaluation.runner.loop import Runner
 from kf.evaluation.wire.protocol import LoadTask, Setup
+from kf.settings import Settings
 
 TASK = """
 import torch
@@ -47,11 +49,12 @@ class _Handle:
 def test_the_grader_asks_for_device_inputs_on_a_gpu_only(
     device: str, env: str | None, asked: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if env is None:
-        monkeypatch.delenv("KF_DEVICE_INPUTS", raising=False)
-    else:
-        monkeypatch.setenv("KF_DEVICE_INPUTS", env)
-    setup = setup_request(_Handle(), device, Limits(), Deadline(10), reference=True)  # type: ignore[arg-type]
+    """The run's conditions say where inputs are made (from ``$KF_DEVICE_INPUTS`` when the
+    run starts); the set-up asks for it on a GPU only, whatever the environment says now."""
+    settings = Settings.from_env({} if env is None else {"KF_DEVICE_INPUTS": env})
+    conditions = Conditions.from_settings(settings)
+    monkeypatch.setenv("KF_DEVICE_INPUTS", "1" if env == "0" else "0")  # the contrary: ignored
+    setup = setup_request(_Handle(), device, Limits(), Deadline(10), conditions, reference=True)  # type: ignore[arg-type]
     assert setup.device_inputs is asked
 
 

@@ -215,13 +215,13 @@ def test_compare_inputs_detects_change() -> None:
 def test_reused_reference_keeps_the_inputs_it_made(pool: RunnerPool) -> None:
     """A reference runner serving a second candidate answers a repeated seed from what it
     made, with the same inputs; a model built from another seed makes its own."""
+    from kf.evaluation.grader.baseline_settings import Conditions
     from kf.evaluation.grader.grading import Deadline, setup_request
+    from kf.evaluation.grader.sandbox import Limits
 
     deadline = Deadline(60)
     with pool.reference_lease("test-reuse") as ref:
-        setup = setup_request(
-            ref, "cpu", __import__("kf.evaluation").evaluation.Limits(), deadline, reference=True
-        )
+        setup = setup_request(ref, "cpu", Limits(), deadline, Conditions(), reference=True)
         ref.request(setup, 30)
         ref.request(LoadTask(source=TASK.source, name=TASK.name, seed=0), 30)
         first = ref.request(MakeInputs(seed=7), 30)

@@ -297,6 +297,7 @@ def test_memory_files_come_with_their_pages() -> None:
 def test_the_reference_runner_has_no_file_limit() -> None:
     """No candidate code runs in a reference runner: its large inputs and outputs go as
     memory files whatever the candidates' file limit."""
+    from kf.evaluation.grader.baseline_settings import Conditions
     from kf.evaluation.grader.grading import Deadline, setup_request
     from kf.evaluation.grader.sandbox import Limits
 
@@ -304,8 +305,8 @@ def test_the_reference_runner_has_no_file_limit() -> None:
         threads, warm = 1, None
 
     limits = Limits(file_bytes=1 << 20)
-    ref = setup_request(_Handle(), "cpu", limits, Deadline(10), reference=True)  # type: ignore[arg-type]
-    cand = setup_request(_Handle(), "cpu", limits, Deadline(10))  # type: ignore[arg-type]
+    ref = setup_request(_Handle(), "cpu", limits, Deadline(10), Conditions(), reference=True)  # type: ignore[arg-type]
+    cand = setup_request(_Handle(), "cpu", limits, Deadline(10), Conditions())  # type: ignore[arg-type]
     assert ref.file_bytes == 0 and cand.file_bytes == 1 << 20
 
 

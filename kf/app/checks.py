@@ -20,6 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kf.evaluation.grader.baseline_settings import Conditions
 from kf.search_facts import TaskChecked
 from kf.tasks import Task, TaskError, check_task
 
@@ -37,12 +38,12 @@ class Checked:
     made: list[tuple[TaskChecked, float]] = field(default_factory=list)
 
 
-def check_one(task: Task, device: str) -> TaskChecked:
+def check_one(task: Task, device: str, conditions: Conditions | None = None) -> TaskChecked:
     """Check ``task`` on ``device`` now; a :class:`~kf.devices.DeviceError` (no such
     device here) propagates, a broken task is a failed check with its reason."""
     began = time.monotonic()
     try:
-        info, error = check_task(task, device=device), ""
+        info, error = check_task(task, device=device, conditions=conditions), ""
     except TaskError as exc:
         info, error = None, str(exc)
     return TaskChecked(
@@ -63,6 +64,7 @@ def check_tasks(
     *,
     recorded: Mapping[str, TaskChecked],
     single: bool,
+    conditions: Conditions | None = None,
 ) -> Checked:
     """Check each task on ``device``, reusing a check ``recorded`` in the log for the same
     source and device. With ``single`` (a task file, not a folder) a failed check raises
@@ -73,7 +75,7 @@ def check_tasks(
         if before is not None and (before.sha256, before.device) == (task.sha256, device):
             checked = before
         else:
-            checked = check_one(task, device)
+            checked = check_one(task, device, conditions)
             out.made.append((checked, time.time()))
         if checked.ok:
             out.passed.append(task)

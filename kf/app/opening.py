@@ -1,8 +1,10 @@
 """Which run a search goes into: a new one, or the one its ``--db`` already holds.
 
-A log that holds a run is resumed when the tasks, budget, seed, device and LLM asked for
-are the ones it was started with; otherwise it is refused with the differences named,
-unless ``--resume`` asks to continue the logged run as it was started.
+A log that holds a run is resumed when the tasks, budget, seed, device, LLM, tolerance and
+measuring conditions (compile baseline, compile mode, TF32, device inputs) asked for are
+the ones it was started with; otherwise it is refused with the differences named, unless
+``--resume`` asks to continue the logged run as it was started (its recorded tolerance and
+conditions, whatever the flags and environment say now).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kf.app.request import RunRefused, RunRequest
+from kf.evaluation.grader.baseline_settings import Conditions
+from kf.evaluation.wire.tolerance import Tolerance
 from kf.events import decode_event
 from kf.facts import RunStarted
 from kf.fold import fold
@@ -56,18 +60,22 @@ def open_log(request: RunRequest) -> LoggedRun:
 
 
 def run_id_for(
-    logged: LoggedRun, request: RunRequest, tasks: Sequence[Task], device: str
+    logged: LoggedRun,
+    request: RunRequest,
+    tasks: Sequence[Task],
+    device: str,
+    conditions: Conditions,
 ) -> tuple[str, list[str]]:
     """The id of the run to search in and how the asked settings differ from it: the
     log's run (refused if they differ, unless ``--resume``), or a new one
     (``request.run_id`` if given). ``device`` is the run's target (the first device of
-    ``--device``)."""
+    ``--device``), ``conditions`` the measuring conditions asked for."""
     from kf import bus
     from kf.orchestra import new_run_id
 
     if not logged.exists:
         return (bus.valid_run_id(request.run_id) if request.run_id else new_run_id()), []
-    differs = differences(logged, tasks, request, device)
+    differs = differences(logged, tasks, request, device, conditions)
     if differs and not request.resume:
         raise RunRefused(
             f"{request.db} holds run {logged.run_id}, started with other settings ("
@@ -79,7 +87,11 @@ def run_id_for(
 
 
 def differences(
-    logged: LoggedRun, tasks: Sequence[Task], request: RunRequest, device: str
+    logged: LoggedRun,
+    tasks: Sequence[Task],
+    request: RunRequest,
+    device: str,
+    conditions: Conditions,
 ) -> list[str]:
     """What differs between the run a log holds and the one asked for now."""
     started = logged.started
@@ -103,4 +115,11 @@ def differences(
             out.append(f"{key} {started.config.get(key)!r} in the log, {now!r} now")
     if started.seed != request.seed:
         out.append(f"seed {started.seed} in the log, {request.seed} now")
-    return out
+    logged_tolerance, tolerance = Tolerance.of(started.config), Tolerance.of(request.tolerance)
+    if logged_tolerance != tolerance:
+        out.append(f"tolerance {_said(logged_tolerance)} in the log, {_said(tolerance)} now")
+    return out + Conditions.of(started.config).differences(conditions)
+
+
+def _said(tolerance: Tolerance) -> str:
+    return ", ".join(f"{k} {v!r}" for k, v in tolerance.config().items()) or "the default"

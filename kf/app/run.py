@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from kf.app.checks import check_tasks
 from kf.app.opening import LoggedRun, open_log, run_id_for
 from kf.app.request import RunRefused, RunRequest
+from kf.evaluation.grader.baseline_settings import Conditions
 from kf.events import Envelope
 from kf.tasks import Task, TaskError
 
@@ -87,13 +88,20 @@ def prepare_run(request: RunRequest) -> RunPlan:
     try:
         tasks, skipped = _load(request)
         logged = open_log(request)
+        asked = asked_conditions(request)
+        # the run's measuring conditions: a logged run's as it recorded them
+        conditions = Conditions.of(logged.started.config) if logged.started else asked
         if not request.join:  # a joined deployment's workers check on their own devices
             if request.local_worker:
                 from kf.orchestra import prepare_worker
 
                 prepare_worker(request.device)
             checked = check_tasks(
-                tasks, device, recorded=logged.checks, single=not request.tasks.is_dir()
+                tasks,
+                device,
+                recorded=logged.checks,
+                single=not request.tasks.is_dir(),
+                conditions=conditions,
             )
             tasks, records = checked.passed, checked.made
             skipped += checked.failed
@@ -101,10 +109,11 @@ def prepare_run(request: RunRequest) -> RunPlan:
             records = []
         if not tasks:
             raise TaskError(f"{request.tasks}: no usable task ({len(skipped)} skipped)")
-        run_id, differs = run_id_for(logged, request, tasks, device)
+        run_id, differs = run_id_for(logged, request, tasks, device, asked)
     except (TaskError, ValueError) as exc:  # DeviceError and LogError are ValueErrors
         raise RunRefused(str(exc), skipped) from exc
     options = _options(request, devices, device, skipped, run_id, logged)
+    options.extra.update(conditions.config())  # recorded in the run's config
     options.records = list(records)
     notes = (
         [f"kf run: resuming {run_id} as it was started (" + "; ".join(differs) + ")"]
@@ -184,7 +193,6 @@ def _options(
     """The process's settings of the run (:class:`kf.orchestra.RunOptions`); the run's
     config records them."""
     from kf.orchestra import RunOptions
-    from kf.settings import apply
 
     local = devices if request.local_worker else []
     o = RunOptions(
@@ -221,15 +229,18 @@ def _options(
         o.extra["skipped_tasks"] = dict(skipped)  # recorded in the run's first event
     if request.select is not None:
         o.extra["task_selection"] = request.select
-    # the baselines' settings (kf.evaluation.grader.baseline_settings): the local worker's
-    # grader reads them from the process's settings; recorded as asked, and each profile
-    # says what ran
-    asked = {"KF_COMPILE_MODE": request.compile_mode, "KF_TF32": request.tf32}
-    settings = apply({k: v for k, v in asked.items() if v})
-    o.extra["compile_mode"] = settings.get("KF_COMPILE_MODE") or "default"
-    o.extra["tf32"] = settings.get("KF_TF32") or "off"
     o.extra.update(request.llm)
     return o
+
+
+def asked_conditions(request: RunRequest) -> Conditions:
+    """The measuring conditions ``request`` asks for: its ``--compile-mode`` and ``--tf32``
+    over the process's settings (:class:`~kf.evaluation.grader.baseline_settings.Conditions`;
+    a bad value raises its ``BaselineSettingError``, a ``ValueError``)."""
+    from kf.settings import current
+
+    flags = {"KF_COMPILE_MODE": request.compile_mode, "KF_TF32": request.tf32}
+    return Conditions.from_settings(current().with_values({k: v for k, v in flags.items() if v}))
 
 
 def _trusted_devices(request: RunRequest, devices: list[str]) -> list[str] | None:

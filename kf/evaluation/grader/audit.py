@@ -38,12 +38,20 @@ def audit_task(
     timeout_s: float = 120.0,
     pool: Any = None,
     tolerance: Any = None,
+    conditions: Any = None,
 ) -> TaskAudit:
-    """Audit ``task`` in a (reused) reference runner; a failure is recorded, not raised."""
+    """Audit ``task`` in a (reused) reference runner under the run's ``tolerance`` and
+    ``conditions``; a failure is recorded, not raised."""
     from kf.evaluation.grader.session import GradingSession
 
     session = GradingSession(
-        task, device=device, seed=seed, pool=pool, timeout_s=timeout_s, tolerance=tolerance
+        task,
+        device=device,
+        seed=seed,
+        pool=pool,
+        timeout_s=timeout_s,
+        tolerance=tolerance,
+        conditions=conditions,
     )
     return audit_session(session, trials)
 

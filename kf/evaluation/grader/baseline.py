@@ -1,23 +1,17 @@
-"""The ``torch.compile`` baseline: whether it is wanted, its limits and cache, and its
-compilation in the reference runner.
+"""The ``torch.compile`` baseline: its limits and cache, and its compilation in the
+reference runner (whether it is wanted, and its mode, are the run's conditions:
+:class:`kf.evaluation.grader.baseline_settings.Conditions`).
 """
 
 from __future__ import annotations
 
 import os
 
-from kf.evaluation.grader import baseline_settings
-from kf.evaluation.grader.grading import log, reference_runner_key
+from kf.evaluation.grader.grading import log
 from kf.evaluation.grader.sandbox import RunnerCrashed, RunnerFailed, RunnerHandle, RunnerTimeout
+from kf.evaluation.grader.session import GradingSession
 from kf.evaluation.wire.protocol import BaselineCompiled, CompileBaseline
 from kf.settings import current
-from kf.tasks import Task
-
-
-def compile_baseline_wanted() -> bool:
-    """Whether profiles also time the reference under ``torch.compile``
-    (``$KF_COMPILE_BASELINE``, default on; ``0`` turns it off)."""
-    return current().compile_baseline
 
 
 def _compile_timeout_s() -> float:
@@ -55,19 +49,19 @@ class BaselineLost(Exception):
 baseline_lost: dict[str, str] = {}
 
 
-def compile_reference(
-    task: Task, ref: RunnerHandle, device: str, seed: int, want: bool
-) -> BaselineCompiled:
-    """Have the reference runner compile the reference for its current inputs (or find it
-    compiled): its reply, with ``error`` set when there is no compiled baseline."""
+def compile_reference(session: GradingSession, ref: RunnerHandle, want: bool) -> BaselineCompiled:
+    """Have the reference runner compile the session's reference for its current inputs in
+    the run's compile mode (or find it compiled), if ``want``: its reply, with ``error``
+    set when there is no compiled baseline."""
     if not want:
-        return BaselineCompiled(error="turned off by $KF_COMPILE_BASELINE=0")
-    lost_key = f"{reference_runner_key(task, device)}:{seed}"
+        return BaselineCompiled(error="turned off (compile_baseline off: $KF_COMPILE_BASELINE=0)")
+    task = session.task
+    lost_key = f"{session.reference_key}:{session.seed}"
     if lost_key in baseline_lost:
         return BaselineCompiled(error=baseline_lost[lost_key], cached=True)
     try:
         reply = ref.request(
-            CompileBaseline(cache_dir=_inductor_cache_dir(), mode=baseline_settings.compile_mode()),
+            CompileBaseline(cache_dir=_inductor_cache_dir(), mode=session.cond.compile_mode),
             _compile_timeout_s(),
             what="torch.compile of the reference",
         )

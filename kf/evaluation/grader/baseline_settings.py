@@ -1,59 +1,119 @@
-"""How the baselines are run: the ``torch.compile`` mode of the compiled reference, and the
-TF32 setting every runner (the reference's above all) computes under.
+"""The run's measuring conditions besides its tolerance (:class:`Conditions`): whether and
+how the reference is also timed under ``torch.compile``, the TF32 setting every runner (the
+reference's above all) computes under, and where a GPU runner makes the trial inputs.
 
-The grader reads both from its environment and sends them to its runners; the runners
-apply them (:mod:`kf.evaluation.runner.baselines`) and say back what they did,
-and the profile records what the runners said (``ProfileReport.compile_mode``,
-``ProfileReport.tf32``), never merely what was asked.
+They are part of the run's recorded config (``RunStarted.config``, keys
+``compile_baseline``, ``compile_mode``, ``tf32``, ``device_inputs``), as the tolerance is:
+``kf run`` makes them once from its flags and settings (:meth:`Conditions.from_settings`)
+and records them; every grader (the local worker's, a ``kf worker``'s, a resumed run's)
+folds them from the log (:meth:`Conditions.of`) and hands them down in its grading session
+(:class:`kf.evaluation.grader.session.GradingSession`), which sends them to its runners in
+the protocol's messages (``Setup.tf32``, ``Setup.device_inputs``, ``CompileBaseline.mode``).
+No runner reads them from its environment. The runners apply them
+(:mod:`kf.evaluation.runner.baselines`) and say back what they did, and the profile
+records what the runners said (``ProfileReport.compile_mode``, ``ProfileReport.tf32``),
+never merely what was asked.
 
-- ``$KF_COMPILE_MODE`` (``kf run --compile-mode``): ``default`` (inductor's default mode,
-  what ``torch.compile(model)`` gives and KernelBench's ``torch_compile_inductor_default``
-  baseline), or ``max-autotune``, ``max-autotune-no-cudagraphs``, ``reduce-overhead``.
-  Compiling, and max-autotune's autotuning, happen in the first call, which is not timed;
-  the warm-up calls after it (CUDA graph recording for the cudagraph modes) are not
-  timed either.
-- ``$KF_TF32`` (``kf run --tf32``): ``off`` (the default: fp32 matmuls and convolutions in
-  full fp32, ``torch.backends.cuda.matmul.allow_tf32 = False``,
+- ``compile_baseline`` (``$KF_COMPILE_BASELINE``, default on): profiles also time the
+  reference under ``torch.compile``.
+- ``compile_mode`` (``$KF_COMPILE_MODE``, ``kf run --compile-mode``): ``default``
+  (inductor's default mode, what ``torch.compile(model)`` gives and KernelBench's
+  ``torch_compile_inductor_default`` baseline), or ``max-autotune``,
+  ``max-autotune-no-cudagraphs``, ``reduce-overhead``. Compiling, and max-autotune's
+  autotuning, happen in the first call, which is not timed; the warm-up calls after it
+  (CUDA graph recording for the cudagraph modes) are not timed either.
+- ``tf32`` (``$KF_TF32``, ``kf run --tf32``): ``off`` (the default: fp32 matmuls and
+  convolutions in full fp32, ``torch.backends.cuda.matmul.allow_tf32 = False``,
   ``torch.backends.cudnn.allow_tf32 = False``, ``float32_matmul_precision = "highest"``)
   or ``on`` (TF32 for both, precision ``"high"``). PyTorch's own default is mixed — matmul
   off, cuDNN convolutions on — so kf sets both explicitly, the same in the reference's
   runner and the candidate's.
+- ``device_inputs`` (``$KF_DEVICE_INPUTS``, default on): on a GPU, the task's
+  ``get_inputs()`` makes its tensors on the device (``off``: on the host, as KernelBench's
+  harness does; other values, so other inputs).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from kf.evaluation.wire.protocol import COMPILE_MODES, TF32_SETTINGS, BaselineSettingError
-from kf.settings import current
+from kf.settings import Settings
 
 __all__ = [
     "COMPILE_MODES",
     "TF32_SETTINGS",
     "BaselineSettingError",
-    "compile_mode",
-    "tf32_setting",
+    "Conditions",
     "tf32_summary",
 ]
 
+#: the run-config keys of :class:`Conditions`, and the variable each is made from
+VARIABLES = {
+    "compile_baseline": "KF_COMPILE_BASELINE",
+    "compile_mode": "KF_COMPILE_MODE",
+    "tf32": "KF_TF32",
+    "device_inputs": "KF_DEVICE_INPUTS",
+}
 
-def compile_mode() -> str:
-    """``$KF_COMPILE_MODE`` (default ``default``); raises :class:`BaselineSettingError`."""
-    mode = current().compile_mode
-    if mode not in COMPILE_MODES:
-        raise BaselineSettingError(
-            f"KF_COMPILE_MODE={mode!r}: not a torch.compile mode kf knows "
-            f"({', '.join(COMPILE_MODES)})"
+
+class Conditions(msgspec.Struct, frozen=True, kw_only=True):
+    """What a run measures under besides its tolerance (see the module doc); a value kf
+    does not know raises :class:`BaselineSettingError`."""
+
+    compile_baseline: bool = True
+    compile_mode: str = "default"
+    tf32: str = "off"
+    device_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        _known("compile mode", self.compile_mode, COMPILE_MODES)
+        _known("tf32", self.tf32, TF32_SETTINGS)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Conditions:
+        """The conditions ``settings`` ask for (``$KF_COMPILE_BASELINE``,
+        ``$KF_COMPILE_MODE``, ``$KF_TF32``, ``$KF_DEVICE_INPUTS``); a bad value's error
+        names its variable."""
+        _known("$KF_COMPILE_MODE", settings.compile_mode, COMPILE_MODES)
+        _known("$KF_TF32", settings.tf32, TF32_SETTINGS)
+        return cls(
+            compile_baseline=settings.compile_baseline,
+            compile_mode=settings.compile_mode,
+            tf32=settings.tf32,
+            device_inputs=settings.device_inputs,
         )
-    return mode
+
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> Conditions:
+        """From a run config (``RunStarted.config``); a key an older log lacks takes the
+        default."""
+        default = cls()
+        return cls(
+            compile_baseline=bool(config.get("compile_baseline", default.compile_baseline)),
+            compile_mode=str(config.get("compile_mode") or default.compile_mode),
+            tf32=str(config.get("tf32") or default.tf32),
+            device_inputs=bool(config.get("device_inputs", default.device_inputs)),
+        )
+
+    def config(self) -> dict[str, Any]:
+        """The run-config keys that record these conditions."""
+        return {k: getattr(self, k) for k in VARIABLES}
+
+    def differences(self, now: Conditions) -> list[str]:
+        """How ``now`` differs from these (a logged run's), one phrase per condition."""
+        return [
+            f"{k} {getattr(self, k)!r} in the log, {getattr(now, k)!r} now"
+            for k in VARIABLES
+            if getattr(self, k) != getattr(now, k)
+        ]
 
 
-def tf32_setting() -> str:
-    """``$KF_TF32`` (default ``off``); raises :class:`BaselineSettingError`."""
-    value = current().tf32
-    if value not in TF32_SETTINGS:
-        raise BaselineSettingError(f"KF_TF32={value!r}: expected off or on")
-    return value
+def _known(what: str, value: str, known: tuple[str, ...]) -> None:
+    if value not in known:
+        raise BaselineSettingError(f"{what} {value!r}: expected one of {', '.join(known)}")
 
 
 def tf32_summary(precision: dict[str, Any] | None) -> str:

@@ -14,7 +14,8 @@ from typing import TypeVar
 import msgspec
 import structlog
 
-from kf.evaluation.grader import baseline_settings, box
+from kf.evaluation.grader import box
+from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.grader.reports import (
     CompileReport,
     CountersReport,
@@ -86,9 +87,11 @@ def with_sandbox_marks(report: AnyReport, handles: list[RunnerHandle]) -> AnyRep
     return msgspec.structs.replace(report, sandbox=mode)
 
 
-def reference_runner_key(task: Task, device: str) -> str:
-    """Reference runners are reused per task text and device."""
-    return f"{task.sha256}:{device}"
+def reference_runner_key(task: Task, device: str, conditions: Conditions) -> str:
+    """Reference runners are reused per task text, device, and the conditions their
+    tensors depend on (TF32, where inputs are made): a reused runner keeps what it made."""
+    inputs = "device" if conditions.device_inputs else "host"
+    return f"{task.sha256}:{device}:tf32-{conditions.tf32}:{inputs}-inputs"
 
 
 def setup_request(
@@ -96,11 +99,12 @@ def setup_request(
     device: str,
     limits: Limits,
     deadline: Deadline,
+    conditions: Conditions,
     *,
     reference: bool = False,
     nice: int = 0,
 ) -> Setup:
-    """The set-up of ``handle`` for one stage on ``device``."""
+    """The set-up of ``handle`` for one stage on ``device`` under the run's ``conditions``."""
     return Setup(
         device=device,
         threads=handle.threads,
@@ -121,13 +125,13 @@ def setup_request(
         shm=_shm_min_bytes(),
         # a GPU runner's trial inputs made on the GPU: at KernelBench's sizes, making
         # a 6.4 GB input on the host took longer than everything else in a trial
-        device_inputs=device.startswith("cuda") and current().device_inputs,
+        device_inputs=device.startswith("cuda") and conditions.device_inputs,
         # or a candidate runner makes its trial inputs from the seed itself
         own_inputs=not reference and makes_own_inputs(handle, device),
         # a reused reference keeps the input sets it made (the trial seeds repeat)
         reference_cache_bytes=_reference_cache_bytes() if reference else 0,
         # TF32 set explicitly, the same in every runner (kf.evaluation.grader.baseline_settings)
-        tf32=baseline_settings.tf32_setting(),
+        tf32=conditions.tf32,
         nice=nice,
     )
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.grader.grading import CandidateFailed, device_lock, log
 from kf.evaluation.grader.measuring import calls_in, turn
 from kf.evaluation.grader.sandbox import Limits, RunnerError, RunnerPool
@@ -45,6 +46,7 @@ def paired_times(
     limits: Limits | None = None,
     pool: RunnerPool | None = None,
     tolerance: Tolerance | None = None,
+    conditions: Conditions | None = None,
     **_: Any,
 ) -> tuple[list[float], list[float]] | None:
     """The challenger's and the incumbent's samples (ms), timed in alternating rounds
@@ -61,6 +63,7 @@ def paired_times(
             limits=limits or Limits(),
             timeout_s=timeout_s,
             tolerance=tolerance,
+            conditions=conditions,
         )
         for src in (challenger, incumbent)
     ]

@@ -59,7 +59,7 @@ EAGER_HISTORY = 3
 EAGER_OUTLIER = 0.10
 
 #: what :func:`kf.evaluation.grader.verifying.reverify_fast` takes of the profile's arguments
-_REVERIFY_ARGS = ("device", "seed", "timeout_s", "pool", "tolerance")
+_REVERIFY_ARGS = ("device", "seed", "timeout_s", "pool", "tolerance", "conditions")
 
 
 class Incumbent(NamedTuple):

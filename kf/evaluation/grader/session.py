@@ -19,6 +19,7 @@ from functools import cached_property
 from typing import TypeVar
 
 from kf.devices import parse_device
+from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.grader.grading import (
     AnyReport,
     CandidateFailed,
@@ -57,6 +58,7 @@ from kf.evaluation.wire.protocol import (
     Verdict,
 )
 from kf.evaluation.wire.tolerance import Tolerance, resolve
+from kf.settings import current
 from kf.tasks import Task, TaskError
 
 __all__ = ["GradingSession", "Stage"]
@@ -68,8 +70,9 @@ _R = TypeVar("_R", bound=Reply)
 class GradingSession:
     """One candidate (``source``, empty for the task alone) of ``task`` graded on
     ``device``: the seed its trials derive from, the pool its runners come from (None:
-    the process's), their limits, a stage's time limit and the tolerance (None: the
-    task's own, else KernelBench's)."""
+    the process's), their limits, a stage's time limit, the tolerance (None: the
+    task's own, else KernelBench's) and the run's other measuring conditions (None: the
+    process's settings, read when the session is made: ``kf eval``, a library call)."""
 
     task: Task
     source: str = ""
@@ -79,14 +82,23 @@ class GradingSession:
     limits: Limits = field(default_factory=Limits)
     timeout_s: float = 120.0
     tolerance: Tolerance | None = None
+    conditions: Conditions | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", parse_device(self.device))
+        if self.conditions is None:
+            object.__setattr__(self, "conditions", Conditions.from_settings(current()))
 
     @property
     def runners(self) -> RunnerPool:
         """The pool the stages lease runners from."""
         return self.pool or default_pool()
+
+    @property
+    def cond(self) -> Conditions:
+        """The measuring conditions the session's runners are set up under."""
+        assert self.conditions is not None  # set by __post_init__
+        return self.conditions
 
     @cached_property
     def tol(self) -> Tolerance:
@@ -96,7 +108,7 @@ class GradingSession:
     @property
     def reference_key(self) -> str:
         """The key reference runners of the task on the device are reused under."""
-        return reference_runner_key(self.task, self.device)
+        return reference_runner_key(self.task, self.device, self.cond)
 
 
 class Stage:
@@ -220,13 +232,13 @@ class Stage:
         """Set the reference runner up (its answer: ``precision``, its TF32 settings)."""
         s = self.session
         return self.reference(
-            setup_request(self.ref, s.device, s.limits, self.deadline, reference=True)
+            setup_request(self.ref, s.device, s.limits, self.deadline, s.cond, reference=True)
         )
 
     def setup_candidate(self, nice: int = 0) -> SetUp:
         """Set the candidate runner up (a failure here is the runner's, not the candidate's)."""
         s = self.session
-        request = setup_request(self.cand, s.device, s.limits, self.deadline, nice=nice)
+        request = setup_request(self.cand, s.device, s.limits, self.deadline, s.cond, nice=nice)
         return self.cand.request(request, self.deadline.left())
 
     def load_task(self, seed: int | None = None) -> TaskLoaded:

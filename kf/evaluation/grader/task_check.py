@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.grader.sandbox import Limits, RunnerPool
 from kf.evaluation.grader.session import GradingSession, Stage
 from kf.evaluation.wire.protocol import MakeInputs
@@ -15,10 +16,16 @@ def run_task_check(
     timeout_s: float = 120.0,
     limits: Limits | None = None,
     pool: RunnerPool | None = None,
+    conditions: Conditions | None = None,
 ) -> TaskInfo:
     """See :func:`kf.tasks.check_task`."""
     session = GradingSession(
-        task, device=device, pool=pool, limits=limits or Limits(), timeout_s=timeout_s
+        task,
+        device=device,
+        pool=pool,
+        limits=limits or Limits(),
+        timeout_s=timeout_s,
+        conditions=conditions,
     )
     stage = Stage(session)
     with session.runners.lease() as ref:

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from kf.evaluation.grader.admission import BIG_LOCKS, big_task_bytes, set_footprint, too_large
+from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.grader.grading import (
     DISTRIBUTION_FAILED,
     REVERIFY_ABOVE,
@@ -41,6 +42,7 @@ def verify_candidate(
     pool: RunnerPool | None = None,
     generalise: bool = True,
     tolerance: Tolerance | None = None,
+    conditions: Conditions | None = None,
 ) -> VerifyReport:
     """Check the candidate against the reference on ``trials`` fresh seeded inputs (KernelBench).
 
@@ -52,7 +54,7 @@ def verify_candidate(
     """
     session = GradingSession(
         task, source, device=device, seed=seed, pool=pool, limits=limits or Limits(),
-        timeout_s=timeout_s, tolerance=tolerance,
+        timeout_s=timeout_s, tolerance=tolerance, conditions=conditions,
     )  # fmt: skip
     return verify_session(session, trials=trials, generalise=generalise)
 
@@ -223,6 +225,7 @@ def reverify_fast(
     timeout_s: float = 120.0,
     pool: RunnerPool | None = None,
     tolerance: Tolerance | None = None,
+    conditions: Conditions | None = None,
 ) -> ProfileReport:
     """Re-verify a speed-up above :data:`REVERIFY_ABOVE` on fresh seeds and shapes, and flag it.
 
@@ -232,7 +235,7 @@ def reverify_fast(
     """
     session = GradingSession(
         task, source, device=device, seed=seed, pool=pool, timeout_s=timeout_s,
-        tolerance=tolerance,
+        tolerance=tolerance, conditions=conditions,
     )  # fmt: skip
     return reverify_session(session, report)
 
