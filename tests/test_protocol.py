@@ -299,3 +299,26 @@ def test_protocol_grader_reads_no_message_over_its_limit() -> None:
     finally:
         ours.close()
         theirs.close()
+
+
+def test_protocol_tensors_of_any_layout_travel_beside_the_message() -> None:
+    """What keeps kf's own messages far below the grader's limit: a transposed and a sliced
+    tensor travel in the memory file too (the description stays small; the transpose keeps
+    its strides, the slice comes back as its values), and a description whose strides
+    would overlap is refused."""
+    big = torch.randn(64, 1 << 14)  # 4 MiB
+    values = [big.t(), big[:, ::2], torch.randn(4, 1).expand(4, 1 << 10)]
+    payload = shared_memory.pack(torch, values)
+    assert payload is not None and payload.nbytes >= 6 << 20
+    assert len(payload.header) < 64 << 10  # the expanded view's 16 bytes of storage included
+    back = shared_memory.unpack(torch, payload)
+    assert all(torch.equal(a, b) for a, b in zip(values, back, strict=True))
+    assert back[0].stride() == big.t().stride() and back[1].is_contiguous()
+    entries = msgspec.msgpack.decode(payload.header[len(shared_memory.MAGIC) :])
+    entries[0]["t"]["stride"] = [0, 1]  # every row the same memory
+    bad = msgspec.structs.replace(
+        payload, header=shared_memory.MAGIC + msgspec.msgpack.encode(entries)
+    )
+    with pytest.raises(ValueError, match="malformed tensor description"):
+        shared_memory.unpack(torch, bad)
+    payload.close()
