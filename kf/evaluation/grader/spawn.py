@@ -69,6 +69,35 @@ class Limits:
     file_bytes: int = field(default_factory=lambda: current().eval_file_mb * 2**20)
 
 
+def _runner_env(scratch: Path, log_path: Path, threads: int, warm: str | None) -> dict[str, str]:
+    """A runner's environment before the box's allow-list: this process's with its settings
+    (kf.settings.apply: a command's flags), which the runner reads as its own."""
+    env = {**os.environ, **applied()}
+    env.update(
+        TMPDIR=str(scratch),
+        # build tools the runner starts add their verdicts to its log (kf.cuda.objcache)
+        KF_OBJCACHE_LOG=str(log_path),
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        PYTHONUNBUFFERED="1",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    env.pop("KF_RUNNER_WARM", None)
+    if warm:
+        env["KF_RUNNER_WARM"] = warm
+    # Fair timing on a CPU: idle OpenMP threads of one runner must not spin while the
+    # other runner is being timed, and big buffers are reused from the heap rather than
+    # mmap'ed afresh (page faults) on every call — which helps eager's temporaries most,
+    # so the baseline gets stronger, never weaker. The user's own settings win.
+    for key, value in (
+        ("OMP_WAIT_POLICY", "PASSIVE"),
+        ("MALLOC_MMAP_THRESHOLD_", str(1 << 30)),
+        ("MALLOC_TRIM_THRESHOLD_", str(1 << 31)),
+    ):
+        env.setdefault(key, value)
+    return env
+
+
 class Started(NamedTuple):
     """A runner process just started: the grader's end of its socket, and where it runs."""
 
@@ -96,31 +125,7 @@ def start(
     scratch = Path(tempfile.mkdtemp(prefix="kf-runner-"))
     log_path = scratch / "runner.log"
     parent_sock, child_sock = socket.socketpair()
-    # the environment with this process's settings (kf.settings.apply: a command's
-    # flags), which the runner reads as its own
-    env = {**os.environ, **applied()}
-    env.update(
-        TMPDIR=str(scratch),
-        # build tools the runner starts add their verdicts to its log (kf.cuda.objcache)
-        KF_OBJCACHE_LOG=str(log_path),
-        OMP_NUM_THREADS=str(threads),
-        MKL_NUM_THREADS=str(threads),
-        PYTHONUNBUFFERED="1",
-        PYTHONDONTWRITEBYTECODE="1",
-    )
-    env.pop("KF_RUNNER_WARM", None)
-    if warm:
-        env["KF_RUNNER_WARM"] = warm
-    # Fair timing on a CPU: idle OpenMP threads of one runner must not spin while the
-    # other runner is being timed, and big buffers are reused from the heap rather than
-    # mmap'ed afresh (page faults) on every call — which helps eager's temporaries most,
-    # so the baseline gets stronger, never weaker. The user's own settings win.
-    for key, value in (
-        ("OMP_WAIT_POLICY", "PASSIVE"),
-        ("MALLOC_MMAP_THRESHOLD_", str(1 << 30)),
-        ("MALLOC_TRIM_THRESHOLD_", str(1 << 31)),
-    ):
-        env.setdefault(key, value)
+    env = _runner_env(scratch, log_path, threads, warm)
     runner = [python, "-P", "-m", "kf.evaluation.runner", str(child_sock.fileno())]
     if sandbox == box.MODE_BWRAP:
         isolated_network = True
