@@ -361,6 +361,35 @@ def test_box_honest_native_candidate_is_built_by_the_grader(
 
 
 @needs_box
+@pytest.mark.skipif(not Path("/dev/nvidia0").exists(), reason="needs a GPU (the H200)")
+@pytest.mark.skipif(os.geteuid() != 0, reason="the uid mode is for root")
+def test_box_uid_mode_builds_and_runs_a_cuda_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU, a box in the uid mode (a host uid of its own, no user namespace, under
+    RLIMIT_NPROC) may open the GPU's nodes, builds a load_inline kernel through the
+    grader's build box (nvcc's processes under the limit) and verifies and times it."""
+    _limit_mode({"KF_BOX_CGROUP": "0"}, monkeypatch)
+    env = _grader_env(tmp_path, KF_CACHE_DIR=str(tmp_path / "cache"), KF_BOX_CGROUP="0")
+    task = ROOT / "examples/cuda_tasks/gelu_residual.py"
+    seed = ROOT / "examples/cuda_tasks/seeds/gelu_residual.py"
+    cli = [sys.executable, "-m", "kf.evaluation.grader.cli", str(task), str(seed)]
+    proc = subprocess.run(
+        [*cli, "--device", "cuda:0", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["correct"] and result["profile"]["ok"], result
+    assert [result[s]["sandbox"] for s in ("compile", "verify", "profile")] == ["bwrap"] * 3
+
+
+@needs_box
 def test_box_build_service_refuses_a_broken_build_with_the_compiler_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
