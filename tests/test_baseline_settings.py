@@ -168,3 +168,51 @@ def test_profile_records_the_settings_the_runners_used(monkeypatch: pytest.Monke
         assert off.ok and off.tf32 == "off" and off.compile_mode == ""
     finally:
         pool.close()
+
+
+def test_a_resumed_run_grades_under_its_recorded_conditions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that folds a run's log (a resumed run's, a ``kf worker``'s) profiles under
+    the conditions the run recorded when it started, though its environment now asks for
+    others."""
+    from agents.profiler import Profiler, ProfilerState
+    from kf.agent import AgentContext
+    from kf.events import make_envelope
+    from kf.facts import RunStarted, TaskSpec
+    from kf.fold import fold
+    from kf.log import EventLog
+    from kf.search_facts import CandidateProposed
+    from kf.tasks import load_task
+
+    task = load_task(EVAL / "task_gelu.py")
+    source = (EVAL / "honest.py").read_text()
+    recorded = Conditions(compile_baseline=False, tf32="on")
+    events = [
+        RunStarted(
+            run_id="r1",
+            seed=0,
+            config={"device": "cpu", "budget": 1, **recorded.config()},
+            tasks=(TaskSpec(name=task.name, source=task.source, sha256=task.sha256),),
+        ),
+        CandidateProposed(
+            candidate_id="c1", task=task.name, source=source, operator="seed", mutator="test"
+        ),
+    ]
+    db = tmp_path / "run.db"
+    with EventLog(db) as elog:
+        elog.append([make_envelope(e, run_id="r1", source="test") for e in events])
+    # the environment now: TF32 off, and a compiled baseline in another mode
+    monkeypatch.setenv("KF_TF32", "off")
+    monkeypatch.setenv("KF_COMPILE_BASELINE", "1")
+    monkeypatch.setenv("KF_COMPILE_MODE", "reduce-overhead")
+    agent = Profiler(AgentContext(run_id="r1", agent_id="profiler@t", options={"device": "cpu"}))
+    with EventLog(db, readonly=True) as elog:
+        state = fold(elog.read(), agent)
+    assert isinstance(state, ProfilerState)
+    assert state.conditions == recorded
+    report = agent._profile(state, state.tasks[task.name], "c1", source)
+    assert report.ok, report.error
+    assert report.tf32 == "on"  # as the runners applied it
+    assert report.compile_mode == "" and report.compiled_runtime_ms is None
+    assert "turned off" in (report.compile_baseline_error or "")

@@ -21,8 +21,9 @@ def kf(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 
 
 def test_run_rerun_with_other_settings_is_refused_unless_resume(tmp_path: Path) -> None:
-    """A second `kf run` on a log with another budget or seed is refused with the
-    differences named; with --resume it continues the logged run as it was started."""
+    """A second `kf run` on a log with another budget, seed or TF32 is refused with the
+    differences named; with --resume it continues the logged run as it was started (its
+    recorded conditions: tests/test_baseline_settings.py grades under them)."""
     db = tmp_path / "run.db"
     task = str(SEARCH / "scale_relu.py")
     # no tuning (--tune-budget 0 in every command, so it is no difference): the settings
@@ -32,14 +33,22 @@ def test_run_rerun_with_other_settings_is_refused_unless_resume(tmp_path: Path) 
     first = run(RunRequest(tasks=Path(task), budget=1, db=db, tune_budget=0), out=io.StringIO())
     assert first.db == db and first.report["tasks"][0]["candidates"] == 1
     assert first.unrunnable is None and first.report["finished"]
-    again = kf("run", task, "--budget", "5", "--seed", "4", "--db", str(db), "--tune-budget", "0")
+    again = kf(
+        "run", task, "--budget", "5", "--seed", "4", "--db", str(db), "--tune-budget", "0",
+        "--tf32", "on",
+    )  # fmt: skip
     assert again.returncode == 2
     message = again.stderr.strip().splitlines()[-1]
     assert "budget 1 in the log, 5 now" in message and "seed 0 in the log, 4 now" in message
+    assert "tf32 'off' in the log, 'on' now" in message
     assert "--resume" in message and "Traceback" not in again.stderr
-    resumed = kf("run", task, "--budget", "5", "--db", str(db), "--tune-budget", "0", "--resume")
+    resumed = kf(
+        "run", task, "--budget", "5", "--db", str(db), "--tune-budget", "0", "--resume",
+        "--tf32", "on",
+    )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout and "as it was started" in resumed.stdout
+    assert "tf32 'off' in the log, 'on' now" in resumed.stdout
     same = kf("run", task, "--budget", "1", "--db", str(db), "--tune-budget", "0")
     assert same.returncode == 0, same.stderr[-3000:]
     # the task was checked once, by the first run: each resume reused the recorded check
