@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
+from kf.cuda import ncu
 from kf.evaluation.grader import box
 from kf.evaluation.grader.grading import CandidateFailed
 from kf.evaluation.grader.reports import CountersReport
@@ -50,12 +54,6 @@ def counters_session(session: GradingSession) -> CountersReport:
 
 def _counters(stage: Stage) -> CountersReport:
     """:func:`counters_session` in ``stage``."""
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    from kf.cuda import ncu
-
     device, pool = stage.device, stage.session.runners
     start = time.monotonic()
     tool = ncu.find_ncu()

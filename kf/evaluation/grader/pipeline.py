@@ -14,8 +14,10 @@ what they share: :mod:`~kf.evaluation.grader.grading`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
+from kf.evaluation.grader.audit import audit_task
 from kf.evaluation.grader.compiling import compile_session
 from kf.evaluation.grader.counters import COUNTERS_TIMEOUT_S, counters_session
 from kf.evaluation.grader.policy import stated_profile
@@ -53,8 +55,6 @@ def evaluate(
     else KernelBench's). With ``audit``, the task is audited too (is it degenerate?
     :mod:`kf.evaluation.grader.audit`).
     """
-    from kf.evaluation.grader.audit import audit_task
-
     session = GradingSession(
         task, source, device=device, seed=seed, pool=pool, limits=limits or Limits(),
         timeout_s=timeout_s, tolerance=tolerance,
@@ -65,19 +65,13 @@ def evaluate(
         if audit
         else None
     )
+    result = functools.partial(EvalResult, task=task.name, device=device, seed=seed, audit=audited)
     compiled = compile_session(session, build_timeout_s)
     if not compiled.ok:
-        return EvalResult(task=task.name, compile=compiled, device=device, seed=seed, audit=audited)
+        return result(compile=compiled)
     verified = verify_session(session)
     if not verified.correct or not profile:
-        return EvalResult(
-            task=task.name,
-            compile=compiled,
-            verify=verified,
-            device=device,
-            seed=seed,
-            audit=audited,
-        )
+        return result(compile=compiled, verify=verified)
     # kf's one profiling policy, as the profiler agent of `kf run` applies it; a lone
     # evaluation has no earlier sessions and no incumbent, so of its guards only the
     # re-verification above 10x can apply here
@@ -98,13 +92,4 @@ def evaluate(
         if counters and profiled.ok
         else None
     )
-    return EvalResult(
-        task=task.name,
-        compile=compiled,
-        verify=verified,
-        profile=profiled,
-        device=device,
-        seed=seed,
-        counters=measured,
-        audit=audited,
-    )
+    return result(compile=compiled, verify=verified, profile=profiled, counters=measured)

@@ -23,7 +23,7 @@ from kf.evaluation.grader.grading import (
     trim_reference,
 )
 from kf.evaluation.grader.reports import ProfileReport, TrialEvidence, VerifyReport
-from kf.evaluation.grader.sandbox import Limits, RunnerPool
+from kf.evaluation.grader.sandbox import Limits, RunnerHandle, RunnerPool
 from kf.evaluation.grader.session import GradingSession, Stage
 from kf.evaluation.wire.protocol import MakeInputs, Run
 from kf.evaluation.wire.tolerance import Tolerance, for_dtype, resolve, rule_of
@@ -69,97 +69,121 @@ def verify_session(
 
 def _verify(stage: Stage, trials: int, generalise: bool) -> VerifyReport:
     """:func:`verify_session` in ``stage``."""
-    session, task, device = stage.session, stage.task, stage.device
-    evidence: list[TrialEvidence] = []
-    variants: list[TrialEvidence] = []
-    hidden: list[TrialEvidence] = []
-    flags: list[str] = []
-    atol = rtol = 0.0
-    chosen, chosen_from = resolve(session.tolerance, task.source)
+    task = stage.task
+    chosen, chosen_from = resolve(stage.session.tolerance, task.source)
     with stage.reference_lease() as ref, stage.candidate_lease() as cand:
-        start = time.monotonic()
+        found = _Findings(stage, cand, chosen, chosen_from)
         stage.restart_clock()
-
-        def report(**kw: Any) -> VerifyReport:
-            return VerifyReport(
-                trials=len(evidence),
-                max_abs_err=max((e.max_abs_err for e in evidence), default=0.0),
-                max_rel_err=max((e.max_rel_err for e in evidence), default=0.0),
-                evidence=tuple(evidence),
-                atol=atol,
-                rtol=rtol,
-                min_tolerance=max((e.min_tol for e in evidence), default=0.0),
-                tolerance_source=chosen_from,
-                duration_s=time.monotonic() - start,
-                variant_evidence=tuple(variants),
-                distribution_evidence=tuple(hidden),
-                flags=tuple(flags) + tuple(f for f in cand.findings if f not in flags),
-                phases=stage.phases(),
-                peak_device_mb=stage.peak_device_mb(),
-                rule=rule_of(chosen),
-                float64_passed=sum(
-                    e.ok and e.rule == "float64" for e in (*evidence, *variants, *hidden)
-                ),
-                **kw,
-            )
-
-        big: threading.Lock | None = None
         try:
             stage.load_pair()
-            for i, trial_seed in enumerate(seed_trials(session.seed, trials)):
-                made = stage.make_inputs(trial_seed)
-                refused = too_large(made, device) if i == 0 else None
-                if refused is not None:
-                    log.info("candidate_rejected", task=task.name, kind="too_large")
-                    return report(correct=False, failure_kind="too_large", error=refused)
-                if (
-                    big is None
-                    and device.startswith("cuda")
-                    and set_footprint(made) > big_task_bytes()
-                ):
-                    big = BIG_LOCKS.setdefault(device, threading.Lock())
-                    big.acquire()
-                pairs = [for_dtype(chosen, d) for d in made.output_dtypes]
-                atol = max((a for a, _ in pairs), default=for_dtype(chosen, "float32")[0])
-                rtol = max((r for _, r in pairs), default=for_dtype(chosen, "float32")[1])
-                ran = stage.candidate(
-                    stage.run_request(made, trial_seed, trace=i == 0),
-                    what=f"forward (trial {i + 1})",
-                )
-                if ran.torch_ops:
-                    ops = ", ".join(f"aten.{op}" for op in ran.torch_ops[:8])
-                    flags.append(f"torch_compute: forward dispatched PyTorch ops {ops}")
-                verdict = stage.judge(ran, trial_seed)
-                evidence.append(trial_evidence(trial_seed, verdict))
-                if not verdict.ok:
-                    log.info("candidate_rejected", task=task.name, kind=verdict.kind)
-                    return report(
-                        correct=False,
-                        failure_kind=verdict.kind,
-                        error=f"trial {i + 1}/{trials} (seed {trial_seed}): {verdict.reason}",
-                    )
-            if generalise:
-                failed = _generalisation_gate(stage, variants)
-                if failed is not None:
-                    log.info("candidate_rejected", task=task.name, kind="generalisation_failed")
-                    return report(correct=False, failure_kind="generalisation_failed", error=failed)
-                failed = _hidden_distributions(stage, hidden)
-                if failed is not None:
-                    log.info("candidate_rejected", task=task.name, kind=DISTRIBUTION_FAILED)
-                    return report(correct=False, failure_kind=DISTRIBUTION_FAILED, error=failed)
+            failed = _seeded_trials(stage, found, trials)
+            if failed is None and generalise:
+                failed = _unseen_inputs(stage, found)
+            if failed is not None:
+                return failed
         except CandidateFailed as exc:
             stage.after_candidate_failure(exc)
-            log.info("candidate_rejected", task=task.name, kind=exc.kind)
             detail = (
                 f"\n{exc.log[-1500:]}" if exc.kind in ("crash", "exception") and exc.log else ""
             )
-            return report(correct=False, failure_kind=exc.kind, error=exc.error + detail)
+            return found.rejected(exc.kind, exc.error + detail)
         finally:
             trim_reference(ref)
-            if big is not None:
-                big.release()
-    log.info("candidate_verified", task=task.name, trials=len(evidence))
-    return report(correct=True)
+            if found.big is not None:
+                found.big.release()
+    log.info("candidate_verified", task=task.name, trials=len(found.evidence))
+    return found.report(correct=True)
+
+
+class _Findings:
+    """What a verification found so far (each trial's evidence, the gate's and the hidden
+    distributions', flags, the widest tolerance applied), and its report at any point."""
+
+    def __init__(
+        self, stage: Stage, cand: RunnerHandle, chosen: Tolerance, chosen_from: str
+    ) -> None:
+        self.stage, self.cand, self.chosen, self.chosen_from = stage, cand, chosen, chosen_from
+        self.start = time.monotonic()
+        self.evidence: list[TrialEvidence] = []
+        self.variants: list[TrialEvidence] = []
+        self.hidden: list[TrialEvidence] = []
+        self.flags: list[str] = []
+        self.atol = self.rtol = 0.0
+        self.big: threading.Lock | None = None  # held while a big task verifies
+
+    def report(self, **kw: Any) -> VerifyReport:
+        evidence, stage = self.evidence, self.stage
+        return VerifyReport(
+            trials=len(evidence),
+            max_abs_err=max((e.max_abs_err for e in evidence), default=0.0),
+            max_rel_err=max((e.max_rel_err for e in evidence), default=0.0),
+            evidence=tuple(evidence),
+            atol=self.atol,
+            rtol=self.rtol,
+            min_tolerance=max((e.min_tol for e in evidence), default=0.0),
+            tolerance_source=self.chosen_from,
+            duration_s=time.monotonic() - self.start,
+            variant_evidence=tuple(self.variants),
+            distribution_evidence=tuple(self.hidden),
+            flags=tuple(self.flags) + tuple(f for f in self.cand.findings if f not in self.flags),
+            phases=stage.phases(),
+            peak_device_mb=stage.peak_device_mb(),
+            rule=rule_of(self.chosen),
+            float64_passed=sum(
+                e.ok and e.rule == "float64" for e in (*evidence, *self.variants, *self.hidden)
+            ),
+            **kw,
+        )
+
+    def rejected(self, kind: str | None, error: str) -> VerifyReport:
+        log.info("candidate_rejected", task=self.stage.task.name, kind=kind)
+        return self.report(correct=False, failure_kind=kind, error=error)
+
+
+def _seeded_trials(stage: Stage, found: _Findings, trials: int) -> VerifyReport | None:
+    """The trials on the task's own inputs, one seed each (the first records the PyTorch
+    ops ``forward`` dispatches); the report of the first that fails, else None."""
+    device, chosen = stage.device, found.chosen
+    for i, trial_seed in enumerate(seed_trials(stage.session.seed, trials)):
+        made = stage.make_inputs(trial_seed)
+        refused = too_large(made, device) if i == 0 else None
+        if refused is not None:
+            return found.rejected("too_large", refused)
+        if (
+            found.big is None
+            and device.startswith("cuda")
+            and set_footprint(made) > big_task_bytes()
+        ):
+            found.big = BIG_LOCKS.setdefault(device, threading.Lock())
+            found.big.acquire()
+        pairs = [for_dtype(chosen, d) for d in made.output_dtypes]
+        found.atol = max((a for a, _ in pairs), default=for_dtype(chosen, "float32")[0])
+        found.rtol = max((r for _, r in pairs), default=for_dtype(chosen, "float32")[1])
+        ran = stage.candidate(
+            stage.run_request(made, trial_seed, trace=i == 0),
+            what=f"forward (trial {i + 1})",
+        )
+        if ran.torch_ops:
+            ops = ", ".join(f"aten.{op}" for op in ran.torch_ops[:8])
+            found.flags.append(f"torch_compute: forward dispatched PyTorch ops {ops}")
+        verdict = stage.judge(ran, trial_seed)
+        found.evidence.append(trial_evidence(trial_seed, verdict))
+        if not verdict.ok:
+            why = f"trial {i + 1}/{trials} (seed {trial_seed}): {verdict.reason}"
+            return found.rejected(verdict.kind, why)
+    return None
+
+
+def _unseen_inputs(stage: Stage, found: _Findings) -> VerifyReport | None:
+    """The generalisation gate's shapes, then the hidden distributions; the report of the
+    first that fails, else None."""
+    failed = _generalisation_gate(stage, found.variants)
+    if failed is not None:
+        return found.rejected("generalisation_failed", failed)
+    failed = _hidden_distributions(stage, found.hidden)
+    if failed is not None:
+        return found.rejected(DISTRIBUTION_FAILED, failed)
+    return None
 
 
 def _hidden_distributions(stage: Stage, evidence: list[TrialEvidence]) -> str | None:
