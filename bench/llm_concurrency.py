@@ -23,10 +23,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tests.harness import seedless_scale_relu
 from tests.llm_server import ScriptedServer
 from tests.scripted_answers import cpp_module
-
-TASK = ROOT / "tests/fixtures/llm/tasks/scale_relu.py"
 
 
 class SlowResponder:
@@ -57,8 +56,9 @@ def main() -> int:
             ScriptedServer(responder=SlowResponder(args.delay)) as server,
         ):
             db = Path(tmp) / "run.db"
+            task = seedless_scale_relu(Path(tmp) / "tasks")
             cmd = [
-                sys.executable, "-m", "kf.cli", "run", str(TASK), "--llm-url", server.url,
+                sys.executable, "-m", "kf.cli", "run", str(task), "--llm-url", server.url,
                 "--model", "scripted", "--budget", str(args.budget), "--init", str(conc),
                 "--llm-concurrency", str(conc), "--max-in-flight", str(args.max_in_flight),
                 "--db", str(db), "--json",

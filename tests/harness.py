@@ -19,6 +19,21 @@ from kf.runtime import fetch_range
 from tests.tally import Pinged, Tally
 
 ROOT = Path(__file__).resolve().parent.parent
+#: the tiny fusion task relu(x * 2 + b) on a 64 x 256 input, its seed in seeds/ beside it
+SCALE_RELU = ROOT / "tests/fixtures/search/scale_relu.py"
+
+
+def seedless_scale_relu(folder: Path, rows: int = 64, cols: int = 256) -> Path:
+    """SCALE_RELU written into ``folder`` with no seeds/ beside it (an LLM writes the first
+    kernels), its input ``rows`` x ``cols``: the file's path."""
+    source = SCALE_RELU.read_text()
+    for old, new in (("randn(64, 256)", f"randn({rows}, {cols})"), ("[256]", f"[{cols}]")):
+        assert old in source, f"{SCALE_RELU} no longer has {old!r}"
+        source = source.replace(old, new)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / SCALE_RELU.name
+    path.write_text(source)
+    return path
 
 
 def run_kf(

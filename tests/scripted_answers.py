@@ -12,7 +12,7 @@ from typing import Any
 
 from tests.llm_server import user_text
 
-# -- the CPU task tests/fixtures/llm/tasks/scale_relu.py ----------------------------------
+# -- the CPU task tests/fixtures/search/scale_relu.py -------------------------------------
 
 CPP_MODULE = '''\
 import ctypes

@@ -19,12 +19,9 @@ import pytest
 
 from kf.events import decode_event
 from kf.log import EventLog
-from tests.harness import run_kf
+from tests.harness import run_kf, seedless_scale_relu
 from tests.llm_server import ScriptedServer
 from tests.scripted_answers import CpuResponder
-
-ROOT = Path(__file__).resolve().parent.parent
-TASK = ROOT / "tests/fixtures/llm/tasks/scale_relu.py"
 
 
 def kf(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
@@ -38,10 +35,11 @@ def seedless_run(
     """One seedless run (--init 2, budget 6, no tuning: tests/test_tuning.py tunes an
     LLM-written template), the scripted server stopped afterwards."""
     db = tmp_path_factory.mktemp("seedless") / "run.db"
+    task = seedless_scale_relu(db.parent / "tasks")
     responder = CpuResponder()
     with ScriptedServer(responder=responder) as server:
         proc = kf(
-            "run", str(TASK), "--llm-url", server.url, "--model", "scripted", "--budget", "6",
+            "run", str(task), "--llm-url", server.url, "--model", "scripted", "--budget", "6",
             "--init", "2", "--seed", "3", "--db", str(db), "--json", "--max-in-flight", "2",
             "--tune-budget", "0",
         )  # fmt: skip

@@ -19,12 +19,9 @@ import torch
 
 from kf.events import decode_event
 from kf.log import EventLog
-from tests.harness import run_kf
+from tests.harness import run_kf, seedless_scale_relu
 from tests.llm_server import ScriptedServer
 from tests.scripted_answers import GpuResponder
-
-ROOT = Path(__file__).resolve().parent.parent
-TASK = ROOT / "tests/fixtures/llm/cuda_tasks/scale_relu.py"
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,9 +42,10 @@ def kf(*args: str, timeout: float = 560) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def gpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], str]:
     db = tmp_path_factory.mktemp("llmgpu") / "run.db"
+    task = seedless_scale_relu(db.parent / "tasks", 8192, 8192)  # big enough for a GPU
     with ScriptedServer(responder=GpuResponder()) as server:
         proc = kf(
-            "run", str(TASK), "--device", "cuda:0", "--llm-url", server.url,
+            "run", str(task), "--device", "cuda:0", "--llm-url", server.url,
             "--model", "scripted", "--budget", "4", "--init", "2", "--db", str(db),
             "--json", "--max-in-flight", "4",
         )  # fmt: skip

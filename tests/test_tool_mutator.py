@@ -34,12 +34,12 @@ from kf.llm.tools import ToolLimits, ToolReply, run_device_tool, tool_specs
 from kf.llm_facts import EpisodeEnded, LlmCalled, LlmToolCall, ToolCalled
 from kf.log import EventLog
 from kf.search_facts import ParentSelected
-from tests.harness import run_kf
+from tests.harness import SCALE_RELU, run_kf, seedless_scale_relu
 from tests.llm_server import ScriptedServer
 from tests.scripted_answers import ToolEpisodeResponder, cpp_variant
 
 ROOT = Path(__file__).resolve().parent.parent
-TASK = ROOT / "tests/fixtures/llm/tasks/scale_relu.py"
+TASK = SCALE_RELU
 FAKE_AGENT = f"{sys.executable} {ROOT / 'tests/fixtures/agents/fake_agent.py'}"
 PROMPT = Prompt(
     messages=[
@@ -318,9 +318,10 @@ def mixed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     tuning of their templates after the search: tests/test_tuning.py tunes an LLM-written
     one); the scripted server is stopped when it ends."""
     db = tmp_path_factory.mktemp("mixed") / "run.db"
+    task = seedless_scale_relu(db.parent / "tasks")
     with ScriptedServer(responder=ToolEpisodeResponder()) as server:
         proc = run_kf(
-            "run", str(TASK), "--llm-url", server.url, "--model", "scripted", "--budget", "3",
+            "run", str(task), "--llm-url", server.url, "--model", "scripted", "--budget", "3",
             "--init", "3", "--seed", "1", "--db", str(db), "--json", "--max-in-flight", "2",
             "--mutators", "single=1,tools=1,cli=1", "--agent-cmd", FAKE_AGENT,
             "--tune-budget", "0", timeout=500,
