@@ -29,7 +29,7 @@ import msgspec
 from agents.cli_mutator import CliSpec, agent_label, run_cli_episode
 from agents.tool_mutator import Elite, EpisodeResult, EpisodeSpec, ToolFn, run_episode
 from agents.tool_server import BusTools
-from agents.tuned import tuned_candidate
+from agents.tuned import seed_candidates, tuned_candidate
 from kf import params
 from kf.agent import Agent, AgentContext
 from kf.backends import backend_of, device_kind, language_of
@@ -317,7 +317,13 @@ class LlmMutator(Agent[LlmMutatorState]):
     async def react(self, state: LlmMutatorState, rec: Record) -> Sequence[Event]:
         ev = rec.event
         if isinstance(ev, RunStarted):
-            return self._seeds(state, rec)
+            return seed_candidates(
+                state.seeds,
+                rec.event_id,
+                islands=state.islands,
+                device=state.device,
+                mutator=SEED_LABEL,
+            )
         if isinstance(ev, PromptChosen):
             return await self._mutate(state, ev, rec.event_id)
         if isinstance(ev, PromptRewriteRequested):
@@ -325,27 +331,6 @@ class LlmMutator(Agent[LlmMutatorState]):
         if isinstance(ev, TunedChosen):  # a tuner's configuration: no model involved
             return [tuned_candidate(state.sources, ev, rec.event_id, island=0, device=state.device)]
         return ()
-
-    def _seeds(self, state: LlmMutatorState, rec: Record) -> list[Event]:
-        out: list[Event] = []
-        for task, seeds in state.seeds.items():
-            for i, (name, source) in enumerate(seeds):
-                parsed = _params(source)
-                out.append(
-                    CandidateProposed(
-                        candidate_id=derived_id("seed", rec.event_id, task, name),
-                        task=task,
-                        source=source,
-                        operator="seed",
-                        mutator=SEED_LABEL,
-                        island=i % state.islands,
-                        device=state.device,
-                        family=params.family(source),
-                        config=dict(parsed[1]) if parsed else {},
-                        note=f"seed kernel {name}",
-                    )
-                )
-        return out
 
     def _budget_left(self, state: LlmMutatorState) -> str | None:
         used = msgspec.structs.replace(state.usage)

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from agents.tuned import tuned_candidate
+from agents.tuned import seed_candidates, tuned_candidate
 from kf import params
 from kf.agent import Agent
 from kf.events import Event, Record, derived_id
@@ -70,33 +70,18 @@ class OfflineMutator(Agent[MutatorState]):
     def react(self, state: MutatorState, rec: Record) -> Sequence[Event]:
         ev = rec.event
         if isinstance(ev, RunStarted):
-            return self._seeds(state, rec)
+            return seed_candidates(
+                state.seeds,
+                rec.event_id,
+                islands=state.islands,
+                device=state.device,
+                mutator=OFFLINE_MUTATOR,
+            )
         if isinstance(ev, ParentSelected):
             return [self._child(state, ev, rec.event_id)]
         if isinstance(ev, TunedChosen):
             return [tuned_candidate(state.sources, ev, rec.event_id, island=0, device=state.device)]
         return ()
-
-    def _seeds(self, state: MutatorState, rec: Record) -> list[Event]:
-        out: list[Event] = []
-        for task, seeds in state.seeds.items():
-            for i, (name, source) in enumerate(seeds):
-                parsed = params.parse(source)
-                out.append(
-                    CandidateProposed(
-                        candidate_id=derived_id("seed", rec.event_id, task, name),
-                        task=task,
-                        source=source,
-                        operator="seed",
-                        mutator=OFFLINE_MUTATOR,
-                        island=i % state.islands,
-                        device=state.device,
-                        family=params.family(source),
-                        config=dict(parsed[1]) if parsed else {},
-                        note=f"seed kernel {name}",
-                    )
-                )
-        return out
 
     def _child(self, state: MutatorState, ev: ParentSelected, event_id: str) -> Event:
         def failed(reason: str) -> MutationFailed:

@@ -1,8 +1,9 @@
-"""The candidate a ``search.tuned_chosen`` decision asks for: the parent kernel with the
-configuration a tuner found best for one shape set on one device (no LLM involved).
+"""The candidates a mutator proposes with no LLM involved: the tasks' seed kernels, and
+the one a ``search.tuned_chosen`` decision asks for (the parent kernel with the
+configuration a tuner found best for one shape set on one device).
 
-Both mutators (offline and LLM) answer the decision with :func:`tuned_candidate`, so a
-run proposes tuned candidates whichever mutator it uses.
+Both mutators (offline and LLM) propose seeds with :func:`seed_candidates` and answer the
+decision with :func:`tuned_candidate`, so a run proposes them whichever mutator it uses.
 """
 
 from __future__ import annotations
@@ -11,9 +12,44 @@ from kf import params
 from kf.events import Event, derived_id
 from kf.search_facts import CandidateProposed, MutationFailed, TunedChosen
 
-__all__ = ["TUNER_LABEL", "tuned_candidate"]
+__all__ = ["TUNER_LABEL", "seed_candidates", "tuned_candidate"]
 
 TUNER_LABEL = "tuner (no LLM): a template configuration timed per shape and device"
+
+
+def seed_candidates(
+    seeds: dict[str, list[tuple[str, str]]],
+    event_id: str,
+    *,
+    islands: int,
+    device: str,
+    mutator: str,
+) -> list[Event]:
+    """``CandidateProposed`` (operator ``seed``) for each task's seeds, named (``name``,
+    ``source``) and spread over the islands in turn; a seed whose kf:params block is
+    missing or broken is proposed with no configuration."""
+    out: list[Event] = []
+    for task, named in seeds.items():
+        for i, (name, source) in enumerate(named):
+            try:
+                parsed = params.parse(source)
+            except params.ParamsError:
+                parsed = None
+            out.append(
+                CandidateProposed(
+                    candidate_id=derived_id("seed", event_id, task, name),
+                    task=task,
+                    source=source,
+                    operator="seed",
+                    mutator=mutator,
+                    island=i % islands,
+                    device=device,
+                    family=params.family(source),
+                    config=dict(parsed[1]) if parsed else {},
+                    note=f"seed kernel {name}",
+                )
+            )
+    return out
 
 
 def tuned_candidate(

@@ -39,7 +39,7 @@ async def mutator_after_seed(url: str, **cfg: Any) -> tuple[LlmMutator, Any, str
     config = {"llm": True, "llm_url": url, "llm_backoff_s": 0.01, "llm_max_retries": 1, **cfg}
     start = rec(started(**config))
     state = m.evolve(state, start)
-    seeds = list(m._seeds(state, start))
+    seeds = list(await m.react(state, start))
     assert len(seeds) == 1 and isinstance(seeds[0], CandidateProposed)
     state = m.evolve(state, rec(seeds[0]))
     state = m.evolve(state, rec(PromptSeeded(prompt_id="p0", regions={"strategy": "go fast"})))
