@@ -163,6 +163,16 @@ CONFIG = {"BLOCK": %d}
 """
 
 
+def _model_init(bias: bool) -> str:
+    """ModelNew's constructor: a ``hidden``-wide bias parameter, or none."""
+    if bias:
+        return (
+            "    def __init__(self, hidden: int) -> None:\n        super().__init__()\n"
+            "        self.bias = nn.Parameter(torch.randn(hidden))\n"
+        )
+    return "    def __init__(self) -> None:\n        super().__init__()\n"
+
+
 def cuda_elementwise(op: str, bias: bool = False, block: int = 256) -> str:
     """A load_inline module applying ``op`` elementwise (64-bit indices, grid-stride)."""
     expr = ELEMENTWISE[op][0]
@@ -171,12 +181,7 @@ def cuda_elementwise(op: str, bias: bool = False, block: int = 256) -> str:
     host_b = ", torch::Tensor bias" if bias else ""
     call_b = ", bias.contiguous().data_ptr<float>()" if bias else ""
     py_b = ", self.bias" if bias else ""
-    init = (
-        "    def __init__(self, hidden: int) -> None:\n        super().__init__()\n"
-        "        self.bias = nn.Parameter(torch.randn(hidden))\n"
-        if bias
-        else "    def __init__(self) -> None:\n        super().__init__()\n"
-    )
+    init = _model_init(bias)
     return f'''import torch
 from torch import nn
 from torch.utils.cpp_extension import load_inline
@@ -238,12 +243,7 @@ def triton_elementwise(op: str, bias: bool = False, block: int = 1024) -> str:
     b_arg = ", b_ptr" if bias else ""
     b_load = "    b = tl.load(b_ptr + offs % cols, mask=mask)\n" if bias else ""
     py_b = ", self.bias" if bias else ""
-    init = (
-        "    def __init__(self, hidden: int) -> None:\n        super().__init__()\n"
-        "        self.bias = nn.Parameter(torch.randn(hidden))\n"
-        if bias
-        else "    def __init__(self) -> None:\n        super().__init__()\n"
-    )
+    init = _model_init(bias)
     return f"""import torch
 import triton
 import triton.language as tl

@@ -51,17 +51,22 @@ def test_envelope_wire_format_is_plain_messagepack() -> None:
     assert plain["data"] == {"producer": "a", "n": 7}
 
 
-def test_event_old_schema_version_is_upcast() -> None:
-    """An event written under schema version 1 still loads under version 2."""
-    old = Envelope(
-        event_id="e1",
+def written(type_: str, data: dict[str, object]) -> Envelope:
+    """An envelope of ``type_`` as a producer wrote it under schema version 1."""
+    return Envelope(
+        event_id="e",
         run_id="r",
-        source="tally@h",
-        type="test.tallied",
+        source="p@h",
+        type=type_,
         schema=1,
         time=0.0,
-        data=msgspec.Raw(msgpack.packb({"count": 10, "sum": 45})),
+        data=msgspec.Raw(msgpack.packb(data)),
     )
+
+
+def test_event_old_schema_version_is_upcast() -> None:
+    """An event written under schema version 1 still loads under version 2."""
+    old = written("test.tallied", {"count": 10, "sum": 45})
     assert decode_event(old) == Tallied(count=10, total=45, label="")
 
 
@@ -75,15 +80,7 @@ def test_event_newer_schema_version_is_refused() -> None:
 
 def test_event_unknown_type_is_kept_as_data() -> None:
     """A plugin's event type this process does not know decodes to UnknownEvent."""
-    env = Envelope(
-        event_id="e",
-        run_id="r",
-        source="p@h",
-        type="plugin.said",
-        schema=1,
-        time=0.0,
-        data=msgspec.Raw(msgpack.packb({"words": "hi"})),
-    )
+    env = written("plugin.said", {"words": "hi"})
     assert decode_event(env) == UnknownEvent(type="plugin.said", data={"words": "hi"})
 
 
@@ -99,14 +96,6 @@ def test_envelope_garbage_is_rejected_with_reason(data: bytes) -> None:
 
 def test_event_wrong_schema_data_is_rejected() -> None:
     """A known type whose data does not match its schema raises EventError."""
-    env = Envelope(
-        event_id="e",
-        run_id="r",
-        source="p@h",
-        type="test.pinged",
-        schema=1,
-        time=0.0,
-        data=msgspec.Raw(msgpack.packb({"producer": 5, "n": "x"})),
-    )
+    env = written("test.pinged", {"producer": 5, "n": "x"})
     with pytest.raises(EventError, match=r"test\.pinged"):
         decode_event(env)
