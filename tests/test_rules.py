@@ -51,8 +51,6 @@ KNOWN_PRIVATE_IMPORTS: dict[tuple[str, str, str], str] = {
 #: the functions of kf over 80 lines today (module:qualified name -> lines); none may grow
 KNOWN_LONG_FUNCTIONS: dict[str, int] = {
     "kf.dashboard.view:RunView.feed": 82,
-    "kf.evaluation.runner.audit:audit_reference": 103,
-    "kf.evaluation.runner.compare:compare_outputs": 93,
     "kf.evaluation.runner.loop:main": 89,
     "kf.export:dispatch_module": 97,
     "kf.kernelbench:kernelbench_section": 93,

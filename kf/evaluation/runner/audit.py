@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from kf.evaluation.runner.compare import CHUNK_ELEMENTS, compact, compare_outputs
+from kf.evaluation.runner.variants import scale_inputs
 from kf.evaluation.wire.protocol import Audit, Audited
 
 __all__ = ["audit_reference"]
@@ -24,53 +26,13 @@ def _num(t: Any) -> Any:
 def audit_reference(runner: Any, msg: Audit) -> Audited:
     """The reference runner's side (``op_audit``): run ``Model`` on each seed's inputs
     and scaled copies of the first, and judge whether a constant would pass."""
-    from kf.evaluation.runner.compare import CHUNK_ELEMENTS, compact, compare_outputs
-    from kf.evaluation.runner.variants import scale_inputs
-
     torch = runner.torch
-    seeds, scales = msg.seeds, msg.scales
     tol = None if msg.tol is None else msgspec.to_builtins(msg.tol)
-
-    def sets() -> Iterator[list[Any]]:
-        """The input sets, one at a time (at KernelBench's sizes a set is gigabytes): none
-        is held here while the next is made (a set kept in a local across the ``yield``
-        was a second one on the device)."""
-        for s in seeds:
-            yield runner._get_inputs(s)
-        for factor in scales:
-            scaled = [scale_inputs(torch, runner._get_inputs(seeds[0]), factor) or []]
-            if scaled[0]:
-                yield scaled.pop()
-
-    def zeros_pass(expected: list[Any]) -> bool:
-        """Whether all zeros pass against ``expected``: compared a chunk at a time, since
-        a whole tensor of zeros is one more output's worth of device memory."""
-        for o in expected:
-            flat = o.reshape(-1)
-            for start in range(0, max(flat.numel(), 1), CHUNK_ELEMENTS):
-                part = flat[start : start + CHUNK_ELEMENTS]
-                zero = torch.zeros_like(part)
-                if not compare_outputs(torch, [part], [zero], tol)["ok"]:
-                    return False
-                del zero
-        return True
-
-    def gap(a: Any, b: Any) -> float:
-        """max |a − b|, a chunk at a time (no whole-size temporaries)."""
-        fa, fb = a.reshape(-1), b.reshape(-1)
-        worst = 0.0
-        for start in range(0, fa.numel(), CHUNK_ELEMENTS):
-            part = (
-                _num(fa[start : start + CHUNK_ELEMENTS]) - _num(fb[start : start + CHUNK_ELEMENTS])
-            ).abs()
-            worst = max(worst, float(part.max()))
-        return worst
-
     first: list[Any] | None = None
     used = passes = 0
     constant_all = zeros_all = True  # the first set's output as a constant; all zeros
     spread = scale = 0.0
-    for raw in sets():
+    for raw in _input_sets(runner, msg.seeds, msg.scales):
         inputs = [runner.backend.to_device(v) for v in raw]
         del raw
         try:
@@ -85,7 +47,7 @@ def audit_reference(runner: Any, msg: Audit) -> Audited:
         other = [compact(torch, o) for o in flat if isinstance(o, torch.Tensor)]
         del out, flat
         used += 1
-        zeros_all = zeros_all and zeros_pass(other)
+        zeros_all = zeros_all and _zeros_pass(torch, other, tol)
         if first is None:
             first = other
             scale = max((float(o.abs().max()) for o in first if o.numel()), default=0.0)
@@ -96,7 +58,7 @@ def audit_reference(runner: Any, msg: Audit) -> Audited:
         passes += int(constant)
         if same_shape:
             moved = max(
-                (gap(a, b) for a, b in zip(first, other, strict=True) if a.numel()),
+                (_gap(a, b) for a, b in zip(first, other, strict=True) if a.numel()),
                 default=0.0,
             )
             spread = max(
@@ -106,6 +68,56 @@ def audit_reference(runner: Any, msg: Audit) -> Audited:
         runner._trim_device_cache()  # what a set took goes back to the other runners
     if used < 2:
         return Audited(degenerate=False, input_sets=used, reason="too few input sets")
+    return _audited(used, passes, constant_all, zeros_all, spread, msg.scales)
+
+
+def _input_sets(runner: Any, seeds: list[int], scales: list[float]) -> Iterator[list[Any]]:
+    """The input sets, one at a time (at KernelBench's sizes a set is gigabytes): none
+    is held here while the next is made (a set kept in a local across the ``yield``
+    was a second one on the device)."""
+    for s in seeds:
+        yield runner._get_inputs(s)
+    for factor in scales:
+        scaled = [scale_inputs(runner.torch, runner._get_inputs(seeds[0]), factor) or []]
+        if scaled[0]:
+            yield scaled.pop()
+
+
+def _zeros_pass(torch: Any, expected: list[Any], tol: dict[str, Any] | None) -> bool:
+    """Whether all zeros pass against ``expected``: compared a chunk at a time, since
+    a whole tensor of zeros is one more output's worth of device memory."""
+    for o in expected:
+        flat = o.reshape(-1)
+        for start in range(0, max(flat.numel(), 1), CHUNK_ELEMENTS):
+            part = flat[start : start + CHUNK_ELEMENTS]
+            zero = torch.zeros_like(part)
+            if not compare_outputs(torch, [part], [zero], tol)["ok"]:
+                return False
+            del zero
+    return True
+
+
+def _gap(a: Any, b: Any) -> float:
+    """max |a − b|, a chunk at a time (no whole-size temporaries)."""
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    worst = 0.0
+    for start in range(0, fa.numel(), CHUNK_ELEMENTS):
+        part = (
+            _num(fa[start : start + CHUNK_ELEMENTS]) - _num(fb[start : start + CHUNK_ELEMENTS])
+        ).abs()
+        worst = max(worst, float(part.max()))
+    return worst
+
+
+def _audited(
+    used: int,
+    passes: int,
+    constant_all: bool,
+    zeros_all: bool,
+    spread: float,
+    scales: list[float],
+) -> Audited:
+    """The audit's answer from what the input sets showed."""
     degenerate = constant_all or zeros_all
     if zeros_all:
         answer = f"all zeros pass on all {used} input sets"

@@ -64,19 +64,9 @@ def compare_outputs(
         return fail("shape_mismatch", f"returned {count} outputs, expected {len(expected)}")
     for i, (want, given) in enumerate(zip(expected, got, strict=True)):
         label = f"output {i}" if len(expected) > 1 else "output"
-        if not isinstance(given, torch.Tensor):
-            return fail("exception", f"{label} is a {type(given).__name__}, not a tensor")
-        if tuple(given.shape) != tuple(want.shape):
-            return fail(
-                "shape_mismatch",
-                f"{label} has shape {list(given.shape)}, expected {list(want.shape)}",
-            )
-        if given.dtype != want.dtype:
-            return fail(
-                "dtype_mismatch",
-                f"{label} has dtype {_name(torch, given.dtype)}, "
-                f"expected {_name(torch, want.dtype)}",
-            )
+        wrong = _form_problem(torch, label, want, given)
+        if wrong is not None:
+            return fail(*wrong)
         # compared where the reference lives (on a GPU for a GPU task), in float64, a chunk
         # at a time; outputs that arrived on the host (a memory file) move there a chunk at
         # a time too, so that no whole second copy of them is made on the device
@@ -88,32 +78,11 @@ def compare_outputs(
                 bad = int((have != want_c).sum())
                 return fail("mismatch", f"{label}: {bad} of {want_c.numel()} elements differ")
             continue
-        # in float64, a chunk at a time: at KernelBench's sizes (1.6e9 elements) a whole
-        # float64 copy of both tensors would take 26 GB on top of them
         atol, rtol = for_dtype(choice, _name(torch, want.dtype))
-        flat_have, flat_want = have.reshape(-1), want_c.reshape(-1)
-        total = flat_want.numel()
-        over_count = nonfinite = 0
-        abs_err = rel_err = min_tol = 0.0
-        for start in range(0, total, CHUNK_ELEMENTS):
-            have64 = flat_have[start : start + CHUNK_ELEMENTS].to(want_c.device).double()
-            want64 = flat_want[start : start + CHUNK_ELEMENTS].double()
-            finite = torch.isfinite(want64)
-            nonfinite += int((~torch.isfinite(have64) & finite).sum())
-            if nonfinite:
-                continue
-            if not bool(finite.all()) and not bool(
-                torch.equal(have64[~finite].nan_to_num(0.0), want64[~finite].nan_to_num(0.0))
-            ):
-                return fail("mismatch", f"{label} differs from the reference's non-finite values")
-            diff = (have64 - want64).abs()[finite]
-            ref = want64.abs()[finite]
-            if diff.numel():
-                abs_err = max(abs_err, float(diff.max()))
-                rel_err = max(rel_err, float((diff / ref.clamp_min(1e-12)).max()))
-                over_count += int((diff > atol + rtol * ref).sum())
-                min_tol = max(min_tol, float((diff / (1.0 + ref)).max()))
-            del have64, want64, finite, diff, ref
+        found = _float_errors(torch, have, want_c, atol, rtol)
+        if found.differs_non_finite:
+            return fail("mismatch", f"{label} differs from the reference's non-finite values")
+        abs_err, rel_err, min_tol, over_count, nonfinite, total = found[:6]
         if nonfinite:
             return fail(
                 "nan_inf",
@@ -130,6 +99,68 @@ def compare_outputs(
                 f"{rel_err:.3g}; would pass at atol=rtol={min_tol:.2g})",
             )
     return verdict
+
+
+def _form_problem(torch: Any, label: str, want: Any, given: Any) -> tuple[str, str] | None:
+    """(kind, why) when ``given`` is not a tensor of ``want``'s shape and dtype."""
+    if not isinstance(given, torch.Tensor):
+        return "exception", f"{label} is a {type(given).__name__}, not a tensor"
+    if tuple(given.shape) != tuple(want.shape):
+        return (
+            "shape_mismatch",
+            f"{label} has shape {list(given.shape)}, expected {list(want.shape)}",
+        )
+    if given.dtype != want.dtype:
+        return (
+            "dtype_mismatch",
+            f"{label} has dtype {_name(torch, given.dtype)}, expected {_name(torch, want.dtype)}",
+        )
+    return None
+
+
+class _FloatErrors(NamedTuple):
+    """One floating-point output against the reference's: the largest absolute and relative
+    errors, the smallest atol = rtol that passes, the elements outside (atol, rtol), the
+    NaN/Inf values where the reference is finite, the elements, and whether a non-finite
+    value of the reference differs (the comparison stops there)."""
+
+    abs_err: float
+    rel_err: float
+    min_tol: float
+    over_count: int
+    nonfinite: int
+    total: int
+    differs_non_finite: bool = False
+
+
+def _float_errors(torch: Any, have: Any, want_c: Any, atol: float, rtol: float) -> _FloatErrors:
+    """Compared where the reference lives, in float64, a chunk at a time: at KernelBench's
+    sizes (1.6e9 elements) a whole float64 copy of both tensors would take 26 GB on top of
+    them."""
+    flat_have, flat_want = have.reshape(-1), want_c.reshape(-1)
+    total = flat_want.numel()
+    over_count = nonfinite = 0
+    abs_err = rel_err = min_tol = 0.0
+    for start in range(0, total, CHUNK_ELEMENTS):
+        have64 = flat_have[start : start + CHUNK_ELEMENTS].to(want_c.device).double()
+        want64 = flat_want[start : start + CHUNK_ELEMENTS].double()
+        finite = torch.isfinite(want64)
+        nonfinite += int((~torch.isfinite(have64) & finite).sum())
+        if nonfinite:
+            continue
+        if not bool(finite.all()) and not bool(
+            torch.equal(have64[~finite].nan_to_num(0.0), want64[~finite].nan_to_num(0.0))
+        ):
+            return _FloatErrors(abs_err, rel_err, min_tol, over_count, nonfinite, total, True)
+        diff = (have64 - want64).abs()[finite]
+        ref = want64.abs()[finite]
+        if diff.numel():
+            abs_err = max(abs_err, float(diff.max()))
+            rel_err = max(rel_err, float((diff / ref.clamp_min(1e-12)).max()))
+            over_count += int((diff > atol + rtol * ref).sum())
+            min_tol = max(min_tol, float((diff / (1.0 + ref)).max()))
+        del have64, want64, finite, diff, ref
+    return _FloatErrors(abs_err, rel_err, min_tol, over_count, nonfinite, total)
 
 
 class Errors(NamedTuple):
