@@ -33,11 +33,12 @@ from agents.evaluator import EvaluatorAgent, EvaluatorState
 from kf import params
 from kf.device_gate import gate_for
 from kf.evaluation import profile_candidate
+from kf.evaluation.grader.task_check import run_task_check
 from kf.events import Event, Record
 from kf.facts import RunStarted
 from kf.llm_facts import ConfigTuned, TuningTrial
 from kf.search_facts import CandidateProposed, TuningRequested
-from kf.tasks import Task, TaskError, TaskInfo, check_task
+from kf.tasks import Task, TaskError, TaskInfo
 from kf.tuning import MIN_PER_SHAPE, shape_sets
 
 __all__ = ["MIN_PER_SHAPE", "Tuner", "TunerState", "improvement"]
@@ -110,7 +111,7 @@ class Tuner(EvaluatorAgent):
         for index, shaped in shape_sets(task, limit):
             try:
                 info = await asyncio.to_thread(
-                    check_task,
+                    run_task_check,
                     shaped,
                     device=self.device,
                     timeout_s=self.timeout_s,

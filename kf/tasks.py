@@ -1,8 +1,9 @@
 """Tasks: KernelBench-format problem files (``Model``, ``get_inputs``, ``get_init_inputs``).
 
 A task is read as text and hashed; its code runs only in a sandboxed runner process
-(:func:`check_task`), never in the process that loads it. A task may come with seed
-candidates in ``<folder>/seeds/<stem>.py`` and ``<folder>/seeds/<stem>.*.py``.
+(:func:`kf.evaluation.grader.task_check.run_task_check`), never in the process that
+loads it. A task may come with seed candidates in ``<folder>/seeds/<stem>.py`` and
+``<folder>/seeds/<stem>.*.py``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,8 @@ import sys
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
-
-if TYPE_CHECKING:
-    from kf.evaluation.grader.baseline_settings import Conditions
 
 __all__ = [
     "REQUIRED_NAMES",
@@ -26,7 +23,6 @@ __all__ = [
     "Task",
     "TaskError",
     "TaskInfo",
-    "check_task",
     "import_source",
     "load_task",
     "load_tasks",
@@ -177,20 +173,3 @@ def import_source(module_name: str, source: str, filename: str | None = None) ->
         sys.modules.pop(module_name, None)
         raise
     return module
-
-
-def check_task(
-    task: Task,
-    device: str = "cpu",
-    timeout_s: float = 120.0,
-    conditions: Conditions | None = None,
-) -> TaskInfo:
-    """Run the task's reference once in a sandboxed process and describe its outputs,
-    under the run's measuring ``conditions`` (None: the process's settings).
-
-    Raises :class:`TaskError` naming the file and the cause (an exception with its
-    type and message, a missing name, a crash or a timeout).
-    """
-    from kf.evaluation.grader.task_check import run_task_check
-
-    return run_task_check(task, device=device, timeout_s=timeout_s, conditions=conditions)

@@ -32,13 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: cycles kf still has, as the import that closes each (importer, imported): the test
 #: takes these edges out of the graph and finds no cycle in the rest
-KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {
-    ("kf.tasks", "kf.evaluation.grader.task_check"): (
-        "kf.tasks.check_task runs the task check in a grader session, which loads tasks; "
-        "its callers (kf/app/checks.py, agents/tuner.py) are to call the grader's "
-        "run_task_check themselves"
-    ),
-}
+KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {}
 
 #: (importer, module, name) of the ``_private`` imports kf still has, each with its reason
 KNOWN_PRIVATE_IMPORTS: dict[tuple[str, str, str], str] = {

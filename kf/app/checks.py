@@ -1,5 +1,6 @@
 """The task check, a step of the run: each task's reference loads, runs and gives outputs
-in a sandboxed runner (:func:`kf.tasks.check_task`) before the run searches it.
+in a sandboxed runner (:func:`kf.evaluation.grader.task_check.run_task_check`) before the
+run searches it.
 
 Each check is an observation the run records (``kernel.task_checked``, right after
 ``run.started``), passed or failed, so the log says which tasks were checked, where, and
@@ -21,8 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kf.evaluation.grader.baseline_settings import Conditions
+from kf.evaluation.grader.task_check import run_task_check
 from kf.search_facts import TaskChecked
-from kf.tasks import Task, TaskError, check_task
+from kf.tasks import Task, TaskError
 
 __all__ = ["Checked", "check_one", "check_tasks"]
 
@@ -43,7 +45,7 @@ def check_one(task: Task, device: str, conditions: Conditions | None = None) -> 
     device here) propagates, a broken task is a failed check with its reason."""
     began = time.monotonic()
     try:
-        info, error = check_task(task, device=device, conditions=conditions), ""
+        info, error = run_task_check(task, device=device, conditions=conditions), ""
     except TaskError as exc:
         info, error = None, str(exc)
     return TaskChecked(

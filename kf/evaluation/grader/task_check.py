@@ -18,7 +18,12 @@ def run_task_check(
     pool: RunnerPool | None = None,
     conditions: Conditions | None = None,
 ) -> TaskInfo:
-    """See :func:`kf.tasks.check_task`."""
+    """Run the task's reference once in a sandboxed process and describe its outputs,
+    under the run's measuring ``conditions`` (None: the process's settings).
+
+    Raises :class:`TaskError` naming the file and the cause (an exception with its
+    type and message, a missing name, a crash or a timeout).
+    """
     session = GradingSession(
         task,
         device=device,
