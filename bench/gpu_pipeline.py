@@ -45,21 +45,25 @@ INLINE = ROOT / "examples" / "cuda_candidates" / "gelu_residual_load_inline.py"
 NVRTC_SEED = ROOT / "examples" / "cuda_tasks" / "seeds" / "gelu_residual.py"
 
 
-def variants(n: int) -> list[str]:
+def variants(
+    n: int,
+    blocks: tuple[int, ...] = (64, 128, 256, 512, 1024),
+    items: tuple[int, ...] = (1, 2, 4, 8),
+) -> list[str]:
     """``n`` distinct load_inline candidates (block × items × GELU formula)."""
     base = INLINE.read_text()
     out = []
-    for block, items, math in itertools.product(
-        (64, 128, 256, 512, 1024), (1, 2, 4, 8), ("exp", "tanh")
-    ):
+    for block, per_thread, math in itertools.product(blocks, items, ("exp", "tanh")):
         src = base.replace("BLOCK = 256", f"BLOCK = {block}").replace(
-            "ITEMS = 4", f"ITEMS = {items}"
+            "ITEMS = 4", f"ITEMS = {per_thread}"
         )
         if math == "tanh":
             src = src.replace(
                 "return v / (1.0f + __expf(-2.0f * u));", "return 0.5f * v * (1.0f + tanhf(u));"
             )
         out.append(src)
+    if n > len(out):
+        raise SystemExit(f"at most {len(out)} distinct candidates")
     return out[:n]
 
 

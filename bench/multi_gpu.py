@@ -18,7 +18,6 @@ installed. The issue's target: at least 1.7× the one-GPU rate with two.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import subprocess
@@ -33,27 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_pipeline import INLINE, stage_summary, task_file
+from gpu_pipeline import stage_summary, task_file, variants
 
-
-def variants(n: int) -> list[str]:
-    """``n`` distinct load_inline candidates (up to 60: block × items × GELU formula)."""
-    base = INLINE.read_text()
-    out = []
-    for block, items, math in itertools.product(
-        (32, 64, 128, 256, 512, 1024), (1, 2, 4, 8, 16), ("exp", "tanh")
-    ):
-        src = base.replace("BLOCK = 256", f"BLOCK = {block}").replace(
-            "ITEMS = 4", f"ITEMS = {items}"
-        )
-        if math == "tanh":
-            src = src.replace(
-                "return v / (1.0f + __expf(-2.0f * u));", "return 0.5f * v * (1.0f + tanhf(u));"
-            )
-        out.append(src)
-    if n > len(out):
-        raise SystemExit(f"at most {len(out)} distinct candidates")
-    return out[:n]
+#: up to 60 distinct load_inline candidates (block × items × GELU formula)
+BLOCKS, ITEMS = (32, 64, 128, 256, 512, 1024), (1, 2, 4, 8, 16)
 
 
 class Sampler:
@@ -175,7 +157,7 @@ def main() -> int:
         print(f"multi_gpu: an arm needs {max(arms)} GPUs; this machine has {have}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    sources = variants(args.candidates)
+    sources = variants(args.candidates, BLOCKS, ITEMS)
     result: dict[str, Any] = {"arms": []}
     with tempfile.TemporaryDirectory(prefix="kf-multi-gpu-") as tmp:
         work = Path(tmp)
