@@ -187,7 +187,7 @@ def build_path(
     timeout_s: float | None = None,
 ) -> Path:
     """Like :func:`build` but return the library's path without loading it."""
-    from kf.evaluation.grader.buildlimits import build_timeout_s
+    from kf.buildlimits import build_timeout_s
 
     timeout_s = build_timeout_s(timeout_s)
     key, cxx, argv = build_key(source, flags=flags, defines=defines)

@@ -88,7 +88,7 @@ class Settings:
     @property
     def build_timeout_s(self) -> float | None:
         """``KF_BUILD_TIMEOUT_S``: one build's limit, when set and positive (default 600 s,
-        :mod:`kf.evaluation.grader.buildlimits`)."""
+        :mod:`kf.buildlimits`)."""
         raw = self._text("KF_BUILD_TIMEOUT_S").strip()
         if not raw:
             return None

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kf import buildlimits
 from kf.evaluation import RunnerPool, compile_candidate, verify_candidate
-from kf.evaluation.grader import buildlimits
 from kf.evaluation.grader.audit import audit_task
 from kf.evaluation.grader.timing_checks import cache_suspected, timer_disagreement
 from kf.evaluation.runner.compare import compare_outputs

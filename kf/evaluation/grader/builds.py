@@ -69,7 +69,7 @@ def build_native(
     """Build a ``kf.native`` library into the grader's cache: ``{"ok": True, "path": ...}``
     or ``{"ok": False, "error": ..., "log": ...}`` (the compiler's output)."""
     from kf import native
-    from kf.evaluation.grader.buildlimits import build_timeout_s
+    from kf.buildlimits import build_timeout_s
 
     timeout_s = min(float(timeout_s), build_timeout_s())  # the runner asks; kf's limit caps
     try:

@@ -29,7 +29,7 @@ def compile_candidate(
     """Import the candidate and construct ``ModelNew(*get_init_inputs())`` in a sandbox.
 
     ``timeout_s`` is the build limit (None:
-    :func:`kf.evaluation.grader.buildlimits.build_timeout_s`, 600 s by default); it starts
+    :func:`kf.buildlimits.build_timeout_s`, 600 s by default); it starts
     once the build holds one of the process's build slots, and the wait for one is the
     report's ``build_queue`` phase. Raises :class:`TaskError` when the task itself is
     broken.
@@ -41,7 +41,7 @@ def compile_candidate(
 def compile_session(session: GradingSession, timeout_s: float | None = None) -> CompileReport:
     """:func:`compile_candidate` of the session's candidate; ``timeout_s`` is the build
     limit (None: ``$KF_BUILD_TIMEOUT_S`` or 600 s), not the session's."""
-    from kf.evaluation.grader.buildlimits import build_slot, build_timeout_s
+    from kf.buildlimits import build_slot, build_timeout_s
 
     with build_slot() as queued_s:
         stage = Stage(session, build_timeout_s(timeout_s))

@@ -211,7 +211,7 @@ class RunnerHandle:
     def _serve_build(self, msg: protocol.BuildNative | protocol.BuildInline) -> None:
         """Build a boxed runner's ``kf.native`` library or ``load_inline`` extension
         (:mod:`kf.evaluation.grader.builds`)."""
-        from kf.evaluation.grader.buildlimits import build_timeout_s
+        from kf.buildlimits import build_timeout_s
         from kf.evaluation.grader.builds import MAX_BUILDS_PER_RUNNER, build_inline, build_native
 
         self.builds += 1
