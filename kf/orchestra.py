@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 from kf import bus
 from kf.agent import Agent, AgentContext, make_agent_id
+from kf.app.request import RunRequest
 from kf.auth import RunBus
 from kf.devices import DeviceSlot
 from kf.events import Envelope, Event, Record, decode_event, derived_id, make_envelope
@@ -45,31 +46,18 @@ __all__ = [
 
 @dataclass
 class RunOptions:
-    """Settings of ``kf run``."""
+    """The run ``kf run`` composes: what was asked (``request``, :class:`kf.app.RunRequest`)
+    and what was resolved from it (:func:`kf.app.prepare_run`)."""
 
-    budget: int = 20
-    seed: int = 0
-    db: Path | None = None
+    request: RunRequest
     device: str = "cpu"  # the run's target (the first of ``devices``)
     devices: list[str] = field(default_factory=list)  # the local worker's ([]: ``device``)
-    nats_url: str | None = None
-    bus_options: Any = None
-    islands: int = 2
+    db: Path | None = None  # default runs/<run_id>.db
+    run_id: str | None = None  # default a new one
     max_in_flight: int = 2
-    llm_url: str | None = None
-    timeout_s: float = 180.0
-    build_timeout_s: float | None = None  # the compile stage's limit (None: 600 s or $KF_...)
     measure_device: bool = True
-    run_id: str | None = None
-    join: bool = False  # only start the run and follow it: archivist and agents run elsewhere
-    local_worker: bool = True  # run a worker for ``device`` in this process
-    heartbeat_s: float = 10.0
-    heartbeat_timeout_s: float = 30.0
-    serve: tuple[str, int] | None = None  # (host, port): the dashboard beside the run
     resuming: bool = False  # the log holds this run already: continue it (kf.app.opening)
-    tune_budget: int = 12  # configurations tuned per task and device (kf.tuning; 0: off)
-    bus_timeout_s: float = BUS_LOST_S  # --nats: seconds without the server before giving up
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # the run config's other keys
     # observations made before the run started (the task checks, kf.app.checks), each with
     # the time it was made: recorded right after ``run.started`` (also on resume)
     records: list[tuple[Event, float]] = field(default_factory=list)
@@ -345,44 +333,46 @@ async def run_search(
     # caller (kf.app.opening)
     run_id = bus.valid_run_id(o.run_id) if o.run_id else new_run_id()
     db = o.db or Path("runs") / f"{run_id}.db"
-    if o.nats_url is None and o.join:
+    if o.request.nats_url is None and o.request.join:
         raise ValueError("--join needs --nats: the run's agents must already be running")
     # one connection per role (kf.auth): without --nats an embedded server with fresh
     # per-run credentials, watched and restarted if it dies
-    local = o.local_worker and not o.join
+    local = o.request.local_worker and not o.request.join
     slots, worker_types = worker_plan(o.devices or [o.device]) if local else ([], [])
     rb = await RunBus.open(
         run_id,
-        url=o.nats_url,
-        options=o.bus_options,
+        url=o.request.nats_url,
+        options=o.request.bus_options,
         device_ids=[s.device_id for s in slots],
-        join=o.join,
+        join=o.request.join,
     )
-    mutator = "llm" if o.llm_url else OFFLINE_MUTATOR
-    where = f"log: {db}" if not o.join else f"joined via {bus.redact(rb.url)}"
+    mutator = "llm" if o.request.llm_url else OFFLINE_MUTATOR
+    where = f"log: {db}" if not o.request.join else f"joined via {bus.redact(rb.url)}"
     print(
-        f"kf run {run_id}: {len(tasks)} task(s), budget {o.budget} candidates each, "
-        f"seed {o.seed}, device {','.join(o.devices) if len(o.devices) > 1 else o.device}"
+        f"kf run {run_id}: {len(tasks)} task(s), budget {o.request.budget} candidates each, "
+        f"seed {o.request.seed}, device {','.join(o.devices) if len(o.devices) > 1 else o.device}"
         f"\n  {where}\n  mutator: {mutator}",
         file=out,
         flush=True,
     )
     parts = _Parts()
     try:
-        if not o.join:
+        if not o.request.join:
             await parts.start_archivist(rb, run_id, db, o)
         await _record_start(rb.proposer, run_id, tasks, o, mutator)
         parts.start_agents(rb, run_id, o, slots, worker_types)
-        if o.serve is not None and db.exists():
+        if o.request.serve is not None and db.exists():
             from kf.dashboard import start_dashboard
 
-            url_, parts.stop_dashboard = await start_dashboard(db, host=o.serve[0], port=o.serve[1])
+            url_, parts.stop_dashboard = await start_dashboard(
+                db, host=o.request.serve[0], port=o.request.serve[1]
+            )
             print(
                 f"  dashboard: {url_} (while the run lasts; then: kf serve {db})",
                 file=out,
                 flush=True,
             )
-        progress = Progress(out=out, total_budget=o.budget * max(1, len(tasks)))
+        progress = Progress(out=out, total_budget=o.request.budget * max(1, len(tasks)))
         await _first(_follow(rb.follower, run_id, progress), parts.watched(rb, o))
         if await parts.drain():
             # what the agents said while draining (agent.stopped, device.left) is committed
@@ -416,9 +406,9 @@ class _Parts:
         ctx = AgentContext(
             run_id=run_id,
             agent_id=make_agent_id("archivist"),
-            options={"heartbeat_timeout_s": o.heartbeat_timeout_s},
+            options={"heartbeat_timeout_s": o.request.heartbeat_timeout_s},
         )
-        hosted = [ArchiveAgent, *llm_roles(bool(o.llm_url))[0]]
+        hosted = [ArchiveAgent, *llm_roles(bool(o.request.llm_url))[0]]
         arch = Archivist(ctx, db=db, hosted=hosted, nc=rb.archivist)
         ready = asyncio.Event()
         self.archivist = asyncio.create_task(
@@ -437,18 +427,18 @@ class _Parts:
     ) -> None:
         """The mutator (unless joined) and, for each local device, its worker agents and
         tool server."""
-        _, mutator_cls, llm_workers = llm_roles(bool(o.llm_url))
-        if not o.join:
+        _, mutator_cls, llm_workers = llm_roles(bool(o.request.llm_url))
+        if not o.request.join:
             factory = _runner_factory(mutator_cls, run_id, rb.proposer, {})
             self._spawn(supervise(factory, self.stop_agents, name="mutator"), "the mutator")
         for i, slot in enumerate(slots):
             opt = {
                 "device": slot.device,
                 "device_id": slot.device_id,
-                "timeout_s": o.timeout_s,
-                "build_timeout_s": o.build_timeout_s,
+                "timeout_s": o.request.timeout_s,
+                "build_timeout_s": o.request.build_timeout_s,
                 "measure": o.measure_device,
-                "heartbeat_s": o.heartbeat_s,
+                "heartbeat_s": o.request.heartbeat_s,
             }
             # the LLM-side worker agents (the tuner) serve the first device only
             for cls in [*worker_types, *(llm_workers if i == 0 else [])]:
@@ -471,7 +461,9 @@ class _Parts:
             clients = list({id(c): c for c in (rb.proposer, rb.archivist, *rb.workers.values())
                             if c is not None}.values())  # fmt: skip
             watch.append(
-                asyncio.create_task(watch_bus(clients, o.bus_timeout_s, rb.url), name="the bus")
+                asyncio.create_task(
+                    watch_bus(clients, o.request.bus_timeout_s, rb.url), name="the bus"
+                )
             )
         return watch
 
@@ -582,18 +574,18 @@ def _started(run_id: str, tasks: list[Task], o: RunOptions, mutator: str) -> Run
     """The run's first event: its config, seed and tasks (their sources)."""
     return RunStarted(
         run_id=run_id,
-        seed=o.seed,
+        seed=o.request.seed,
         config={
-            "budget": o.budget,
-            "islands": o.islands,
+            "budget": o.request.budget,
+            "islands": o.request.islands,
             "max_in_flight": o.max_in_flight,
             "device": o.device,
             # several local devices: which (a new key; one device's config is as before)
             **({"devices": list(o.devices)} if len(o.devices) > 1 else {}),
-            "llm": bool(o.llm_url),
+            "llm": bool(o.request.llm_url),
             "mutator": mutator,
             "search_version": 4,
-            "tune_budget": o.tune_budget,
+            "tune_budget": o.request.tune_budget,
             **o.extra,
         },
         tasks=tuple(

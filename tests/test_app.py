@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kf.app import RunRefused, RunRequest, check_tasks, prepare_run
+from kf.app.run import asked_conditions
 from kf.events import make_envelope
 from kf.facts import RunStarted, TaskSpec
 from kf.fold import fold
@@ -90,16 +91,18 @@ def test_app_resume_reuses_the_checks_its_log_recorded(tmp_path: Path) -> None:
     bad = tmp_path / "raises.py"
     bad.write_text(RAISES)
     task, db = load_task(bad), tmp_path / "run.db"
+    request = RunRequest(tasks=bad, db=db)
     started = RunStarted(
         run_id="r-app",
         seed=0,
-        config={"budget": 20, "device": "cpu", "llm": False},
+        # the settings kf run records, as this request asks for them
+        config={"budget": 20, "device": "cpu", "llm": False, **asked_conditions(request).config()},
         tasks=(TaskSpec(name=task.name, source=task.source, sha256=task.sha256),),
     )
     passed = TaskChecked(task=task.name, sha256=task.sha256, device="cpu", ok=True)
     with EventLog(db) as elog:
         elog.append([make_envelope(ev, run_id="r-app", source="cli@t") for ev in (started, passed)])
-    plan = prepare_run(RunRequest(tasks=bad, db=db))
+    plan = prepare_run(request)
     assert plan.options.resuming and plan.options.run_id == "r-app"
     assert [t.name for t in plan.tasks] == ["raises"] and plan.options.records == []
     assert plan.notes == []  # the same settings: no "resuming as it was started" line

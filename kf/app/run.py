@@ -196,30 +196,16 @@ def _options(
 
     local = devices if request.local_worker else []
     o = RunOptions(
-        budget=request.budget,
-        seed=request.seed,
-        db=request.db or Path("runs") / f"{run_id}.db",
+        request=request,
         device=device,
         devices=local,
-        nats_url=request.nats_url,
-        bus_options=request.bus_options,
-        islands=request.islands,
+        db=request.db or Path("runs") / f"{run_id}.db",
+        run_id=run_id,
         # two candidates in flight per local device unless told
         max_in_flight=request.max_in_flight
         if request.max_in_flight is not None
         else 2 * (len(local) or 1),
-        timeout_s=request.timeout_s,
-        build_timeout_s=request.build_timeout_s,
-        serve=request.serve,
-        run_id=run_id,
-        join=request.join,
-        local_worker=request.local_worker,
-        heartbeat_s=request.heartbeat_s,
-        heartbeat_timeout_s=request.heartbeat_timeout_s,
         resuming=logged.exists,
-        bus_timeout_s=request.bus_timeout_s,
-        tune_budget=request.tune_budget,
-        llm_url=request.llm_url if request.llm else None,
     )
     o.extra.update(request.tolerance)  # the run's tolerance, if not the default
     trusted = _trusted_devices(request, devices or [device])
