@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kf.device_names import DeviceError, cuda_device_count, parse_device
 from kf.settings import current
 
 if TYPE_CHECKING:
@@ -67,43 +68,8 @@ DEVICE_HELP = (
 _ONE = re.compile(r"^(cpu|cuda(?::(\d+))?)$")
 
 
-class DeviceError(ValueError):
-    """The requested device is malformed, unknown or not available here."""
-
-
-_CUDA = re.compile(r"^cuda(:\d+)?$")
-
-
-def parse_device(device: str) -> str:
-    """Return the canonical device name or raise :class:`DeviceError` saying what works."""
-    name = device.strip().lower()
-    if name == "cpu":
-        return "cpu"
-    if _CUDA.match(name):
-        index = int(name.partition(":")[2] or 0)
-        available = _cuda_device_count()
-        if index >= available:
-            have = f"{available} CUDA device(s)" if available else "no CUDA device"
-            raise DeviceError(
-                f"device {device!r} is not available: this machine has {have} that PyTorch "
-                "can use, so only 'cpu' is implemented here; use --device cpu, or run on a "
-                "machine with an NVIDIA GPU and a CUDA build of PyTorch"
-            )
-        return f"cuda:{index}"
-    raise DeviceError(f"unknown device {device!r}: expected 'cpu' or 'cuda:N'")
-
-
-def _cuda_device_count() -> int:
-    """CUDA devices PyTorch can use here (0 without a CUDA build or a driver)."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return 0
-    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
-
-
 def _cuda_count() -> int:
-    return _cuda_device_count()
+    return cuda_device_count()
 
 
 def parse_devices(spec: str, *, cuda_count: Callable[[], int] | None = None) -> list[str]:

@@ -18,9 +18,9 @@ import pytest
 
 from agents.build_pool import BuildPool
 from kf.bus import EmbeddedServer
+from kf.device_names import cuda_device_count
 from kf.devices import (
     DeviceError,
-    _cuda_device_count,
     device_slots,
     looks_like_device_error,
     parse_devices,
@@ -87,7 +87,7 @@ def test_multi_device_bad_lists_say_why(spec: str, count: object, says: str) -> 
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.skipif(_cuda_device_count() > 0, reason="this machine has GPUs")
+@pytest.mark.skipif(cuda_device_count() > 0, reason="this machine has GPUs")
 def test_multi_device_cuda_all_without_gpus_is_refused_by_run_and_worker() -> None:
     env = dict(ENV)
     for argv in (
@@ -280,7 +280,7 @@ def test_multi_device_worker_failed_device_is_recorded_and_its_work_redispatched
 
 # -- on GPUs (the lead's machine; skipped here) -------------------------------------------------
 
-GPUS = _cuda_device_count()
+GPUS = cuda_device_count()
 needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs an NVIDIA GPU and a CUDA build of PyTorch")
 needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs two NVIDIA GPUs on this host")
 CUDA_TASK = ROOT / "examples" / "cuda_tasks" / "gelu_residual.py"

@@ -4,7 +4,9 @@ definitions (issue 33), each shown able to fail on a small tree made to break it
 - **the wall**: no module of :mod:`kf.evaluation.runner` (what runs inside a box) imports
   :mod:`kf.evaluation.grader` or the lazy :mod:`kf.evaluation` package, no module of the
   grader imports the runner, and :mod:`kf.evaluation.wire` (the protocol's structs and
-  what they carry) imports neither: only the wire crosses;
+  what they carry) imports neither: only the wire crosses. Nor may a runner reach the
+  grader through kf's other modules: what a runner module imports, and what those import
+  in turn, holds no grader module;
 - **no import cycle** among kf's modules. An import inside a function counts (it postpones
   the cycle to the first call; the two modules still cannot be read or tested apart); an
   import under ``if TYPE_CHECKING:`` does not (it is never run). An import names the module
@@ -162,6 +164,23 @@ def wall_crossings(imports: list[Import]) -> list[str]:
     return out
 
 
+def loaded_by(graph: dict[str, set[str]], roots: list[str]) -> set[str]:
+    """Every module that importing ``roots`` may load, ``roots`` included."""
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += graph.get(module, ())
+    return seen
+
+
+def grader_modules(modules: set[str]) -> list[str]:
+    """The grader's modules among ``modules`` (the lazy package counts: it loads them)."""
+    return sorted(m for m in modules if _side(m) == "kf.evaluation.grader" or m == "kf.evaluation")
+
+
 # -- cycles --------------------------------------------------------------------------
 
 
@@ -316,6 +335,13 @@ def test_wall_between_runner_and_grader() -> None:
     assert wall_crossings(IMPORTS) == []
 
 
+def test_a_runner_reaches_no_grader_module_through_kf() -> None:
+    """What a runner process may load, following every import of kf (a function's body
+    included), holds no module of the grader."""
+    runner = [m for m in KF if _side(m) == "kf.evaluation.runner"]
+    assert grader_modules(loaded_by(import_graph(IMPORTS), runner)) == []
+
+
 def test_no_import_cycle_in_kf() -> None:
     """kf's modules import each other without a cycle, but for the listed exceptions."""
     graph = import_graph(IMPORTS)
@@ -389,6 +415,8 @@ def test_the_rules_fail_on_a_tree_that_breaks_them(tmp_path: Path) -> None:
             "kf/a.py": "from kf.b import _hidden\nimport kf.b\nY = kf.b._other\n",
             "kf/b.py": "_hidden = _other = 1\ndef g():\n    from kf import a\n",
             "kf/long.py": f"def big():\n{long_body}",
+            "kf/helper.py": "def h():\n    from kf.evaluation.grader import session\n",
+            "kf/evaluation/runner/indirect.py": "import kf.helper\n",
         },
     )
     imports = all_imports(known)
@@ -398,6 +426,8 @@ def test_the_rules_fail_on_a_tree_that_breaks_them(tmp_path: Path) -> None:
         "kf.evaluation.runner.loop (line 3) imports kf.evaluation.grader.session",
     ]
     graph = import_graph(imports)
+    reached = loaded_by(graph, ["kf.evaluation.runner.indirect"])
+    assert grader_modules(reached) == ["kf.evaluation.grader.session"]
     assert cycles(graph) == [["kf.a", "kf.b"]]
     assert "kf.evaluation.runner.loop" not in graph.get("kf.evaluation.grader.session", set())
     assert private_uses(known) == {("kf.a", "kf.b", "_hidden"), ("kf.a", "kf.b", "_other")}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import structlog
 
-from kf.devices import DeviceError, parse_device
+from kf.device_names import DeviceError, parse_device
 from kf.evaluation.grader.box import SandboxUnavailable, require
 from kf.evaluation.grader.pipeline import evaluate
 from kf.evaluation.grader.reports import FLAG_REASONS, EvalResult, ProfileReport
