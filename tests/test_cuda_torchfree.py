@@ -211,6 +211,7 @@ def test_sources_that_name_torch_take_pytorchs_path() -> None:
         "#ifndef M_PI\n#define M_PI 3.14159f\n#endif\n",
         "#if defined(USE_ROCM)\n#endif\n",
         "int n = 1'000; torch::Tensor t;",  # a digit separator is not a character literal
+        "#define UNIQUE(x) x##__COUNTER__\n",
         'const char* s = R"(x)";',
     ]
     for source in needs_torch:

@@ -57,7 +57,8 @@ _PREFIXES: tuple[str, ...] = (
     *("_C10_", "_HIDDEN_", "_JOIN_", "__ubsan_", "RECORD_", "REGISTER_"),
 )
 #: Macros PyTorch's ``torch/types.h`` leaves defined without one of those prefixes
-#: (``tests/test_cuda_torchfree.py`` lists them from the installed headers).
+#: (``tests/test_cuda_torchfree.py`` lists them from the installed headers), and
+#: ``__COUNTER__``, whose values torch's headers would have used up.
 _MACROS = frozenset(
     str.split(
         """
@@ -73,7 +74,7 @@ _MACROS = frozenset(
     SKA_NOINLINE STATIC_CONSTEXPR_STR_INL_EXCEPT_WIN_CUDA
     STATIC_CONST_STR_OUT_OF_LINE_FOR_WIN_CUDA STD_TORCH_CHECK STD_TORCH_CHECK_MSG
     SYCL_KERNEL_ASSERT TENSORIMPL_MAYBE_VIRTUAL VLOG VLOG_IF VLOG_IS_ON WARNING_MESSAGE_STRING
-    _EXPAND
+    _EXPAND __COUNTER__
     """
     )
 )
