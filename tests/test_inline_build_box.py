@@ -46,7 +46,9 @@ def test_build_inline_builds_in_the_box_and_serves_the_cache(
     key = inline.cache_key(_bound(ARGS), env)
     folder = Path(first["path"])
     assert folder == tmp_path / "cache" / "cuda_ext" / key
-    module_name = inline._module_name("kf_test_twice", inline.binding_key(_bound(ARGS), env))
+    module_name = inline.extension_module_name(
+        "kf_test_twice", inline.binding_key(_bound(ARGS), env)
+    )
     library = folder / f"{module_name}.so"
     assert library.is_file()
     assert not list((tmp_path / "cache" / "cuda_ext").glob("*.build-*"))  # work folder gone

@@ -37,12 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {}
 
 #: (importer, module, name) of the ``_private`` imports kf still has, each with its reason
-KNOWN_PRIVATE_IMPORTS: dict[tuple[str, str, str], str] = {
-    ("kf.evaluation.grader.builds", "kf.cuda.inline", "_module_name"): (
-        "the name load_inline gives a build's module; kf/cuda was open in the throughput "
-        "work when the rule came: to be made public there"
-    ),
-}
+KNOWN_PRIVATE_IMPORTS: dict[tuple[str, str, str], str] = {}
 
 #: the functions of kf over 80 lines today (module:qualified name -> lines); none may grow
 KNOWN_LONG_FUNCTIONS: dict[str, int] = {

@@ -198,7 +198,7 @@ def pch_wanted(arguments: dict[str, Any]) -> bool:
     return setting == "all" or bool(_languages(arguments)["with_cuda"])
 
 
-def _module_name(name: str, binding: str) -> str:
+def extension_module_name(name: str, binding: str) -> str:
     safe = re.sub(r"\W", "_", name) or "ext"
     return f"{safe}_{binding[:16]}"
 
@@ -407,7 +407,7 @@ def load_inline(*args: Any, **kwargs: Any) -> Any:
     start = time.perf_counter()
     environment = _environment()
     key = cache_key(arguments, environment)
-    module_name = _module_name(str(arguments["name"]), binding_key(arguments, environment))
+    module_name = extension_module_name(str(arguments["name"]), binding_key(arguments, environment))
     root = cache_dir()
     final = root / key
     library = final / f"{module_name}.so"

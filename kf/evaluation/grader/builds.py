@@ -182,7 +182,9 @@ def build_inline(
         return _failed(f"malformed load_inline arguments: {exc}")
     env = {**own, "arch": arch}
     key = inline.cache_key(arguments, env)
-    module_name = inline._module_name(str(arguments["name"]), inline.binding_key(arguments, env))
+    module_name = inline.extension_module_name(
+        str(arguments["name"]), inline.binding_key(arguments, env)
+    )
     root = inline.cache_dir()
     final = root / key
     if (final / f"{module_name}.so").exists():
