@@ -67,6 +67,22 @@ def variants(
     return out[:n]
 
 
+def run_timed(
+    argv: list[str], env: dict[str, str], timeout_s: float
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``argv`` run to its end (exit status -9 and "timed out" after ``timeout_s``), and
+    its wall seconds."""
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, env=env, check=False, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else str(exc.stderr or "")
+        proc = subprocess.CompletedProcess(argv, -9, "", f"{err}\ntimed out")
+    return proc, time.perf_counter() - t0
+
+
 class GpuSampler:
     """Samples NVML GPU utilisation every ``period_s`` in a thread."""
 
@@ -172,16 +188,8 @@ def pipeline_arm(sources: list[str], work: Path, task: Path, timeout_s: float) -
         str(len(sources)), "--json", "--db", str(work / "pipeline.db"),
     ]  # fmt: skip
     with GpuSampler() as gpu:
-        t0 = time.perf_counter()
         launched = time.time()  # envelope times are epoch seconds
-        try:
-            proc = subprocess.run(
-                argv, capture_output=True, text=True, env=env, check=False, timeout=timeout_s
-            )
-        except subprocess.TimeoutExpired as exc:
-            err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else str(exc.stderr or "")
-            proc = subprocess.CompletedProcess(argv, -9, "", f"{err}\ntimed out")
-        wall = time.perf_counter() - t0
+        proc, wall = run_timed(argv, env, timeout_s)
     (work / "pipeline.stderr").write_text(proc.stderr)
     try:
         report = json.loads(proc.stdout)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_pipeline import stage_summary, task_file, variants
+from gpu_pipeline import run_timed, stage_summary, task_file, variants
 
 #: up to 60 distinct load_inline candidates (block × items × GELU formula)
 BLOCKS, ITEMS = (32, 64, 128, 256, 512, 1024), (1, 2, 4, 8, 16)
@@ -115,16 +114,8 @@ def arm(sources: list[str], gpus: int, work: Path, task: Path, timeout_s: float)
     ]  # fmt: skip
     print(f"arm {gpus} GPU(s): {' '.join(argv[3:])}", file=sys.stderr, flush=True)
     with Sampler(gpus) as sampler:
-        t0 = time.perf_counter()
         launched = time.time()
-        try:
-            proc = subprocess.run(
-                argv, capture_output=True, text=True, env=env, check=False, timeout=timeout_s
-            )
-        except subprocess.TimeoutExpired as exc:
-            err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else str(exc.stderr or "")
-            proc = subprocess.CompletedProcess(argv, -9, "", f"{err}\ntimed out")
-        wall = time.perf_counter() - t0
+        proc, wall = run_timed(argv, env, timeout_s)
     (work / f"gpus{gpus}.stderr").write_text(proc.stderr)
     stages = stage_summary(db, launched)
     return {
