@@ -133,8 +133,9 @@ def _cuda_home() -> str:
     return "/usr/local/cuda"
 
 
-def build(root: Path, plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Run kf's ``load_inline`` for each step of ``plan`` in a child, in one cache."""
+def build(root: Path, plan: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """Run kf's ``load_inline`` for each step of ``plan`` in a child, in one cache: each
+    step's outcome, and all the child printed (with ``KF_CUDA_REPORT``'s lines)."""
     cuda_home = _cuda_home()
     stubs = root / "stubs"
     if torch.version.cuda is None:
@@ -145,6 +146,7 @@ def build(root: Path, plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "KF_CACHE_DIR": str(root / "cache"),
         "KF_OBJCACHE_LOG": str(root / "objcache.log"),
         "KF_PCH": "0",  # the precompiled header is not what is tested here (45 s to make)
+        "KF_CUDA_REPORT": "1",  # the report line a compile log keeps
         "KF_TEST_CUDA_HOME": cuda_home,
         "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions"),
         "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0a"),
@@ -162,7 +164,7 @@ def build(root: Path, plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
     found = re.findall(r"^KF_RESULT (.*)$", proc.stdout, re.MULTILINE)
     assert proc.returncode == 0 and found, proc.stdout[-3000:] + proc.stderr[-5000:]
     results: list[dict[str, Any]] = json.loads(found[0])
-    return results
+    return results, proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +179,7 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         {"torchfree": "1", "args": {**ARGS, "cuda_sources": KERNELS}},
         {"torchfree": "1", "args": {**ARGS, "cuda_sources": BROKEN}},
     ]
-    standard, free, broken = build(root, plan)
+    (standard, free, broken), output = build(root, plan)
     assert standard["ok"], standard
     assert free["ok"], free
     cuda_ext = root / "cache" / "cuda_ext"
@@ -188,7 +190,7 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "standard_dir": cuda_ext / standard["record"]["key"],
         "free_dir": cuda_ext / free["record"]["key"],
         "cuda_ext": cuda_ext,
-        "log": (root / "objcache.log").read_text(),
+        "output": output,
     }
 
 
@@ -335,6 +337,10 @@ def test_each_build_records_its_path(builds: dict[str, Any]) -> None:
         assert meta == {"cuda_prelude": record["cuda_prelude"]}
     names = {p.name for p in builds["standard_dir"].glob("*.so")}
     assert names == {p.name for p in builds["free_dir"].glob("*.so")} and len(names) == 1
+    lines = [line for line in builds["output"].splitlines() if line.startswith("kf.cuda.inline")]
+    assert len(lines) == 2, builds["output"][-3000:]
+    assert re.fullmatch(r"kf\.cuda\.inline: kf_tf \w{12} built in [0-9.]+s", lines[0])
+    assert lines[1].endswith("(cuda.cu without PyTorch's #include <torch/types.h>)")
 
 
 def test_the_sources_and_flags_are_pytorchs(builds: dict[str, Any]) -> None:
@@ -386,6 +392,7 @@ def test_a_failed_variant_falls_back_with_pytorchs_errors(builds: dict[str, Any]
     assert not broken["ok"]
     assert "kf_undeclared_value" in broken["error"]
     assert "vector" not in broken["error"]
+    assert "vector" not in builds["output"]  # nothing of the attempt was printed either
     left = [p for p in builds["cuda_ext"].glob("*.build-*") if "cuda.cu" in os.listdir(p)]
     assert left and all(
         (p / "cuda.cu").read_text().startswith("#include <torch/types.h>\n") for p in left
