@@ -17,6 +17,11 @@ in their kernel therefore compile a byte-identical ``main.cpp`` with identical f
 the object cache (:mod:`kf.cuda.objcache`), which builds run through, compiles it once
 for all of them. Libraries that share a module name import side by side, each under its
 own ``sys.modules`` name.
+
+CUDA sources that name nothing of torch are first built without the
+``#include <torch/types.h>`` PyTorch puts in front of them (:mod:`kf.cuda.torchfree`,
+``$KF_TORCHFREE``), and PyTorch's way if that fails; the key says which was tried, the
+build folder's ``kf-build.json`` and :class:`BuildRecord` which was used.
 """
 
 from __future__ import annotations
