@@ -49,7 +49,6 @@ KNOWN_LONG_FUNCTIONS: dict[str, int] = {
     "kf.kernelbench:kernelbench_section": 93,
     "kf.llm.client:LlmClient.chat": 91,
     "kf.llm.prompts:mutation_prompt": 109,
-    "kf.llm.tools:run_device_tool": 111,
     "kf.mutator_stats:mutator_stats": 83,
 }
 

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kf.llm.evidence import compile_outcome, profile_outcome, trim_error, verify_outcome
+
+if TYPE_CHECKING:
+    from kf.tasks import Task
 
 __all__ = [
     "DEVICE_TOOLS",
@@ -191,87 +195,17 @@ def run_device_tool(
     Raises nothing for a bad candidate (that is the tool's answer); a broken task or a
     runner that could not start is a reply with ``error`` set.
     """
-    from kf.evaluation import compile_candidate, profile_candidate, verify_candidate
-    from kf.evaluation.grader.counters import collect_counters
     from kf.tasks import Task, TaskError
 
     t0 = time.monotonic()
-    s = seed + TOOL_SEED_OFFSET
     try:
         task = Task.from_source(task_name, task_source)
-        if tool == "compile":
-            c = compile_candidate(task, source, device=device, timeout_s=timeout_s)
-            if c.ok:
-                notes = [ln for ln in c.log.splitlines() if ln.startswith("kf.cuda")][-12:]
-                text = "compiled and imported; ModelNew constructed" + (
-                    "\n" + "\n".join(notes) if notes else ""
-                )
-                if c.warnings:
-                    text += "\nwarnings: " + "; ".join(c.warnings[:6])
-            else:
-                text = compile_outcome(c)
-            reply = ToolReply(ok=c.ok, text=text, summary={"compiled": c.ok})
-        elif tool == "check":
-            # built first, so a module that does not build gets the compiler's own lines
-            c = compile_candidate(task, source, device=device, timeout_s=timeout_s)
-            if not c.ok:
-                return ToolReply(
-                    ok=False,
-                    text=compile_outcome(c),
-                    summary={"correct": False, "failure_kind": c.failure_kind or "compile_error"},
-                    ran_on=device_id or device,
-                    latency_s=time.monotonic() - t0,
-                )
-            v = verify_candidate(task, source, device=device, seed=s, timeout_s=timeout_s)
-            if v.correct:
-                text = (
-                    f"correct: {sum(e.ok for e in v.evidence)} of {len(v.evidence)} seeded "
-                    f"trials passed (max abs err {v.max_abs_err:.3g}, max rel err "
-                    f"{v.max_rel_err:.3g}; atol {v.atol:g}, rtol {v.rtol:g})"
-                    + (
-                        f"; {len(v.variant_evidence)} unseen shapes passed"
-                        if v.variant_evidence
-                        else ""
-                    )
-                )
-            else:
-                text = verify_outcome(v)
-            reply = ToolReply(
-                ok=v.correct,
-                text=text,
-                summary={"correct": v.correct, "failure_kind": v.failure_kind or ""},
-            )
-        elif tool == "time":
-            p = profile_candidate(
-                task,
-                source,
-                device=device,
-                seed=s,
-                warmup=2,
-                min_trials=5,
-                min_time_s=0.2,
-                max_trials=200,
-                timeout_s=timeout_s,
-                compile_baseline=False,
-            )
-            text = profile_outcome(p) + "\n(a short timing session; kf's profiler times again)"
-            reply = ToolReply(
-                ok=p.ok,
-                text=text,
-                summary={"speedup": p.speedup, "runtime_ms": p.runtime_ms} if p.ok else {},
-            )
-        elif tool == "counters":
-            if not device.startswith("cuda"):
-                return ToolReply(ok=False, text="counters need a GPU", error="no GPU")
-            k = collect_counters(task, source, device=device, seed=s, timeout_s=timeout_s)
-            text = (
-                "counters: " + ", ".join(f"{a} {b:.3g}" for a, b in sorted(k.summary.items()))
-                if k.ok
-                else f"counters failed: {trim_error(k.error or '', 800)}"
-            )
-            reply = ToolReply(ok=k.ok, text=text, summary=dict(k.summary))
-        else:
+        run = _TOOL_RUNNERS.get(tool)
+        if run is None:
             return ToolReply(ok=False, text=f"unknown tool {tool!r}", error="unknown tool")
+        if tool == "counters" and not device.startswith("cuda"):
+            return ToolReply(ok=False, text="counters need a GPU", error="no GPU")
+        reply = run(task, source, device, seed + TOOL_SEED_OFFSET, timeout_s)
     except TaskError as exc:
         reply = ToolReply(ok=False, text=f"the task is broken: {exc}", error=str(exc))
     except Exception as exc:  # a runner that could not start: the tool's failure, said so
@@ -286,3 +220,92 @@ def run_device_tool(
         ran_on=device_id or device,
         latency_s=time.monotonic() - t0,
     )
+
+
+def _compile_tool(task: Task, source: str, device: str, seed: int, timeout_s: float) -> ToolReply:
+    """``compile``: the candidate built and imported, ``ModelNew`` constructed."""
+    from kf.evaluation import compile_candidate
+
+    c = compile_candidate(task, source, device=device, timeout_s=timeout_s)
+    if c.ok:
+        notes = [ln for ln in c.log.splitlines() if ln.startswith("kf.cuda")][-12:]
+        text = "compiled and imported; ModelNew constructed" + (
+            "\n" + "\n".join(notes) if notes else ""
+        )
+        if c.warnings:
+            text += "\nwarnings: " + "; ".join(c.warnings[:6])
+    else:
+        text = compile_outcome(c)
+    return ToolReply(ok=c.ok, text=text, summary={"compiled": c.ok})
+
+
+def _check_tool(task: Task, source: str, device: str, seed: int, timeout_s: float) -> ToolReply:
+    """``check``: built first, so a module that does not build gets the compiler's own
+    lines; then verified on seeded trials and unseen shapes."""
+    from kf.evaluation import compile_candidate, verify_candidate
+
+    c = compile_candidate(task, source, device=device, timeout_s=timeout_s)
+    if not c.ok:
+        failure_kind = c.failure_kind or "compile_error"
+        summary: dict[str, Any] = {"correct": False, "failure_kind": failure_kind}
+        return ToolReply(ok=False, text=compile_outcome(c), summary=summary)
+    v = verify_candidate(task, source, device=device, seed=seed, timeout_s=timeout_s)
+    if v.correct:
+        text = (
+            f"correct: {sum(e.ok for e in v.evidence)} of {len(v.evidence)} seeded "
+            f"trials passed (max abs err {v.max_abs_err:.3g}, max rel err "
+            f"{v.max_rel_err:.3g}; atol {v.atol:g}, rtol {v.rtol:g})"
+            + (f"; {len(v.variant_evidence)} unseen shapes passed" if v.variant_evidence else "")
+        )
+    else:
+        text = verify_outcome(v)
+    return ToolReply(
+        ok=v.correct,
+        text=text,
+        summary={"correct": v.correct, "failure_kind": v.failure_kind or ""},
+    )
+
+
+def _time_tool(task: Task, source: str, device: str, seed: int, timeout_s: float) -> ToolReply:
+    """``time``: a short timing session (kf's profiler times again)."""
+    from kf.evaluation import profile_candidate
+
+    p = profile_candidate(
+        task,
+        source,
+        device=device,
+        seed=seed,
+        warmup=2,
+        min_trials=5,
+        min_time_s=0.2,
+        max_trials=200,
+        timeout_s=timeout_s,
+        compile_baseline=False,
+    )
+    text = profile_outcome(p) + "\n(a short timing session; kf's profiler times again)"
+    return ToolReply(
+        ok=p.ok,
+        text=text,
+        summary={"speedup": p.speedup, "runtime_ms": p.runtime_ms} if p.ok else {},
+    )
+
+
+def _counters_tool(task: Task, source: str, device: str, seed: int, timeout_s: float) -> ToolReply:
+    """``counters``: Nsight Compute's counters of the candidate's kernels (a GPU's)."""
+    from kf.evaluation.grader.counters import collect_counters
+
+    k = collect_counters(task, source, device=device, seed=seed, timeout_s=timeout_s)
+    text = (
+        "counters: " + ", ".join(f"{a} {b:.3g}" for a, b in sorted(k.summary.items()))
+        if k.ok
+        else f"counters failed: {trim_error(k.error or '', 800)}"
+    )
+    return ToolReply(ok=k.ok, text=text, summary=dict(k.summary))
+
+
+_TOOL_RUNNERS: dict[str, Callable[[Task, str, str, int, float], ToolReply]] = {
+    "compile": _compile_tool,
+    "check": _check_tool,
+    "time": _time_tool,
+    "counters": _counters_tool,
+}
