@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -14,8 +15,10 @@ from typing import Any
 from agents.archivist import Archivist
 from kf import bus
 from kf.agent import AgentContext
-from kf.events import make_envelope
+from kf.events import decode_event, make_envelope
+from kf.log import EventLog
 from kf.runtime import fetch_range
+from tests.llm_server import ScriptedServer
 from tests.tally import Pinged, Tally
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +58,45 @@ def run_kf(
         cwd=ROOT,
         env=env,
     )
+
+
+def scripted_llm_run(
+    responder: Callable[[dict[str, Any]], dict[str, Any]],
+    task: Path,
+    db: Path,
+    *args: str,
+    timeout: float = 300,
+    eval_threads: str | None = "1",
+) -> tuple[dict[str, Any], str]:
+    """``kf run TASK --llm-url URL --model scripted --db DB --json ARGS`` against a scripted
+    server (tests/llm_server.py) that ``responder`` answers: the run's report and the
+    server's URL; the server is stopped when this returns, and a failed run fails the test
+    with kf's stderr."""
+    with ScriptedServer(responder=responder) as server:
+        url = server.url
+        proc = run_kf(
+            "run", str(task), "--llm-url", url, "--model", "scripted", "--db", str(db),
+            "--json", *args, timeout=timeout, eval_threads=eval_threads,
+        )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    report: dict[str, Any] = json.loads(proc.stdout)
+    return report, url
+
+
+def replay_check(db: Path) -> dict[str, Any]:
+    """``kf replay DB --check --json``'s output, the test failed unless it exited 0 with
+    the check passed."""
+    proc = run_kf("replay", str(db), "--check", "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out: dict[str, Any] = json.loads(proc.stdout)
+    assert out["check"]["ok"] is True, out["check"]
+    return out
+
+
+def logged(db: Path, tag: str) -> list[Any]:
+    """The events of type ``tag`` in the log at ``db``, decoded, in log order."""
+    with EventLog(db, readonly=True) as elog:
+        return [decode_event(e) for e in elog.read(types=[tag])]
 
 
 async def wait_for(

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ import pytest
 from kf.bus import EmbeddedServer
 from kf.events import Envelope, decode_event
 from kf.log import EventLog, LogError
+from tests.harness import replay_check
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK = ROOT / "tests/fixtures/search/scale_relu.py"
@@ -97,27 +98,8 @@ def check_counted_once(db: Path, budget: int) -> dict[str, Any]:
     # the search's candidates; tuning, once the budget is spent, adds its own on top
     assert task["candidates"] - task["tuned_candidates"] == budget
     assert task["profiled"] + task["failed"] == task["candidates"]
-    chk = subprocess.run(
-        [sys.executable, "-m", "kf.cli", "replay", str(db), "--check", "--json"],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert chk.returncode == 0, chk.stdout + chk.stderr
-    assert json.loads(chk.stdout)["check"]["ok"] is True
+    replay_check(db)
     return report
-
-
-@pytest.fixture
-def server() -> Iterator[EmbeddedServer]:
-    """A real nats-server on a random loopback port."""
-    s = EmbeddedServer().start()
-    try:
-        yield s
-    finally:
-        s.stop()
 
 
 def run_args(url: str, db: Path, run: str, budget: int, *extra: str) -> list[str]:
@@ -150,12 +132,12 @@ def worker_args(url: str, run: str, name: str) -> list[str]:
 
 
 def test_faults_worker_killed_mid_evaluation_is_redispatched(
-    server: EmbeddedServer, tmp_path: Path
+    nats_server: EmbeddedServer, tmp_path: Path
 ) -> None:
     """SIGKILL of a worker mid-candidate: after the heartbeat timeout its work moves on."""
     db, run = tmp_path / "run.db", "kill-worker"
-    main = kf_proc(*run_args(server.url, db, run, 3, "--no-worker"))
-    a = kf_proc(*worker_args(server.url, run, "wA"))
+    main = kf_proc(*run_args(nats_server.url, db, run, 3, "--no-worker"))
+    a = kf_proc(*worker_args(nats_server.url, run, "wA"))
     b: subprocess.Popen[str] | None = None
     try:
         first = wait_until(
@@ -165,7 +147,7 @@ def test_faults_worker_killed_mid_evaluation_is_redispatched(
         )[0]
         a.send_signal(signal.SIGKILL)
         a.wait()
-        b = kf_proc(*worker_args(server.url, run, "wB"))
+        b = kf_proc(*worker_args(nats_server.url, run, "wB"))
         code, _, err = finish(main)
         assert code == 0, err[-3000:]
     finally:
@@ -180,18 +162,18 @@ def test_faults_worker_killed_mid_evaluation_is_redispatched(
 
 
 def test_faults_worker_joining_mid_run_receives_work(
-    server: EmbeddedServer, tmp_path: Path
+    nats_server: EmbeddedServer, tmp_path: Path
 ) -> None:
     """A worker that joins a running run announces itself and gets candidates routed to it."""
     db, run = tmp_path / "run.db", "join-worker"
     # enough work left when the second worker has started (its start-up, seconds on a
     # loaded 2-core machine, once outlasted a budget of 6: the first worker did them all)
-    main = kf_proc(*run_args(server.url, db, run, 10, "--no-worker", "--max-in-flight", "2"))
-    a = kf_proc(*worker_args(server.url, run, "wA"))
+    main = kf_proc(*run_args(nats_server.url, db, run, 10, "--no-worker", "--max-in-flight", "2"))
+    a = kf_proc(*worker_args(nats_server.url, run, "wA"))
     b: subprocess.Popen[str] | None = None
     try:
         wait_until(lambda: of_type(db, "search.candidate_assigned"), 120, "a first assignment")
-        b = kf_proc(*worker_args(server.url, run, "wB"))
+        b = kf_proc(*worker_args(nats_server.url, run, "wB"))
         code, _, err = finish(main)
         assert code == 0, err[-3000:]
     finally:
@@ -226,11 +208,11 @@ def test_faults_nats_server_restart_mid_run_loses_nothing(tmp_path: Path) -> Non
 
 
 def test_faults_archivist_killed_and_restarted_resumes(
-    server: EmbeddedServer, tmp_path: Path
+    nats_server: EmbeddedServer, tmp_path: Path
 ) -> None:
     """SIGKILL of the archivist mid-run: restarted on its log, the run resumes and replays."""
     db, run = tmp_path / "run.db", "kill-archivist"
-    url = server.url
+    url = nats_server.url
     archivist_args = [
         "agent",
         "archivist",
@@ -278,7 +260,7 @@ def test_faults_archivist_killed_and_restarted_resumes(
 
 
 def test_faults_malformed_events_are_rejected_and_the_run_goes_on(
-    server: EmbeddedServer, tmp_path: Path
+    nats_server: EmbeddedServer, tmp_path: Path
 ) -> None:
     """A rogue client's garbage on the run's inbound subject is rejected and counted."""
     import asyncio
@@ -286,10 +268,10 @@ def test_faults_malformed_events_are_rejected_and_the_run_goes_on(
     import nats
 
     db, run = tmp_path / "run.db", "garbage"
-    main = kf_proc(*run_args(server.url, db, run, 3))
+    main = kf_proc(*run_args(nats_server.url, db, run, 3))
 
     async def spam() -> None:
-        nc = await nats.connect(server.url)
+        nc = await nats.connect(nats_server.url)
         for i in range(5):
             await nc.publish(f"kf.{run}.in", b"\xff\x00 not an event %d" % i)
         await nc.flush()

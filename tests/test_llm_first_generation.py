@@ -10,78 +10,60 @@ LLM path, and `kf replay --check` must pass with the server stopped.
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kf.events import decode_event
-from kf.log import EventLog
-from tests.harness import run_kf, seedless_scale_relu
-from tests.llm_server import ScriptedServer
+from tests.harness import logged, replay_check, scripted_llm_run, seedless_scale_relu
 from tests.scripted_answers import CpuResponder
-
-
-def kf(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    return run_kf(*args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def seedless_run(
     tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[Path, dict[str, Any], str, CpuResponder, subprocess.CompletedProcess[str]]:
+) -> tuple[Path, dict[str, Any], str, CpuResponder]:
     """One seedless run (--init 2, budget 6, no tuning: tests/test_tuning.py tunes an
     LLM-written template), the scripted server stopped afterwards."""
     db = tmp_path_factory.mktemp("seedless") / "run.db"
     task = seedless_scale_relu(db.parent / "tasks")
     responder = CpuResponder()
-    with ScriptedServer(responder=responder) as server:
-        proc = kf(
-            "run", str(task), "--llm-url", server.url, "--model", "scripted", "--budget", "6",
-            "--init", "2", "--seed", "3", "--db", str(db), "--json", "--max-in-flight", "2",
-            "--tune-budget", "0",
-        )  # fmt: skip
-        url = server.url
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return db, json.loads(proc.stdout), url, responder, proc
-
-
-def _events(db: Path, tag: str) -> list[Any]:
-    with EventLog(db, readonly=True) as elog:
-        return [decode_event(e) for e in elog.read(types=[tag])]
+    report, url = scripted_llm_run(
+        responder, task, db, "--budget", "6", "--init", "2", "--seed", "3",
+        "--max-in-flight", "2", "--tune-budget", "0", timeout=400,
+    )  # fmt: skip
+    return db, report, url, responder
 
 
 def test_seedless_run_ends_with_a_verified_llm_kernel(seedless_run: Any) -> None:
     """The task is not skipped: its best kernel was written through the LLM path, verified
     and profiled, and says which server wrote it."""
-    db, report, url, _, _ = seedless_run
+    db, report, url, _ = seedless_run
     assert report["finished"] is True
     (task,) = report["tasks"]
     assert task["skipped"] is None
     assert task["best_speedup"] is not None and task["best_ms"] > 0
-    proposed = {c.candidate_id: c for c in _events(db, "kernel.candidate_proposed")}
+    proposed = {c.candidate_id: c for c in logged(db, "kernel.candidate_proposed")}
     best = proposed[task["best_candidate_id"]]
     assert best.mutator == f"llm: scripted via {url}"
     # the run tunes nothing (--tune-budget 0): every candidate came through the LLM path
     assert {c.operator for c in proposed.values()} <= {"init", "diff", "rewrite"}
     assert all(c.mutator.startswith("llm: scripted via ") for c in proposed.values())
-    verified = {v.candidate_id for v in _events(db, "kernel.candidate_verified")}
+    verified = {v.candidate_id for v in logged(db, "kernel.candidate_verified")}
     assert best.candidate_id in verified
 
 
 def test_seedless_first_generation_is_recorded_decisions(seedless_run: Any) -> None:
     """The first generation and the retry round are init selections in C++ (the CPU's
     language); the retry names the failed candidates whose evidence it carries."""
-    db, _, _, _, _ = seedless_run
-    inits = [s for s in _events(db, "search.parent_selected") if s.operator == "init"]
+    db, _, _, _ = seedless_run
+    inits = [s for s in logged(db, "search.parent_selected") if s.operator == "init"]
     assert len(inits) == 4
     assert {s.language for s in inits} == {"cpp"}
     first, retry = inits[:2], inits[2:]
     assert all(not s.evidence for s in first)
     assert all(len(s.evidence) == 2 for s in retry)
-    failed = {c.candidate_id for c in _events(db, "kernel.candidate_proposed")} & set(
+    failed = {c.candidate_id for c in logged(db, "kernel.candidate_proposed")} & set(
         retry[0].evidence
     )
     assert len(failed) == 2
@@ -89,27 +71,27 @@ def test_seedless_first_generation_is_recorded_decisions(seedless_run: Any) -> N
 
 def test_seedless_retry_prompt_carries_the_failures_evidence(seedless_run: Any) -> None:
     """The retry prompt shows the compiler's error line and the failing trial's error."""
-    db, _, _, responder, _ = seedless_run
+    db, _, _, responder = seedless_run
     assert responder.evidence_seen, "no retry prompt reached the server"
     text = responder.evidence_seen[0]
     assert "not declared" in text and "max abs err" in text and "atol" in text
-    calls = [c for c in _events(db, "llm.called") if c.purpose == "init"]
+    calls = [c for c in logged(db, "llm.called") if c.purpose == "init"]
     assert len(calls) == 4 and all(c.prompt_tokens_estimated > 0 for c in calls)
 
 
 def test_seedless_cut_off_answer_is_recorded_as_such(seedless_run: Any) -> None:
     """An answer cut off at the token limit is recorded with finish_reason=length and its
     failed mutation says so."""
-    db, _, _, _, _ = seedless_run
-    cut = [c for c in _events(db, "llm.called") if c.finish_reason == "length"]
+    db, _, _, _ = seedless_run
+    cut = [c for c in logged(db, "llm.called") if c.finish_reason == "length"]
     assert len(cut) == 1
-    reasons = [m.reason for m in _events(db, "kernel.mutation_failed")]
+    reasons = [m.reason for m in logged(db, "kernel.mutation_failed")]
     assert any("finish_reason=length" in r for r in reasons), reasons
 
 
 def test_seedless_every_candidate_ends_with_an_outcome(seedless_run: Any) -> None:
     """No candidate is left waiting: each was profiled or failed with a cause."""
-    db, report, _, _, _ = seedless_run
+    db, report, _, _ = seedless_run
     from kf.report import build_report
 
     (task,) = build_report(db)["tasks"]
@@ -127,8 +109,5 @@ def test_seedless_every_candidate_ends_with_an_outcome(seedless_run: Any) -> Non
 
 def test_seedless_replay_check_passes_with_server_gone(seedless_run: Any) -> None:
     """`kf replay --check` recomputes every decision (init selections included) offline."""
-    db, _, _, _, _ = seedless_run
-    proc = kf("replay", str(db), "--check", "--json")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
-    assert out["check"]["ok"] is True and out["check"]["decisions_checked"] >= 8
+    db, _, _, _ = seedless_run
+    assert replay_check(db)["check"]["decisions_checked"] >= 8

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kf.events import decode_event
-from kf.log import EventLog
-from tests.harness import run_kf
-from tests.llm_server import ScriptedServer, user_text
+from tests.harness import SCALE_RELU, logged, replay_check, scripted_llm_run
+from tests.llm_server import user_text
 
-ROOT = Path(__file__).resolve().parent.parent
-TASK = ROOT / "tests/fixtures/search/scale_relu.py"
 _CONFIG = re.compile(r"^CONFIG = \{.*\}$", re.MULTILINE)
 _PARENT = re.compile(r"# Parent kernel[^\n]*\n```python\n(.*?)\n```", re.DOTALL)
 
@@ -59,28 +53,16 @@ class KernelResponder:
         }
 
 
-def kf(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return run_kf(*args, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def llm_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], str]:
     """One run of budget 4 with the scripted server; the server is stopped afterwards."""
     db = tmp_path_factory.mktemp("llmrun") / "run.db"
-    with ScriptedServer(responder=KernelResponder()) as server:
-        proc = kf(
-            "run", str(TASK), "--llm-url", server.url, "--model", "scripted", "--budget", "4",
-            "--seed", "5", "--db", str(db), "--json", "--max-in-flight", "1",
-            "--tune-budget", "4",  # tuned (4: the least that tunes a shape), not the default 12
-        )  # fmt: skip
-        url = server.url
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return db, json.loads(proc.stdout), url
-
-
-def _events(db: Path, tag: str) -> list[Any]:
-    with EventLog(db, readonly=True) as elog:
-        return [decode_event(e) for e in elog.read(types=[tag])]
+    report, url = scripted_llm_run(
+        KernelResponder(), SCALE_RELU, db, "--budget", "4", "--seed", "5",
+        "--max-in-flight", "1",
+        "--tune-budget", "4",  # tuned (4: the least that tunes a shape), not the default 12
+    )  # fmt: skip
+    return db, report, url
 
 
 def test_llm_run_labels_candidates_with_model_and_url(llm_run: tuple[Path, dict, str]) -> None:
@@ -88,7 +70,7 @@ def test_llm_run_labels_candidates_with_model_and_url(llm_run: tuple[Path, dict,
     db, report, url = llm_run
     assert report["finished"] is True
     proposed = [
-        c for c in _events(db, "kernel.candidate_proposed") if c.operator not in ("seed", "tune")
+        c for c in logged(db, "kernel.candidate_proposed") if c.operator not in ("seed", "tune")
     ]
     assert proposed, "no model-written candidate"
     assert {c.mutator for c in proposed} == {f"llm: scripted via {url}"}
@@ -99,7 +81,7 @@ def test_llm_run_labels_candidates_with_model_and_url(llm_run: tuple[Path, dict,
 def test_llm_run_records_every_call_verbatim(llm_run: tuple[Path, dict, str]) -> None:
     """Each call's messages, response, usage and model are in the log."""
     db, _, url = llm_run
-    calls = _events(db, "llm.called")
+    calls = logged(db, "llm.called")
     mutate = [c for c in calls if c.purpose == "mutate"]
     assert len(mutate) == 3
     for c in mutate:
@@ -107,18 +89,18 @@ def test_llm_run_records_every_call_verbatim(llm_run: tuple[Path, dict, str]) ->
         assert c.messages[0].role == "system" and "Parent kernel" in c.messages[1].content
         assert "Target device" in c.messages[1].content and c.prompt_hash
         assert c.response is not None and c.prompt_tokens > 0
-    garbage = _events(db, "kernel.mutation_failed")
+    garbage = logged(db, "kernel.mutation_failed")
     assert any("unusable LLM response" in g.reason for g in garbage)
 
 
 def test_llm_run_chooses_prompts_and_evolves_one(llm_run: tuple[Path, dict, str]) -> None:
     """Prompt choices are recorded decisions and a rewrite request produced a new prompt."""
     db, _, _ = llm_run
-    assert [p.prompt_id for p in _events(db, "prompt.seeded")] == ["p0"]
-    chosen = _events(db, "prompt.chosen")
+    assert [p.prompt_id for p in logged(db, "prompt.seeded")] == ["p0"]
+    chosen = logged(db, "prompt.chosen")
     assert len(chosen) == 3 and {c.model for c in chosen} == {"scripted"}
-    requested = _events(db, "prompt.rewrite_requested")
-    rewritten = _events(db, "prompt.rewritten")
+    requested = logged(db, "prompt.rewrite_requested")
+    rewritten = logged(db, "prompt.rewritten")
     assert requested and rewritten
     assert rewritten[0].regions[rewritten[0].region].startswith("Vectorise")
 
@@ -126,7 +108,7 @@ def test_llm_run_chooses_prompts_and_evolves_one(llm_run: tuple[Path, dict, str]
 def test_llm_run_tunes_the_seed_template(llm_run: tuple[Path, dict, str]) -> None:
     """The tuner timed the elite seed's configuration and neighbours for the task's shape."""
     db, _, _ = llm_run
-    tuned = _events(db, "tuning.config_tuned")
+    tuned = logged(db, "tuning.config_tuned")
     assert tuned, "no tuning recorded"
     t = tuned[0]
     assert t.shape == "[[64, 256]]" and len(t.trials) >= 2
@@ -136,9 +118,6 @@ def test_llm_run_tunes_the_seed_template(llm_run: tuple[Path, dict, str]) -> Non
 def test_llm_run_replay_check_passes_with_server_gone(llm_run: tuple[Path, dict, str]) -> None:
     """`kf replay --check` recomputes archive and prompt decisions without any LLM."""
     db, _, _ = llm_run
-    proc = kf("replay", str(db), "--check", "--json")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
-    assert out["check"]["ok"] is True
+    out = replay_check(db)
     assert "prompt_evolver" in out["state"]
     assert out["check"]["decisions_checked"] >= 6

@@ -38,6 +38,7 @@ from kf import bus
 from kf.bus import EmbeddedServer
 from kf.events import decode_event
 from kf.shutdown import descendants
+from tests.harness import replay_check
 from tests.test_faults import ENV, ROOT, events, wait_until
 
 STOP_BOUND_S = 10.0  # 5 s asked for, plus a margin for the 2-core CI machine
@@ -291,16 +292,7 @@ def stop_mid_build(task: Path, header: Path, env: dict[str, str], db: Path, devi
     (done,) = json.loads(out)["tasks"]
     assert (done["candidates"], done["compiled"], done["profiled"]) == (1, 1, 1), done
     assert [c.report.ok for c in of(db, "kernel.candidate_compiled")] == [True]
-    chk = subprocess.run(
-        [sys.executable, "-m", "kf.cli", "replay", str(db), "--check", "--json"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert chk.returncode == 0, chk.stdout + chk.stderr
-    assert json.loads(chk.stdout)["check"]["ok"] is True
+    replay_check(db)
 
 
 #: a command whose clean-up hangs, with a child process, under kf.shutdown.run

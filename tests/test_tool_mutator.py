@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from agents.tool_server import BusTools, ToolServer
 from kf import bus
 from kf.agent import AgentContext
 from kf.auth import RunCredentials
-from kf.events import Record, decode_event, make_envelope
+from kf.events import Record, make_envelope
 from kf.facts import RunStarted
 from kf.llm.budget import Pricing
 from kf.llm.cli import add_llm_options, llm_config, parse_mutators
@@ -32,9 +31,14 @@ from kf.llm.client import CallOutcome, ClientSettings, LlmClient
 from kf.llm.prompts import Prompt
 from kf.llm.tools import ToolLimits, ToolReply, run_device_tool, tool_specs
 from kf.llm_facts import EpisodeEnded, LlmCalled, LlmToolCall, ToolCalled
-from kf.log import EventLog
 from kf.search_facts import ParentSelected
-from tests.harness import SCALE_RELU, run_kf, seedless_scale_relu
+from tests.harness import (
+    SCALE_RELU,
+    logged,
+    run_kf,
+    scripted_llm_run,
+    seedless_scale_relu,
+)
 from tests.llm_server import ScriptedServer
 from tests.scripted_answers import ToolEpisodeResponder, cpp_variant
 
@@ -95,21 +99,27 @@ def spec(limits: ToolLimits | None = None, elites: dict[str, Elite] | None = Non
     )
 
 
+def episode(episode_spec: EpisodeSpec, **server: Any) -> Any:
+    """One tool episode of ``episode_spec`` against a scripted server made with ``server``
+    (a ``responder`` or a ``script``), its tools run here."""
+
+    async def go() -> Any:
+        with ScriptedServer(**server) as scripted:
+            client = client_for(scripted.url)
+            try:
+                return await run_episode(episode_spec, caller(client), local_tool)
+            finally:
+                await client.close()
+
+    return asyncio.run(go())
+
+
 def test_tool_episode_sees_a_compile_error_fixes_it_checks_and_answers() -> None:
     """The scripted model compiles a broken module, is shown the compiler's error, checks
     the fixed module (correct, in the sandbox) and answers with it; every turn and tool
     result is recorded."""
     responder = ToolEpisodeResponder()
-
-    async def go() -> Any:
-        with ScriptedServer(responder=responder) as server:
-            client = client_for(server.url)
-            try:
-                return await run_episode(spec(), caller(client), local_tool)
-            finally:
-                await client.close()
-
-    result = asyncio.run(go())
+    result = episode(spec(), responder=responder)
     calls = [e for e in result.events if isinstance(e, LlmCalled)]
     tools = [e for e in result.events if isinstance(e, ToolCalled)]
     assert [c.tool_calls[0].name if c.tool_calls else "" for c in calls] == ["compile", "check", ""]
@@ -126,16 +136,7 @@ def test_tool_episode_sees_a_compile_error_fixes_it_checks_and_answers() -> None
 def test_tool_episode_malformed_call_is_recorded_with_its_cause() -> None:
     """A tool call whose arguments are not JSON ends the episode, recorded as malformed."""
     script = [{"tool_calls": [{"name": "compile", "arguments": '{"source": "x'}]}]
-
-    async def go() -> Any:
-        with ScriptedServer(script=script) as server:
-            client = client_for(server.url)
-            try:
-                return await run_episode(spec(), caller(client), local_tool)
-            finally:
-                await client.close()
-
-    result = asyncio.run(go())
+    result = episode(spec(), script=script)
     assert result.source is None and result.ended is not None
     assert result.ended.ended == "malformed" and "not JSON" in result.ended.cause
     (tool,) = [e for e in result.events if isinstance(e, ToolCalled)]
@@ -150,18 +151,7 @@ def test_tool_episode_stops_at_its_tool_call_limit() -> None:
     script = [
         {"tool_calls": [{"name": "show_elite", "arguments": {"id": "e1"}}] * 2},
     ]
-
-    async def go() -> Any:
-        with ScriptedServer(script=script) as server:
-            client = client_for(server.url)
-            try:
-                return await run_episode(
-                    spec(ToolLimits(tool_calls=1), elites), caller(client), local_tool
-                )
-            finally:
-                await client.close()
-
-    result = asyncio.run(go())
+    result = episode(spec(ToolLimits(tool_calls=1), elites), script=script)
     assert result.ended is not None and result.ended.ended == "limit"
     assert result.ended.cause == "tool calls: all 1 made"
     (tool,) = [e for e in result.events if isinstance(e, ToolCalled)]
@@ -319,21 +309,12 @@ def mixed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     one); the scripted server is stopped when it ends."""
     db = tmp_path_factory.mktemp("mixed") / "run.db"
     task = seedless_scale_relu(db.parent / "tasks")
-    with ScriptedServer(responder=ToolEpisodeResponder()) as server:
-        proc = run_kf(
-            "run", str(task), "--llm-url", server.url, "--model", "scripted", "--budget", "3",
-            "--init", "3", "--seed", "1", "--db", str(db), "--json", "--max-in-flight", "2",
-            "--mutators", "single=1,tools=1,cli=1", "--agent-cmd", FAKE_AGENT,
-            "--tune-budget", "0", timeout=500,
-        )  # fmt: skip
-        url = server.url
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return db, json.loads(proc.stdout), url
-
-
-def _events(db: Path, tag: str) -> list[Any]:
-    with EventLog(db, readonly=True) as elog:
-        return [decode_event(e) for e in elog.read(types=[tag])]
+    report, url = scripted_llm_run(
+        ToolEpisodeResponder(), task, db, "--budget", "3", "--init", "3", "--seed", "1",
+        "--max-in-flight", "2", "--mutators", "single=1,tools=1,cli=1",
+        "--agent-cmd", FAKE_AGENT, "--tune-budget", "0", timeout=500,
+    )  # fmt: skip
+    return db, report, url
 
 
 def test_mixed_population_run_compares_its_mutators_and_replays_without_the_server(
@@ -343,15 +324,15 @@ def test_mixed_population_run_compares_its_mutators_and_replays_without_the_serv
     compile error before it checked; the report compares the kinds; `kf replay --check`
     recomputes every decision with the scripted server stopped."""
     db, report, url = mixed_run
-    proposed = _events(db, "kernel.candidate_proposed")
+    proposed = logged(db, "kernel.candidate_proposed")
     labels = {p.mutator for p in proposed}
     assert f"llm: scripted via {url}" in labels
     assert f"llm+tools: scripted via {url}" in labels
     assert f"agent-cmd: {FAKE_AGENT}" in labels
-    ended: list[EpisodeEnded] = _events(db, "episode.ended")
+    ended: list[EpisodeEnded] = logged(db, "episode.ended")
     assert {e.kind for e in ended} == {"tools", "cli"}
     assert all(e.ended == "answered" for e in ended)
-    tools = _events(db, "episode.tool_called")
+    tools = logged(db, "episode.tool_called")
     by_episode: dict[str, list[ToolCalled]] = {}
     for t in tools:
         by_episode.setdefault(t.episode, []).append(t)
@@ -361,7 +342,7 @@ def test_mixed_population_run_compares_its_mutators_and_replays_without_the_serv
         [(t.tool, t.ok) for t in v] == [("compile", False), ("check", True)] for v in tool_eps
     )
     assert all(t.ran_on.endswith("/cpu") for t in tools)
-    turns = [c for c in _events(db, "llm.called") if c.episode]
+    turns = [c for c in logged(db, "llm.called") if c.episode]
     assert turns and all(c.purpose in ("init", "mutate") for c in turns)
     compared = report["mutators"]
     assert set(compared) == {"single", "tools", "cli"}
