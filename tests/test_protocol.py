@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import socket
 import typing
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from kf.evaluation.wire.tolerance import Tolerance
 from kf.tasks import load_task
 
 FIXTURES = Path(__file__).parent / "fixtures"
-TASK = load_task(FIXTURES / "adversarial" / "task_gelu.py")
+TASK = load_task(FIXTURES / "eval" / "task_gelu.py")
 BLOB = b"torch.save bytes"
 PIECES = [b"first piece", b"second"]
 SHARED = shared_memory.Payload(b"KFSHM1\nheader", 0, 4096)
@@ -219,15 +218,6 @@ def test_protocol_payload_descriptors_attach_in_field_order() -> None:
     a.close()
     with pytest.raises(OSError, match="Bad file descriptor"):
         os.fstat(a.fd)
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[RunnerPool]:
-    runners = RunnerPool(size=1, threads=1)
-    try:
-        yield runners
-    finally:
-        runners.close()
 
 
 @pytest.mark.parametrize(
