@@ -4,14 +4,16 @@ A whole run costs 30-100 s on CI's 2 cores, so modules that need the same run sh
 (issue 31, item 7): the first test that asks makes it, under a file lock in the session's
 temporary root, and every later test (in this process or, under pytest-xdist, in
 another worker) reads the same log, report and output. Tests only read the log; a test
-that appends copies it first (tests/test_dashboard.py's ``copy_log``).
+that appends copies it first (``copy_log``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -47,6 +49,16 @@ class SearchRun:
         assert self.returncode == 0, self.stderr[-4000:]
         result: dict[str, Any] = json.loads(self.stdout)
         return result
+
+
+def copy_log(src: Path, dst: Path) -> Path:
+    """A consistent copy of a log (SQLite's backup API), so a test may append to it."""
+    with (
+        contextlib.closing(sqlite3.connect(src)) as a,
+        contextlib.closing(sqlite3.connect(dst)) as b,
+    ):
+        a.backup(b)
+    return dst
 
 
 def session_root(factory: pytest.TempPathFactory) -> Path:

@@ -29,7 +29,7 @@ from kf.dashboard import RunView, start_dashboard
 from kf.events import Envelope, Record, decode_event
 from kf.log import EventLog
 from kf.report import fold_archive
-from tests.shared_runs import search_run
+from tests.shared_runs import copy_log, search_run
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
@@ -53,16 +53,6 @@ def run_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert run.served_state is not None, "kf run --serve printed no dashboard URL"
     assert run.served_state["run"]["run_id"]
     return run.db
-
-
-def copy_log(src: Path, dst: Path) -> Path:
-    """A consistent copy of a log (SQLite's backup API), so a test may append to it."""
-    with (
-        contextlib.closing(sqlite3.connect(src)) as a,
-        contextlib.closing(sqlite3.connect(dst)) as b,
-    ):
-        a.backup(b)
-    return dst
 
 
 def filled_cells(db: Path) -> dict[str, str]:

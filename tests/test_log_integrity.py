@@ -38,7 +38,8 @@ from kf.log import (
 from kf.replay import check, deciding_agent_types
 from kf.report import build_report, format_table
 from kf.runtime import Outbox
-from tests.harness import pings, wait_for
+from tests.harness import pings, run_kf, wait_for
+from tests.shared_runs import copy_log
 from tests.tally import Pinged, Tally
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,14 +70,7 @@ def rows(path: Path) -> list[tuple[object, ...]]:
 
 def kf(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """A `kf` command as its own process."""
-    return subprocess.run(
-        [sys.executable, "-m", "kf.cli", *args],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_kf(*args, timeout=timeout)
 
 
 def outside(script: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -89,15 +83,6 @@ def outside(script: str, *args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=60,
     )
-
-
-def copy_log(src: Path, dst: Path) -> Path:
-    with (
-        contextlib.closing(sqlite3.connect(src)) as a,
-        contextlib.closing(sqlite3.connect(dst)) as b,
-    ):
-        a.backup(b)
-    return dst
 
 
 # -- the database refuses rewrites -----------------------------------------------------------
