@@ -12,7 +12,6 @@ inside the seed's ``# --- kf:params ---`` block is rewritten and the module re-e
 from __future__ import annotations
 
 import argparse
-import ast
 import itertools
 import random
 import statistics
@@ -25,6 +24,10 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kf import params
+
 TASKS = ROOT / "examples" / "tasks"
 SEEDS = TASKS / "seeds"
 ATOL = RTOL = 1e-4
@@ -40,29 +43,12 @@ def load_module(path: Path, source: str | None = None, name: str | None = None) 
     return module
 
 
-def params_block(source: str) -> tuple[dict[str, list[Any]], dict[str, Any], tuple[int, int]]:
-    """SPACE, CONFIG and the (first, last) 1-based lines of the CONFIG assignment."""
-    lines = source.splitlines()
-    start = lines.index("# --- kf:params ---")
-    end = lines.index("# --- kf:end ---")
-    tree = ast.parse("\n".join(lines[start + 1 : end]))
-    found: dict[str, Any] = {}
-    span = (0, 0)
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            name = node.targets[0].id
-            found[name] = ast.literal_eval(node.value)
-            if name == "CONFIG":
-                span = (start + 1 + node.lineno, start + 1 + (node.end_lineno or node.lineno))
-    return found["SPACE"], found["CONFIG"], span
-
-
-def with_config(source: str, config: dict[str, Any]) -> str:
-    """The seed's source with its CONFIG assignment replaced by ``config``."""
-    _, _, (first, last) = params_block(source)
-    lines = source.splitlines()
-    lines[first - 1 : last] = [f"CONFIG = {config!r}"]
-    return "\n".join(lines) + "\n"
+def params_block(source: str) -> tuple[dict[str, list[Any]], dict[str, Any]]:
+    """The seed's SPACE and CONFIG, as kf reads them (kf.params)."""
+    parsed = params.parse(source)
+    if parsed is None:
+        raise SystemExit("the seed has no '# --- kf:params ---' block")
+    return parsed[0].as_dict(), dict(parsed[1])
 
 
 def enumerate_space(space: dict[str, list[Any]]) -> list[dict[str, Any]]:
@@ -118,7 +104,7 @@ def bench_task(
     task = load_module(TASKS / f"{stem}.py")
     seed_path = SEEDS / f"{stem}.py"
     seed_src = seed_path.read_text()
-    space, default, _ = params_block(seed_src)
+    space, default = params_block(seed_src)
     torch.manual_seed(0)
     inputs = task.get_inputs()
     torch.manual_seed(0)
@@ -126,7 +112,7 @@ def bench_task(
     eager_ms = time_ms(eager, inputs, warmup, trials)
 
     def run_config(config: dict[str, Any], n: int) -> tuple[float, float] | str:
-        mod = load_module(seed_path, with_config(seed_src, config))
+        mod = load_module(seed_path, params.apply(seed_src, config))
         problem = check(task, mod)
         if problem:
             return problem

@@ -3,7 +3,6 @@ of their declared parameter spaces (5 seeded trials, atol = rtol = 1e-4)."""
 
 from __future__ import annotations
 
-import ast
 import itertools
 import types
 from pathlib import Path
@@ -11,6 +10,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from kf import params
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "examples" / "tasks"
 SEEDS_DIR = TASKS_DIR / "seeds"
@@ -25,24 +26,11 @@ def _load(path: Path, source: str | None = None) -> types.ModuleType:
     return module
 
 
-def _params(source: str) -> tuple[dict[str, list[Any]], dict[str, Any], tuple[int, int]]:
-    lines = source.splitlines()
-    start, end = lines.index("# --- kf:params ---"), lines.index("# --- kf:end ---")
-    found: dict[str, Any] = {}
-    span = (0, 0)
-    for node in ast.parse("\n".join(lines[start + 1 : end])).body:
-        assert isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
-        found[node.targets[0].id] = ast.literal_eval(node.value)
-        if node.targets[0].id == "CONFIG":
-            span = (start + 1 + node.lineno, start + 1 + (node.end_lineno or node.lineno))
-    return found["SPACE"], found["CONFIG"], span
-
-
-def _with_config(source: str, config: dict[str, Any]) -> str:
-    _, _, (first, last) = _params(source)
-    lines = source.splitlines()
-    lines[first - 1 : last] = [f"CONFIG = {config!r}"]
-    return "\n".join(lines) + "\n"
+def _params(source: str) -> tuple[dict[str, list[Any]], dict[str, Any]]:
+    """The seed's SPACE and CONFIG as kf reads them (kf.params)."""
+    parsed = params.parse(source)
+    assert parsed is not None, "the seed has no kf:params block"
+    return parsed[0].as_dict(), dict(parsed[1])
 
 
 def _points(space: dict[str, list[Any]]) -> list[dict[str, Any]]:
@@ -53,7 +41,7 @@ def _assert_matches(stem: str, config: dict[str, Any] | None) -> None:
     task = _load(TASKS_DIR / f"{stem}.py")
     seed_path = SEEDS_DIR / f"{stem}.py"
     source = seed_path.read_text()
-    seed = _load(seed_path, _with_config(source, config) if config is not None else None)
+    seed = _load(seed_path, params.apply(source, config) if config is not None else None)
     init = task.get_init_inputs()
     for trial in range(5):
         torch.manual_seed(trial)
@@ -92,7 +80,7 @@ def test_task_runs_eagerly(stem: str) -> None:
 @pytest.mark.parametrize("stem", TASKS)
 def test_seed_declares_valid_params(stem: str) -> None:
     """Each task has a seed whose kf:params CONFIG is a point of its SPACE."""
-    space, config, _ = _params((SEEDS_DIR / f"{stem}.py").read_text())
+    space, config = _params((SEEDS_DIR / f"{stem}.py").read_text())
     assert set(config) == set(space)
     assert all(config[k] in space[k] for k in space)
     assert all(isinstance(v, int | str | bool) for vals in space.values() for v in vals)
@@ -107,7 +95,7 @@ def test_seed_default_config_matches_reference(stem: str) -> None:
 @pytest.mark.parametrize("stem", TASKS)
 def test_seed_space_extremes_match_reference(stem: str) -> None:
     """The first and last points of the seed's enumerated SPACE also match eager."""
-    space, _, _ = _params((SEEDS_DIR / f"{stem}.py").read_text())
+    space, _ = _params((SEEDS_DIR / f"{stem}.py").read_text())
     points = _points(space)
     for config in (points[0], points[-1]):
         _assert_matches(stem, config)
