@@ -357,6 +357,7 @@ def test_box_honest_native_candidate_is_built_by_the_grader(
     exec(compile(source.split("class ModelNew")[0], "honest_cpp", "exec"), namespace)
     key, _, _ = native.build_key(str(namespace["SOURCE"]))
     assert sorted(p.name for p in (cache / "native").glob("*.so")) == [f"{key}.so"]
+    assert (cache / "native" / f"{key}.so").stat().st_uid == os.geteuid()  # the grader's
     assert not list((cache / "native").glob("*.build-*"))  # the build folder went
 
 

@@ -263,6 +263,8 @@ def command(
     args += ["kf-box", "--clearenv"]
     for key, value in sorted(env.items()):
         args += ["--setenv", key, value]
+    for top in ("/etc", "/sys") if uid is not None else ():  # the box's uid reads in them
+        args += [*open_perms(uid, "0755"), "--dir", top]
     system_binds(args)
     args += ["--proc", "/proc", "--dev", "/dev"]
     shm = str(_megabytes("KF_SANDBOX_SHM_MB", _SHM_MB) << 20)
@@ -314,6 +316,7 @@ with open("/proc/self/status") as f:
     found["caps"] = [int(v, 16) for k, v in (l.split(":") for l in f) if k.startswith("Cap")]
 nodes = [n for n in sorted(glob.glob("/dev/nvidia*")) if not os.path.isdir(n)]
 found["gpu"] = [n for n in nodes if not os.access(n, os.R_OK | os.W_OK)]
+found["unreadable"] = [d for d in sys.argv[2:] if not os.access(d, os.R_OK | os.X_OK)]
 kids, found["fork_error"] = [], ""
 for _ in range(4 * int(sys.argv[1])):
     try:
@@ -331,6 +334,14 @@ for pid in kids:
 found["forked"] = len(kids)
 print(json.dumps(found))
 """
+
+
+def _readable() -> list[str]:
+    """Folders a box's programs read in, as the host has them (a compiler's alternatives,
+    the system's devices, the shared build cache): the probe checks the box's uid may."""
+    cache = shared_cache()
+    wanted = ["/etc/alternatives", "/etc/ld.so.conf.d", "/sys/devices"]
+    return [p for p in [*wanted, *([str(cache)] if cache else [])] if os.path.isdir(p)]
 
 
 def _probe_now(exe: str, limit: str | None = None) -> str | None:
@@ -353,7 +364,7 @@ def _probe_now(exe: str, limit: str | None = None) -> str | None:
             log_path=log_path,
             env=environment(os.environ, scratch, {}),
             bwrap=exe,
-            run=[sys.executable, "-P", "-c", _CHECK, str(pids)],
+            run=[sys.executable, "-P", "-c", _CHECK, str(pids), *_readable()],
             limit=mode,
             pids=pids or None,
         )

@@ -265,6 +265,8 @@ def probe_findings(exe: str, found: dict[str, Any], mode: str, pids: int) -> str
         return f"the box's processes kept capabilities ({found['caps']})"
     if found["gpu"]:
         return f"the box's uid may not open {', '.join(found['gpu'])}"
+    if found["unreadable"]:
+        return f"the box's uid may not read {', '.join(found['unreadable'])}"
     if found["forked"] >= pids or not found["fork_error"]:
         return f"RLIMIT_NPROC is not enforced here: {found['forked']} forks under a limit of {pids}"
     return None
