@@ -12,6 +12,7 @@ are tested with fixed inputs.
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import os
 import platform
 import re
@@ -19,7 +20,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import msgspec
@@ -312,6 +313,22 @@ def _backends(compilers: Mapping[str, str]) -> tuple[str, ...]:
 # --------------------------------------------------------------------------- measuring
 
 
+def _best_seconds(
+    call: Callable[[], object], start: float, budget_s: float, reps: int | None = None
+) -> float:
+    """The fastest of repeated timed ``call()``s (``reps`` at most): another runs only
+    while it would end within ``budget_s`` of ``start``; at least one always runs."""
+    best = float("inf")
+    for _ in range(reps) if reps is not None else itertools.count():
+        t0 = time.perf_counter()
+        call()
+        elapsed = time.perf_counter() - t0
+        best = min(best, elapsed)
+        if time.perf_counter() - start + elapsed > budget_s:
+            break
+    return best
+
+
 def measure_copy_bandwidth_gbs(
     nbytes: int = _COPY_BYTES, *, reps: int = 5, budget_s: float = _COPY_BUDGET_S
 ) -> float:
@@ -327,14 +344,7 @@ def measure_copy_bandwidth_gbs(
     src = np.ones(count, dtype=np.float32)
     dst = np.zeros_like(src)  # zeros_like touches the pages, so no first-touch faults are timed
     np.copyto(dst, src)  # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        elapsed = time.perf_counter() - t0
-        best = min(best, elapsed)
-        if time.perf_counter() - start + elapsed > budget_s:
-            break
+    best = _best_seconds(lambda: np.copyto(dst, src), start, budget_s, reps)
     return 2 * src.nbytes / best / 1e9
 
 
@@ -347,15 +357,7 @@ def measure_matmul_gflops(n: int = 1024, *, budget_s: float = _MATMUL_BUDGET_S) 
     a = torch.randn(n, n, dtype=torch.float32)
     b = torch.randn(n, n, dtype=torch.float32)
     torch.mm(a, b)  # warm-up: thread pool and kernels
-    start = time.perf_counter()
-    best = float("inf")
-    while True:
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        elapsed = time.perf_counter() - t0
-        best = min(best, elapsed)
-        if time.perf_counter() - start + elapsed > budget_s:
-            break
+    best = _best_seconds(lambda: torch.mm(a, b), time.perf_counter(), budget_s)
     return 2 * n**3 / best / 1e9
 
 
