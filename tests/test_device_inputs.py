@@ -54,7 +54,15 @@ def test_the_grader_asks_for_device_inputs_on_a_gpu_only(
     settings = Settings.from_env({} if env is None else {"KF_DEVICE_INPUTS": env})
     conditions = Conditions.from_settings(settings)
     monkeypatch.setenv("KF_DEVICE_INPUTS", "1" if env == "0" else "0")  # the contrary: ignored
-    setup = setup_request(_Handle(), device, Limits(), Deadline(10), conditions, reference=True)  # type: ignore[arg-type]
+    setup = setup_request(
+        _Handle(),  # type: ignore[arg-type]
+        device,
+        Limits(),
+        Deadline(10),
+        conditions,
+        settings,
+        reference=True,
+    )
     assert setup.device_inputs is asked
 
 

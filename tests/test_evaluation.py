@@ -218,10 +218,13 @@ def test_reused_reference_keeps_the_inputs_it_made(pool: RunnerPool) -> None:
     from kf.evaluation.grader.baseline_settings import Conditions
     from kf.evaluation.grader.grading import Deadline, setup_request
     from kf.evaluation.grader.sandbox import Limits
+    from kf.settings import Settings
 
     deadline = Deadline(60)
     with pool.reference_lease("test-reuse") as ref:
-        setup = setup_request(ref, "cpu", Limits(), deadline, Conditions(), reference=True)
+        setup = setup_request(
+            ref, "cpu", Limits(), deadline, Conditions(), Settings(), reference=True
+        )
         ref.request(setup, 30)
         ref.request(LoadTask(source=TASK.source, name=TASK.name, seed=0), 30)
         first = ref.request(MakeInputs(seed=7), 30)

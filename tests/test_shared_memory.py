@@ -300,13 +300,15 @@ def test_the_reference_runner_has_no_file_limit() -> None:
     from kf.evaluation.grader.baseline_settings import Conditions
     from kf.evaluation.grader.grading import Deadline, setup_request
     from kf.evaluation.grader.sandbox import Limits
+    from kf.settings import Settings
 
     class _Handle:
         threads, warm = 1, None
 
     limits = Limits(file_bytes=1 << 20)
-    ref = setup_request(_Handle(), "cpu", limits, Deadline(10), Conditions(), reference=True)  # type: ignore[arg-type]
-    cand = setup_request(_Handle(), "cpu", limits, Deadline(10), Conditions())  # type: ignore[arg-type]
+    under = (Conditions(), Settings())
+    ref = setup_request(_Handle(), "cpu", limits, Deadline(10), *under, reference=True)  # type: ignore[arg-type]
+    cand = setup_request(_Handle(), "cpu", limits, Deadline(10), *under)  # type: ignore[arg-type]
     assert ref.file_bytes == 0 and cand.file_bytes == 1 << 20
 
 

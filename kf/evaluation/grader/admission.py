@@ -7,16 +7,8 @@ from __future__ import annotations
 import threading
 
 from kf.evaluation.wire.protocol import InputsMade
-from kf.settings import current
 
 BIG_LOCKS: dict[str, threading.Lock] = {}
-
-
-def big_task_bytes() -> int:
-    """Inputs plus outputs above which a task's verifications run one at a time on a GPU
-    (``$KF_BIG_TASK_MB``, default 2048): two of KernelBench's 6 GB tasks side by side,
-    each with a reference and a candidate process, do not fit in an H200."""
-    return current().big_task_bytes
 
 
 def set_footprint(made: InputsMade) -> int:

@@ -11,33 +11,25 @@ from kf.evaluation.grader.grading import log
 from kf.evaluation.grader.sandbox import RunnerCrashed, RunnerFailed, RunnerHandle, RunnerTimeout
 from kf.evaluation.grader.session import GradingSession
 from kf.evaluation.wire.protocol import BaselineCompiled, CompileBaseline
-from kf.settings import current
+from kf.settings import Settings
 
 
-def _compile_timeout_s() -> float:
-    """How long one ``torch.compile`` of a reference may take (``$KF_COMPILE_BASELINE_TIMEOUT_S``,
-    default 600 s); it does not count against the profile's own timeout."""
-    return current().compile_baseline_timeout_s
-
-
-def _inductor_cache_dir() -> str | None:
+def _inductor_cache_dir(settings: Settings) -> str | None:
     """Where reference runners keep inductor's caches: ``$KF_CACHE_DIR/inductor`` (or
     ``~/.cache/kf/inductor``), so a fresh reference runner recompiles a task's reference
     from the cache in about a second; None (the runner's own scratch directory, lost
     with it) with ``$KF_COMPILE_CACHE=0``, and None when ``$TORCHINDUCTOR_CACHE_DIR``
     is set (runners inherit it)."""
-    if not current().compile_cache:
+    if not settings.compile_cache:
         return None
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         return None
-    from kf.evaluation.grader.box import unsafe_requested
-
-    if not unsafe_requested():
+    if not settings.unsafe_no_sandbox:
         # boxed runners see the shared cache read-only, and a cache every runner could
         # write would let a candidate plant pickles for the next reference runner: inside
         # the box inductor compiles into the runner's own scratch, lost with it
         return None
-    return os.path.join(current().cache_dir, "inductor")
+    return os.path.join(settings.cache_dir, "inductor")
 
 
 class BaselineLost(Exception):
@@ -61,8 +53,11 @@ def compile_reference(session: GradingSession, ref: RunnerHandle, want: bool) ->
         return BaselineCompiled(error=baseline_lost[lost_key], cached=True)
     try:
         reply = ref.request(
-            CompileBaseline(cache_dir=_inductor_cache_dir(), mode=session.cond.compile_mode),
-            _compile_timeout_s(),
+            CompileBaseline(
+                cache_dir=_inductor_cache_dir(session.grader), mode=session.cond.compile_mode
+            ),
+            # one compile's own limit ($KF_COMPILE_BASELINE_TIMEOUT_S, 600 s), not the profile's
+            session.grader.compile_baseline_timeout_s,
             what="torch.compile of the reference",
         )
     except (RunnerTimeout, RunnerCrashed) as exc:

@@ -58,7 +58,7 @@ def _compile(stage: Stage) -> CompileReport:
         start = time.monotonic()
         stage.restart_clock()
         try:
-            stage.setup_candidate(nice=build_niceness())
+            stage.setup_candidate(nice=build_niceness(stage.session.grader))
             stage.candidate(
                 LoadCandidate(source=source, seed=0, task_source=task.source, task_name=task.name),
                 what="import and construction of ModelNew",

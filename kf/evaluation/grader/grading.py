@@ -26,7 +26,7 @@ from kf.evaluation.grader.reports import (
 from kf.evaluation.grader.sandbox import REQUESTS, Limits, RunnerError, RunnerHandle
 from kf.evaluation.wire import shared_memory
 from kf.evaluation.wire.protocol import Setup, Trim, Verdict
-from kf.settings import current
+from kf.settings import Settings
 from kf.tasks import Task
 
 log = structlog.get_logger("kf.evaluation")
@@ -100,11 +100,13 @@ def setup_request(
     limits: Limits,
     deadline: Deadline,
     conditions: Conditions,
+    settings: Settings,
     *,
     reference: bool = False,
     nice: int = 0,
 ) -> Setup:
-    """The set-up of ``handle`` for one stage on ``device`` under the run's ``conditions``."""
+    """The set-up of ``handle`` for one stage on ``device`` under the run's ``conditions``
+    and the grader's ``settings`` (its tensor transport and reference cache)."""
     return Setup(
         device=device,
         threads=handle.threads,
@@ -120,44 +122,43 @@ def setup_request(
         # refuse the memory files of the reference's large inputs and outputs
         file_bytes=0 if reference else limits.file_bytes,
         # GPU runners pass tensors as CUDA IPC handles (kf.evaluation.runner.transport)
-        ipc=device.startswith("cuda") and _ipc_transport(handle),
+        ipc=device.startswith("cuda") and _ipc_transport(handle, settings),
         # else large tensors as sealed memory files (kf.evaluation.wire.shared_memory)
-        shm=_shm_min_bytes(),
+        shm=_shm_min_bytes(settings),
         # a GPU runner's trial inputs made on the GPU: at KernelBench's sizes, making
         # a 6.4 GB input on the host took longer than everything else in a trial
         device_inputs=device.startswith("cuda") and conditions.device_inputs,
         # or a candidate runner makes its trial inputs from the seed itself
-        own_inputs=not reference and makes_own_inputs(handle, device),
+        own_inputs=not reference and makes_own_inputs(handle, device, settings),
         # a reused reference keeps the input sets it made (the trial seeds repeat)
-        reference_cache_bytes=_reference_cache_bytes() if reference else 0,
+        reference_cache_bytes=settings.reference_cache_bytes if reference else 0,
         # TF32 set explicitly, the same in every runner (kf.evaluation.grader.baseline_settings)
         tf32=conditions.tf32,
         nice=nice,
     )
 
 
-def _ipc_transport(handle: RunnerHandle) -> bool:
+def _ipc_transport(handle: RunnerHandle, settings: Settings) -> bool:
     """Whether GPU runners hand tensors over as CUDA IPC handles: ``$KF_TENSOR_TRANSPORT``
     ``ipc`` or ``bytes``; by default yes for unboxed runners, and not (yet) between
     boxes, whose separate PID and IPC namespaces CUDA IPC has not been shown to cross
     (docs/sandbox.md)."""
-    chosen = current().tensor_transport
+    chosen = settings.tensor_transport
     if chosen in ("ipc", "bytes"):
         return chosen == "ipc"
     return handle.sandbox != box.MODE_BWRAP and chosen != "seed"
 
 
-def _shm_min_bytes() -> int | None:
+def _shm_min_bytes(settings: Settings) -> int | None:
     """From how many bytes of tensors a payload that does not go by IPC goes as a sealed
     memory file (``$KF_SHM_MIN_BYTES``, 1 MiB by default); None, always as ``torch.save``
     bytes, where ``$KF_TENSOR_TRANSPORT=bytes`` asks for that or the system cannot."""
-    settings = current()
     if settings.tensor_transport == "bytes" or not shared_memory.available():
         return None
     return settings.shm_min_bytes or shared_memory.MIN_BYTES
 
 
-def makes_own_inputs(handle: RunnerHandle, device: str) -> bool:
+def makes_own_inputs(handle: RunnerHandle, device: str, settings: Settings) -> bool:
     """Whether the candidate runner makes each trial's inputs from the trial's seed
     itself, as the reference runner does (``$KF_TENSOR_TRANSPORT=seed``; by default for
     boxed GPU runners, between which CUDA IPC does not work: legacy IPC handles do not
@@ -166,24 +167,19 @@ def makes_own_inputs(handle: RunnerHandle, device: str) -> bool:
     after the call; the candidate runner checks its inputs against a host copy itself,
     which is no less trusted than the ``inputs_after`` bytes the same process would
     send. Inputs of generalisation variants still travel (the reference chooses them)."""
-    chosen = current().tensor_transport
+    chosen = settings.tensor_transport
     if chosen in ("ipc", "bytes", "seed"):
         return chosen == "seed"
     return device.startswith("cuda") and handle.sandbox == box.MODE_BWRAP
 
 
-def _reference_cache_bytes() -> int:
-    """``$KF_REFERENCE_CACHE_MB`` in bytes, or -1: the runner's default for its device."""
-    return current().reference_cache_bytes
-
-
-def build_niceness() -> int:
+def build_niceness(settings: Settings) -> int:
     """How much lower than grading a build runs (``$KF_BUILD_NICE``, default 10).
 
     Builds keep every core busy on a GPU worker while verification and timing of
     earlier candidates, which the GPU waits on, need the host too: those come first.
     """
-    return current().build_nice
+    return settings.build_nice
 
 
 def discard_reference_if_pinned(ref: RunnerHandle, exc: CandidateFailed, device: str) -> None:

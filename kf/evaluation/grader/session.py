@@ -58,7 +58,7 @@ from kf.evaluation.wire.protocol import (
     Verdict,
 )
 from kf.evaluation.wire.tolerance import Tolerance, resolve
-from kf.settings import current
+from kf.settings import Settings, current
 from kf.tasks import Task, TaskError
 
 __all__ = ["GradingSession", "Stage"]
@@ -71,8 +71,10 @@ class GradingSession:
     """One candidate (``source``, empty for the task alone) of ``task`` graded on
     ``device``: the seed its trials derive from, the pool its runners come from (None:
     the process's), their limits, a stage's time limit, the tolerance (None: the
-    task's own, else KernelBench's) and the run's other measuring conditions (None: the
-    process's settings, read when the session is made: ``kf eval``, a library call)."""
+    task's own, else KernelBench's), the run's other measuring conditions (None: from the
+    settings: ``kf eval``, a library call), and the grading process's settings (None: read
+    when the session is made). The stages read no setting of their own: they are handed
+    these."""
 
     task: Task
     source: str = ""
@@ -83,16 +85,26 @@ class GradingSession:
     timeout_s: float = 120.0
     tolerance: Tolerance | None = None
     conditions: Conditions | None = None
+    #: the grading process's settings (its transports, limits, caches); None: read now
+    settings: Settings | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", parse_device(self.device))
+        if self.settings is None:  # where settings are read: a session is an entry point
+            object.__setattr__(self, "settings", current())
         if self.conditions is None:
-            object.__setattr__(self, "conditions", Conditions.from_settings(current()))
+            object.__setattr__(self, "conditions", Conditions.from_settings(self.grader))
 
     @property
     def runners(self) -> RunnerPool:
         """The pool the stages lease runners from."""
         return self.pool or default_pool()
+
+    @property
+    def grader(self) -> Settings:
+        """The grading process's settings, as the session was made with them."""
+        assert self.settings is not None  # set by __post_init__
+        return self.settings
 
     @property
     def cond(self) -> Conditions:
@@ -232,13 +244,17 @@ class Stage:
         """Set the reference runner up (its answer: ``precision``, its TF32 settings)."""
         s = self.session
         return self.reference(
-            setup_request(self.ref, s.device, s.limits, self.deadline, s.cond, reference=True)
+            setup_request(
+                self.ref, s.device, s.limits, self.deadline, s.cond, s.grader, reference=True
+            )
         )
 
     def setup_candidate(self, nice: int = 0) -> SetUp:
         """Set the candidate runner up (a failure here is the runner's, not the candidate's)."""
         s = self.session
-        request = setup_request(self.cand, s.device, s.limits, self.deadline, s.cond, nice=nice)
+        request = setup_request(
+            self.cand, s.device, s.limits, self.deadline, s.cond, s.grader, nice=nice
+        )
         return self.cand.request(request, self.deadline.left())
 
     def load_task(self, seed: int | None = None) -> TaskLoaded:
@@ -250,7 +266,7 @@ class Stage:
     @property
     def own_inputs(self) -> bool:
         """Whether the candidate runner makes each trial's inputs from its seed itself."""
-        return makes_own_inputs(self.cand, self.device)
+        return makes_own_inputs(self.cand, self.device, self.session.grader)
 
     def load_pair(self) -> SetUp:
         """Set both runners up, load the task in the reference and ``ModelNew`` in the
