@@ -216,3 +216,21 @@ def test_a_resumed_run_grades_under_its_recorded_conditions(
     assert report.tf32 == "on"  # as the runners applied it
     assert report.compile_mode == "" and report.compiled_runtime_ms is None
     assert "turned off" in (report.compile_baseline_error or "")
+
+
+def test_a_bad_condition_is_one_line_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``$KF_TF32=maybe`` refuses ``kf run`` (no log written) and ``kf eval`` with one line
+    naming the variable."""
+    from kf.app import RunRequest, prepare_run
+    from kf.app.request import RunRefused
+    from kf.evaluation.grader.cli import main
+
+    monkeypatch.setenv("KF_TF32", "maybe")
+    db = tmp_path / "run.db"
+    with pytest.raises(RunRefused, match=r"^\$KF_TF32 'maybe': expected one of off, on$"):
+        prepare_run(RunRequest(tasks=EVAL / "task_gelu.py", db=db))
+    assert not db.exists()
+    assert main([str(EVAL / "task_gelu.py"), str(EVAL / "honest.py")]) == 2
+    assert capsys.readouterr().err.strip() == "kf eval: $KF_TF32 'maybe': expected one of off, on"

@@ -15,6 +15,7 @@ from pathlib import Path
 import structlog
 
 from kf.device_names import DeviceError, parse_device
+from kf.evaluation.grader.baseline_settings import BaselineSettingError
 from kf.evaluation.grader.box import SandboxUnavailable, require
 from kf.evaluation.grader.pipeline import evaluate
 from kf.evaluation.grader.reports import FLAG_REASONS, EvalResult, ProfileReport
@@ -219,7 +220,13 @@ def main(argv: list[str]) -> int:
             build_timeout_s=args.build_timeout,
             audit=True,
         )
-    except (TaskError, DeviceError, RunnerStartError, SandboxUnavailable) as exc:
+    except (
+        TaskError,
+        DeviceError,
+        RunnerStartError,
+        SandboxUnavailable,
+        BaselineSettingError,
+    ) as exc:
         print(f"kf eval: {exc}", file=sys.stderr)
         return 2
     finally:  # an evaluation that ends in an error is the one whose requests matter most
