@@ -28,10 +28,7 @@ class Compiler(EvaluatorAgent):
 
     async def react(self, state: EvaluatorState, rec: Record) -> Sequence[Event]:  # type: ignore[override]
         ev = rec.event
-        if not isinstance(ev, CandidateAssigned) or not self.mine(ev.device_id):
-            return ()
-        found = self.lookup(state, ev.task, ev.candidate_id)
-        if found is None or self.device_down():
+        if not isinstance(ev, CandidateAssigned) or (found := self.claim(state, ev)) is None:
             return ()
         task, source = found
         # the host's build slots are shared by the compilers of all its devices
@@ -46,15 +43,7 @@ class Compiler(EvaluatorAgent):
             return report
         if report.ok:
             pool.add_built(self.device_id, ev.candidate_id)
-        return [
-            CandidateCompiled(
-                candidate_id=ev.candidate_id,
-                task=ev.task,
-                device_id=self.device_id,
-                report=report,
-                attempt=ev.attempt,
-            )
-        ]
+        return [self.outcome(CandidateCompiled, ev, report)]
 
     async def build(self, task: Task, source: str, conditions: Conditions) -> CompileReport:
         """Compile in a sandbox, sharing the device with verification (timing waits)."""

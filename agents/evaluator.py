@@ -1,5 +1,7 @@
 """What the compiler, verifier and profiler share: the run's tasks and candidate sources
-for their device (the gate that keeps timing alone on it is :mod:`kf.device_gate`).
+for their device, which candidates a stage takes (``claim``) and the outcome event it
+answers with (``outcome``); the gate that keeps timing alone on the device is
+:mod:`kf.device_gate`.
 
 Each of the three is its own agent (its own kind, its own reactions); a worker process
 hosts them next to the device they serve. The blocking evaluation calls run in threads
@@ -20,13 +22,26 @@ from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.wire.tolerance import Tolerance
 from kf.events import Event, Record
 from kf.facts import DeviceLeft, RunStarted
-from kf.search_facts import CandidateProposed
+from kf.search_facts import (
+    CandidateAssigned,
+    CandidateCompiled,
+    CandidateProfiled,
+    CandidateProposed,
+    CandidateRejected,
+    CandidateVerified,
+)
 from kf.tasks import Seed, Task
 from kf.tuning import bind_shape
 
 __all__ = ["EvaluatorAgent", "EvaluatorState"]
 
 _R = TypeVar("_R")
+#: a stage's outcome: what the compiler, verifier or profiler says of one candidate
+_Outcome = TypeVar(
+    "_Outcome", CandidateCompiled, CandidateVerified, CandidateRejected, CandidateProfiled
+)
+#: what starts a stage: the candidate's assignment, or the previous stage's outcome
+Routed = CandidateAssigned | CandidateCompiled | CandidateVerified
 
 
 class EvaluatorState(msgspec.Struct, kw_only=True):
@@ -97,6 +112,24 @@ class EvaluatorAgent(Agent[EvaluatorState]):
             return None
         index = state.shapes.get(cid, 0)
         return (bind_shape(t, index) if index else t), src
+
+    def claim(self, state: EvaluatorState, ev: Routed) -> tuple[Task, str] | None:
+        """The task and source of the candidate ``ev`` routes to this device, or None: it
+        is another device's, unknown here, or this device failed (it takes no more work)."""
+        if not self.mine(ev.device_id):
+            return None
+        found = self.lookup(state, ev.task, ev.candidate_id)
+        return None if found is None or self.device_down() else found
+
+    def outcome(self, cls: type[_Outcome], ev: Routed, report: Any) -> _Outcome:
+        """The stage's outcome ``cls`` with ``report`` for ``ev``'s candidate and attempt."""
+        return cls(
+            candidate_id=ev.candidate_id,
+            task=ev.task,
+            device_id=self.device_id,
+            report=report,
+            attempt=ev.attempt,
+        )
 
     def react(self, state: EvaluatorState, rec: Record) -> Sequence[Event]:
         return ()

@@ -68,11 +68,8 @@ class Profiler(EvaluatorAgent):
 
     async def react(self, state: EvaluatorState, rec: Record) -> Sequence[Event]:  # type: ignore[override]
         ev = rec.event
-        if not isinstance(ev, CandidateVerified) or not self.mine(ev.device_id):
-            return ()
         assert isinstance(state, ProfilerState)
-        found = self.lookup(state, ev.task, ev.candidate_id)
-        if found is None or self.device_down():
+        if not isinstance(ev, CandidateVerified) or (found := self.claim(state, ev)) is None:
             return ()
         task, source = found
 
@@ -95,15 +92,7 @@ class Profiler(EvaluatorAgent):
                     stage="reverify",
                 )
             )
-        out.append(
-            CandidateProfiled(
-                candidate_id=ev.candidate_id,
-                task=ev.task,
-                device_id=self.device_id,
-                report=report,
-                attempt=ev.attempt,
-            )
-        )
+        out.append(self.outcome(CandidateProfiled, ev, report))
         return out
 
     def _profile(self, state: ProfilerState, task: Task, cid: str, source: str) -> ProfileReport:

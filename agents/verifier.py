@@ -69,10 +69,9 @@ class Verifier(EvaluatorAgent):
 
     async def react(self, state: EvaluatorState, rec: Record) -> Sequence[Event]:  # type: ignore[override]
         ev = rec.event
-        if not isinstance(ev, CandidateCompiled) or not ev.report.ok or not self.mine(ev.device_id):
+        if not isinstance(ev, CandidateCompiled) or not ev.report.ok:
             return ()
-        found = self.lookup(state, ev.task, ev.candidate_id)
-        if found is None or self.device_down():
+        if (found := self.claim(state, ev)) is None:
             return ()
         task, source = found
 
@@ -108,7 +107,6 @@ class Verifier(EvaluatorAgent):
             return report
         if not report.correct:
             consumed(ev.candidate_id)
-        cls = CandidateVerified if report.correct else CandidateRejected
         gate: list[Event] = []
         if report.failure_kind == "generalisation_failed":
             gate.append(
@@ -119,13 +117,6 @@ class Verifier(EvaluatorAgent):
                     reason=report.error or "failed on unseen input shapes",
                 )
             )
-        return [
-            *gate,
-            cls(
-                candidate_id=ev.candidate_id,
-                task=ev.task,
-                device_id=self.device_id,
-                report=report,
-                attempt=ev.attempt,
-            ),
-        ]
+        if report.correct:
+            return [*gate, self.outcome(CandidateVerified, ev, report)]
+        return [*gate, self.outcome(CandidateRejected, ev, report)]
