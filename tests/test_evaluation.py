@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,17 +30,6 @@ TASK = load_task(FIXTURES / "task_gelu.py")
 
 def candidate(name: str) -> str:
     return (FIXTURES / f"{name}.py").read_text()
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[RunnerPool]:
-    """A pool of single-threaded warm runners shared by this module's tests."""
-    runners = RunnerPool(size=2, threads=1)
-    runners.start()
-    try:
-        yield runners
-    finally:
-        runners.close()
 
 
 def test_honest_candidate_passes_every_stage(pool: RunnerPool) -> None:
