@@ -30,12 +30,14 @@ TASK = ROOT / "tests/fixtures/search/scale_relu.py"
 ENV = dict(os.environ, KF_LOG_LEVEL="WARNING", KF_EVAL_THREADS="1", PYTHONPATH=str(ROOT))
 
 
-def kf_proc(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen[str]:
-    """A `kf` command as its own process."""
+def kf_proc(
+    *args: str, prefix: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """A `kf` command as its own process (under ``env``, default ENV), its output piped."""
     return subprocess.Popen(
         [*prefix, sys.executable, "-m", "kf.cli", *args],
         cwd=ROOT,
-        env=ENV,
+        env=ENV if env is None else env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from agents.archivist import Archivist
@@ -27,11 +26,11 @@ from kf.runtime import Outbox
 from tests.harness import wait_for as wait_async
 from tests.test_faults import (
     ENV,
-    ROOT,
     TASK,
     check_counted_once,
     events,
     finish,
+    kf_proc,
     of_type,
     wait_until,
 )
@@ -40,33 +39,12 @@ from tests.test_faults import stop as stop_procs
 
 def kf_run(db: Path, budget: int, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """``kf run`` with its embedded server, as its own process."""
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kf.cli",
-            "run",
-            str(TASK),
-            "--db",
-            str(db),
-            "--budget",
-            str(budget),
-            "--islands",
-            "1",
-            "--heartbeat",
-            "0.5",
-            "--heartbeat-timeout",
-            "5",
-            "--json",
-            "--tune-budget",  # the server's restart is the point; tuning adds its own
-            "0",
-        ],
-        cwd=ROOT,
+    return kf_proc(
+        "run", str(TASK), "--db", str(db), "--budget", str(budget), "--islands", "1",
+        "--heartbeat", "0.5", "--heartbeat-timeout", "5", "--json",
+        "--tune-budget", "0",  # the server's restart is the point; tuning adds its own
         env={**ENV, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    )  # fmt: skip
 
 
 def nats_children(pid: int) -> list[tuple[int, list[str]]]:

@@ -39,7 +39,7 @@ from kf.bus import EmbeddedServer
 from kf.events import decode_event
 from kf.shutdown import descendants
 from tests.harness import replay_check
-from tests.test_faults import ENV, ROOT, events, wait_until
+from tests.test_faults import ENV, ROOT, events, kf_proc, wait_until
 
 STOP_BOUND_S = 10.0  # 5 s asked for, plus a margin for the 2-core CI machine
 SEED = ROOT / "tests/fixtures/search/seeds/scale_relu.py"
@@ -105,36 +105,14 @@ def slow_task(
 
 
 def kf_run(task: Path, db: Path, env: dict[str, str], device: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kf.cli",
-            "run",
-            str(task),
-            "--db",
-            str(db),
-            "--budget",
-            "1",
-            "--islands",
-            "1",
-            "--tune-budget",
-            "0",
-            "--device",
-            device,
-            # a resumed run's device re-announces after its probe, which on a loaded
-            # machine outlasted the default 30 s: the archivist then declared it lost
-            # and re-dispatched the candidate its compiler was redoing (built twice)
-            "--heartbeat-timeout",
-            "300",
-            "--json",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return kf_proc(
+        "run", str(task), "--db", str(db), "--budget", "1", "--islands", "1",
+        "--tune-budget", "0", "--device", device,
+        # a resumed run's device re-announces after its probe, which on a loaded
+        # machine outlasted the default 30 s: the archivist then declared it lost
+        # and re-dispatched the candidate its compiler was redoing (built twice)
+        "--heartbeat-timeout", "300", "--json", env=env,
+    )  # fmt: skip
 
 
 def started(pid: int) -> str | None:
@@ -368,14 +346,7 @@ def test_stop_worker_gives_up_on_a_bus_that_stays_gone() -> None:
     ``--bus-timeout`` has passed, instead of reconnecting for ever."""
     server = EmbeddedServer().start()
     argv = ["worker", "--nats", server.url, "--run", "lost", "--name", "w", "--bus-timeout", "3"]
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "kf.cli", *argv],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    worker = kf_proc(*argv)
     try:
         asyncio.run(announced(server.url, "lost"))  # the worker is up: its device announced
         server.stop()
