@@ -230,14 +230,15 @@ def _import(module_name: str, library: Path, key: str) -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def _object_cache(pch: str | None = None) -> Iterator[None]:
+def _object_cache(pch: str | None = None, log: str | None = None) -> Iterator[None]:
     """Point ``CXX`` and ``PYTORCH_NVCC`` at :mod:`kf.cuda.objcache` launchers meanwhile.
 
     The real compilers are the ones PyTorch would use: ``$CXX`` (else ``c++``) and
     ``$CUDA_HOME/bin/nvcc``; a ``PYTORCH_NVCC`` the user set is left alone. Nothing
     changes when ``KF_OBJCACHE=0``. ``main.cpp`` gets the precompiled header of key
     ``pch`` (:mod:`kf.cuda.pch`), made in this cache if missing, unless the grader's
-    build box named the folders (``$KF_PCH_DIR``, ``$KF_PCH_MAKE``).
+    build box named the folders (``$KF_PCH_DIR``, ``$KF_PCH_MAKE``). ``log``: the file
+    the launchers' verdicts go to instead of ``$KF_OBJCACHE_LOG``.
     """
     from kf.cuda import objcache
 
@@ -256,10 +257,10 @@ def _object_cache(pch: str | None = None) -> Iterator[None]:
             with contextlib.suppress(OSError):  # no cache folder: compile as PyTorch would
                 if cxx is not None:
                     # PyTorch quotes it
-                    os.environ["CXX"] = str(objcache.launcher(cxx, look, make))
+                    os.environ["CXX"] = str(objcache.launcher(cxx, look, make, log))
                 if nvcc and saved["PYTORCH_NVCC"] is None and os.access(nvcc, os.X_OK):
                     # used verbatim in the ninja file, so quoted here
-                    os.environ["PYTORCH_NVCC"] = shlex.quote(str(objcache.launcher(nvcc)))
+                    os.environ["PYTORCH_NVCC"] = shlex.quote(str(objcache.launcher(nvcc, log=log)))
         yield
     finally:
         for name, value in saved.items():
@@ -338,7 +339,9 @@ def _prelude_of(folder: Path, arguments: dict[str, Any]) -> str:
     return "torch" if _given(arguments.get("cuda_sources")) else ""
 
 
-def _build(original: Callable[..., Any], arguments: dict[str, Any], module_name: str) -> str:
+def _build(
+    original: Callable[..., Any], arguments: dict[str, Any], module_name: str, pch: str | None
+) -> str:
     """Build with PyTorch's ``load_inline`` into ``arguments``' build folder, first without
     the torch include where :func:`kf.cuda.torchfree.wanted`; how ``cuda.cu`` was built.
 
@@ -348,12 +351,13 @@ def _build(original: Callable[..., Any], arguments: dict[str, Any], module_name:
     sees. Its verdicts and warnings are given out only when it succeeded.
     """
     if not torchfree.wanted(arguments, original):
-        original(**arguments)  # builds and imports from the work folder
+        with _object_cache(pch):
+            original(**arguments)  # builds and imports from the work folder
         return "torch" if _given(arguments.get("cuda_sources")) else ""
     fd, held = tempfile.mkstemp(prefix="kf-torchfree-", suffix=".log")
     os.close(fd)
     ok = False
-    with _verdicts_to(held), warnings.catch_warnings(record=True) as caught:
+    with _object_cache(pch, log=held), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with contextlib.suppress(Exception):
             original(**torchfree.arguments({**arguments, "verbose": False}))
@@ -365,26 +369,13 @@ def _build(original: Callable[..., Any], arguments: dict[str, Any], module_name:
     if not ok:
         _forget_version(module_name)
         sys.modules.pop(module_name, None)
-        original(**arguments)
+        with _object_cache(pch):
+            original(**arguments)
         return "torch-fallback"
     _replay(verdicts, bool(arguments.get("verbose")))
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return "none"
-
-
-@contextlib.contextmanager
-def _verdicts_to(path: str) -> Iterator[None]:
-    """The object cache's verdict lines (``$KF_OBJCACHE_LOG``) go to ``path`` meanwhile."""
-    saved = os.environ.get("KF_OBJCACHE_LOG")
-    os.environ["KF_OBJCACHE_LOG"] = path
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("KF_OBJCACHE_LOG", None)
-        else:
-            os.environ["KF_OBJCACHE_LOG"] = saved
 
 
 def _replay(verdicts: str, verbose: bool) -> None:
@@ -438,8 +429,7 @@ def load_inline(*args: Any, **kwargs: Any) -> Any:
                 arguments.update(name=module_name, build_directory=str(work))
                 _forget_version(module_name)
                 pch = pch_key(arguments, environment) if pch_wanted(arguments) else None
-                with _object_cache(pch):
-                    prelude = _build(original, arguments, module_name)
+                prelude = _build(original, arguments, module_name, pch)
                 sys.modules.pop(module_name, None)
                 (work / _META).write_text(json.dumps({"cuda_prelude": prelude}))
                 shutil.rmtree(final, ignore_errors=True)

@@ -267,17 +267,20 @@ def objects_dir() -> Path:
     return path
 
 
-def launcher(real: str, pch_dir: str | None = None, pch_make: str | None = None) -> Path:
+def launcher(
+    real: str, pch_dir: str | None = None, pch_make: str | None = None, log: str | None = None
+) -> Path:
     """An executable ``#!/bin/sh`` script that compiles with ``real`` through this cache,
     offering its C++ compiles the precompiled header in ``pch_dir`` or made in
-    ``pch_make`` (:mod:`kf.cuda.pch`).
+    ``pch_make`` (:mod:`kf.cuda.pch`); ``log``: the file its verdicts go to instead of
+    ``$KF_OBJCACHE_LOG`` (a build attempt whose verdicts are held back).
 
     Content-addressed (its name carries a hash of its text), so concurrent builds share
     one and never see it half-written.
     """
     folders = "".join(
         f"{flag} {shlex.quote(value)} "
-        for flag, value in (("--pch-dir", pch_dir), ("--pch-make", pch_make))
+        for flag, value in (("--pch-dir", pch_dir), ("--pch-make", pch_make), ("--log", log))
         if value
     )
     text = (
@@ -667,11 +670,15 @@ def _file_mode() -> int:
     return 0o666 & ~umask
 
 
+#: where this launcher's verdicts go instead of ``$KF_OBJCACHE_LOG`` (its ``--log``)
+_verdict_log: str | None = None
+
+
 def _say(text: str) -> None:
     line = f"kf.cuda.objcache: {text}\n"
     sys.stderr.write(line)
     sys.stderr.flush()
-    target = current().objcache_log
+    target = _verdict_log or current().objcache_log
     if target:
         try:  # one append of one short line: whole, even with other writers
             fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -787,9 +794,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kf.cuda.objcache COMPILER ARGS...``: compile through the cache."""
     argv = list(sys.argv[1:] if argv is None else argv)
     folders: dict[str, str] = {}
-    while len(argv) >= 2 and argv[0] in ("--pch-dir", "--pch-make"):
+    while len(argv) >= 2 and argv[0] in ("--pch-dir", "--pch-make", "--log"):
         folders[argv[0]] = argv[1]
         del argv[:2]
+    global _verdict_log
+    _verdict_log = folders.get("--log")
     if not argv:
         _say("usage: python -m kf.cuda.objcache COMPILER [ARGS...]")
         return 2
