@@ -95,13 +95,6 @@ def worker_agents(device: str = "cpu", *, devices: int = 1) -> list[type[Agent[A
             size=gpu_pool_size(device, compile_concurrency(settings) + 4) if size is None else size,
             warm=settings.runner_warm or device,
         )
-    elif device == "cpu":
-        from kf.evaluation.grader.sandbox import configure_default_pool
-
-        # idle runners enter the op tracer once (it imports torch._dynamo, about 1 s)
-        # before a verification needs it, as `kf eval`'s do; a CPU timing waits for
-        # them to be ready first (verify's runs: median 0.97 s -> 0.50 s a candidate)
-        configure_default_pool(warm=current().runner_warm or "cpu")
     return device_agents(device)
 
 
