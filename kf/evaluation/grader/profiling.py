@@ -272,8 +272,9 @@ def _alternate(timed: _Timed, options: Timing, timeout_s: float) -> _Samples:
     timed.batches.clear()  # warm-up calls (first launches, caches) are not compared
     est_r = statistics.median(timed(False, warmup) or [1.0])
     est_k = statistics.median(timed.compiled(warmup) or [0.0])
-    # each side gets about the same time a round (its own count of calls), so a
-    # fast candidate's profile does not time the slower eager side as many times
+    # each side gets about the same time a round (its own count of calls, from what its
+    # last round measured: a warm-up's first calls are slow), so a fast candidate's
+    # profile does not time the slower eager side as many times as itself
     round_s = max(min_time_s / 10, 0.01)
     per_c, per_r, per_k = (calls_in(round_s, est) for est in (est_c, est_r, est_k))
     cand_ms: list[float] = []
@@ -285,9 +286,13 @@ def _alternate(timed: _Timed, options: Timing, timeout_s: float) -> _Samples:
         left = timed.stage.deadline.left()
         if enough and (sum(cand_ms) >= min_time_s * 1e3 or left < timeout_s / 3):
             break
-        cand_ms += timed(True, per_c)
-        ref_ms += timed(False, per_r)
-        comp_ms += timed.compiled(per_k)
+        got_c, got_r = timed(True, per_c), timed(False, per_r)
+        got_k = timed.compiled(per_k)
+        cand_ms, ref_ms, comp_ms = cand_ms + got_c, ref_ms + got_r, comp_ms + got_k
+        per_c, per_r, per_k = (
+            calls_in(round_s, statistics.median(got)) if got else per
+            for got, per in ((got_c, per_c), (got_r, per_r), (got_k, per_k))
+        )
     kc = timing_stats(comp_ms) if timed.compiled_on and comp_ms else None
     return _Samples(
         cand_ms, ref_ms, comp_ms, per_c, timing_stats(cand_ms), timing_stats(ref_ms), kc
