@@ -218,6 +218,12 @@ class Settings:
         return self._text("KF_BOX_CGROUP", "1").strip().lower() not in OFF
 
     @property
+    def box_uid_mode(self) -> bool:
+        """Whether root without a ``pids`` cgroup may run boxes as uids of their own
+        (``KF_BOX_UIDS=off``: no, and boxes there have no process limit)."""
+        return self._text("KF_BOX_UIDS", "").strip().lower() not in OFF
+
+    @property
     def box_uids(self) -> tuple[int, int]:
         """``KF_BOX_UIDS``: ``FIRST-LAST``, the host uids (and gids, the same numbers) a box's
         processes run as, one per box in turn, where kf runs as root without a ``pids``

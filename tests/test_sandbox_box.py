@@ -685,3 +685,19 @@ def test_box_runner_started_from_a_finished_thread_still_answers() -> None:
         assert isinstance(handle.request(Ping(), 60.0), Pong)
     finally:
         handle.kill()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the uid mode is root's")
+def test_box_uid_mode_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Root without a pids cgroup gets the uid mode unless ``KF_BOX_UIDS=off`` (the way out
+    on a host where running boxes as uids of their own breaks something): then no process
+    limit, and the note says which setting chose that."""
+    monkeypatch.setenv("KF_BOX_CGROUP", "0")
+    monkeypatch.setenv("KF_BOX_UIDS", "off")
+    assert box.process_limit() == "none"
+    assert "KF_BOX_UIDS=off" in box.process_limit_note()
+    monkeypatch.setenv("KF_BOX_UIDS", "2100000000-2100065535")
+    from kf.evaluation.grader.box_limits import box_tool
+
+    usable = bool(box_tool("setpriv") and box_tool("prlimit"))
+    assert box.wanted_limit() == ("uid" if usable else "none")

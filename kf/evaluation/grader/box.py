@@ -427,7 +427,12 @@ def process_limit_note() -> str:
         return f"uid: each box as a host uid of its own ({first}-{last}), RLIMIT_NPROC={n}"
     if limit == "rlimit":
         return f"rlimit: RLIMIT_NPROC={n} inside the box's user namespace"
-    why = uid_mode_problem() if wanted_limit() == "uid" else "no pids cgroup, setpriv or prlimit"
+    if wanted_limit() == "uid":
+        why = uid_mode_problem()
+    elif os.geteuid() == 0 and not current().box_uid_mode:
+        why = "KF_BOX_UIDS=off (root without a pids cgroup)"
+    else:
+        why = "no pids cgroup, setpriv or prlimit"
     return f"none: {why}"
 
 

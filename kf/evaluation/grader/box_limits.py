@@ -142,7 +142,8 @@ def wanted_limit() -> str:
     if current().box_cgroup and _pids_cgroups() is not None:
         return "cgroup"
     if os.geteuid() == 0:
-        return "uid" if box_tool("setpriv") and box_tool("prlimit") else "none"
+        usable = current().box_uid_mode and box_tool("setpriv") and box_tool("prlimit")
+        return "uid" if usable else "none"
     return "rlimit" if box_tool("prlimit") else "none"
 
 
