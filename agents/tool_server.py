@@ -132,7 +132,27 @@ class BusTools:
         seed: int,
         timeout_s: float,
     ) -> ToolReply:
-        """One request/reply to ``device_id``'s worker."""
+        """One request/reply to ``device_id``'s worker; a request that found no worker
+        listening is sent again twice, a quarter of a second apart (a worker that has just
+        subscribed, or reconnected after the server restarted, may not be known yet: CI
+        saw one "no responders" right after a flushed subscription)."""
+        for attempt in range(3):
+            reply = await self._once(device_id, tool, task, task_source, source, seed, timeout_s)
+            if reply.error != "no responders" or attempt == 2:
+                break
+            await asyncio.sleep(0.25)
+        return reply
+
+    async def _once(
+        self,
+        device_id: str,
+        tool: str,
+        task: str,
+        task_source: str,
+        source: str,
+        seed: int,
+        timeout_s: float,
+    ) -> ToolReply:
         reply_to = bus.tool_reply_subject(self.run_id, device_id, secrets.token_hex(8))
         sub = await self.nc.subscribe(reply_to, max_msgs=1)
         try:
