@@ -136,40 +136,29 @@ class BusTools:
         listening is sent again twice, a quarter of a second apart (a worker that has just
         subscribed, or reconnected after the server restarted, may not be known yet: CI
         saw one "no responders" right after a flushed subscription)."""
+        request = _ENC.encode(
+            {
+                "tool": tool,
+                "task": task,
+                "task_source": task_source,
+                "source": source,
+                "seed": seed,
+                "timeout_s": timeout_s,
+            }
+        )
         for attempt in range(3):
-            reply = await self._once(device_id, tool, task, task_source, source, seed, timeout_s)
+            reply = await self._once(device_id, request, timeout_s)
             if reply.error != "no responders" or attempt == 2:
                 break
             await asyncio.sleep(0.25)
         return reply
 
-    async def _once(
-        self,
-        device_id: str,
-        tool: str,
-        task: str,
-        task_source: str,
-        source: str,
-        seed: int,
-        timeout_s: float,
-    ) -> ToolReply:
+    async def _once(self, device_id: str, request: bytes, timeout_s: float) -> ToolReply:
+        """``request`` sent once to ``device_id``'s worker, and its answer."""
         reply_to = bus.tool_reply_subject(self.run_id, device_id, secrets.token_hex(8))
         sub = await self.nc.subscribe(reply_to, max_msgs=1)
         try:
-            await self.nc.publish(
-                bus.tool_subject(self.run_id, device_id),
-                _ENC.encode(
-                    {
-                        "tool": tool,
-                        "task": task,
-                        "task_source": task_source,
-                        "source": source,
-                        "seed": seed,
-                        "timeout_s": timeout_s,
-                    }
-                ),
-                reply=reply_to,
-            )
+            await self.nc.publish(bus.tool_subject(self.run_id, device_id), request, reply=reply_to)
             # the worker may queue it behind the device's timing; allow for that
             msg = await sub.next_msg(timeout=timeout_s * 2 + 30)
         except TimeoutError:
