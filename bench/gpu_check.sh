@@ -8,7 +8,10 @@
 #   bench/gpu_check.sh OUT trust       # bench/trust_table.py and bench/transport.py on cuda:0
 #   bench/gpu_check.sh OUT kernelbench # kf run on shared-kb/level1 with the scripted LLM
 #   bench/gpu_check.sh OUT kbtable     # bench/kernelbench.py on shared-kb/kb/<level>, resumable
-#   bench/gpu_check.sh OUT throughput  # bench/throughput_gpu.py: candidates per minute
+#   bench/gpu_check.sh OUT throughput  # bench/throughput_gpu.py: candidates per minute, its
+#                                      # log kept as OUT/throughput.db and replayed (--check)
+#   bench/gpu_check.sh OUT box         # the box's probe and its process-limit mode
+#   bench/gpu_check.sh OUT phases      # bench/build_phases.py: one build at a time, alone
 # Sets up like bench/gpu_llm_session.sh (carry .whl, .bwrap and shared-kb). A run's log
 # is copied with SQLite's backup API: a plain copy of a log in WAL mode can be empty.
 set -uo pipefail
@@ -85,7 +88,17 @@ for what in "$@"; do
         --kernelbench shared-kb/kb/level1 --out "$out/tp" --layout "${TP_LAYOUT:-split}" \
         --budget "${TP_BUDGET:-6}" --timeout "$(( ${TP_LIMIT:-480} - 30 ))" ${TP_ARGS:-}
       cp "$out/tp/throughput_gpu_${TP_LAYOUT:-split}.json" "$out/" 2>/dev/null
+      [ -f "$out/tp/throughput_${TP_LAYOUT:-split}.db" ] && backup "$out/tp/throughput_${TP_LAYOUT:-split}.db" "$out/throughput.db" \
+        && step replay 120 python3 -m kf.cli replay --check "$out/throughput.db"
       rm -rf "$out/tp"
+      ;;
+    box)
+      step box 60 python3 -c "from kf.evaluation.grader import box; print(box.probe() or 'the box works'); print(box.process_limit_note())"
+      ;;
+    phases)
+      step phases "${BP_LIMIT:-200}" python3 bench/build_phases.py --out "$out/bp"
+      cp "$out/bp/"*.json "$out/" 2>/dev/null
+      rm -rf "$out/bp"
       ;;
     *) echo "unknown step $what" >&2 ;;
   esac
