@@ -236,14 +236,17 @@ def configure_runner_pools(devices: Sequence[str], build_slots: int) -> None:
         d: asked if asked is not None else gpu_pool_size(d, math.ceil(build_slots / len(gpus)) + 4)
         for d in gpus
     }
+    references = current().reference_runners
     with _pools_lock:
         for d in gpus:
             size = sizes[d]
+            # a reference runner per task keeps its compiled baseline
+            refs = references or min(16, max(4, size))
             old = _pools.get(d)
             if old is not None and not old._closed:
-                old.configure(size=size, warm=d)
+                old.configure(size=size, warm=d, references=refs)
                 continue
-            pool = _pools[d] = RunnerPool(size=size, warm=d)
+            pool = _pools[d] = RunnerPool(size=size, warm=d, references=refs)
             atexit.register(pool.close)
 
 

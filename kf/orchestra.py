@@ -90,10 +90,14 @@ def worker_agents(device: str = "cpu", *, devices: int = 1) -> list[type[Agent[A
         # needs them; `kf run` checked its tasks first, which may have made the pool
         from kf.devices import gpu_pool_size
 
+        pool_size = gpu_pool_size(device, compile_concurrency(settings) + 4)
         configure_default_pool(
             # as many as fit in the GPU's free memory beside the tasks' tensors
-            size=gpu_pool_size(device, compile_concurrency(settings) + 4) if size is None else size,
+            size=pool_size if size is None else size,
             warm=settings.runner_warm or device,
+            # a reference runner per task keeps its compiled baseline (a fresh one
+            # compiles it again: 5-15 s of an H200 host's time per profile)
+            references=settings.reference_runners or min(16, max(4, pool_size)),
         )
     return device_agents(device)
 

@@ -274,6 +274,16 @@ class Settings:
         return int(raw) if raw else None
 
     @property
+    def reference_runners(self) -> int | None:
+        """``KF_REFERENCE_RUNNERS``: idle reference runners a pool keeps over all tasks
+        (each keeps its task's inputs and compiled baseline; default 4, a GPU worker 16
+        where they fit beside its other runners)."""
+        count = self._number("KF_REFERENCE_RUNNERS")
+        if count is not None and count < 1:
+            raise SettingError(f"$KF_REFERENCE_RUNNERS={count} is not a positive number")
+        return count
+
+    @property
     def runner_context_bytes(self) -> int:
         """``KF_RUNNER_CONTEXT_MB`` in bytes: the device memory one warm GPU runner holds
         (its CUDA context; 512), which sizes a GPU's pool from its free memory."""

@@ -117,6 +117,45 @@ def test_profile_whose_compile_outlasts_its_limit_loses_only_the_baseline(
     assert "compile_baseline" not in second.phases  # not asked again
 
 
+def test_baseline_compiled_early_is_the_one_the_profile_times(pool: RunnerPool) -> None:
+    """The profiler compiles a task's baseline before its exclusive turn
+    (compile_early): the profile then takes that reference runner from among several idle
+    ones, finds the baseline made (no compile in its turn) and times it; the report says
+    what the early compile cost."""
+    from agents.profiler import with_early_compile
+    from kf.evaluation import GradingSession
+    from kf.evaluation.grader.baseline import compile_early
+    from kf.evaluation.grader.baseline_settings import Conditions
+    from kf.evaluation.grader.session import Stage
+
+    task = load_task(EVAL / "task_gelu.py")
+    cond = Conditions(compile_baseline=True)
+    session = GradingSession(task, device="cpu", pool=pool, conditions=cond)
+    # another idle reference runner of the task, released after the one that compiles
+    other = Stage(session)
+    with other.reference_lease():
+        early = compile_early(session)
+    assert early is not None and early.error is None, early
+    assert early.compile_s > 0 and not early.cached
+    assert len(pool._refs[session.reference_key]) == 2
+
+    source = (EVAL / "honest.py").read_text()
+    report = profile_candidate(task, source, pool=pool, conditions=cond, **FAST)
+    assert report.ok, report.error
+    assert report.compile_baseline_cached is True  # the early runner was taken
+    assert report.compiled_runtime_ms is not None and report.compiled_runtime_ms > 0
+    assert report.phases.get("compile_baseline", 0.0) < early.compile_s
+    stated = with_early_compile(report, early)
+    assert stated.compile_baseline_s == early.compile_s and not stated.compile_baseline_cached
+    assert stated.phases["compile_baseline_early"] == early.compile_s
+    assert with_early_compile(report, None) is report
+    # a run without the baseline compiles nothing early
+    off = GradingSession(
+        task, device="cpu", pool=pool, conditions=Conditions(compile_baseline=False)
+    )
+    assert compile_early(off) is None
+
+
 def test_profile_report_reads_old_logs_without_compiled_fields() -> None:
     """A ProfileReport from before the compiled baseline decodes with None and defaults."""
     import msgspec

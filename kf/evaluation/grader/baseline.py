@@ -6,11 +6,12 @@ reference runner (whether it is wanted, and its mode, are the run's conditions:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from kf.evaluation.grader.grading import log
 from kf.evaluation.grader.sandbox import RunnerCrashed, RunnerFailed, RunnerHandle, RunnerTimeout
-from kf.evaluation.grader.session import GradingSession
-from kf.evaluation.wire.protocol import BaselineCompiled, CompileBaseline
+from kf.evaluation.grader.session import GradingSession, Stage
+from kf.evaluation.wire.protocol import BaselineCompiled, CompileBaseline, MakeInputs
 from kf.settings import Settings
 
 
@@ -69,6 +70,40 @@ def compile_reference(session: GradingSession, ref: RunnerHandle, want: bool) ->
         return BaselineCompiled(error=f"torch.compile of the reference failed: {exc}")
     if reply.error:
         log.info("compile_baseline_failed", task=task.name, error=reply.error)
-    elif not reply.cached:
-        log.info("compile_baseline_compiled", task=task.name, seconds=reply.compile_s)
+    else:
+        ref.baselines.add(session.cond.compile_mode or "default")
+        if not reply.cached:
+            log.info("compile_baseline_compiled", task=task.name, seconds=reply.compile_s)
     return reply
+
+
+def has_baseline(session: GradingSession) -> Callable[[RunnerHandle], bool]:
+    """Whether an idle reference runner compiled the baseline in the session's mode (a
+    preference for :meth:`RunnerPool.reference_lease`)."""
+    mode = session.cond.compile_mode or "default"
+    return lambda handle: mode in handle.baselines
+
+
+def compile_early(session: GradingSession) -> BaselineCompiled | None:
+    """Compile the task's ``torch.compile`` baseline in a reference runner before the
+    profile's turn: the compile is host work, minutes of it over a run's tasks, and the
+    profile's exclusive hold of the device need not wait on it.
+
+    The caller holds the device gate's shared side, as verifications do, so no timing
+    runs meanwhile; the profile then leases that runner (:func:`has_baseline`) and finds
+    the baseline compiled for the same inputs (``cached``). None where the run wants no
+    baseline or this early compile could not be made: the profile then compiles as it
+    always did, and reports any failure itself.
+    """
+    if not session.cond.compile_baseline:
+        return None
+    stage = Stage(session)
+    try:
+        with stage.reference_lease(trimmed=True, prefer=has_baseline(session)) as ref:
+            stage.setup_reference()
+            stage.load_task()
+            stage.reference(MakeInputs(seed=session.seed, send=False))
+            return compile_reference(session, ref, True)
+    except Exception as exc:  # the profile does it all again and reports what fails
+        log.info("compile_baseline_early_failed", task=session.task.name, error=str(exc))
+        return None

@@ -16,6 +16,7 @@ from kf.evaluation.grader.baseline import (
     BaselineLost,
     baseline_lost,
     compile_reference,
+    has_baseline,
 )
 from kf.evaluation.grader.grading import (
     CACHE_SUSPECTED,
@@ -138,7 +139,7 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
     session, task, device, seed = stage.session, stage.task, stage.device, stage.session.seed
     with (
         device_lock(device),
-        stage.reference_lease(trimmed=True) as ref,
+        stage.reference_lease(trimmed=True, prefer=has_baseline(session)) as ref,
         stage.candidate_lease() as cand,
     ):
         if not device.startswith("cuda"):

@@ -167,6 +167,9 @@ class RunnerHandle:
         self.findings: list[str] = []
         self.builds = 0  # kf.native builds served for this runner (kf.evaluation.grader.builds)
         self.build_s = 0.0  # seconds spent serving them (not counted against a request)
+        #: compile modes a reference runner has compiled its task's baseline in (the
+        #: runner's own cache decides; this only steers which idle runner a stage takes)
+        self.baselines: set[str] = set()
         # descriptors of shared-memory payloads go beside the messages, on the same socket
         self.fd_sock = socket.socket(fileno=os.dup(started.sock.fileno()))
         self.conn = Connection(started.sock.detach())

@@ -19,7 +19,7 @@ import contextlib
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import structlog
 
@@ -67,8 +67,10 @@ class RunnerPool:
         threads: int | None = None,
         python: str | None = None,
         warm: str | None = None,
+        references: int = 4,
     ):
-        """``warm``: the device (``cuda:N``) whose start-up work runners do while idle."""
+        """``warm``: the device (``cuda:N``) whose start-up work runners do while idle;
+        ``references``: the idle reference runners kept, over all tasks."""
         self.size = max(0, size)
         self.warm = warm
         self.threads = threads or default_threads()
@@ -76,7 +78,7 @@ class RunnerPool:
         self._idle: list[RunnerHandle] = []
         self._leased: set[RunnerHandle] = set()
         self._refs: dict[str, list[RunnerHandle]] = {}  # warm reference runners per task
-        self.max_references = 4
+        self.max_references = max(1, references)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -90,10 +92,13 @@ class RunnerPool:
         while not self._closed and len(self._idle) < self.size:
             self._idle.append(self._spawn())
 
-    def configure(self, *, size: int, warm: str | None) -> None:
-        """Change the number of idle runners kept and what they warm up for; idle
-        runners started for another warm-up are replaced."""
+    def configure(self, *, size: int, warm: str | None, references: int | None = None) -> None:
+        """Change the number of idle runners kept and what they warm up for (idle
+        runners started for another warm-up are replaced), and the idle reference
+        runners kept (None: as it is)."""
         with self._lock:
+            if references is not None:
+                self.max_references = max(1, references)
             stale = [h for h in self._idle if h.warm != warm]
             self._idle = [h for h in self._idle if h.warm == warm]
             self.size, self.warm = max(0, size), warm
@@ -158,17 +163,24 @@ class RunnerPool:
             self.release(handle)
 
     @contextlib.contextmanager
-    def reference_lease(self, key: str) -> Iterator[RunnerHandle]:
+    def reference_lease(
+        self, key: str, prefer: Callable[[RunnerHandle], bool] | None = None
+    ) -> Iterator[RunnerHandle]:
         """A candidate-free runner for the reference side of one job, reused per ``key``.
 
         No candidate code ever runs in a reference runner (it only imports the task,
         makes inputs, runs the reference and compares), so it can serve many candidates
         of the same task: that saves a Python + torch start-up per stage. Any error
         discards it; at most ``max_references`` are kept, the oldest killed first.
+        ``prefer``: an idle runner it holds true of is taken first (one that has
+        compiled the task's baseline, say); only a preference, never a condition.
         """
         handle: RunnerHandle | None = None
         with self._lock:
             idle = self._refs.get(key, [])
+            if prefer is not None:
+                # the preferred ones last, so the loop below pops them first
+                idle.sort(key=lambda h: bool(prefer(h)))
             while idle and handle is None:
                 h = idle.pop()
                 if h.proc.poll() is None:
@@ -231,15 +243,15 @@ _default_lock = threading.Lock()
 
 
 #: what the process's worker asked of its pool (:func:`configure_default_pool`)
-_configured: tuple[int, str | None] | None = None
+_configured: tuple[int, str | None, int] | None = None
 
 
-def _pool_settings() -> tuple[int, str | None]:
+def _pool_settings() -> tuple[int, str | None, int]:
     if _configured is not None:
         return _configured
     settings = current()
-    size = settings.eval_pool
-    return (2 if size is None else size), settings.runner_warm
+    size, references = settings.eval_pool, settings.reference_runners
+    return (2 if size is None else size), settings.runner_warm, references or 4
 
 
 def default_pool() -> RunnerPool:
@@ -249,22 +261,26 @@ def default_pool() -> RunnerPool:
     global _default
     with _default_lock:
         if _default is None or _default._closed:
-            size, warm = _pool_settings()
-            _default = RunnerPool(size=size, warm=warm)
+            size, warm, references = _pool_settings()
+            _default = RunnerPool(size=size, warm=warm, references=references)
             atexit.register(_default.close)
         return _default
 
 
-def configure_default_pool(*, size: int | None = None, warm: str | None) -> None:
+def configure_default_pool(
+    *, size: int | None = None, warm: str | None, references: int | None = None
+) -> None:
     """Give the process-wide pool ``size`` idle runners (None: ``$KF_EVAL_POOL``, 2)
-    warmed for ``warm`` (a worker's choice for its device): now if the pool exists
+    warmed for ``warm`` (a worker's choice for its device) and ``references`` idle
+    reference runners (None: ``$KF_REFERENCE_RUNNERS``, 4): now if the pool exists
     already (a task check made it before the worker started; see
     :meth:`RunnerPool.configure`), else when it is made."""
     global _configured
-    if size is None:
-        size = _pool_settings()[0]
+    asked = _pool_settings()
+    size = asked[0] if size is None else size
+    references = asked[2] if references is None else references
     with _default_lock:
-        _configured = (size, warm)
+        _configured = (size, warm, references)
         pool = _default if _default is not None and not _default._closed else None
     if pool is not None:
-        pool.configure(size=size, warm=warm)
+        pool.configure(size=size, warm=warm, references=references)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TypeVar
@@ -165,10 +165,14 @@ class Stage:
         self._cand = cand or self._cand
 
     @contextlib.contextmanager
-    def reference_lease(self, *, trimmed: bool = False) -> Iterator[RunnerHandle]:
+    def reference_lease(
+        self, *, trimmed: bool = False, prefer: Callable[[RunnerHandle], bool] | None = None
+    ) -> Iterator[RunnerHandle]:
         """The task's (reused) reference runner for this stage; ``trimmed``: it drops
-        its large tensors before going back idle."""
-        with self.session.runners.reference_lease(self.session.reference_key) as ref:
+        its large tensors before going back idle; ``prefer``: which idle one to take
+        first (:meth:`RunnerPool.reference_lease`)."""
+        pool = self.session.runners
+        with pool.reference_lease(self.session.reference_key, prefer) as ref:
             self.use(ref=ref)
             try:
                 yield ref

@@ -71,7 +71,11 @@ def _verify(stage: Stage, trials: int, generalise: bool) -> VerifyReport:
     """:func:`verify_session` in ``stage``."""
     task = stage.task
     chosen, chosen_from = resolve(stage.session.tolerance, task.source)
-    with stage.reference_lease() as ref, stage.candidate_lease() as cand:
+    # a reference runner that compiled the task's baseline is left for the profiles
+    with (
+        stage.reference_lease(prefer=lambda h: not h.baselines) as ref,
+        stage.candidate_lease() as cand,
+    ):
         found = _Findings(stage, cand, chosen, chosen_from)
         stage.restart_clock()
         try:
