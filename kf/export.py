@@ -104,10 +104,9 @@ def _comment(text: str) -> str:
     return " ".join(text.split())
 
 
-def dispatch_module(
-    header: str, default_source: str, choices: list[Choice]
-) -> tuple[str, list[str]]:
-    """The module's text, and why any choice was left out (another template family)."""
+def _dispatch_rows(default_source: str, choices: list[Choice]) -> tuple[list[str], list[str]]:
+    """The DISPATCH table's rows (a comment and an entry per choice), and why any choice
+    was left out (its configuration does not fit the default, or another template family)."""
     family = params.family(default_source)
     rows: list[str] = []
     left_out: list[str] = []
@@ -126,9 +125,18 @@ def dispatch_module(
             f"    # tuner: {_comment(ch.note)}\n"
             f"    ({ch.kind!r}, {ch.shapes!r}): {ch.config!r},"
         )
+    return rows, left_out
+
+
+def dispatch_module(
+    header: str, default_source: str, choices: list[Choice]
+) -> tuple[str, list[str]]:
+    """The module's text, and why any choice was left out (another template family)."""
+    rows, left_out = _dispatch_rows(default_source, choices)
     default_config = params.parse(default_source)
     table = "\n".join(rows)
-    text = f'''{header}#
+    text = (
+        f'''{header}#
 # Dispatch by input shape: a call whose (device kind, input shapes) is a key of DISPATCH
 # runs the template with that configuration; every other call runs the default (the
 # task's best kernel, CONFIG {default_config[1] if default_config else {}!r}).
@@ -150,7 +158,14 @@ TEMPLATE = {_literal(default_source)}
 _default = import_source(__name__ + ".default", TEMPLATE)
 
 
-def _key(inputs: tuple[Any, ...]) -> tuple[str, tuple[tuple[int, ...], ...]]:
+'''
+        + _DISPATCH_CODE
+    )
+    return text, left_out
+
+
+#: the exported module after its DISPATCH table and template: the dispatching ``ModelNew``
+_DISPATCH_CODE = '''def _key(inputs: tuple[Any, ...]) -> tuple[str, tuple[tuple[int, ...], ...]]:
     kind = next((x.device.type for x in inputs if isinstance(x, torch.Tensor)), "cpu")
     return kind, tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else () for x in inputs)
 
@@ -174,9 +189,9 @@ class ModelNew(_default.ModelNew):  # type: ignore[name-defined,misc]
         state = torch.random.get_rng_state()
         super().__init__(*args, **kwargs)
         after = torch.random.get_rng_state()
-        variants = {{}}
+        variants = {}
         for i, (key, config) in enumerate(DISPATCH.items()):
-            module = import_source(f"{{__name__}}.tuned{{i}}", params.apply(TEMPLATE, config))
+            module = import_source(f"{__name__}.tuned{i}", params.apply(TEMPLATE, config))
             torch.random.set_rng_state(state)
             variant = module.ModelNew(*args, **kwargs)
             _tie(variant, self)
@@ -186,7 +201,7 @@ class ModelNew(_default.ModelNew):  # type: ignore[name-defined,misc]
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         out = super()._apply(fn, *args, **kwargs)
-        for variant in getattr(self, "_kf_variants", {{}}).values():
+        for variant in getattr(self, "_kf_variants", {}).values():
             _tie(variant, self)
         return out
 
@@ -200,4 +215,3 @@ class ModelNew(_default.ModelNew):  # type: ignore[name-defined,misc]
             return super().forward(*inputs)
         return variant(*inputs)
 '''
-    return text, left_out

@@ -204,89 +204,101 @@ def _scan(
     return {**builds, **device}, peak, work
 
 
+def _task_row(
+    t: dict[str, Any],
+    path: str | None,
+    config: dict[str, Any],
+    peaks: dict[str, float],
+    times: dict[str, float],
+) -> dict[str, Any]:
+    """The KernelBench row of a task of the report (``t``), from the file at ``path``."""
+    name = t["task"]
+    correct = t.get("best_speedup") is not None
+    vs_compile = t.get("best_speedup_vs_compiled")
+    vs_best = t.get("best_speedup_vs_best")
+    meta: dict[str, Any] = {}
+    if t.get("failures"):
+        meta["failures"] = t["failures"]
+    if t.get("skipped"):
+        meta["skipped"] = t["skipped"]
+    if t.get("best_flags"):
+        meta["flags"] = t["best_flags"]
+    if t.get("compile_baseline_error"):
+        meta["compile_baseline_error"] = t["compile_baseline_error"]
+    return {
+        "level": level_of(path),
+        "problem_id": task_id(name),
+        "problem_name": PurePath(path).name if path else f"{name}.py",
+        "sample_id": 0,
+        "candidate_id": t.get("best_candidate_id"),
+        "compiled": bool(t.get("compiled")),
+        "correctness": correct,
+        "runtime": t["best_ms"] if correct and t.get("best_ms") else -1.0,
+        "runtime_stats": {"mean": t["best_ms"], "std": t.get("best_std_ms") or 0.0}
+        if correct and t.get("best_ms")
+        else {},
+        "ref_runtime": t["ref_ms"] if correct and t.get("ref_ms") else -1.0,
+        "ref_runtime_compile": t["compiled_ms"] if correct and t.get("compiled_ms") else -1.0,
+        "speedup": t["best_speedup"] if correct else None,
+        "speedup_vs_compile": vs_compile if correct else None,
+        "speedup_vs_best": (vs_best if vs_best is not None else t["best_speedup"])
+        if correct
+        else None,
+        "compile_mode": t.get("compile_mode") or _compile_mode(config),
+        "tf32": t.get("tf32") or str(config.get("tf32") or ""),
+        "candidates": t.get("candidates", 0),
+        "peak_device_mb": peaks.get(name),
+        "time_s": times.get(name),
+        "degenerate": bool(t.get("degenerate")),
+        "metadata": meta,
+    }
+
+
+def _skipped_row(where: str, why: object, config: dict[str, Any]) -> dict[str, Any]:
+    """The KernelBench row of a task file the run skipped (at ``where``, for ``why``)."""
+    return {
+        "level": level_of(where),
+        "problem_id": task_id(PurePath(where).stem),
+        "problem_name": PurePath(where).name,
+        "sample_id": 0,
+        "candidate_id": None,
+        "compiled": False,
+        "correctness": False,
+        "runtime": -1.0,
+        "runtime_stats": {},
+        "ref_runtime": -1.0,
+        "ref_runtime_compile": -1.0,
+        "speedup": None,
+        "speedup_vs_compile": None,
+        "speedup_vs_best": None,
+        "compile_mode": _compile_mode(config),
+        "tf32": str(config.get("tf32") or ""),
+        "candidates": 0,
+        "peak_device_mb": None,
+        "time_s": None,
+        "degenerate": False,
+        "metadata": {"skipped": str(why)},
+    }
+
+
+def _compile_mode(config: dict[str, Any]) -> str:
+    return str(config.get("compile_mode") or "default")
+
+
 def kernelbench_section(tasks: list[dict[str, Any]], envelopes: list[Envelope]) -> dict[str, Any]:
     """``report["kernelbench"]``: ``rows`` (one per task, KernelBench's field names) and
     ``levels`` (``"level1"``: scores; ``"all"`` for tasks outside a ``levelN`` folder)."""
     started = next((decode_event(e) for e in envelopes if e.type == "run.started"), None)
     specs = {t.name: t for t in getattr(started, "tasks", ())}
     config: dict[str, Any] = dict(getattr(started, "config", {}) or {})
-    compile_mode = str(config.get("compile_mode") or "default")
     _, peaks, times = _scan(envelopes)
-    rows: list[dict[str, Any]] = []
-    for t in tasks:
-        name = t["task"]
-        spec = specs.get(name)
-        path = getattr(spec, "path", None)
-        correct = t.get("best_speedup") is not None
-        vs_compile = t.get("best_speedup_vs_compiled")
-        vs_best = t.get("best_speedup_vs_best")
-        meta: dict[str, Any] = {}
-        if t.get("failures"):
-            meta["failures"] = t["failures"]
-        if t.get("skipped"):
-            meta["skipped"] = t["skipped"]
-        if t.get("best_flags"):
-            meta["flags"] = t["best_flags"]
-        if t.get("compile_baseline_error"):
-            meta["compile_baseline_error"] = t["compile_baseline_error"]
-        rows.append(
-            {
-                "level": level_of(path),
-                "problem_id": task_id(name),
-                "problem_name": PurePath(path).name if path else f"{name}.py",
-                "sample_id": 0,
-                "candidate_id": t.get("best_candidate_id"),
-                "compiled": bool(t.get("compiled")),
-                "correctness": correct,
-                "runtime": t["best_ms"] if correct and t.get("best_ms") else -1.0,
-                "runtime_stats": {"mean": t["best_ms"], "std": t.get("best_std_ms") or 0.0}
-                if correct and t.get("best_ms")
-                else {},
-                "ref_runtime": t["ref_ms"] if correct and t.get("ref_ms") else -1.0,
-                "ref_runtime_compile": t["compiled_ms"]
-                if correct and t.get("compiled_ms")
-                else -1.0,
-                "speedup": t["best_speedup"] if correct else None,
-                "speedup_vs_compile": vs_compile if correct else None,
-                "speedup_vs_best": (vs_best if vs_best is not None else t["best_speedup"])
-                if correct
-                else None,
-                "compile_mode": t.get("compile_mode") or compile_mode,
-                "tf32": t.get("tf32") or str(config.get("tf32") or ""),
-                "candidates": t.get("candidates", 0),
-                "peak_device_mb": peaks.get(name),
-                "time_s": times.get(name),
-                "degenerate": bool(t.get("degenerate")),
-                "metadata": meta,
-            }
-        )
-    for where, why in dict(config.get("skipped_tasks") or {}).items():
-        stem = PurePath(where).stem
-        rows.append(
-            {
-                "level": level_of(where),
-                "problem_id": task_id(stem),
-                "problem_name": PurePath(where).name,
-                "sample_id": 0,
-                "candidate_id": None,
-                "compiled": False,
-                "correctness": False,
-                "runtime": -1.0,
-                "runtime_stats": {},
-                "ref_runtime": -1.0,
-                "ref_runtime_compile": -1.0,
-                "speedup": None,
-                "speedup_vs_compile": None,
-                "speedup_vs_best": None,
-                "compile_mode": compile_mode,
-                "tf32": str(config.get("tf32") or ""),
-                "candidates": 0,
-                "peak_device_mb": None,
-                "time_s": None,
-                "degenerate": False,
-                "metadata": {"skipped": str(why)},
-            }
-        )
+    rows = [
+        _task_row(t, getattr(specs.get(t["task"]), "path", None), config, peaks, times)
+        for t in tasks
+    ]
+    rows += [
+        _skipped_row(w, why, config) for w, why in dict(config.get("skipped_tasks") or {}).items()
+    ]
     rows.sort(key=lambda r: (r["level"] or 0, r["problem_id"] or 0, r["problem_name"]))
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
@@ -295,7 +307,7 @@ def kernelbench_section(tasks: list[dict[str, Any]], envelopes: list[Envelope]) 
         "rows": rows,
         "levels": {k: level_scores(v) for k, v in sorted(groups.items())},
         "fast_p_thresholds": list(FAST_P),
-        "compile_mode": compile_mode,
+        "compile_mode": _compile_mode(config),
     }
 
 

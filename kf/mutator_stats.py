@@ -45,20 +45,7 @@ def mutator_stats(envelopes: Iterable[Envelope]) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
 
     def row(kind: str) -> dict[str, Any]:
-        return rows.setdefault(
-            kind,
-            {
-                "selections": 0,
-                "candidates": 0,
-                "mutation_failed": 0,
-                "correct": 0,
-                "best_speedup": None,
-                "tokens": 0,
-                "seconds": 0.0,
-                "tool_calls": 0,
-                "episodes_cut_short": 0,
-            },
-        )
+        return rows.setdefault(kind, _empty_row())
 
     correct: set[str] = set()
     for env in envelopes:
@@ -109,16 +96,35 @@ def mutator_stats(envelopes: Iterable[Envelope]) -> dict[str, dict[str, Any]]:
     if not mixed:
         return {}
     for r in rows.values():
-        r["seconds"] = round(r["seconds"], 3)
-        n = r["candidates"]
-        r["correct_per_candidate"] = round(r["correct"] / n, 3) if n else None
-        r["correct_per_1k_tokens"] = (
-            round(1000 * r["correct"] / r["tokens"], 4) if r["tokens"] else None
-        )
-        r["correct_per_minute"] = (
-            round(60 * r["correct"] / r["seconds"], 3) if r["seconds"] else None
-        )
+        _add_rates(r)
     return dict(sorted(rows.items()))
+
+
+def _empty_row() -> dict[str, Any]:
+    """A mutator kind's counts before any of its events."""
+    return {
+        "selections": 0,
+        "candidates": 0,
+        "mutation_failed": 0,
+        "correct": 0,
+        "best_speedup": None,
+        "tokens": 0,
+        "seconds": 0.0,
+        "tool_calls": 0,
+        "episodes_cut_short": 0,
+    }
+
+
+def _add_rates(r: dict[str, Any]) -> None:
+    """Round a row's seconds and add its correct candidates per candidate, per 1k tokens
+    and per minute (None where the divisor is 0)."""
+    r["seconds"] = round(r["seconds"], 3)
+    n = r["candidates"]
+    r["correct_per_candidate"] = round(r["correct"] / n, 3) if n else None
+    r["correct_per_1k_tokens"] = (
+        round(1000 * r["correct"] / r["tokens"], 4) if r["tokens"] else None
+    )
+    r["correct_per_minute"] = round(60 * r["correct"] / r["seconds"], 3) if r["seconds"] else None
 
 
 def format_mutator_stats(stats: dict[str, dict[str, Any]]) -> list[str]:

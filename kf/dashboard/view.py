@@ -195,19 +195,8 @@ class RunView:
             tr = self._trace(ev.candidate_id)
             tr.elite.append({**meta, **_builtins(ev)})
             tr.events.append(meta)
-        elif isinstance(ev, DeviceAnnounced):
-            d = self._device(ev.device_id)
-            d.kind, d.agent_id, d.capabilities = ev.kind, ev.agent_id, dict(ev.capabilities)
-            d.announced_at, d.last_seen = t, t
-            d.left_at, d.left_reason = None, None
-        elif isinstance(ev, DeviceHeartbeat):
-            d = self._device(ev.device_id)
-            d.last_seen = t if d.last_seen is None else max(d.last_seen, t)
-            d.beats += 1
-            d.busy, d.queued = ev.busy, ev.queued
-        elif isinstance(ev, DeviceLeft):
-            d = self._device(ev.device_id)
-            d.left_at, d.left_reason = t, ev.reason
+        elif isinstance(ev, DeviceAnnounced | DeviceHeartbeat | DeviceLeft):
+            self._device_event(ev, t)
         if isinstance(ev, CandidateProposed) and ev.selection is not None:
             pid = self.prompt_of_selection.get((ev.task, ev.selection))
             if pid is not None:
@@ -216,6 +205,20 @@ class RunView:
             data = ev.data if isinstance(ev, UnknownEvent) else _builtins(ev)
             self.prompts.append({**meta, "data": _clip_tree(data)})
             self._prompt(env.type, data, rec.seq)
+
+    def _device_event(self, ev: DeviceAnnounced | DeviceHeartbeat | DeviceLeft, t: float) -> None:
+        """A device joining, beating or leaving, at time ``t``."""
+        d = self._device(ev.device_id)
+        if isinstance(ev, DeviceAnnounced):
+            d.kind, d.agent_id, d.capabilities = ev.kind, ev.agent_id, dict(ev.capabilities)
+            d.announced_at, d.last_seen = t, t
+            d.left_at, d.left_reason = None, None
+        elif isinstance(ev, DeviceHeartbeat):
+            d.last_seen = t if d.last_seen is None else max(d.last_seen, t)
+            d.beats += 1
+            d.busy, d.queued = ev.busy, ev.queued
+        else:
+            d.left_at, d.left_reason = t, ev.reason
 
     def _prompt(self, type_: str, data: dict[str, Any], seq: int) -> None:
         """Track the prompt population from whatever prompt events the run recorded."""

@@ -132,23 +132,11 @@ class LlmClient:
                         max_tokens=s.max_tokens,
                         **extra,
                     )
-                except openai.APIStatusError as exc:
-                    error = f"HTTP {exc.status_code}: {_short(exc.message)}"
-                    attempts.append((exc.status_code, error, time.monotonic() - t0))
-                    if exc.status_code in _RETRYABLE_STATUS:
-                        continue
-                    break
-                except openai.APITimeoutError:
-                    error = f"timed out after {s.timeout_s:g}s"
-                    attempts.append((None, error, time.monotonic() - t0))
-                    continue
-                except openai.APIConnectionError as exc:
-                    error = f"connection failed: {_short(str(exc.__cause__ or exc))}"
-                    attempts.append((None, error, time.monotonic() - t0))
-                    continue
                 except (openai.OpenAIError, ValueError, TypeError) as exc:
-                    error = f"malformed response: {type(exc).__name__}: {_short(str(exc))}"
-                    attempts.append((200, error, time.monotonic() - t0))
+                    status, error, retry = _failure(exc, s.timeout_s)
+                    attempts.append((status, error, time.monotonic() - t0))
+                    if retry:
+                        continue
                     break
                 took = time.monotonic() - t0
                 choice = resp.choices[0] if getattr(resp, "choices", None) else None
@@ -189,6 +177,22 @@ class LlmClient:
             error=error or "no attempt made",
             queued_s=start - queued,
         )
+
+
+def _failure(exc: Exception, timeout_s: float) -> tuple[int | None, str, bool]:
+    """A failed attempt's HTTP status (None: no answer), its error, and whether to retry:
+    on a status of ``_RETRYABLE_STATUS`` (408, 409, 429, 5xx), a timeout or a lost
+    connection; not on another status or a malformed response."""
+    import openai  # imported by LlmClient already: a lookup
+
+    if isinstance(exc, openai.APIStatusError):
+        retry = exc.status_code in _RETRYABLE_STATUS
+        return exc.status_code, f"HTTP {exc.status_code}: {_short(exc.message)}", retry
+    if isinstance(exc, openai.APITimeoutError):  # before its base, APIConnectionError
+        return None, f"timed out after {timeout_s:g}s", True
+    if isinstance(exc, openai.APIConnectionError):
+        return None, f"connection failed: {_short(str(exc.__cause__ or exc))}", True
+    return 200, f"malformed response: {type(exc).__name__}: {_short(str(exc))}", False
 
 
 def _tool_calls(message: Any) -> tuple[tuple[str, str, str], ...]:

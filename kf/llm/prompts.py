@@ -291,6 +291,36 @@ def _attempt_sections(title: str, attempts: Sequence[Attempt], drop: int) -> lis
     return out
 
 
+def _opening(
+    task: str,
+    reference: str,
+    device: Mapping[str, Any],
+    language: str | None,
+    regions: Mapping[str, str],
+) -> list[Section]:
+    """What every prompt opens with: the task's reference, the target device, the guide of
+    the kernel's language (none for ``None``), and the meta-prompt's strategy, pitfalls and
+    hardware notes."""
+    sections = [
+        Section(
+            name="reference",
+            text=f"# Task `{task}`: the PyTorch reference\n```python\n{reference}\n```",
+            clip=True,
+        ),
+        Section(name="device", text=f"# Target device\n{_device_lines(device)}", drop=3),
+    ]
+    if language is not None:
+        sections.append(
+            Section(name="language", text=f"# {LANGUAGE_GUIDES.get(language, language)}")
+        )
+    return [
+        *sections,
+        Section(name="strategy", text=f"# Strategy\n{regions.get('strategy', '')}", drop=2),
+        Section(name="pitfalls", text=f"# Pitfalls\n{regions.get('pitfalls', '')}", drop=1),
+        Section(name="hardware", text=f"# Hardware notes\n{regions.get('hardware', '')}", drop=3),
+    ]
+
+
 def init_messages(
     task: str,
     reference: str,
@@ -302,18 +332,7 @@ def init_messages(
 ) -> Prompt:
     """Messages asking for a first kernel written from the reference alone (after failed
     first attempts, with their evidence)."""
-    sections = [
-        Section(
-            name="reference",
-            text=f"# Task `{task}`: the PyTorch reference\n```python\n{reference}\n```",
-            clip=True,
-        ),
-        Section(name="device", text=f"# Target device\n{_device_lines(device)}", drop=3),
-        Section(name="language", text=f"# {LANGUAGE_GUIDES.get(language, language)}"),
-        Section(name="strategy", text=f"# Strategy\n{regions.get('strategy', '')}", drop=2),
-        Section(name="pitfalls", text=f"# Pitfalls\n{regions.get('pitfalls', '')}", drop=1),
-        Section(name="hardware", text=f"# Hardware notes\n{regions.get('hardware', '')}", drop=3),
-    ]
+    sections = _opening(task, reference, device, language, regions)
     sections += _attempt_sections("Earlier attempt", attempts, drop=4)
     job = (
         "Write a first, exactly correct kernel for this task"
@@ -324,27 +343,9 @@ def init_messages(
     return _messages(sections, budget_tokens)
 
 
-def mutation_prompt(ctx: MutationContext, budget_tokens: int | None = None) -> Prompt:
-    """System and user messages asking for an improved child of the parent, fitted to the
-    context budget (what was cut is in ``truncated``)."""
-    r = ctx.regions
-    sections = [
-        Section(
-            name="reference",
-            text=f"# Task `{ctx.task}`: the PyTorch reference\n```python\n{ctx.reference}\n```",
-            clip=True,
-        ),
-        Section(name="device", text=f"# Target device\n{_device_lines(ctx.device)}", drop=3),
-    ]
-    if ctx.language:
-        sections.append(
-            Section(name="language", text=f"# {LANGUAGE_GUIDES.get(ctx.language, ctx.language)}")
-        )
-    sections += [
-        Section(name="strategy", text=f"# Strategy\n{r.get('strategy', '')}", drop=2),
-        Section(name="pitfalls", text=f"# Pitfalls\n{r.get('pitfalls', '')}", drop=1),
-        Section(name="hardware", text=f"# Hardware notes\n{r.get('hardware', '')}", drop=3),
-    ]
+def _parent_sections(ctx: MutationContext) -> list[Section]:
+    """The parent kernel with what kf measured of it: its speed or failure, the evidence,
+    and its compiler report and hardware counters where there are any."""
     perf = []
     if ctx.parent_speedup is not None:
         perf.append(f"speedup {ctx.parent_speedup:.3f}x over PyTorch eager")
@@ -352,7 +353,7 @@ def mutation_prompt(ctx: MutationContext, budget_tokens: int | None = None) -> P
         perf.append(f"{ctx.parent_runtime_ms:.4f} ms vs eager {ctx.parent_ref_ms:.4f} ms")
     if ctx.parent_failure:
         perf.append(f"failed: {ctx.parent_failure.splitlines()[0][:200]}")
-    sections.append(
+    sections = [
         Section(
             name="parent",
             text=(
@@ -361,7 +362,7 @@ def mutation_prompt(ctx: MutationContext, budget_tokens: int | None = None) -> P
             ),
             clip=True,
         )
-    )
+    ]
     if ctx.parent_outcome:
         sections.append(
             Section(
@@ -393,6 +394,14 @@ def mutation_prompt(ctx: MutationContext, budget_tokens: int | None = None) -> P
                 drop=2,
             )
         )
+    return sections
+
+
+def mutation_prompt(ctx: MutationContext, budget_tokens: int | None = None) -> Prompt:
+    """System and user messages asking for an improved child of the parent, fitted to the
+    context budget (what was cut is in ``truncated``)."""
+    sections = _opening(ctx.task, ctx.reference, ctx.device, ctx.language or None, ctx.regions)
+    sections += _parent_sections(ctx)
     if ctx.second_parent_source:
         sections.append(
             Section(
