@@ -10,9 +10,13 @@ subject only that device's worker may publish on (:mod:`kf.auth`). Compiling and
 share the device with the pipeline's builds and verifications; timing and counters wait
 for the device to themselves (the worker's :class:`~kf.device_gate.DeviceGate`).
 
-The server is not an agent: it folds nothing and records nothing (the mutator records
-every tool result as ``episode.tool_called``). A request carries the task's source, so
-the server needs no copy of the log; the task runs, like the candidate, only in the box.
+The server is not an agent: it records nothing (the mutator records every tool result as
+``episode.tool_called``). A request carries the task's source; the task runs, like the
+candidate, only in the box. What the server does read of the log is the run's start
+(``run.started``, fetched from the archivist once, at the first request): a tool grades
+at the run's recorded tolerance and under its recorded measuring conditions (TF32, where
+inputs are made, the compiled baseline's mode), as the pipeline's own stages do, never
+under this worker process's settings.
 """
 
 from __future__ import annotations
@@ -28,14 +32,47 @@ import structlog
 
 from kf import bus
 from kf.device_gate import gate_for
+from kf.evaluation.grader.baseline_settings import BaselineSettingError, Conditions
+from kf.evaluation.wire.tolerance import Tolerance
+from kf.events import EventError, decode_envelope, decode_event
+from kf.facts import RunStarted
 from kf.llm.tools import DEVICE_TOOLS, ToolReply, run_device_tool
+from kf.runtime import fetch_range
 
-__all__ = ["BusTools", "ToolServer"]
+__all__ = ["BusTools", "RunUnknown", "ToolServer", "run_started"]
 
 log = structlog.get_logger("kf.tools")
 
 _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder(dict[str, Any])
+
+
+class RunUnknown(Exception):
+    """The run's start could not be read from its log (not committed yet, no archivist
+    answering, or a recorded config kf cannot use)."""
+
+
+async def run_started(nc: Any, run_id: str, *, batch: int = 32) -> RunStarted:
+    """The run's ``run.started``, read from the archivist's committed log (it is the
+    first event of a run's log, or among the first few: agents that started early may
+    have recorded theirs before it); :class:`RunUnknown` when the log does not hold it."""
+    start = 1
+    while True:
+        try:
+            head, events = await fetch_range(nc, run_id, start, limit=batch)
+        except Exception as exc:  # no archivist answering, a refusal
+            raise RunUnknown(f"the run's log could not be read: {exc}") from exc
+        for data in events:
+            try:
+                env = decode_envelope(data)
+                ev = decode_event(env) if env.type == RunStarted.tag else None
+            except EventError as exc:
+                raise RunUnknown(f"the run's log holds an unreadable event: {exc}") from exc
+            if isinstance(ev, RunStarted):
+                return ev
+        start += len(events)
+        if not events or start > head:
+            raise RunUnknown(f"run {run_id!r} has not started: its log holds no run.started")
 
 
 class ToolServer:
@@ -59,6 +96,18 @@ class ToolServer:
         self.served = 0
         self._slots = asyncio.Semaphore(max(1, concurrency))
         self._tasks: set[asyncio.Task[None]] = set()
+        self._measuring: tuple[Tolerance, Conditions] | None = None
+
+    async def measuring(self) -> tuple[Tolerance, Conditions]:
+        """The run's recorded tolerance and measuring conditions (from its ``run.started``,
+        read once); :class:`RunUnknown` when they cannot be read."""
+        if self._measuring is None:
+            config = (await run_started(self.nc, self.run_id)).config
+            try:
+                self._measuring = (Tolerance.of(config), Conditions.of(config))
+            except (BaselineSettingError, TypeError, ValueError) as exc:
+                raise RunUnknown(f"the run's recorded config is not usable: {exc}") from exc
+        return self._measuring
 
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
         """Subscribe, serve, and on ``stop`` finish the requests being served."""
@@ -92,8 +141,12 @@ class ToolServer:
             args = (str(req["task"]), str(req["task_source"]), str(req["source"]))
             seed = int(req.get("seed", 0))
         except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
-            reply = ToolReply(ok=False, text=f"bad tool request: {exc}", error=str(exc))
-            await self.nc.publish(msg.reply, _ENC.encode(reply.wire()))
+            await self._refuse(msg.reply, f"bad tool request: {exc}", str(exc))
+            return
+        try:
+            tolerance, conditions = await self.measuring()
+        except RunUnknown as exc:  # graded under this process's settings, it would mislead
+            await self._refuse(msg.reply, f"the tool cannot run yet: {exc}", str(exc))
             return
         async with self._slots:
             gate = gate_for(self.device)
@@ -107,10 +160,18 @@ class ToolServer:
                     seed=seed,
                     timeout_s=min(self.timeout_s, float(req.get("timeout_s", self.timeout_s))),
                     device_id=self.device_id,
+                    tolerance=tolerance,
+                    conditions=conditions,
                 )
         self.served += 1
         with contextlib.suppress(Exception):
             await self.nc.publish(msg.reply, _ENC.encode(reply.wire()))
+
+    async def _refuse(self, reply_to: str, text: str, error: str) -> None:
+        """Answer a request that runs no tool with why."""
+        reply = ToolReply(ok=False, text=text, error=error, ran_on=self.device_id)
+        with contextlib.suppress(Exception):
+            await self.nc.publish(reply_to, _ENC.encode(reply.wire()))
 
 
 class BusTools:

@@ -127,10 +127,15 @@ async def log_head(nc: Any, run_id: str) -> int:
 
 @contextlib.asynccontextmanager
 async def archivist(
-    url: str, run_id: str, db: Path, hosted: tuple[type, ...] = (Tally,)
+    url: str,
+    run_id: str,
+    db: Path,
+    hosted: tuple[type, ...] = (Tally,),
+    options: bus.BusOptions | None = None,
 ) -> AsyncIterator[Archivist]:
-    """An in-process archivist, ready on entry, drained on exit."""
-    nc = await bus.connect(bus.BusOptions(url))
+    """An in-process archivist, ready on entry, drained on exit (connected with
+    ``options``, e.g. a run's archivist credentials; None: plainly to ``url``)."""
+    nc = await bus.connect(options or bus.BusOptions(url))
     stop, ready = asyncio.Event(), asyncio.Event()
     arch = Archivist(
         AgentContext(run_id=run_id, agent_id="archivist@test"), db=db, hosted=hosted, nc=nc

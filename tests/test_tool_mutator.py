@@ -23,17 +23,22 @@ from agents.tool_server import BusTools, ToolServer
 from kf import bus
 from kf.agent import AgentContext
 from kf.auth import RunCredentials
+from kf.evaluation.grader.baseline_settings import Conditions
 from kf.events import Record, make_envelope
-from kf.facts import RunStarted
+from kf.facts import RunStarted, TaskSpec
 from kf.llm.budget import Pricing
 from kf.llm.cli import add_llm_options, llm_config, parse_mutators
 from kf.llm.client import CallOutcome, ClientSettings, LlmClient
 from kf.llm.prompts import Prompt
 from kf.llm.tools import ToolLimits, ToolReply, run_device_tool, tool_specs
 from kf.llm_facts import EpisodeEnded, LlmCalled, LlmToolCall, ToolCalled
+from kf.log import EventLog
+from kf.runtime import Outbox
 from kf.search_facts import ParentSelected
+from kf.tasks import load_task
 from tests.harness import (
     SCALE_RELU,
+    archivist,
     logged,
     run_kf,
     scripted_llm_run,
@@ -250,53 +255,155 @@ def test_prompt_evolver_draws_the_mutator_kind_only_when_configured() -> None:
     assert set(_chosen({"mutator_weights": [["tools", 1]]})) == {"tools"}
 
 
-def test_tools_run_on_the_devices_worker_over_nats_and_answers_cannot_be_forged() -> None:
+def started(run_id: str, config: dict[str, Any], task: Path = TASK, seed: int = 0) -> Any:
+    """The ``run.started`` envelope of a run of ``task`` with ``config``, as kf run makes it."""
+    t = load_task(task)
+    ev = RunStarted(
+        run_id=run_id,
+        seed=seed,
+        config={"device": "cpu", **config},
+        tasks=(TaskSpec(name=t.name, source=t.source, sha256=t.sha256),),
+    )
+    return make_envelope(ev, run_id=run_id, source="cli@test")
+
+
+def test_tools_run_on_the_devices_worker_over_nats_and_answers_cannot_be_forged(
+    tmp_path: Path,
+) -> None:
     """A proposer's tool request is answered by the worker of the device it names (a
     real compile in its runners); another device's worker may not publish on that
     device's reply subjects, so its forged answer never arrives."""
     run_id = "toolbus"
     creds = RunCredentials.generate(run_id, ["h/cpu", "other/cpu"])
+    db = tmp_path / "run.db"
+    with EventLog(db) as elog:
+        elog.append([started(run_id, {})])
 
     async def go() -> tuple[ToolReply, ToolReply, bool]:
         server = bus.EmbeddedServer(credentials=creds).start()
         try:
-            worker = await bus.connect(creds.options(server.url, "worker", "h/cpu"))
-            other = await bus.connect(creds.options(server.url, "worker", "other/cpu"))
-            proposer = await bus.connect(creds.options(server.url, "proposer"))
-            stop, ready = asyncio.Event(), asyncio.Event()
-            ts = ToolServer(worker, run_id, "cpu", "h/cpu", timeout_s=120)
-            serving = asyncio.create_task(ts.run(stop, ready))
-            await ready.wait()
-            tools = BusTools(proposer, run_id)
-            good = await tools.run(
-                "h/cpu", "compile", "scale_relu", TASK.read_text(), cpp_variant(64),
-                seed=0, timeout_s=120,
-            )  # fmt: skip
-            # the other device's worker listens for nothing and publishes a forged answer
-            reply_to = bus.tool_reply_subject(run_id, "h/cpu", "forged")
-            sub = await proposer.subscribe(reply_to, max_msgs=1)
-            await other.publish(reply_to, b"\x80")
-            await other.flush()
-            try:
-                await sub.next_msg(timeout=1.0)
-                forged_arrived = True
-            except TimeoutError:
-                forged_arrived = False
-            none = await BusTools(proposer, run_id).run(
-                "nobody/cpu", "compile", "t", "", "", seed=0, timeout_s=0.2
-            )
-            stop.set()
-            await serving
-            for c in (worker, other, proposer):
-                await bus.close(c)
-            return good, none, forged_arrived
+            async with archivist(
+                server.url, run_id, db, options=creds.options(server.url, "archivist")
+            ):
+                return await exchange(server.url)
         finally:
             server.stop()
+
+    async def exchange(url: str) -> tuple[ToolReply, ToolReply, bool]:
+        worker = await bus.connect(creds.options(url, "worker", "h/cpu"))
+        other = await bus.connect(creds.options(url, "worker", "other/cpu"))
+        proposer = await bus.connect(creds.options(url, "proposer"))
+        stop, ready = asyncio.Event(), asyncio.Event()
+        ts = ToolServer(worker, run_id, "cpu", "h/cpu", timeout_s=120)
+        serving = asyncio.create_task(ts.run(stop, ready))
+        await ready.wait()
+        tools = BusTools(proposer, run_id)
+        good = await tools.run(
+            "h/cpu", "compile", "scale_relu", TASK.read_text(), cpp_variant(64),
+            seed=0, timeout_s=120,
+        )  # fmt: skip
+        # the other device's worker listens for nothing and publishes a forged answer
+        reply_to = bus.tool_reply_subject(run_id, "h/cpu", "forged")
+        sub = await proposer.subscribe(reply_to, max_msgs=1)
+        await other.publish(reply_to, b"\x80")
+        await other.flush()
+        try:
+            await sub.next_msg(timeout=1.0)
+            forged_arrived = True
+        except TimeoutError:
+            forged_arrived = False
+        none = await BusTools(proposer, run_id).run(
+            "nobody/cpu", "compile", "t", "", "", seed=0, timeout_s=0.2
+        )
+        stop.set()
+        await serving
+        for c in (worker, other, proposer):
+            await bus.close(c)
+        return good, none, forged_arrived
 
     good, none, forged = asyncio.run(go())
     assert good.ok and good.ran_on == "h/cpu" and "compiled" in good.text
     assert not forged
     assert not none.ok and none.error == "no responders"
+
+
+EVAL = ROOT / "tests" / "fixtures" / "eval"
+# gelu(x + bias) off by 0.3 %: wrong at KernelBench's default tolerance (1e-4, and the
+# float64 rule), right at a run's atol = rtol = 1e-2
+OFF_BY_0_3_PERCENT = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.bias = nn.Parameter(0.1 * torch.randn(hidden))
+
+    def forward(self, x):
+        return F.gelu(x + self.bias) * 1.003
+"""
+
+
+def test_tools_grade_at_the_runs_recorded_tolerance_and_conditions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's tools grade at the tolerance and under the TF32 setting its run recorded
+    in ``run.started``, read from the archivist, not under the worker process's settings
+    (which say TF32 off and have no tolerance): a module 0.3 % off passes ``check`` at the
+    run's atol = rtol = 1e-2, and ``time``'s reference runner says it timed under TF32
+    on. Before the run has started, a tool request is refused with why, not graded under
+    the process's settings; the same check without the run's settings fails."""
+    monkeypatch.setenv("KF_TF32", "off")
+    task = load_task(EVAL / "task_gelu.py")
+    run_id = "toolconds"
+    config = {"atol": 1e-2, "rtol": 1e-2, **Conditions(tf32="on", compile_baseline=False).config()}
+
+    async def go() -> tuple[ToolReply, ToolReply, ToolReply]:
+        server = bus.EmbeddedServer().start()
+        try:
+            async with archivist(server.url, run_id, tmp_path / "run.db"):
+                nc = await bus.connect(bus.BusOptions(server.url))
+                stop, ready = asyncio.Event(), asyncio.Event()
+                serving = asyncio.create_task(
+                    ToolServer(nc, run_id, "cpu", "h/cpu", timeout_s=120).run(stop, ready)
+                )
+                await ready.wait()
+                tools = BusTools(nc, run_id)
+
+                async def call(tool: str) -> ToolReply:
+                    return await tools.run(
+                        "h/cpu", tool, task.name, task.source, OFF_BY_0_3_PERCENT,
+                        seed=3, timeout_s=120,
+                    )  # fmt: skip
+
+                early = await call("check")
+                # the run starts as kf run records it: through an outbox to the archivist
+                outbox = Outbox(nc, run_id)
+                sending = asyncio.create_task(outbox.run())
+                outbox.put([started(run_id, config, EVAL / "task_gelu.py", seed=3)])
+                assert await outbox.flush(10.0)
+                sending.cancel()
+                checked, timed = await call("check"), await call("time")
+                stop.set()
+                await serving
+                await bus.close(nc)
+                return early, checked, timed
+        finally:
+            server.stop()
+
+    early, checked, timed = asyncio.run(go())
+    assert not early.ok and "has not started" in early.text, early.text
+    assert checked.ok, checked.text
+    assert "atol 0.01, rtol 0.01" in checked.text
+    assert timed.ok, timed.text
+    assert timed.summary["tf32"] == "on"
+    # what the worker's own settings would have said of the same module
+    local = run_device_tool(
+        "check", task.name, task.source, OFF_BY_0_3_PERCENT, device="cpu", seed=3
+    )
+    assert not local.ok and local.summary["failure_kind"], local.text
 
 
 # -- end to end ---------------------------------------------------------------------------

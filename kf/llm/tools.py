@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 from kf.llm.evidence import compile_outcome, profile_outcome, trim_error, verify_outcome
 
 if TYPE_CHECKING:
-    from kf.tasks import Task
+    from kf.evaluation import GradingSession
+    from kf.evaluation.grader.baseline_settings import Conditions
+    from kf.evaluation.wire.tolerance import Tolerance
 
 __all__ = [
     "DEVICE_TOOLS",
@@ -189,12 +191,19 @@ def run_device_tool(
     seed: int,
     timeout_s: float = 300.0,
     device_id: str = "",
+    tolerance: Tolerance | None = None,
+    conditions: Conditions | None = None,
 ) -> ToolReply:
-    """Run one device tool in kf's sandboxed runners (blocking: call it in a thread).
+    """Run one device tool in kf's sandboxed runners (blocking: call it in a thread), in
+    one grading session at the run's ``tolerance`` and under its measuring
+    ``conditions`` (a worker's :class:`agents.tool_server.ToolServer` hands down those
+    its run recorded; None: the task's or KernelBench's tolerance, and the process's
+    settings, as for ``kf eval``).
 
     Raises nothing for a bad candidate (that is the tool's answer); a broken task or a
     runner that could not start is a reply with ``error`` set.
     """
+    from kf.evaluation import GradingSession
     from kf.tasks import Task, TaskError
 
     t0 = time.monotonic()
@@ -205,7 +214,11 @@ def run_device_tool(
             return ToolReply(ok=False, text=f"unknown tool {tool!r}", error="unknown tool")
         if tool == "counters" and not device.startswith("cuda"):
             return ToolReply(ok=False, text="counters need a GPU", error="no GPU")
-        reply = run(task, source, device, seed + TOOL_SEED_OFFSET, timeout_s)
+        session = GradingSession(
+            task, source, device=device, seed=seed + TOOL_SEED_OFFSET, timeout_s=timeout_s,
+            tolerance=tolerance, conditions=conditions,
+        )  # fmt: skip
+        reply = run(session)
     except TaskError as exc:
         reply = ToolReply(ok=False, text=f"the task is broken: {exc}", error=str(exc))
     except Exception as exc:  # a runner that could not start: the tool's failure, said so
@@ -222,11 +235,11 @@ def run_device_tool(
     )
 
 
-def _compile_tool(task: Task, source: str, device: str, seed: int, timeout_s: float) -> ToolReply:
+def _compile_tool(session: GradingSession) -> ToolReply:
     """``compile``: the candidate built and imported, ``ModelNew`` constructed."""
-    from kf.evaluation import compile_candidate
+    from kf.evaluation import compile_session
 
-    c = compile_candidate(task, source, device=device, timeout_s=timeout_s)
+    c = compile_session(session, session.timeout_s)
     if c.ok:
         notes = [ln for ln in c.log.splitlines() if ln.startswith("kf.cuda")][-12:]
         text = "compiled and imported; ModelNew constructed" + (
@@ -239,17 +252,17 @@ def _compile_tool(task: Task, source: str, device: str, seed: int, timeout_s: fl
     return ToolReply(ok=c.ok, text=text, summary={"compiled": c.ok})
 
 
-def _check_tool(task: Task, source: str, device: str, seed: int, timeout_s: float) -> ToolReply:
+def _check_tool(session: GradingSession) -> ToolReply:
     """``check``: built first, so a module that does not build gets the compiler's own
     lines; then verified on seeded trials and unseen shapes."""
-    from kf.evaluation import compile_candidate, verify_candidate
+    from kf.evaluation import compile_session, verify_session
 
-    c = compile_candidate(task, source, device=device, timeout_s=timeout_s)
+    c = compile_session(session, session.timeout_s)
     if not c.ok:
         failure_kind = c.failure_kind or "compile_error"
         summary: dict[str, Any] = {"correct": False, "failure_kind": failure_kind}
         return ToolReply(ok=False, text=compile_outcome(c), summary=summary)
-    v = verify_candidate(task, source, device=device, seed=seed, timeout_s=timeout_s)
+    v = verify_session(session)
     if v.correct:
         text = (
             f"correct: {sum(e.ok for e in v.evidence)} of {len(v.evidence)} seeded "
@@ -266,35 +279,26 @@ def _check_tool(task: Task, source: str, device: str, seed: int, timeout_s: floa
     )
 
 
-def _time_tool(task: Task, source: str, device: str, seed: int, timeout_s: float) -> ToolReply:
-    """``time``: a short timing session (kf's profiler times again)."""
-    from kf.evaluation import profile_candidate
+def _time_tool(session: GradingSession) -> ToolReply:
+    """``time``: a short timing session (kf's profiler times again), no ``torch.compile``
+    baseline; the summary says under which TF32 setting the reference runner timed."""
+    from kf.evaluation import Timing, profile_session
 
-    p = profile_candidate(
-        task,
-        source,
-        device=device,
-        seed=seed,
-        warmup=2,
-        min_trials=5,
-        min_time_s=0.2,
-        max_trials=200,
-        timeout_s=timeout_s,
-        compile_baseline=False,
-    )
+    timing = Timing(warmup=2, min_trials=5, min_time_s=0.2, max_trials=200)
+    p = profile_session(session, timing, compile_baseline=False)
     text = profile_outcome(p) + "\n(a short timing session; kf's profiler times again)"
     return ToolReply(
         ok=p.ok,
         text=text,
-        summary={"speedup": p.speedup, "runtime_ms": p.runtime_ms} if p.ok else {},
+        summary={"speedup": p.speedup, "runtime_ms": p.runtime_ms, "tf32": p.tf32} if p.ok else {},
     )
 
 
-def _counters_tool(task: Task, source: str, device: str, seed: int, timeout_s: float) -> ToolReply:
+def _counters_tool(session: GradingSession) -> ToolReply:
     """``counters``: Nsight Compute's counters of the candidate's kernels (a GPU's)."""
-    from kf.evaluation.grader.counters import collect_counters
+    from kf.evaluation.grader.counters import counters_session
 
-    k = collect_counters(task, source, device=device, seed=seed, timeout_s=timeout_s)
+    k = counters_session(session)
     text = (
         "counters: " + ", ".join(f"{a} {b:.3g}" for a, b in sorted(k.summary.items()))
         if k.ok
@@ -303,7 +307,7 @@ def _counters_tool(task: Task, source: str, device: str, seed: int, timeout_s: f
     return ToolReply(ok=k.ok, text=text, summary=dict(k.summary))
 
 
-_TOOL_RUNNERS: dict[str, Callable[[Task, str, str, int, float], ToolReply]] = {
+_TOOL_RUNNERS: dict[str, Callable[[GradingSession], ToolReply]] = {
     "compile": _compile_tool,
     "check": _check_tool,
     "time": _time_tool,
