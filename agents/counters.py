@@ -13,14 +13,11 @@ without slowing the search by a profiler run per candidate. Without ``ncu`` (or 
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Sequence
 
 from agents.evaluator import EvaluatorAgent, EvaluatorState
 from kf.cuda.ncu import find_ncu
 from kf.device_gate import gate_for
-from kf.devices import runner_pool
-from kf.evaluation import GradingSession
 from kf.evaluation.grader.counters import counters_session
 from kf.evaluation.grader.reports import is_suspect
 from kf.events import Event, Record
@@ -72,16 +69,9 @@ class CounterCollector(EvaluatorAgent):
         if found is None:
             return ()
         task, source = found
+        # at the run's recorded tolerance and under its conditions, as every stage grades
+        session = self.grading(state, task, source)
         async with await gate_for(self.device).exclusive():
-            session = functools.partial(
-                GradingSession,
-                task,
-                source,
-                device=self.device,
-                seed=state.seed,
-                pool=runner_pool(self.device),
-                timeout_s=self.timeout_s,
-            )
             # made in the thread: for a GPU, a session imports torch and counts the devices
             report = await asyncio.to_thread(lambda: counters_session(session()))
         return [

@@ -12,13 +12,16 @@ hosts them next to the device they serve. The blocking evaluation calls run in t
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
 from kf.agent import Agent, AgentContext
+from kf.devices import runner_pool
 from kf.evaluation.grader.baseline_settings import Conditions
+from kf.evaluation.grader.session import GradingSession
 from kf.evaluation.wire.tolerance import Tolerance
 from kf.events import Event, Record
 from kf.facts import DeviceLeft, RunStarted
@@ -120,6 +123,26 @@ class EvaluatorAgent(Agent[EvaluatorState]):
             return None
         found = self.lookup(state, ev.task, ev.candidate_id)
         return None if found is None or self.device_down() else found
+
+    def grading(
+        self, state: EvaluatorState, task: Task, source: str
+    ) -> Callable[[], GradingSession]:
+        """What makes the grading session of ``source`` for ``task`` on this agent's device:
+        the run's seed, its recorded tolerance and measuring conditions (``state``, folded
+        from ``run.started``), the device's runner pool and the stage's time limit. A maker
+        rather than the session: for a GPU, making one imports torch and counts the
+        devices, which belongs in the stage's thread, not the event loop."""
+        return functools.partial(
+            GradingSession,
+            task,
+            source,
+            device=self.device,
+            seed=state.seed,
+            pool=runner_pool(self.device),
+            timeout_s=self.timeout_s,
+            tolerance=state.tolerance,
+            conditions=state.conditions,
+        )
 
     def outcome(self, cls: type[_Outcome], ev: Routed, report: Any) -> _Outcome:
         """The stage's outcome ``cls`` with ``report`` for ``ev``'s candidate and attempt."""

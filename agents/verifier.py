@@ -9,15 +9,13 @@ many workers ran it.
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Sequence
 
 from agents.build_pool import consumed
 from agents.evaluator import EvaluatorAgent, EvaluatorState
 from kf.agent import AgentContext
 from kf.device_gate import gate_for
-from kf.devices import runner_pool
-from kf.evaluation import GradingSession, VerifyReport, verify_session
+from kf.evaluation import VerifyReport, verify_session
 from kf.evaluation.grader.audit import audit_task
 from kf.events import Event, Record, derived_id
 from kf.facts import RunStarted
@@ -78,17 +76,7 @@ class Verifier(EvaluatorAgent):
         async def verify() -> VerifyReport:
             async with await gate_for(self.device).shared():
                 await self._audit(state, task)
-                session = functools.partial(
-                    GradingSession,
-                    task,
-                    source,
-                    device=self.device,
-                    seed=state.seed,
-                    pool=runner_pool(self.device),
-                    timeout_s=self.timeout_s,
-                    tolerance=state.tolerance,
-                    conditions=state.conditions,
-                )
+                session = self.grading(state, task, source)
                 try:
                     # made in the thread: for a GPU, a session imports torch and counts
                     # the devices, which must not hold up the event loop

@@ -7,6 +7,7 @@ import asyncio
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,9 +16,11 @@ from agents.counters import CounterCollector, CounterState
 from kf.agent import AgentContext
 from kf.cuda import ncu
 from kf.evaluation import ProfileReport
+from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.grader.counters import collect_counters
 from kf.events import Event, Record, make_envelope
-from kf.search_facts import CandidateProfiled
+from kf.facts import RunStarted, TaskSpec
+from kf.search_facts import CandidateProfiled, CandidateProposed, CountersMeasured
 from kf.tasks import load_task
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,6 +130,62 @@ def test_collector_measures_only_new_trustworthy_bests_of_its_own_device(
     assert asyncio.run(agent.react(state, _profiled("a", 1.5))) == ()
 
 
+EVAL_TASK = ROOT / "tests" / "fixtures" / "eval" / "task_gelu.py"
+
+
+def _collector(device: str, device_id: str, started: RunStarted, *rest: Event) -> Any:
+    """A counter collector of ``device`` that folded ``started`` and ``rest``, and its state."""
+    agent = CounterCollector(
+        AgentContext(
+            run_id="r", agent_id="counters@t", options={"device": device, "device_id": device_id}
+        )
+    )
+    state = agent.initial_state()
+    for ev in (started, *rest):
+        state = agent.evolve(state, _rec(ev))
+    return agent, state
+
+
+def _started(task_path: Path, config: dict[str, Any], seed: int = 0) -> RunStarted:
+    task = load_task(task_path)
+    return RunStarted(
+        run_id="r",
+        seed=seed,
+        config=config,
+        tasks=(TaskSpec(name=task.name, source=task.source, sha256=task.sha256),),
+    )
+
+
+def test_collector_grades_at_the_runs_recorded_tolerance_and_conditions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The session a collector measures a new best in carries what the run recorded in
+    ``run.started`` (seed, tolerance, TF32 and compile mode), not this process's
+    settings, which say otherwise; the reference runner it sets up computes under the
+    run's TF32."""
+    from kf.evaluation.grader.session import Stage
+
+    monkeypatch.setenv("KF_TF32", "off")
+    monkeypatch.setenv("KF_COMPILE_MODE", "reduce-overhead")
+    recorded = Conditions(compile_mode="max-autotune", tf32="on")
+    config = {"atol": 0.02, "rtol": 0.03, **recorded.config()}
+    source = (EVAL_TASK.parent / "honest.py").read_text()
+    proposed = CandidateProposed(
+        candidate_id="k", task="task_gelu", source=source, operator="seed", mutator="test"
+    )
+    agent, state = _collector("cpu", "cpu0", _started(EVAL_TASK, config, seed=5), proposed)
+    found = agent.lookup(state, "task_gelu", "k")
+    assert found is not None
+    session = agent.grading(state, *found)()
+    assert session.seed == 5
+    assert (session.tol.atol, session.tol.rtol) == (0.02, 0.03)
+    assert session.cond == recorded
+    stage = Stage(session)
+    with stage.reference_lease():
+        setup = stage.setup_reference()
+    assert setup.precision is not None and setup.precision["tf32"] == "on"
+
+
 needs_gpu_ncu = pytest.mark.skipif(
     not torch.cuda.is_available() or ncu.find_ncu() is None,
     reason="needs an NVIDIA GPU, a CUDA build of PyTorch and Nsight Compute (CI has none)",
@@ -145,6 +204,40 @@ def test_counters_of_the_fused_kernel_on_a_gpu() -> None:
     assert 0.9 * 3 * 128 * 2**20 < moved < 1.3 * 3 * 128 * 2**20
     assert report.summary["dram_throughput_pct"] > 50
     print(os.environ.get("KF_NCU"), report.tool, report.summary, report.network_isolated)
+
+
+@needs_gpu_ncu
+def test_collector_checks_the_output_at_the_runs_recorded_tolerance_on_a_gpu() -> None:
+    """Before ncu measures, the collector checks the new best's output at the run's
+    recorded tolerance: the NVRTC seed made 0.3 % off is measured in a run of
+    atol = rtol = 1e-2 and refused as wrong in a run at the default tolerance."""
+    seed = SEED.read_text()
+    off = seed.replace(
+        "out[i] = o;", "o.x *= 1.003f; o.y *= 1.003f; o.z *= 1.003f; o.w *= 1.003f; out[i] = o;"
+    )
+    assert off != seed
+
+    def measured(config: dict[str, Any]) -> Any:
+        proposed = CandidateProposed(
+            candidate_id="k", task="gelu_residual", source=off, operator="seed", mutator="test"
+        )
+        profiled = CandidateProfiled(
+            candidate_id="k",
+            task="gelu_residual",
+            device_id="gpu0",
+            report=ProfileReport(ok=True, speedup=2.0, runtime_ms=1.0),
+        )
+        agent, state = _collector("cuda:0", "gpu0", _started(TASK, config), proposed)
+        rec = _rec(profiled)
+        state = agent.evolve(state, rec)
+        (ev,) = asyncio.run(agent.react(state, rec))
+        assert isinstance(ev, CountersMeasured)
+        return ev.report
+
+    loose = measured({"atol": 1e-2, "rtol": 1e-2})
+    assert loose.ok, loose.error
+    strict = measured({})
+    assert not strict.ok and "wrong output under ncu" in (strict.error or ""), strict.error
 
 
 def test_mutation_prompt_carries_the_parents_build_report_and_counters() -> None:
