@@ -26,6 +26,7 @@ __all__ = [
     "GeneralisationFailed",
     "MutationFailed",
     "ParentSelected",
+    "StageReported",
     "TaskAudited",
     "TaskChecked",
     "TaskChecks",
@@ -71,48 +72,42 @@ class MutationFailed(Observation, frozen=True, kw_only=True):
     mutator: str = ""
 
 
-@event("kernel.candidate_compiled")
-class CandidateCompiled(Observation, frozen=True, kw_only=True):
-    """A compiler built (or failed to build) a candidate; the report holds its output."""
+class StageReported(Observation, frozen=True, kw_only=True):
+    """What a device's stage (compiler, verifier, profiler) says of one assignment of a
+    candidate; each stage's event adds its ``report``. Not an event itself."""
 
     candidate_id: str
     task: str
     device_id: str
-    report: CompileReport
     attempt: int = 1  # which assignment of the candidate this answers
+
+
+@event("kernel.candidate_compiled")
+class CandidateCompiled(StageReported, frozen=True, kw_only=True):
+    """A compiler built (or failed to build) a candidate; the report holds its output."""
+
+    report: CompileReport
 
 
 @event("kernel.candidate_verified")
-class CandidateVerified(Observation, frozen=True, kw_only=True):
+class CandidateVerified(StageReported, frozen=True, kw_only=True):
     """A verifier found a candidate's outputs equal to the reference on every trial."""
 
-    candidate_id: str
-    task: str
-    device_id: str
     report: VerifyReport
-    attempt: int = 1  # which assignment of the candidate this answers
 
 
 @event("kernel.candidate_rejected")
-class CandidateRejected(Observation, frozen=True, kw_only=True):
+class CandidateRejected(StageReported, frozen=True, kw_only=True):
     """A verifier found a candidate wrong (or crashing, hanging, cheating); evidence attached."""
 
-    candidate_id: str
-    task: str
-    device_id: str
     report: VerifyReport
-    attempt: int = 1  # which assignment of the candidate this answers
 
 
 @event("kernel.candidate_profiled")
-class CandidateProfiled(Observation, frozen=True, kw_only=True):
+class CandidateProfiled(StageReported, frozen=True, kw_only=True):
     """A profiler timed a verified candidate and PyTorch eager on the same device."""
 
-    candidate_id: str
-    task: str
-    device_id: str
     report: ProfileReport
-    attempt: int = 1  # which assignment of the candidate this answers
 
 
 @event("kernel.counters_measured")
