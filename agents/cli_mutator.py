@@ -142,8 +142,8 @@ def _files(folder: Path) -> tuple[str, ...]:
 
 async def run_cli_episode(spec: CliSpec, tool: ToolFn) -> EpisodeResult:
     """Run the agent command for one selection; never raises for the agent's failures."""
-    base = current().agent_dir
-    folder = Path(tempfile.mkdtemp(prefix="kf-agent-", dir=base))
+    settings = current()  # read once, where the episode starts: its folder and keeping it
+    folder = Path(tempfile.mkdtemp(prefix="kf-agent-", dir=settings.agent_dir))
     events: list[Any] = []
     calls = 0
     t0 = time.monotonic()
@@ -263,7 +263,7 @@ async def run_cli_episode(spec: CliSpec, tool: ToolFn) -> EpisodeResult:
         reason, source = "the agent's candidate duplicates one already proposed", None
     elif source is None:
         reason = f"agent command ended without a candidate ({ended}: {cause})"
-    if not current().agent_keep:
+    if not settings.agent_keep:
         shutil.rmtree(folder, ignore_errors=True)
     out = transcript.decode(errors="replace")
     if len(out) > TRANSCRIPT_LIMIT:

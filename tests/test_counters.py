@@ -21,6 +21,7 @@ from kf.evaluation.grader.counters import collect_counters
 from kf.events import Event, Record, make_envelope
 from kf.facts import RunStarted, TaskSpec
 from kf.search_facts import CandidateProfiled, CandidateProposed, CountersMeasured
+from kf.settings import Settings
 from kf.tasks import load_task
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,7 +68,8 @@ def test_ncu_log_without_kernels_and_refusals_are_told_apart() -> None:
 def test_find_ncu_honours_the_switch_and_an_explicit_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``KF_NCU=0`` switches counters off; ``KF_NCU=/path`` is used when executable."""
+    """``KF_NCU=0`` switches counters off; ``KF_NCU=/path`` is used when executable; a
+    caller's settings are read instead of the process's."""
     monkeypatch.setenv("KF_NCU", "0")
     assert ncu.find_ncu() is None
     fake = tmp_path / "ncu"
@@ -76,6 +78,8 @@ def test_find_ncu_honours_the_switch_and_an_explicit_path(
     assert ncu.find_ncu() is None  # not executable
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     assert ncu.find_ncu() == str(fake)
+    # settings handed down (a grading session's) are read instead of the process's
+    assert ncu.find_ncu(Settings.from_env({"KF_NCU": "0"})) is None
     assert ncu.version(str(fake)) == "Version 2099.1.0.0 (build 1)"
     argv = ncu.command(str(fake), "/tmp/x.csv")
     assert argv[0] == str(fake) and "--profile-from-start" in argv and "off" in argv

@@ -23,7 +23,7 @@ import shutil
 import subprocess
 from typing import Any
 
-from kf.settings import current
+from kf.settings import Settings, current
 
 __all__ = ["METRICS", "command", "find_ncu", "parse", "permission_refused", "summarise", "version"]
 
@@ -42,9 +42,10 @@ METRICS: dict[str, str] = {
 _PERMISSION = ("ERR_NVGPUCTRPERM", "permission")
 
 
-def find_ncu() -> str | None:
-    """``$KF_NCU`` (``0`` switches counters off), ``ncu`` on PATH, or a standard install."""
-    env = current().ncu
+def find_ncu(settings: Settings | None = None) -> str | None:
+    """``$KF_NCU`` of ``settings`` (None: the process's; ``0`` switches counters off),
+    ``ncu`` on PATH, or a standard install."""
+    env = (settings or current()).ncu
     if env == "0":
         return None
     if env:

@@ -56,7 +56,7 @@ def _counters(stage: Stage) -> CountersReport:
     """:func:`counters_session` in ``stage``."""
     device, pool = stage.device, stage.session.runners
     start = time.monotonic()
-    tool = ncu.find_ncu()
+    tool = ncu.find_ncu(stage.session.grader)  # the grading process's, as the session has them
     if not device.startswith("cuda") or tool is None:
         why = "not a CUDA device" if tool else "ncu (Nsight Compute) was not found"
         return CountersReport(ok=False, error=why, device=device)
