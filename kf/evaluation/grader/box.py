@@ -38,6 +38,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from kf.cuda.objcache import KEY_ENVIRONMENT
 from kf.evaluation.grader.box_binds import (
     gpu_binds,
     kf_package_root,
@@ -103,24 +104,13 @@ _SHM_MB = 64
 ALLOWED_ENV = frozenset(
     {
         "PATH",
-        "LANG",
-        "LC_ALL",
-        "LC_CTYPE",
         "TZ",
         "LD_LIBRARY_PATH",
-        # compilers and the variables that change what they do (kf.cuda.objcache's key)
+        # compilers and the variables that change what they do (the locale included): the
+        # object cache's key hashes these, so a build in the box sees what the key says
         "CXX",
         "CC",
-        "CPATH",
-        "C_INCLUDE_PATH",
-        "CPLUS_INCLUDE_PATH",
-        "OBJC_INCLUDE_PATH",
-        "GCC_EXEC_PREFIX",
-        "COMPILER_PATH",
-        "SOURCE_DATE_EPOCH",
-        "NVCC_PREPEND_FLAGS",
-        "NVCC_APPEND_FLAGS",
-        "NVCC_CCBIN",
+        *KEY_ENVIRONMENT,
         "MAX_JOBS",
         "KF_BUILD_TIMEOUT_S",
         # CUDA and PyTorch
