@@ -126,30 +126,39 @@ KEY_ENVIRONMENT = (
 #: Environment variables that make gcc write extra files a cache hit would not.
 _SIDE_OUTPUT_ENVIRONMENT = ("DEPENDENCIES_OUTPUT", "SUNPRO_DEPENDENCIES")
 
-#: Options whose value is the next argument (gcc and nvcc spellings).
+#: Options whose value is a path: a relative one makes the key depend on the cwd.
+_PATH_OPTIONS = (
+    "-I",
+    "-isystem",
+    "-iquote",
+    "-idirafter",
+    "-include",
+    "-imacros",
+    "-isysroot",
+    "--sysroot",
+    "-L",
+    "-B",
+    "--include-path",
+    "--pre-include",
+    "--system-include",
+    "--library-path",
+)
+
+#: Options whose value is the next argument (gcc and nvcc spellings): the path options and these.
 _VALUE_OPTIONS = frozenset(
     {
+        *_PATH_OPTIONS,
         "-o",
         "-MF",
         "-MT",
         "-MQ",
-        "-I",
-        "-isystem",
-        "-iquote",
-        "-idirafter",
-        "-include",
-        "-imacros",
         "-iprefix",
         "-iwithprefix",
         "-iwithprefixbefore",
-        "-isysroot",
-        "--sysroot",
         "-x",
         "-D",
         "-U",
-        "-L",
         "-l",
-        "-B",
         "-Xcompiler",
         "-Xlinker",
         "-Xptxas",
@@ -178,32 +187,10 @@ _VALUE_OPTIONS = frozenset(
         "--relocatable-device-code",
         "-t",
         "--threads",
-        "--include-path",
-        "--pre-include",
         "--define-macro",
         "--undefine-macro",
-        "--system-include",
         "--library",
-        "--library-path",
     }
-)
-
-#: Options whose value is a path: a relative one makes the key depend on the cwd.
-_PATH_OPTIONS = (
-    "-I",
-    "-isystem",
-    "-iquote",
-    "-idirafter",
-    "-include",
-    "-imacros",
-    "-isysroot",
-    "--sysroot",
-    "-L",
-    "-B",
-    "--include-path",
-    "--pre-include",
-    "--system-include",
-    "--library-path",
 )
 
 #: Arguments after which the compile is not a plain one this cache can replay.
