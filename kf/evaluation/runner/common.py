@@ -95,6 +95,13 @@ def traceback_tail() -> str:
     return text[-_MAX_LOG:]
 
 
+def _listed(value: Any, call: str) -> list[Any]:
+    """What a task's ``call`` returned, as a list: a task error unless a list or tuple."""
+    if not isinstance(value, list | tuple):
+        raise RequestFailure("task_error", f"{call} returned {type(value).__name__}, not a list")
+    return list(value)
+
+
 def flatten_outputs(torch: Any, out: Any, what: str, kind: str) -> list[Any]:
     items = [out] if isinstance(out, torch.Tensor) else out
     if not isinstance(items, list | tuple):
@@ -295,11 +302,7 @@ class RunnerBase:
                 f"get_init_inputs() raised {describe_exception(exc)}",
                 traceback_tail(),
             ) from exc
-        if not isinstance(init, list | tuple):
-            raise RequestFailure(
-                "task_error", f"get_init_inputs() returned {type(init).__name__}, not a list"
-            )
-        return list(init)
+        return _listed(init, "get_init_inputs()")
 
     def _get_inputs(self, seed: int) -> list[Any]:
         """The task's ``get_inputs()`` after seeding with ``seed``: on a GPU (with
@@ -329,11 +332,7 @@ class RunnerBase:
                 f"get_inputs(){where} raised {describe_exception(exc)}",
                 traceback_tail(),
             ) from exc
-        if not isinstance(raw, list | tuple):
-            raise RequestFailure(
-                "task_error", f"get_inputs() returned {type(raw).__name__}, not a list"
-            )
-        return list(raw)
+        return _listed(raw, "get_inputs()")
 
     def _seeded(
         self, seed: int, scale: float | None = None, *, check: bool = True
