@@ -12,16 +12,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-import msgspec
-
 from agents.build_pool import consumed
 from agents.evaluator import EvaluatorAgent, EvaluatorState
 from kf.device_gate import gate_for
 from kf.devices import runner_pool
-from kf.evaluation import GradingSession, ProfileReport
-from kf.evaluation.grader.baseline import compile_early
+from kf.evaluation import ProfileReport
 from kf.evaluation.grader.policy import Incumbent, relative_noise, stated_profile
-from kf.evaluation.wire.protocol import BaselineCompiled
 from kf.events import Event, Record
 from kf.facts import RunStarted
 from kf.search_facts import (
@@ -78,16 +74,10 @@ class Profiler(EvaluatorAgent):
         task, source = found
 
         async def profile() -> ProfileReport:
-            gate = gate_for(self.device)
-            # the torch.compile baseline is host work: made beside verifications (the
-            # gate's shared side) and not in the device's exclusive turn, which waits
-            async with await gate.shared():
-                early = await asyncio.to_thread(self._compile_early, state, task)
-            async with await gate.exclusive():
-                report = await asyncio.to_thread(
-                    self._profile, state, task, ev.candidate_id, source
-                )
-            return with_early_compile(report, early)
+            # the task's torch.compile baseline was compiled when its first candidate
+            # was verified (agents.verifier), not in this exclusive turn
+            async with await gate_for(self.device).exclusive():
+                return await asyncio.to_thread(self._profile, state, task, ev.candidate_id, source)
 
         report = await self.stage(profile)
         if isinstance(report, list):  # the device failed: its candidates go elsewhere
@@ -107,14 +97,6 @@ class Profiler(EvaluatorAgent):
         out.append(self.outcome(CandidateProfiled, ev, report))
         return out
 
-    def _compile_early(self, state: ProfilerState, task: Task) -> BaselineCompiled | None:
-        """The task's compiled baseline in a reference runner of the profile's kind."""
-        session = GradingSession(
-            task, device=self.device, seed=state.seed, pool=runner_pool(self.device),
-            timeout_s=self.timeout_s, tolerance=state.tolerance, conditions=state.conditions,
-        )  # fmt: skip
-        return compile_early(session)
-
     def _profile(self, state: ProfilerState, task: Task, cid: str, source: str) -> ProfileReport:
         index = state.shapes.get(cid, 0)
         shape = f"#{index}" if index else ""
@@ -130,18 +112,3 @@ class Profiler(EvaluatorAgent):
             seed=state.seed, timeout_s=self.timeout_s, tolerance=state.tolerance,
             conditions=state.conditions, pool=runner_pool(self.device),
         )  # fmt: skip
-
-
-def with_early_compile(report: ProfileReport, early: BaselineCompiled | None) -> ProfileReport:
-    """``report`` saying what compiling its baseline cost when that was done for it
-    before its turn (:func:`kf.evaluation.grader.baseline.compile_early`) and the
-    profile found it made: ``compile_baseline_s`` and the phase
-    ``compile_baseline_early`` (not part of the profile's exclusive time)."""
-    if early is None or early.cached or early.error or not report.compile_baseline_cached:
-        return report
-    return msgspec.structs.replace(
-        report,
-        compile_baseline_s=early.compile_s,
-        compile_baseline_cached=False,
-        phases={**report.phases, "compile_baseline_early": early.compile_s},
-    )

@@ -206,6 +206,9 @@ class RunnerPool:
                     else:
                         self._refs.setdefault(key, []).append(handle)
                         kept = [(k, h) for k, hs in self._refs.items() for h in hs]
+                        # runners holding a compiled baseline go last (minutes of
+                        # compiling over a run's tasks); the oldest of each kind first
+                        kept.sort(key=lambda kh: bool(kh[1].baselines))
                         while len(kept) > self.max_references:
                             k, h = kept.pop(0)
                             self._refs[k].remove(h)
