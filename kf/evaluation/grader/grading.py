@@ -26,6 +26,7 @@ from kf.evaluation.grader.reports import (
 from kf.evaluation.grader.sandbox import REQUESTS, Limits, RunnerError, RunnerHandle
 from kf.evaluation.wire import shared_memory
 from kf.evaluation.wire.protocol import Setup, Trim, Verdict
+from kf.evaluation.wire.verdict import Float64Rule
 from kf.settings import Settings
 from kf.tasks import Task
 
@@ -246,9 +247,7 @@ def trial_evidence(seed: int, verdict: Verdict, label: str = "") -> TrialEvidenc
 
 
 #: what a trial's evidence keeps of its verdict's float64 rule (kf.evaluation.runner.float64)
-_FLOAT64_FIELDS = (
-    "rule", "rmse_fp64", "eager_rmse_fp64", "max_err_fp64", "eager_max_err_fp64", "fp64_skipped",
-)  # fmt: skip
+_FLOAT64_FIELDS = Float64Rule.__struct_fields__
 
 
 def seed_trials(seed: int, trials: int) -> list[int]:

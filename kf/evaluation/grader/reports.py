@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from kf.evaluation.wire.verdict import Float64Rule
+
 __all__ = [
     "FAILURE_KINDS",
     "FLAG_REASONS",
@@ -114,8 +116,10 @@ class CompileReport(msgspec.Struct, frozen=True, kw_only=True):
     sandbox: str = ""  # "bwrap" or "unsafe-no-sandbox" (see above); "" in older logs
 
 
-class TrialEvidence(msgspec.Struct, frozen=True, kw_only=True):
-    """One correctness trial: the seed of its inputs and how far the candidate was off."""
+class TrialEvidence(Float64Rule, frozen=True, kw_only=True):
+    """One correctness trial: the seed of its inputs and how far the candidate was off;
+    which rule decided ("allclose", "float64"; "" in older logs) and, where allclose
+    failed, the errors against a float64 run of the reference (kf.evaluation.wire.verdict)."""
 
     seed: int
     ok: bool
@@ -124,16 +128,6 @@ class TrialEvidence(msgspec.Struct, frozen=True, kw_only=True):
     reason: str | None = None
     label: str = ""  # for a generalisation variant: which input shapes
     min_tol: float = 0.0  # the smallest atol = rtol at which this trial passes (0.0: older logs)
-    # which rule decided ("allclose", "float64"; "" in older logs) and, where allclose
-    # failed, the errors against a float64 run of the reference: the candidate's and eager
-    # fp32's rmse and largest error (None: no float64 run), or why there was none
-    # (kf.evaluation.wire.verdict.Verdict)
-    rule: str = ""
-    rmse_fp64: float | None = None
-    eager_rmse_fp64: float | None = None
-    max_err_fp64: float | None = None
-    eager_max_err_fp64: float | None = None
-    fp64_skipped: str = ""
 
 
 class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):

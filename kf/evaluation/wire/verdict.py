@@ -8,10 +8,22 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["Verdict"]
+__all__ = ["Float64Rule", "Verdict"]
 
 
-class Verdict(msgspec.Struct, frozen=True, kw_only=True):
+class Float64Rule(msgspec.Struct, frozen=True, kw_only=True):
+    """Which rule decided a comparison and what the float64 run found (the fields of
+    :class:`Verdict` that a trial's evidence keeps, as described there)."""
+
+    rule: str = ""
+    rmse_fp64: float | None = None
+    eager_rmse_fp64: float | None = None
+    max_err_fp64: float | None = None
+    eager_max_err_fp64: float | None = None
+    fp64_skipped: str = ""
+
+
+class Verdict(Float64Rule, frozen=True, kw_only=True):
     """The reference's judgement of one trial (:func:`kf.evaluation.runner.compare.compare_outputs`,
     :func:`kf.evaluation.runner.compare.judge_float64`).
 
@@ -30,9 +42,3 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     max_abs_err: float = 0.0
     max_rel_err: float = 0.0
     min_tol: float = 0.0
-    rule: str = ""
-    rmse_fp64: float | None = None
-    eager_rmse_fp64: float | None = None
-    max_err_fp64: float | None = None
-    eager_max_err_fp64: float | None = None
-    fp64_skipped: str = ""
