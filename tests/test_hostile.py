@@ -28,6 +28,7 @@ from kf.evaluation.grader import box
 from kf.evaluation.grader.sandbox import RunnerPool
 from kf.evaluation.grader.task_check import run_task_check
 from kf.tasks import TaskError, load_task
+from tests.harness import run_kf as kf
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, KF_LOG_LEVEL="WARNING", KF_EVAL_THREADS="1", PYTHONPATH=str(ROOT))
@@ -36,19 +37,6 @@ HTML_NAME = "relu<img src=x onerror=alert(1)>"
 BUDGET = 4
 
 needs_box = pytest.mark.skipif(box.probe() is not None, reason=f"no runner box here: {box.probe()}")
-
-
-def kf(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """A ``kf`` command as its own process."""
-    return subprocess.run(
-        [sys.executable, "-m", "kf.cli", *args],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def sqlite_cli(db: Path, sql: str) -> subprocess.CompletedProcess[str]:
