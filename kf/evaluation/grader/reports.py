@@ -255,15 +255,21 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
         return self.verify is not None and self.verify.correct
 
     @property
+    def failed_stage(self) -> CompileReport | VerifyReport | ProfileReport | None:
+        """The first stage that failed (compile, verify, then profile), or None."""
+        if not self.compile.ok:
+            return self.compile
+        if self.verify is not None and not self.verify.correct:
+            return self.verify
+        if self.profile is not None and not self.profile.ok:
+            return self.profile
+        return None
+
+    @property
     def failure_kind(self) -> str | None:
         """The first failing stage's failure kind, or None."""
-        if not self.compile.ok:
-            return self.compile.failure_kind
-        if self.verify is not None and not self.verify.correct:
-            return self.verify.failure_kind
-        if self.profile is not None and not self.profile.ok:
-            return self.profile.failure_kind
-        return None
+        stage = self.failed_stage
+        return stage.failure_kind if stage is not None else None
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -299,13 +305,8 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def error(self) -> str | None:
         """The first stage's error, or None when every stage that ran succeeded."""
-        if not self.compile.ok:
-            return self.compile.error
-        if self.verify is not None and not self.verify.correct:
-            return self.verify.error
-        if self.profile is not None and not self.profile.ok:
-            return self.profile.error
-        return None
+        stage = self.failed_stage
+        return stage.error if stage is not None else None
 
     def summary(self) -> dict[str, Any]:
         """A flat JSON-ready object (``kf eval --json``)."""
