@@ -117,7 +117,11 @@ def _user_folders(tmp_path: Path) -> tuple[dict[str, str], list[str], list[str]]
     env = _grader_env(
         tmp_path,
         PYTHONPATH=os.pathsep.join(map(str, (project, site, ROOT))),
-        LD_LIBRARY_PATH=str(libs),
+        # the host's own folders stay behind it: a CUDA build of PyTorch may need them to
+        # import at all (it did on the H200's image, where kf eval then printed nothing)
+        LD_LIBRARY_PATH=os.pathsep.join(
+            filter(None, (str(libs), os.environ.get("LD_LIBRARY_PATH")))
+        ),
         CC=str(prefix / "bin" / "kfcc"),
         KF_SANDBOX_PIDS=str(PIDS),
     )
@@ -296,7 +300,8 @@ def test_box_hostile_candidate_finds_nothing_to_take(
     assert found["import"] == "kfprobe_pkg"
     for name, value in found["env_paths"].items():  # nothing named that is not there
         assert str(tmp_path / "project") not in value, (name, value)
-    assert found["env_paths"]["LD_LIBRARY_PATH"] == str(tmp_path / "libs")
+    # the user's library folder comes through first (the host's own may follow)
+    assert found["env_paths"]["LD_LIBRARY_PATH"].split(os.pathsep)[0] == str(tmp_path / "libs")
     # a fork bomb stops at the box's own process limit (threads count too), where this
     # machine gives kf a way to set one (docs/sandbox.md, "Processes")
     if limit != "none":
