@@ -300,3 +300,24 @@ def test_report_states_best_speedups_against_each_baseline() -> None:
     table = format_table(report)
     assert "vs t.compile" in table and "no torch.compile baseline" in table
     assert "against the better of eager and torch.compile" in table
+
+
+def test_reference_runners_with_a_baseline_are_evicted_last() -> None:
+    """Over its KF_REFERENCE_RUNNERS, a pool kills the oldest idle reference runner that
+    holds no compiled baseline, and keeps the one that does though it is older."""
+    from kf.settings import SettingError, Settings
+
+    assert Settings(variables={"KF_REFERENCE_RUNNERS": "8"}).reference_runners == 8
+    assert Settings(variables={}).reference_runners is None
+    with pytest.raises(SettingError, match="KF_REFERENCE_RUNNERS"):
+        _ = Settings(variables={"KF_REFERENCE_RUNNERS": "0"}).reference_runners
+    pool = RunnerPool(size=0, references=1)
+    try:
+        with pool.reference_lease("task-a") as older:
+            older.baselines.add("default")  # as compile_reference marks it
+        with pool.reference_lease("task-b") as newer:
+            assert newer is not older  # task-a's runner is not task-b's
+        assert pool._refs["task-a"] == [older] and pool._refs["task-b"] == []
+        assert newer.proc.poll() is not None or newer.closed  # killed, not kept
+    finally:
+        pool.close()
