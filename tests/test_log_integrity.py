@@ -26,7 +26,7 @@ from kf import bus
 from kf.agent import AgentContext
 from kf.bus import EmbeddedServer
 from kf.cli import main as kf_main
-from kf.events import Envelope, encode_envelope, make_envelope
+from kf.events import Envelope, decode_event, encode_envelope, make_envelope
 from kf.log import (
     WRITER_FUNCTION,
     EventLog,
@@ -38,12 +38,12 @@ from kf.log import (
 from kf.replay import check, deciding_agent_types
 from kf.report import build_report, format_table
 from kf.runtime import Outbox
+from kf.search_facts import CandidateProfiled
 from tests.harness import pings, run_kf, wait_for
-from tests.shared_runs import copy_log
+from tests.shared_runs import copy_log, search_run
 from tests.tally import Pinged, Tally
 
 ROOT = Path(__file__).resolve().parent.parent
-TASK = ROOT / "tests/fixtures/search/scale_relu.py"
 ENV = dict(os.environ, KF_LOG_LEVEL="WARNING", KF_EVAL_THREADS="1", PYTHONPATH=str(ROOT))
 OLD_BUSY_TIMEOUT_S = 5.0  # Python's sqlite3 default, which the archivist used to crash after
 
@@ -241,14 +241,20 @@ def test_log_written_before_the_chain_is_read_and_said_unchained(db_path: Path) 
 
 @pytest.fixture(scope="module")
 def run_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real `kf run` on a small CPU task (no tuning); its log, finished."""
-    db = tmp_path_factory.mktemp("forge") / "run.db"
-    proc = kf(
-        "run", str(TASK), "--budget", "2", "--seed", "1", "--db", str(db), "--tune-budget", "0",
-        timeout=280,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return db
+    """A real finished `kf run`'s log: the session's search run over tests/fixtures/search
+    (tests/shared_runs.py, which tests/test_loop.py and tests/test_dashboard.py read too:
+    one whole run fewer than a run of this module's own). Tests forge copies of it."""
+    run = search_run(tmp_path_factory)
+    assert run.report()["finished"]
+    return run.db
+
+
+def _task_of(db: Path, seq: int) -> str:
+    """The task of the event at ``seq`` of ``db``'s untouched log."""
+    with EventLog(db, readonly=True) as elog:
+        (event,) = [decode_event(e) for e in elog.read() if e.seq == seq]
+    assert isinstance(event, CandidateProfiled)
+    return event.task
 
 
 def forge(mode: str, db: Path) -> subprocess.CompletedProcess[str]:
@@ -288,7 +294,8 @@ def test_forged_profile_in_a_finished_run_is_refused_by_report_export_and_replay
     assert f"check: FAILED at seq {seq} (integrity, kernel.candidate_profiled)" in rp.stdout
 
     shown = build_report(db, ignore_integrity=True)  # what the forgery would have shown
-    assert shown["tasks"][0]["best_speedup"] == pytest.approx(99.0)
+    (forged_task,) = [t for t in shown["tasks"] if t["task"] == _task_of(run_log, seq)]
+    assert forged_task["best_speedup"] == pytest.approx(99.0)
     assert shown["integrity"]["bad_seq"] == seq
     assert format_table(shown).startswith(f"WARNING: {db}: log integrity check failed")
     with EventLog(run_log, readonly=True) as original:
