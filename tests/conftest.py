@@ -52,6 +52,49 @@ def pytest_report_header() -> str | None:
     return f"runner box unavailable here ({_NO_BOX}): evaluations run unboxed and marked"
 
 
+#: The slowest test files (their whole runs and real builds), slowest first, by their seconds
+#: on CI's 2-core machine (eleventh and twelfth sessions' runs). They are collected first, so
+#: that under pytest-xdist (scripts/test: --dist loadfile, --no-loadscope-reorder) the two
+#: workers start on them and the run ends on short files: xdist's own order (files with
+#: the most tests first) left these few-test files for the end, where one worker could
+#: still be on one of them, with the next queued behind it, while the other had finished.
+#: Order only; no test depends on it. A file not listed runs after these, in name order.
+SLOW_FILES = (
+    "test_faults.py",
+    "test_pch.py",
+    "test_tuning.py",
+    "test_sandbox_box.py",
+    "test_cuda_torchfree.py",
+    "test_compile_baseline.py",
+    "test_adversarial.py",
+    "test_recovery.py",
+    "test_kernelbench.py",
+    "test_forgery.py",
+    "test_stop.py",
+    "test_build_timeout.py",
+    "test_tool_mutator.py",
+    "test_multi_device.py",
+    "test_dashboard.py",
+    "test_hostile.py",
+    "test_llm_first_generation.py",
+    "test_loop.py",
+    "test_log_integrity.py",
+    "test_llm_run.py",
+    "test_inline_build_box.py",
+    "test_cuda_objcache.py",
+    "test_timing_load.py",
+    "test_baseline_settings.py",
+    "test_cli_refusals.py",
+    "test_trust.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files of SLOW_FILES first, in its order; each file's tests keep their order."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture
 def nats_server() -> Iterator[EmbeddedServer]:
     """A real nats-server listening on a random loopback port, stopped afterwards."""
