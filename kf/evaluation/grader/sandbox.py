@@ -187,6 +187,7 @@ class RunnerPool:
                     handle = h
                     self._leased.add(h)
                 else:
+                    _dropped(h, key, "it died while idle")
                     h.kill()
         if handle is None:
             handle = self.acquire_ready()
@@ -196,13 +197,15 @@ class RunnerPool:
             ok = True
         finally:
             if not ok or handle.discard or handle.proc.poll() is not None:
+                why = "its job failed" if not ok else "discarded" if handle.discard else "it died"
+                _dropped(handle, key, why)
                 self.release(handle)
             else:
-                evicted: list[RunnerHandle] = []
+                evicted: list[tuple[str, RunnerHandle, str]] = []
                 with self._lock:
                     self._leased.discard(handle)
                     if self._closed:
-                        evicted.append(handle)
+                        evicted.append((key, handle, "the pool is closed"))
                     else:
                         self._refs.setdefault(key, []).append(handle)
                         kept = [(k, h) for k, hs in self._refs.items() for h in hs]
@@ -212,8 +215,9 @@ class RunnerPool:
                         while len(kept) > self.max_references:
                             k, h = kept.pop(0)
                             self._refs[k].remove(h)
-                            evicted.append(h)
-                for h in evicted:
+                            evicted.append((k, h, "evicted: more idle reference runners than kept"))
+                for k, h, why in evicted:
+                    _dropped(h, k, why)
                     h.kill()
 
     def wait_warm(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
@@ -239,6 +243,15 @@ class RunnerPool:
             self._refs.clear()
         for handle in handles:
             handle.kill()
+
+
+def _dropped(handle: RunnerHandle, key: str, why: str) -> None:
+    """Say in the log that a reference runner is gone and what it held (a compiled
+    baseline lost is a compile again in some profile's timing turn)."""
+    log.info(
+        "reference_runner_dropped", task_key=key[:16], pid=handle.pid, why=why,
+        baselines=sorted(handle.baselines),
+    )  # fmt: skip
 
 
 _default: RunnerPool | None = None
