@@ -22,7 +22,8 @@ over the span from the first candidate's assignment to the last verdict), how ea
 candidate ended, the median and spread of the ``load_inline`` build times (kf's own
 ``kf.cuda.inline: ... built in Xs`` lines in each compile report), the phases kf
 recorded per stage, the run summary (``kf.run_stats``) and the GPU's mean utilisation
-over the same span.
+over the same span, and the host's CPU-seconds by kind of process over the whole run
+(bench/host_cpu.py: nvcc, the C++ compiler, boxed runners, inductor's workers, ...).
 
     python bench/throughput_gpu.py --kernelbench shared-kb/kb/level1 --out OUT
 """
@@ -45,6 +46,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from host_cpu import HostCpu
 
 from kf.events import decode_event
 from kf.log import EventLog
@@ -316,7 +320,7 @@ def main() -> int:
         p.unlink()
     responder = Responder(args.layout)
     t0 = time.monotonic()
-    with ScriptedServer(responder=responder) as server, GpuSampler() as gpu:
+    with ScriptedServer(responder=responder) as server, GpuSampler() as gpu, HostCpu() as cpu:
         cmd = [
             sys.executable, "-m", "kf.cli", "run", str(folder), "--device", args.device,
             "--llm-url", server.url, "--model", "scripted", "--budget", str(args.budget),
@@ -334,6 +338,7 @@ def main() -> int:
     result = analyse(db) if db.exists() else {}
     if result:
         result["gpu_busy"] = gpu.mean(result.pop("first_assigned"), result.pop("last_verdict"))
+    result["host_cpu"] = cpu.summary()
     result.update(
         exit=rc, wall_s=round(wall, 1), layout=args.layout, tasks=tasks,
         sizes="real" if args.real_sizes else "v0 (batch_size=16, dim=16384)",
@@ -345,6 +350,10 @@ def main() -> int:
         print(f"{key}: {result.get(key)}")
     print(f"build median: {result.get('build_median_s')} s over {len(result.get('builds_s', []))}")
     print(f"GPU busy (nvidia-smi utilisation, mean over the span): {result.get('gpu_busy')}")
+    print(
+        "host CPU-seconds by kind of process (bench/host_cpu.py):",
+        json.dumps(result["host_cpu"], indent=1),
+    )
     print("phases:", json.dumps(result.get("phases_s"), indent=1))
     print("run stats:", json.dumps(result.get("run_stats"), indent=1))
     return 0 if rc == 0 else 1
