@@ -4,9 +4,11 @@ A thread reads ``/proc`` every ``interval_s`` (0.25 s): each process's user + sy
 time (``/proc/PID/stat``, fields 14 and 15) and what it is (its command line), and adds
 the time each used since the last read to its kind (:func:`kind_of`: nvcc's parts, the
 C++ compiler, the linker, kf's boxed runners, the grader, inductor's compile workers,
-nats-server, the rest). Against that, the whole host's busy time from ``/proc/stat``:
-what the processes' sum misses (processes that lived less than one interval, the time a
-process used after its last read) is reported as ``unseen``.
+nats-server, the rest). With ``root``, only that process and its descendants count (a
+box's processes descend from their grader). Against that, the whole host's busy time
+from ``/proc/stat``: what the processes' sum misses (processes that lived less than one
+interval, the time a process used after its last read, and with ``root`` every other
+process) is reported as ``unseen``.
 
     with HostCpu() as cpu:
         ...
@@ -73,9 +75,11 @@ def _busy_ticks() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
-def _processes() -> dict[int, tuple[int, str]]:
-    """pid → (user + system ticks, command line) of every process readable now."""
+def _processes(root: int | None = None) -> dict[int, tuple[int, str]]:
+    """pid → (user + system ticks, command line) of every process readable now; with
+    ``root``, only that process and its descendants."""
     out: dict[int, tuple[int, str]] = {}
+    parents: dict[int, int] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -87,18 +91,29 @@ def _processes() -> dict[int, tuple[int, str]]:
         # the command name may hold spaces and parentheses: fields start after the last ')'
         fields = stat[stat.rfind(")") + 2 :].split()
         ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
-        out[int(entry.name)] = (
-            ticks,
-            cmd or "[" + stat[stat.find("(") + 1 : stat.rfind(")")] + "]",
-        )
-    return out
+        name = stat[stat.find("(") + 1 : stat.rfind(")")]
+        out[int(entry.name)] = (ticks, cmd or f"[{name}]")
+        parents[int(entry.name)] = int(fields[1])  # ppid (field 4)
+    if root is None:
+        return out
+    mine = {root}
+    for pid in out:
+        chain, at = [], pid
+        while at not in mine and at in parents and len(chain) < 64:
+            chain.append(at)
+            at = parents[at]
+        if at in mine:
+            mine.update(chain)
+    return {pid: v for pid, v in out.items() if pid in mine}
 
 
 class HostCpu:
     """The sampler (a context manager); :meth:`summary` after it ends."""
 
-    def __init__(self, interval_s: float = 0.25) -> None:
+    def __init__(self, interval_s: float = 0.25, root: int | None = None) -> None:
+        """``root``: count only this process and its descendants (None: every process)."""
         self.interval_s = interval_s
+        self.root = root
         self.by_kind: dict[str, float] = {}
         self._seen: dict[int, tuple[int, str]] = {}
         self._stop = threading.Event()
@@ -107,7 +122,7 @@ class HostCpu:
         self._end = (0.0, 0, 0)
 
     def __enter__(self) -> HostCpu:
-        self._seen = _processes()  # what ran before counts from now on
+        self._seen = _processes(self.root)  # what ran before counts from now on
         self._start = (time.monotonic(), *_busy_ticks())
         self._thread.start()
         return self
@@ -123,7 +138,7 @@ class HostCpu:
             self._read()
 
     def _read(self) -> None:
-        now = _processes()
+        now = _processes(self.root)
         for pid, (ticks, cmd) in now.items():
             before = self._seen.get(pid)
             # an exec keeps the pid and its time (bwrap, setpriv, prlimit, then python):
@@ -147,7 +162,10 @@ class HostCpu:
             "by_kind": {
                 k: round(v, 1) for k, v in sorted(self.by_kind.items(), key=lambda kv: -kv[1])
             },
+            # time the counted processes used after their last read, processes shorter
+            # than a read's interval, and (with a root) every other process on the host
             "unseen_s": round(max(0.0, busy - counted), 1),
+            "counted": "every process" if self.root is None else f"pid {self.root} and below",
         }
 
 
@@ -156,7 +174,7 @@ def main(argv: list[str]) -> int:
         print("usage: python bench/host_cpu.py -- COMMAND ARGS...", file=sys.stderr)
         return 2
     command = argv[argv.index("--") + 1 :]
-    with HostCpu() as cpu:
+    with HostCpu(root=os.getpid()) as cpu:
         rc = subprocess.call(command)
     print(json.dumps(cpu.summary(), indent=1))
     return rc

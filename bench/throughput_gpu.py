@@ -320,7 +320,8 @@ def main() -> int:
         p.unlink()
     responder = Responder(args.layout)
     t0 = time.monotonic()
-    with ScriptedServer(responder=responder) as server, GpuSampler() as gpu, HostCpu() as cpu:
+    cpu = HostCpu(root=os.getpid())  # this process and below: kf run, its boxes, builds
+    with ScriptedServer(responder=responder) as server, GpuSampler() as gpu, cpu:
         cmd = [
             sys.executable, "-m", "kf.cli", "run", str(folder), "--device", args.device,
             "--llm-url", server.url, "--model", "scripted", "--budget", str(args.budget),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,12 +31,15 @@ def test_kinds_by_command_line() -> None:
 
 
 def test_a_busy_child_is_counted_under_its_kind() -> None:
-    """A process that spins for a second shows about a CPU-second under its kind, and the
+    """A process that spins for a CPU-second shows most of it under its kind, and the
     host's busy time is at least what the processes were seen to use."""
-    spin = "import time\nend = time.time() + 1.0\nwhile time.time() < end: pass\n"
-    with HostCpu(interval_s=0.1) as cpu:
+    # a CPU-second of its own, however loaded the machine is
+    spin = "import time\nwhile time.process_time() < 1.0: pass\n"
+    with HostCpu(interval_s=0.1) as cpu, HostCpu(interval_s=0.1, root=os.getpid()) as mine:
         subprocess.run([sys.executable, "-c", spin, "kf.evaluation.runner"], check=True)
+    # counted from this test's process down: the child is below it
+    assert mine.summary()["by_kind"].get("boxed runners", 0.0) >= 0.6, mine.summary()
     summary = cpu.summary()
     assert summary["by_kind"].get("boxed runners", 0.0) >= 0.6, summary
     assert summary["host_busy_s"] + 0.2 >= sum(summary["by_kind"].values()), summary
-    assert summary["span_s"] >= 1.0
+    assert summary["span_s"] >= 0.9
