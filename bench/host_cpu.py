@@ -63,8 +63,8 @@ def kind_of(cmdline: str) -> str:
     for kind, marks in MODULES:
         if any(m in arg for arg in argv[1:] for m in marks):
             return kind
-    if program == "kf":
-        return "kf grader and agents"
+    if program == "kf" or any(os.path.basename(arg) == "kf" for arg in argv[1:2]):
+        return "kf grader and agents"  # the `kf` script, or `python .../bin/kf`
     return "other"
 
 

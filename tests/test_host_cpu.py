@@ -27,6 +27,9 @@ def test_kinds_by_command_line() -> None:
     )
     assert kind_of("/usr/bin/python3\0-m\0kf.cli\0run\0tasks") == "kf grader and agents"
     assert kind_of("nats-server\0-p\0004222") == "nats-server"
+    assert kind_of("/work/.venv/bin/python\0/work/.venv/bin/kf\0run\0t.py") == (
+        "kf grader and agents"
+    )
     assert kind_of("/usr/bin/sleep\0001") == "other"
 
 
