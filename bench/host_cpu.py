@@ -115,6 +115,7 @@ class HostCpu:
         self.interval_s = interval_s
         self.root = root
         self.by_kind: dict[str, float] = {}
+        self.pids: dict[str, set[tuple[int, str]]] = {}  # kind → the processes seen using CPU
         self._seen: dict[int, tuple[int, str]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="host-cpu", daemon=True)
@@ -148,6 +149,7 @@ class HostCpu:
             if used > 0:
                 kind = kind_of(cmd)
                 self.by_kind[kind] = self.by_kind.get(kind, 0.0) + used / _TICK
+                self.pids.setdefault(kind, set()).add((pid, cmd))
         self._seen = now
 
     def summary(self) -> dict[str, Any]:
@@ -164,6 +166,7 @@ class HostCpu:
             },
             # time the counted processes used after their last read, processes shorter
             # than a read's interval, and (with a root) every other process on the host
+            "processes_by_kind": {k: len(v) for k, v in self.pids.items()},
             "unseen_s": round(max(0.0, busy - counted), 1),
             "counted": "every process" if self.root is None else f"pid {self.root} and below",
         }

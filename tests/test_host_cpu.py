@@ -46,3 +46,4 @@ def test_a_busy_child_is_counted_under_its_kind() -> None:
     assert summary["by_kind"].get("boxed runners", 0.0) >= 0.6, summary
     assert summary["host_busy_s"] + 0.2 >= sum(summary["by_kind"].values()), summary
     assert summary["span_s"] >= 0.9
+    assert summary["processes_by_kind"]["boxed runners"] >= 1
