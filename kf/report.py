@@ -27,7 +27,7 @@ from kf.fold import fold
 from kf.log import EventLog, check_integrity
 from kf.mutator_stats import format_mutator_stats, mutator_stats
 from kf.run_stats import format_run_stats, run_stats
-from kf.search_facts import TaskChecks
+from kf.search_facts import CandidateProfiled, CandidateVerified, TaskChecks
 
 if TYPE_CHECKING:
     from agents.archive import ArchiveState
@@ -303,14 +303,23 @@ def _audits(envelopes: Iterable[Envelope]) -> dict[str, Any]:
 
 
 def _profiles(envelopes: Iterable[Envelope]) -> dict[str, list[Any]]:
-    """Each task's successful profile reports, in log order (``kernel.candidate_profiled``)."""
+    """Each task's successful profiles, in log order (``kernel.candidate_profiled``), and
+    the verifications that compiled its ``torch.compile`` baseline before any profile
+    (``kernel.candidate_verified`` with the phase ``compile_baseline_early``)."""
     out: dict[str, list[Any]] = {}
     for env in envelopes:
         if env.type == "kernel.candidate_profiled":
             ev = decode_event(env)
             if ev.report.ok:  # type: ignore[attr-defined]
                 out.setdefault(ev.task, []).append(ev)  # type: ignore[attr-defined]
+        elif env.type == "kernel.candidate_verified":
+            ev = decode_event(env)
+            if _EARLY in ev.report.phases:  # type: ignore[attr-defined]
+                out.setdefault(ev.task, []).append(ev)  # type: ignore[attr-defined]
     return out
+
+
+_EARLY = "compile_baseline_early"  # agents.verifier's phase
 
 
 def best_baselines(envelopes: Iterable[Envelope], task: str, best_id: str | None) -> dict[str, Any]:
@@ -328,7 +337,12 @@ def _baseline_entry(
 
     Logs from before the compiled baseline give None throughout.
     """
-    evs = profiles.get(task, [])
+    evs = [ev for ev in profiles.get(task, []) if isinstance(ev, CandidateProfiled)]
+    early = [
+        ev.report.phases[_EARLY]
+        for ev in profiles.get(task, [])
+        if isinstance(ev, CandidateVerified) and _EARLY in ev.report.phases
+    ]
     mine = [ev.report for ev in evs if ev.candidate_id == best_id]
     last = mine[-1] if mine else None
     compiled = [ev.report for ev in evs if ev.report.compiled_runtime_ms is not None]
@@ -337,8 +351,11 @@ def _baseline_entry(
         "best_speedup_vs_compiled": last.speedup_vs_compiled if last is not None else None,
         "best_speedup_vs_best": last.speedup_vs_best if last is not None else None,
         "compiled_ms": last.compiled_runtime_ms if last is not None else None,
-        # the longest compile of the task's reference a profile paid (0: all reused)
-        "compile_baseline_s": max((r.compile_baseline_s for r in compiled), default=None),
+        # the longest compile of the task's reference a profile or the verifier (before
+        # the profiles, agents.verifier) paid (0: all reused)
+        "compile_baseline_s": max(
+            [r.compile_baseline_s for r in compiled] + (early if compiled else []), default=None
+        ),
         "compile_baseline_error": errors[-1] if errors and not compiled else None,
         # the baselines' settings, as the best kernel's profile recorded them ("" in old logs)
         "compile_mode": last.compile_mode if last is not None else "",

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -211,9 +212,12 @@ def test_cuda_profile_of_uncompilable_reference_times_eager(
     assert report.compile_baseline_error and "torch.compile failed" in report.compile_baseline_error
 
 
-def _run_envelopes(reports: dict[str, tuple[str, ProfileReport]]) -> list[Any]:
+def _run_envelopes(
+    reports: dict[str, tuple[str, ProfileReport]], early: dict[str, float] | None = None
+) -> list[Any]:
     """The committed envelopes of a tiny run: one seed per task, each profiled with the
-    given report, the archive's decisions folded back in as the archivist commits them."""
+    given report, the archive's decisions folded back in as the archivist commits them;
+    ``early``: per task, the seconds its verification spent compiling the baseline."""
     from agents.archive import ArchiveAgent
     from kf.agent import AgentContext
     from kf.evaluation.grader.reports import CompileReport, VerifyReport
@@ -266,7 +270,9 @@ def _run_envelopes(reports: dict[str, tuple[str, ProfileReport]]) -> list[Any]:
         )  # fmt: skip
         where: dict[str, Any] = {"candidate_id": cid, "task": task, "device_id": "d", "attempt": 1}
         feed(CandidateCompiled(report=CompileReport(ok=True), **where))
-        feed(CandidateVerified(report=VerifyReport(correct=True, trials=5), **where))
+        phases = {"compile_baseline_early": early[task]} if early and task in early else {}
+        verified = VerifyReport(correct=True, trials=5, phases=phases)
+        feed(CandidateVerified(report=verified, **where))
         feed(CandidateProfiled(report=report, **where))
     return envelopes
 
@@ -297,6 +303,10 @@ def test_report_states_best_speedups_against_each_baseline() -> None:
     assert report["fast_p"]["fast_2"] == 1.0  # 4× and 3× against eager
     assert report["fast_p_vs_best"]["fast_2"] == 0.5  # 2× (not above 2) and 3× (eager)
     assert report["geomean_speedup_vs_best"] == pytest.approx((2.0 * 3.0) ** 0.5)
+    # the verifier compiled a's baseline before its profile, which found it made
+    cached = msgspec.structs.replace(with_compiled, compile_baseline_s=0.0)
+    early = build_report_from(_run_envelopes({"a": ("ca", cached)}, early={"a": 12.5}))
+    assert early["tasks"][0]["compile_baseline_s"] == 12.5
     table = format_table(report)
     assert "vs t.compile" in table and "no torch.compile baseline" in table
     assert "against the better of eager and torch.compile" in table
