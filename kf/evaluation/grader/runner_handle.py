@@ -398,12 +398,17 @@ class RunnerHandle:
         if self.sandbox == box.MODE_BWRAP and self.proc.poll() is None:
             # (not reaped yet: its pid is still bwrap's) bwrap's init in the box first: the
             # kernel then kills everything in the box's PID namespace, and bwrap exits
-            # once it is empty, so nothing is left when the wait below returns
-            for child in spawn.children(self.proc.pid):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(child, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=10)
+            # once it is empty, so nothing is left when the wait below returns. Looked for
+            # again while waiting: a runner killed as it starts (a pool closed just after
+            # spawning its replacement) may not have made its box's init yet, and bwrap
+            # then waited out the whole 10 s for a box nobody had killed
+            deadline = time.monotonic() + 10
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                for child in spawn.children(self.proc.pid):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(child, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=0.05)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
