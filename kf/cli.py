@@ -413,6 +413,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "heartbeat_s": args.heartbeat,
         "build_timeout_s": args.build_timeout,
         "bus_timeout_s": args.bus_timeout,
+        "measure": current().device_measure,
     }
     if args.name:
         options["device_id"] = args.name

@@ -139,6 +139,13 @@ class Settings:
         return self._text("KF_TORCHFREE", "1").strip().lower() not in OFF
 
     @property
+    def device_measure(self) -> bool:
+        """``KF_DEVICE_MEASURE``: a worker's hardware agent times its device for the
+        capabilities it announces (a CPU: a 256 MiB copy and a matmul, about 3 s of a core
+        before the device is announced; default on; ``0``: described, not measured)."""
+        return self._text("KF_DEVICE_MEASURE", "1").strip().lower() not in OFF
+
+    @property
     def pch_dir(self) -> str | None:
         """``KF_PCH_DIR``: where a build box looks for the precompiled header (set by the
         grader's build box, :mod:`kf.evaluation.grader.builds`)."""

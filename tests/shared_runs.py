@@ -78,7 +78,8 @@ def _make_search_run(folder: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "kf.cli", "run", str(SEARCH), "--budget", "4", "--seed", "3"]
     cmd += ["--tune-budget", str(SEARCH_TUNE_BUDGET)]
     cmd += ["--db", str(db), "--json", "--serve", "--serve-port", "0"]
-    env = dict(os.environ, KF_LOG_LEVEL="WARNING", KF_EVAL_THREADS="1")
+    # the device measured, as outside the suite (tests/test_loop.py asserts the figure)
+    env = dict(os.environ, KF_LOG_LEVEL="WARNING", KF_EVAL_THREADS="1", KF_DEVICE_MEASURE="1")
     env.pop("KF_LLM_API_KEY", None)
     env.pop("OPENAI_API_KEY", None)
     proc = subprocess.Popen(

@@ -204,8 +204,10 @@ def test_faults_worker_joining_mid_run_receives_work(joined_run: dict[str, Any])
     """A worker that joins a running run announces itself and gets candidates routed to it."""
     db = joined_run["db"]
     assert joined_run["code"] == 0, joined_run["err"][-3000:]
-    announced = {x.device_id for x in of_type(db, "device.announced")}
-    assert announced == {"wA", "wB"}
+    announced = {x.device_id: x.capabilities for x in of_type(db, "device.announced")}
+    assert set(announced) == {"wA", "wB"}
+    # KF_DEVICE_MEASURE=0 (tests/conftest.py): kf worker described its device, timed nothing
+    assert [c["measured_copy_bandwidth_gbs"] for c in announced.values()] == [None, None]
     to_b = [x for x in of_type(db, "search.candidate_assigned") if x.device_id == "wB"]
     done_by_b = [x for x in of_type(db, "kernel.candidate_compiled") if x.device_id == "wB"]
     assert to_b and done_by_b
@@ -231,6 +233,9 @@ def test_faults_nats_server_restart_mid_run_loses_nothing(tmp_path: Path) -> Non
     ids = [e.event_id for e in events(db)]
     assert len(ids) == len(set(ids))
     check_counted_once(db, 4)
+    # KF_DEVICE_MEASURE=0 (tests/conftest.py): kf run's worker timed nothing either
+    devices = of_type(db, "device.announced")
+    assert devices and all(d.capabilities["measured_copy_bandwidth_gbs"] is None for d in devices)
 
 
 def test_faults_archivist_killed_and_restarted_resumes(

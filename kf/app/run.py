@@ -193,6 +193,7 @@ def _options(
     """The process's settings of the run (:class:`kf.orchestra.RunOptions`); the run's
     config records them."""
     from kf.orchestra import RunOptions
+    from kf.settings import current
 
     local = devices if request.local_worker else []
     o = RunOptions(
@@ -205,6 +206,7 @@ def _options(
         max_in_flight=request.max_in_flight
         if request.max_in_flight is not None
         else 2 * (len(local) or 1),
+        measure_device=current().device_measure,
         resuming=logged.exists,
     )
     o.extra.update(request.tolerance)  # the run's tolerance, if not the default
