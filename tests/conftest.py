@@ -77,6 +77,7 @@ SLOW_FILES = (
     "test_forgery.py",
     "test_stop.py",
     "test_build_timeout.py",
+    "test_evaluation.py",
     "test_tool_mutator.py",
     "test_multi_device.py",
     "test_dashboard.py",
@@ -91,6 +92,8 @@ SLOW_FILES = (
     "test_baseline_settings.py",
     "test_cli_refusals.py",
     "test_trust.py",
+    "test_eval_memory.py",
+    "test_shared_memory.py",
 )
 
 
