@@ -12,6 +12,11 @@
 #                                      # log kept as OUT/throughput.db and replayed (--check)
 #   bench/gpu_check.sh OUT box         # the box's probe and its process-limit mode
 #   bench/gpu_check.sh OUT phases      # bench/build_phases.py: one build at a time, alone
+#   bench/gpu_check.sh OUT venv        # the carried wheels and kf into the image's own python,
+#                                      # so tests' subprocesses (which set their own PYTHONPATH)
+#                                      # import everything
+#   bench/gpu_check.sh OUT venv boxtests  # then the box's hostile-candidate and uid-mode tests,
+#                                      # stop mid-build, torch-free and counters on the GPU
 # Sets up like bench/gpu_llm_session.sh (carry .whl, .bwrap and shared-kb). A run's log
 # is copied with SQLite's backup API: a plain copy of a log in WAL mode can be empty.
 set -uo pipefail
@@ -91,6 +96,19 @@ for what in "$@"; do
       [ -f "$out/tp/throughput_${TP_LAYOUT:-split}.db" ] && backup "$out/tp/throughput_${TP_LAYOUT:-split}.db" "$out/throughput.db" \
         && step replay 120 python3 -m kf.cli replay --check "$out/throughput.db"
       rm -rf "$out/tp"
+      ;;
+    venv)
+      step venv 180 bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl \
+        && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .'
+      ;;
+    boxtests)
+      # --tb=short and -rfE: a failure's reason comes back even when the step is cut off
+      step boxtests "${BOX_LIMIT:-420}" python3 -m pytest -v -p no:cacheprovider --timeout 200 -rfE \
+        --tb=short tests/test_sandbox_box.py::test_box_hostile_candidate_finds_nothing_to_take \
+        tests/test_sandbox_box.py::test_box_uid_mode_builds_and_runs_a_cuda_kernel \
+        tests/test_cuda_torchfree.py::test_both_builds_compute_the_same \
+        tests/test_counters.py::test_collector_checks_the_output_at_the_runs_recorded_tolerance_on_a_gpu \
+        tests/test_stop.py::test_stop_kf_run_mid_load_inline_build_on_the_gpu
       ;;
     box)
       step box 60 python3 -c "from kf.evaluation.grader import box; print(box.probe() or 'the box works'); print(box.process_limit_note())"
