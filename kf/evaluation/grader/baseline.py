@@ -71,7 +71,7 @@ def compile_reference(session: GradingSession, ref: RunnerHandle, want: bool) ->
     if reply.error:
         log.info("compile_baseline_failed", task=task.name, error=reply.error)
     else:
-        ref.baselines.add(session.cond.compile_mode or "default")
+        ref.baselines.add(session.cond.compile_mode)
         if not reply.cached:
             log.info("compile_baseline_compiled", task=task.name, seconds=reply.compile_s)
     return reply
@@ -80,7 +80,7 @@ def compile_reference(session: GradingSession, ref: RunnerHandle, want: bool) ->
 def has_baseline(session: GradingSession) -> Callable[[RunnerHandle], bool]:
     """Whether an idle reference runner compiled the baseline in the session's mode (a
     preference for :meth:`RunnerPool.reference_lease`)."""
-    mode = session.cond.compile_mode or "default"
+    mode = session.cond.compile_mode
     return lambda handle: mode in handle.baselines
 
 
