@@ -103,12 +103,13 @@ for what in "$@"; do
       ;;
     boxtests)
       # --tb=short and -rfE: a failure's reason comes back even when the step is cut off
+      # BOX_TESTS (space-separated node ids) replaces the list
       step boxtests "${BOX_LIMIT:-420}" python3 -m pytest -v -p no:cacheprovider --timeout 200 -rfE \
-        --tb=short tests/test_sandbox_box.py::test_box_hostile_candidate_finds_nothing_to_take \
+        --tb=short ${BOX_TESTS:-tests/test_sandbox_box.py::test_box_hostile_candidate_finds_nothing_to_take \
         tests/test_sandbox_box.py::test_box_uid_mode_builds_and_runs_a_cuda_kernel \
         tests/test_cuda_torchfree.py::test_both_builds_compute_the_same \
         tests/test_counters.py::test_collector_checks_the_output_at_the_runs_recorded_tolerance_on_a_gpu \
-        tests/test_stop.py::test_stop_kf_run_mid_load_inline_build_on_the_gpu
+        tests/test_stop.py::test_stop_kf_run_mid_load_inline_build_on_the_gpu}
       ;;
     box)
       step box 60 python3 -c "from kf.evaluation.grader import box; print(box.probe() or 'the box works'); print(box.process_limit_note())"
