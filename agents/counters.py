@@ -39,6 +39,9 @@ class CounterCollector(EvaluatorAgent):
 
     kind = "counters"
     listens = (RunStarted, CandidateProposed, CandidateProfiled)
+    #: why ncu cannot run on this worker (it failed before any candidate code ran), once
+    #: it has: the collector then measures nothing more in this process
+    unusable: str | None = None
 
     def initial_state(self) -> CounterState:
         return CounterState()
@@ -63,7 +66,7 @@ class CounterCollector(EvaluatorAgent):
         assert isinstance(state, CounterState)
         if not isinstance(ev, CandidateProfiled) or ev.candidate_id not in state.new_bests:
             return ()
-        if not self.device.startswith("cuda") or find_ncu() is None:
+        if not self.device.startswith("cuda") or find_ncu() is None or self.unusable:
             return ()
         found = self.lookup(state, ev.task, ev.candidate_id)
         if found is None:
@@ -74,6 +77,10 @@ class CounterCollector(EvaluatorAgent):
         async with await gate_for(self.device).exclusive():
             # made in the thread: for a GPU, a session imports torch and counts the devices
             report = await asyncio.to_thread(lambda: counters_session(session()))
+        if report.unusable:
+            # every later try would fail the same way, each with the device to itself
+            self.unusable = report.error or "ncu could not start a runner"
+            self.ctx.log.warning("counters_off", device=self.device, why=self.unusable[:500])
         return [
             CountersMeasured(
                 candidate_id=ev.candidate_id, task=ev.task, device_id=self.device_id, report=report

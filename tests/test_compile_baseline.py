@@ -331,3 +331,32 @@ def test_reference_runners_with_a_baseline_are_evicted_last() -> None:
         assert newer.proc.poll() is not None or newer.closed  # killed, not kept
     finally:
         pool.close()
+
+
+def test_a_reference_runner_is_dropped_for_its_own_failure_only() -> None:
+    """A reused reference runner survives an error of another runner of the job (a
+    candidate's failure, or the runner under ncu that never started: on the H200 each
+    failing counters run killed the runner holding the task's compiled baseline), and is
+    dropped when one of its own requests fails."""
+    from kf.evaluation.grader.grading import CandidateFailed
+    from kf.evaluation.grader.sandbox import RunnerError
+    from kf.evaluation.wire import protocol
+
+    pool = RunnerPool(size=0, references=2)
+    try:
+        with pytest.raises(CandidateFailed), pool.reference_lease("task") as ref:
+            ref.baselines.add("default")
+            raise CandidateFailed("wrong", "the candidate's outputs differ")
+        other = RunnerError("process exited with status 1 during start-up")
+        other.runner_pid = ref.pid + 1_000_000  # not this runner's
+        with pytest.raises(RunnerError), pool.reference_lease("task") as again:
+            assert again is ref
+            raise other
+        assert pool._refs["task"] == [ref] and ref.proc.poll() is None
+        with pytest.raises(RunnerError) as own, pool.reference_lease("task") as again:
+            assert again is ref
+            again.request(protocol.Run(seed=0), 60.0)  # no model loaded: a Failed answer
+        assert own.value.runner_pid == ref.pid
+        assert pool._refs["task"] == [] and ref.closed
+    finally:
+        pool.close()

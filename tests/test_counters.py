@@ -85,6 +85,21 @@ def test_find_ncu_honours_the_switch_and_an_explicit_path(
     assert argv[0] == str(fake) and "--profile-from-start" in argv and "off" in argv
 
 
+def test_the_box_binds_the_nsight_compute_installation_ncu_starts(tmp_path: Path) -> None:
+    """A CUDA toolkit's ``bin/ncu`` starts ``<toolkit>/nsight-compute-<version>``: the
+    box gets that folder too (the H200's runners under ncu died without it), reached
+    through a link as the toolkit's own ``/usr/local/cuda`` is; nothing else beside it."""
+    toolkit = tmp_path / "cuda-13.0"
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "nsight-compute-2099.1.0").mkdir()
+    (toolkit / "secrets").mkdir()
+    (toolkit / "bin" / "ncu").write_text("#!/bin/sh\n")
+    (tmp_path / "cuda").symlink_to(toolkit)
+    paths = ncu.install_paths(str(tmp_path / "cuda" / "bin" / "ncu"))
+    assert paths[:2] == [str(toolkit / "bin"), str(toolkit / "nsight-compute-2099.1.0")]
+    assert str(toolkit / "secrets") not in paths and str(toolkit) not in paths
+
+
 def test_counters_on_a_cpu_say_why_there_are_none() -> None:
     """Asked for a CPU device, the stage reports the reason instead of measuring."""
     report = collect_counters(load_task(TASK), SEED.read_text(), device="cpu")
@@ -242,6 +257,47 @@ def test_collector_checks_the_output_at_the_runs_recorded_tolerance_on_a_gpu() -
     assert loose.ok, loose.error
     strict = measured({})
     assert not strict.ok and "wrong output under ncu" in (strict.error or ""), strict.error
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CI has none)")
+def test_an_ncu_that_cannot_start_is_tried_once_on_a_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ncu that fails before any candidate code runs (here one that only says its
+    installation is missing, as the H200's did in the box) is reported once as unusable;
+    the collector then measures no more new bests, each of which would have held the
+    device to itself for nothing."""
+    broken = tmp_path / "ncu"
+    broken.write_text(
+        "#!/bin/sh\necho 'ERROR : nsight-compute directory is not found' >&2\nexit 1\n"
+    )
+    broken.chmod(broken.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("KF_NCU", str(broken))
+    source = SEED.read_text()
+    proposed = [
+        CandidateProposed(
+            candidate_id=c, task="gelu_residual", source=source, operator="seed", mutator="test"
+        )
+        for c in ("k1", "k2")
+    ]
+    agent, state = _collector("cuda:0", "gpu0", _started(TASK, {}), *proposed)
+    first, second = (
+        _rec(
+            CandidateProfiled(
+                candidate_id=c,
+                task="gelu_residual",
+                device_id="gpu0",
+                report=ProfileReport(ok=True, speedup=s, runtime_ms=1.0),
+            )
+        )
+        for c, s in (("k1", 2.0), ("k2", 3.0))
+    )
+    for rec in (first, second):
+        state = agent.evolve(state, rec)
+    (ev,) = asyncio.run(agent.react(state, first))
+    assert isinstance(ev, CountersMeasured) and not ev.report.ok
+    assert ev.report.unusable and "nsight-compute directory" in (ev.report.error or "")
+    assert asyncio.run(agent.react(state, second)) == ()
 
 
 def test_mutation_prompt_carries_the_parents_build_report_and_counters() -> None:

@@ -254,6 +254,7 @@ def test_box_hostile_candidate_finds_nothing_to_take(
     )
     proc = _kf_eval(tmp_path, candidate, env)
     assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stdout.strip(), proc.stderr[-3000:]  # kf eval's verdict, not a traceback
     result = json.loads(proc.stdout)
     assert result["sandbox"] == "bwrap"
     log = result["compile"]["log"]

@@ -21,11 +21,15 @@ import io
 import os
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 from kf.settings import Settings, current
 
-__all__ = ["METRICS", "command", "find_ncu", "parse", "permission_refused", "summarise", "version"]
+__all__ = [
+    "METRICS", "command", "find_ncu", "install_paths", "parse", "permission_refused", "summarise",
+    "version",
+]  # fmt: skip
 
 #: ncu metric → the name kf records it under.
 METRICS: dict[str, str] = {
@@ -58,6 +62,19 @@ def find_ncu(settings: Settings | None = None) -> str | None:
         if hits and os.access(hits[-1], os.X_OK):
             return hits[-1]
     return None
+
+
+def install_paths(ncu: str) -> list[str]:
+    """What a box binds for ``ncu`` to run in it: its folder, and the Nsight Compute
+    installation it starts, which the CUDA toolkit's ``bin/ncu`` looks for beside ``bin``
+    (``<toolkit>/nsight-compute-<version>``) or under ``/opt/nvidia``. On the H200's
+    image only ``bin`` was bound, and every runner under ncu died at start-up with
+    "nsight-compute directory is not found"."""
+    tool = Path(ncu).resolve()
+    found = [tool.parent]
+    for pattern in (str(tool.parent.parent / "nsight-compute*"), "/opt/nvidia/nsight-compute*"):
+        found += [Path(p) for p in sorted(glob.glob(pattern)) if Path(p).is_dir()]
+    return [str(p) for p in dict.fromkeys(found)]
 
 
 def version(ncu: str) -> str:

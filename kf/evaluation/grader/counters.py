@@ -71,7 +71,7 @@ def _counters(stage: Stage) -> CountersReport:
                 pool.threads,
                 wrapper=ncu.command(tool, str(log_file)),
                 isolate=isolate,
-                ro_paths=(str(Path(tool).resolve().parent),),
+                ro_paths=tuple(ncu.install_paths(tool)),
                 rw_paths=(str(folder),),
             )
             stage.use(cand=cand)
@@ -99,6 +99,7 @@ def _counters(stage: Stage) -> CountersReport:
                     ok=False, error=f"the runner under ncu failed: {exc}; log: "
                     f"{exc.log_tail[-1500:]}", tool=version, device=device,
                     duration_s=time.monotonic() - start,
+                    unusable=not cand.ready,  # before any candidate code: the tool's fault
                 )  # fmt: skip
             finally:
                 tail = cand.log_tail()

@@ -236,6 +236,9 @@ class CountersReport(msgspec.Struct, frozen=True, kw_only=True):
     network_isolated: bool = True  # False when ncu could only run outside the namespace
     duration_s: float = 0.0
     sandbox: str = ""  # "bwrap" or "unsafe-no-sandbox" (see above); "" in older logs
+    #: ncu could not start a runner at all (a tool not installed completely, or refused
+    #: before any candidate code ran): the counter collector stops trying for the run
+    unusable: bool = False
 
 
 class EvalResult(msgspec.Struct, frozen=True, kw_only=True):

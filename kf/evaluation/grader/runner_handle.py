@@ -24,7 +24,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple, TypeVar
 
@@ -90,6 +90,10 @@ class RunnerError(Exception):
     def __init__(self, message: str, log_tail: str = "") -> None:
         super().__init__(message)
         self.log_tail = log_tail
+        #: the pid of the runner whose request (or start-up) failed, once the handle
+        #: that raised has said so: a reused reference runner is dropped for its own
+        #: failures, not for another runner's (:meth:`RunnerPool.reference_lease`)
+        self.runner_pid: int | None = None
 
 
 class RunnerStartError(RuntimeError):
@@ -307,7 +311,7 @@ class RunnerHandle:
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Block until the runner has imported torch (raises RunnerError if it cannot)."""
-        with self._ready_lock:
+        with self._own_errors(), self._ready_lock:
             if self.ready:
                 return
             reply = self._receive(timeout_s, "start-up")
@@ -329,6 +333,20 @@ class RunnerHandle:
         """Send one request and wait for its reply; raise RunnerError on any failure
         (:class:`RunnerFailed` for a :class:`~kf.evaluation.wire.protocol.Failed` reply).
         ``what`` names the request in errors (its op by default)."""
+        with self._own_errors():
+            return self._request(message, timeout_s, what)
+
+    @contextlib.contextmanager
+    def _own_errors(self) -> Iterator[None]:
+        """A RunnerError raised inside names this runner (``runner_pid``)."""
+        try:
+            yield
+        except RunnerError as exc:
+            if exc.runner_pid is None:
+                exc.runner_pid = self.pid
+            raise
+
+    def _request(self, message: protocol.Request[_R], timeout_s: float, what: str | None) -> _R:
         self.wait_ready()
         # an empty call (the timing loop's own cost) is told apart in the request log
         op = "time_empty" if isinstance(message, protocol.Time) and message.empty else message.op

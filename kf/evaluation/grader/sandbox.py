@@ -174,6 +174,11 @@ class RunnerPool:
         discards it; at most ``max_references`` are kept, the oldest killed first.
         ``prefer``: an idle runner it holds true of is taken first (one that has
         compiled the task's baseline, say); only a preference, never a condition.
+
+        It is dropped when it died, was marked ``discard``, or one of its own requests
+        failed (an answer of the runner is then in doubt); an error of another runner
+        of the job (a candidate's, say, which the caller handles) leaves it as good as
+        it was: its requests and answers went one at a time and all were answered.
         """
         handle: RunnerHandle | None = None
         with self._lock:
@@ -191,13 +196,19 @@ class RunnerPool:
                     h.kill()
         if handle is None:
             handle = self.acquire_ready()
-        ok = False
+        failed: str | None = "its job was interrupted"
         try:
             yield handle
-            ok = True
+            failed = None
+        except RunnerError as exc:
+            failed = "its request failed" if exc.runner_pid == handle.pid else None
+            raise
+        except Exception:
+            failed = None  # not the runner's: it answered every request it was sent
+            raise
         finally:
-            if not ok or handle.discard or handle.proc.poll() is not None:
-                why = "its job failed" if not ok else "discarded" if handle.discard else "it died"
+            if failed or handle.discard or handle.proc.poll() is not None:
+                why = failed or ("discarded" if handle.discard else "it died")
                 _dropped(handle, key, why)
                 self.release(handle)
             else:

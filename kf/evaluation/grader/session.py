@@ -37,6 +37,7 @@ from kf.evaluation.grader.reports import FAILURE_KINDS
 from kf.evaluation.grader.sandbox import (
     Limits,
     RunnerCrashed,
+    RunnerError,
     RunnerFailed,
     RunnerHandle,
     RunnerPool,
@@ -176,9 +177,25 @@ class Stage:
             self.use(ref=ref)
             try:
                 yield ref
+            except CandidateFailed as exc:
+                self.after_candidate_failure(exc)
+                raise
+            except RunnerError as exc:
+                self._after_runner_error(ref, exc)
+                raise
             finally:
                 if trimmed:
                     trim_reference(ref)
+
+    def _after_runner_error(self, ref: RunnerHandle, exc: RunnerError) -> None:
+        """Another runner of the stage failed while ``ref`` was leased (the pool drops
+        ``ref`` for its own failures): on a GPU that runner may have mapped ``ref``'s
+        tensors and left them pinned, unless it failed before it ever started."""
+        other = next((h for h in self.leased if h.pid == exc.runner_pid), None)
+        if exc.runner_pid == ref.pid or (other is not None and not other.ready):
+            return
+        if self.device.startswith("cuda"):
+            ref.discard = True
 
     @contextlib.contextmanager
     def candidate_lease(self) -> Iterator[RunnerHandle]:
