@@ -229,12 +229,24 @@ class Integrity:
 
 
 class OpRecorder:
-    """Records the aten ops a call dispatches (a TorchDispatchMode built lazily)."""
+    """Records the aten ops a call dispatches (a TorchDispatchMode built lazily).
+
+    PyTorch wraps every dispatch mode's ``__torch_dispatch__`` so that dynamo never
+    traces into it, and that wrapper imports ``torch._dynamo`` on its first call: 1 to 2
+    CPU-seconds in every runner that traces a call (each verification's candidate runner),
+    though only a process that has imported dynamo can trace anything. The recorder keeps
+    PyTorch's protection from the moment dynamo exists in the process (the candidate
+    imported it, or ``torch.compile``) and skips the import before (:func:`_dynamo_safe`).
+    """
 
     def __new__(cls, torch: Any) -> Any:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+            @classmethod
+            def _should_skip_dynamo(cls) -> bool:
+                return False  # _dynamo_safe below does what PyTorch's wrapper would
+
             def __init__(self) -> None:
                 super().__init__()  # type: ignore[no-untyped-call]
                 self.ops: dict[str, None] = {}
@@ -245,4 +257,21 @@ class OpRecorder:
                 self.ops[str(func.overloadpacket.__name__)] = None
                 return func(*args, **(kwargs or {}))
 
+        Recorder.__torch_dispatch__ = _dynamo_safe(torch, Recorder.__torch_dispatch__)  # type: ignore[method-assign]
         return Recorder()
+
+
+def _dynamo_safe(torch: Any, raw: Callable[..., Any]) -> Callable[..., Any]:
+    """``raw`` as PyTorch's ``TorchDispatchMode`` makes it (``torch._disable_dynamo``:
+    dynamo skips it and everything it calls) whenever ``torch._dynamo`` is in the
+    process; called as it is while it is not, when no frame can be traced (dynamo's
+    frame evaluation is set only by ``torch._dynamo``), so the import is not paid."""
+    disabled = torch._disable_dynamo(raw, recursive=True)
+    modules = sys.modules
+
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        if getattr(modules.get("torch._dynamo"), "disable", None) is not None:
+            return disabled(*args, **kwargs)
+        return raw(*args, **kwargs)
+
+    return dispatch

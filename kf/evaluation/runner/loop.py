@@ -57,22 +57,65 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def _warm(torch: Any, device: str) -> None:
+class StartUp:
+    """What each step of a runner's start-up cost, for the one line it logs before it says
+    it is ready (``bench/runner_cost.py`` reads it): CPU-seconds of this process (every
+    thread) and wall seconds. The first step is everything before :func:`main` ran: the
+    interpreter's start and kf's imports."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, float, float]] = []
+        self._cpu = time.process_time()
+        self._wall = time.perf_counter()
+        self.steps.append(("interpreter and kf", self._cpu, _process_age_s()))
+
+    def mark(self, step: str) -> None:
+        """``step`` has just ended (it began where the last one did)."""
+        cpu, wall = time.process_time(), time.perf_counter()
+        self.steps.append((step, cpu - self._cpu, wall - self._wall))
+        self._cpu, self._wall = cpu, wall
+
+    def line(self) -> str:
+        cpu = sum(s[1] for s in self.steps)
+        parts = "; ".join(f"{name} {c:.3f} CPU-s {w:.3f} s" for name, c, w in self.steps)
+        dynamo = "yes" if "torch._dynamo" in sys.modules else "no"
+        return (
+            f"kf runner: started in {cpu:.3f} CPU-s ({parts}); "
+            f"{len(sys.modules)} modules, torch._dynamo loaded: {dynamo}"
+        )
+
+
+def _process_age_s() -> float:
+    """Wall seconds since this process started (0.0 where /proc cannot say)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _warm(torch: Any, device: str, startup: StartUp) -> None:
     """Start-up work that a GPU stage would otherwise wait for (``$KF_RUNNER_WARM``).
 
     A pooled runner starts while earlier candidates are graded, so what it does before
     it says it is ready costs no stage any time: the CUDA context on ``device`` (about
-    0.6 s on an H200), and the op tracer's first entry into a dispatch mode, which
-    imports ``torch._dynamo`` (1.5 to 2 s). Nothing of a candidate exists yet. A failure
-    is only logged: set-up reports it properly.
+    0.6 s on an H200), and the op tracer's first entry into a dispatch mode (which no
+    longer imports ``torch._dynamo``: :class:`~kf.evaluation.runner.guard.OpRecorder`).
+    Nothing of a candidate exists yet. A failure is only logged: set-up reports it
+    properly.
     """
     start = time.perf_counter()
     try:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
             torch.empty(1, device=device)
+            startup.mark("CUDA context")
         with OpRecorder(torch):
             torch.zeros(1).add_(1)
+        startup.mark("op tracer")
     except Exception as exc:  # set-up raises the real error with its context
         print(f"kf runner: warm-up for {device} failed: {describe_exception(exc)}", flush=True)
     else:
@@ -83,6 +126,7 @@ def _warm(torch: Any, device: str) -> None:
 
 def main(argv: list[str]) -> int:
     clock_ns = time.perf_counter_ns  # bound before any candidate code is imported
+    startup = StartUp()
     watch = Watch()
     sys.addaudithook(watch.hook)  # cannot be removed; inert until a candidate is loaded
     import faulthandler
@@ -108,18 +152,18 @@ def main(argv: list[str]) -> int:
     )
     settings = current()  # this runner's, from the environment its pool gave it
     if settings.build_service:  # in the box: the grader builds
-        import kf.native
+        _builds_by_grader(send, recv, encode, decode)
+    startup.mark("runner's own imports")
+    import torch
 
-        kf.native.remote_builder = functools.partial(remote_build, send, recv, encode, decode)
-        import kf.cuda.inline
-
-        kf.cuda.inline.remote_builder = functools.partial(
-            remote_inline_build, send, recv, encode, decode
-        )
+    startup.mark("import torch")
     runner = Runner(clock_ns, watch)
+    startup.mark("runner set-up")
     if settings.runner_warm:
-        _warm(runner.torch, settings.runner_warm)
-    send(encode(protocol.Ready(pid=os.getpid(), torch=str(runner.torch.__version__))))
+        _warm(torch, settings.runner_warm, startup)
+    print(startup.line(), flush=True)
+    send(encode(protocol.Ready(pid=os.getpid(), torch=str(torch.__version__))))
+    del torch, startup
     guard: Integrity | None = None
     while True:
         try:
@@ -170,6 +214,18 @@ def main(argv: list[str]) -> int:
         sys.stdout.flush()
         send_message(reply)
         del reply
+
+
+def _builds_by_grader(send: Any, recv: Any, encode: Any, decode: Any) -> None:
+    """In the box, kf.native and ``load_inline`` builds are asked of the grader."""
+    import kf.native
+
+    kf.native.remote_builder = functools.partial(remote_build, send, recv, encode, decode)
+    import kf.cuda.inline
+
+    kf.cuda.inline.remote_builder = functools.partial(
+        remote_inline_build, send, recv, encode, decode
+    )
 
 
 def _cuda_of(runner: Any) -> Any:

@@ -1,0 +1,76 @@
+"""What a runner pays before and while it grades (issue 31): the op recorder without
+``torch._dynamo``, and the start-up line a runner logs (bench/runner_cost.py reads it).
+
+The recorder's verdicts themselves (a candidate computing with PyTorch is flagged,
+an honest one is not, through real runners) are tests/test_evaluation.py's
+``test_warmed_runners_trace_and_verify`` and tests/test_adversarial.py's
+``torch_reference``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import textwrap
+
+from kf.evaluation import RunnerPool
+from kf.evaluation.runner.guard import OpRecorder
+from kf.evaluation.wire.protocol import Ping, Pong
+
+
+def test_the_op_recorder_records_without_importing_dynamo() -> None:
+    """In a fresh interpreter (as a runner is), tracing a call records its aten ops and
+    leaves ``torch._dynamo`` unimported: PyTorch's own wrapper imported it (1 to 2
+    CPU-seconds in every verification's candidate runner)."""
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        from kf.evaluation.runner.guard import OpRecorder
+        recorder = OpRecorder(torch)
+        with recorder, torch.no_grad():
+            torch.nn.functional.gelu(torch.ones(4) * 2)
+        print(sorted(recorder.ops), "torch._dynamo" in sys.modules)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split("\n")[-2]
+    assert out == "['gelu', 'mul', 'ones'] False", out
+
+
+def test_the_op_recorder_keeps_dynamo_out_once_dynamo_is_loaded() -> None:
+    """Once dynamo is in the process (a candidate's ``torch.compile``), the recorder's
+    dispatch goes through PyTorch's dynamo-disabled wrapper, as PyTorch's own modes do;
+    a compiled function called under the recorder runs eagerly and its ops are recorded
+    (so a candidate computing with ``torch.compile`` is still flagged)."""
+    import torch._dynamo
+
+    compiled = torch.compile(lambda x: torch.sigmoid(x) + 1, backend="eager")
+    x = torch.randn(8)
+    compiled(x)  # compiled outside the recorder
+    recorder = OpRecorder(torch)
+    with recorder, torch.no_grad():
+        got = compiled(x)
+    assert torch.equal(got, torch.sigmoid(x) + 1)
+    assert {"sigmoid", "add"} <= set(recorder.ops), recorder.ops
+    # the call went through PyTorch's wrapper, which caches dynamo's disabled function
+    # on the wrapped one at its first call
+    raw = inspect.getclosurevars(type(recorder).__torch_dispatch__).nonlocals["raw"]
+    assert getattr(raw, "__dynamo_disable", None) is not None
+
+
+def test_a_warmed_runner_logs_its_start_up_and_has_no_dynamo() -> None:
+    """A runner warmed for its device (the op tracer entered once) says what its
+    start-up cost, step by step, and did not import dynamo; it then serves."""
+    pool = RunnerPool(size=0, threads=1, warm="cpu")
+    try:
+        with pool.lease() as handle:
+            log = handle.log_tail()
+            line = next(x for x in log.splitlines() if x.startswith("kf runner: started in"))
+            for step in ("interpreter and kf", "import torch", "runner set-up", "op tracer"):
+                assert f"{step} " in line, line
+            assert "torch._dynamo loaded: no" in line, line
+            assert isinstance(handle.request(Ping(), 60.0), Pong)
+    finally:
+        pool.close()
