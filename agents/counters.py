@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from agents.evaluator import EvaluatorAgent, EvaluatorState
 from kf.cuda.ncu import find_ncu
-from kf.device_gate import gate_for
+from kf.device_gate import Turns, gate_for
 from kf.evaluation.grader.counters import counters_session
 from kf.evaluation.grader.reports import is_suspect
 from kf.events import Event, Record
@@ -74,9 +74,11 @@ class CounterCollector(EvaluatorAgent):
         task, source = found
         # at the run's recorded tolerance and under its conditions, as every stage grades
         session = self.grading(state, task, source)
-        async with await gate_for(self.device).exclusive():
+        # the runner under ncu starts and is checked sharing the device; the one measured
+        # call has it alone (Turns)
+        async with Turns(gate_for(self.device)) as turns:
             # made in the thread: for a GPU, a session imports torch and counts the devices
-            report = await asyncio.to_thread(lambda: counters_session(session()))
+            report = await asyncio.to_thread(lambda: counters_session(session(alone=turns.alone)))
         if report.unusable:
             # every later try would fail the same way, each with the device to itself
             self.unusable = report.error or "ncu could not start a runner"

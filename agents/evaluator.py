@@ -126,8 +126,9 @@ class EvaluatorAgent(Agent[EvaluatorState]):
 
     def grading(
         self, state: EvaluatorState, task: Task, source: str
-    ) -> Callable[[], GradingSession]:
-        """What makes the grading session of ``source`` for ``task`` on this agent's device:
+    ) -> Callable[..., GradingSession]:
+        """What makes the grading session of ``source`` for ``task`` on this agent's device
+        (its keyword arguments are the session's, over these):
         the run's seed, its recorded tolerance and measuring conditions (``state``, folded
         from ``run.started``), the device's runner pool and the stage's time limit. A maker
         rather than the session: for a GPU, making one imports torch and counts the

@@ -10,11 +10,12 @@ elite. The archive stays a pure fold.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 from agents.build_pool import consumed
 from agents.evaluator import EvaluatorAgent, EvaluatorState
-from kf.device_gate import gate_for
+from kf.device_gate import Turns, gate_for
 from kf.devices import runner_pool
 from kf.evaluation import ProfileReport
 from kf.evaluation.grader.policy import Incumbent, relative_noise, stated_profile
@@ -74,10 +75,13 @@ class Profiler(EvaluatorAgent):
         task, source = found
 
         async def profile() -> ProfileReport:
-            # the task's torch.compile baseline was compiled when its first candidate
-            # was verified (agents.verifier), not in this exclusive turn
-            async with await gate_for(self.device).exclusive():
-                return await asyncio.to_thread(self._profile, state, task, ev.candidate_id, source)
+            # loading, checking and re-verifying share the device; each timing has it
+            # alone (Turns). The task's torch.compile baseline was compiled when its
+            # first candidate was verified (agents.verifier)
+            async with Turns(gate_for(self.device)) as turns:
+                return await asyncio.to_thread(
+                    self._profile, state, task, ev.candidate_id, source, turns.alone
+                )
 
         report = await self.stage(profile)
         if isinstance(report, list):  # the device failed: its candidates go elsewhere
@@ -97,7 +101,14 @@ class Profiler(EvaluatorAgent):
         out.append(self.outcome(CandidateProfiled, ev, report))
         return out
 
-    def _profile(self, state: ProfilerState, task: Task, cid: str, source: str) -> ProfileReport:
+    def _profile(
+        self,
+        state: ProfilerState,
+        task: Task,
+        cid: str,
+        source: str,
+        alone: Callable[[], AbstractContextManager[object]] | None = None,
+    ) -> ProfileReport:
         index = state.shapes.get(cid, 0)
         shape = f"#{index}" if index else ""
         history = state.eager_ms.get(f"{task.name}@{self.device_id}{shape}", [])
@@ -110,5 +121,5 @@ class Profiler(EvaluatorAgent):
         return stated_profile(
             task, source, eager_history=history, incumbent=incumbent, device=self.device,
             seed=state.seed, timeout_s=self.timeout_s, tolerance=state.tolerance,
-            conditions=state.conditions, pool=runner_pool(self.device),
+            conditions=state.conditions, pool=runner_pool(self.device), alone=alone,
         )  # fmt: skip

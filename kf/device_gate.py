@@ -4,13 +4,21 @@ hardware agent's measurements); compiling and verifying share it.
 
 One gate per device per process and event loop (:func:`gate_for`); the agents of one
 worker serving one device all see the same gate.
+
+A stage that times only part of the way (a profile: loading, checking and compiling
+the baseline before its timing; counters: a runner started under ncu before its one
+measured call) holds the gate through :class:`Turns`: shared while it prepares, and
+exclusive only for each timing, which its grading thread asks for (:meth:`Turns.alone`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+from collections.abc import Iterator
 
-__all__ = ["DeviceGate", "gate_for"]
+__all__ = ["DeviceGate", "GateClosed", "Turns", "gate_for"]
 
 
 class DeviceGate:
@@ -49,6 +57,88 @@ class DeviceGate:
             else:
                 self._shared -= 1
             self._cond.notify_all()
+
+
+class GateClosed(RuntimeError):
+    """The stage holding :class:`Turns` ended (cancelled: kf is stopping) while its
+    grading thread waited for a turn; the thread stops timing."""
+
+
+class Turns:
+    """A stage's hold on ``gate``: shared from entering (on the event loop) to leaving,
+    exclusive inside each :meth:`alone` block (entered from the stage's grading thread).
+
+    To time, the shared hold is given back and the exclusive one taken, never held
+    together (two stages turning at once would each wait for the other's share). Leaving
+    releases whatever is held, and a thread still waiting for its turn gets
+    :class:`GateClosed` instead.
+    """
+
+    def __init__(self, gate: DeviceGate) -> None:
+        self.gate = gate
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._held: bool | None = None  # exclusive?, None: nothing held
+        self._closed = False
+        self._changing = asyncio.Lock()
+        self._pending: concurrent.futures.Future[None] | None = None
+
+    async def __aenter__(self) -> Turns:
+        self._loop = asyncio.get_running_loop()
+        await self._hold(False)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._closed = True
+        if self._pending is not None:
+            self._pending.cancel()  # a turn waited for: it will not be taken
+        await self._hold(None)
+
+    async def _hold(self, exclusive: bool | None) -> None:
+        """Give back what is held, then take ``exclusive`` (None: nothing)."""
+        async with self._changing:
+            if self._held is not None:
+                await self.gate._release(self._held)
+                self._held = None
+            if exclusive is None or self._closed:
+                return
+            hold = await (self.gate.exclusive() if exclusive else self.gate.shared())
+            if self._closed:  # left while waiting: the gate is not kept
+                await hold.__aexit__()
+                return
+            self._held = exclusive
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        """From the grading thread: the device to this stage alone inside the block,
+        shared again after it. Raises :class:`GateClosed` when the stage has ended."""
+        self._from_thread(True)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(GateClosed):  # the block's own error goes first
+                self._from_thread(False)
+
+    def _from_thread(self, exclusive: bool) -> None:
+        loop = self._loop
+        if loop is None or self._closed or loop.is_closed():
+            raise GateClosed("the stage holding the device gate has ended")
+        future = asyncio.run_coroutine_threadsafe(self._hold(exclusive), loop)
+        self._pending = future
+        try:
+            while True:
+                try:
+                    future.result(timeout=0.5)
+                    break
+                except concurrent.futures.TimeoutError:
+                    if self._closed or loop.is_closed():
+                        future.cancel()
+                        raise GateClosed("the stage ended while it waited for its turn") from None
+        except concurrent.futures.CancelledError:
+            raise GateClosed("the stage ended while it waited for its turn") from None
+        finally:
+            self._pending = None
+        if self._closed:
+            raise GateClosed("the stage ended while it waited for its turn")
 
 
 class _Hold:

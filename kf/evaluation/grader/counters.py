@@ -85,7 +85,9 @@ def _counters(stage: Stage) -> CountersReport:
                             ok=False, error=f"wrong output under ncu: {problem[1]}", tool=version,
                             device=device, duration_s=time.monotonic() - start,
                         )  # fmt: skip
-                    stage.candidate(Counters(), what="the profiled call")
+                    # started, loaded and checked sharing the device; measured alone
+                    with stage.session.exclusively():
+                        stage.candidate(Counters(), what="the profiled call")
                 cand.finish(stage.deadline.left())
             except CandidateFailed as exc:
                 return CountersReport(

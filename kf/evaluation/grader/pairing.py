@@ -15,10 +15,12 @@ It replaced four whole profiles (each loading its candidate, timing eager and
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from kf.evaluation.grader.baseline_settings import Conditions
-from kf.evaluation.grader.grading import CandidateFailed, device_lock, log
+from kf.evaluation.grader.grading import CandidateFailed, log
 from kf.evaluation.grader.measuring import calls_in, turn
 from kf.evaluation.grader.sandbox import Limits, RunnerError, RunnerPool
 from kf.evaluation.grader.session import GradingSession, Stage
@@ -47,6 +49,7 @@ def paired_times(
     pool: RunnerPool | None = None,
     tolerance: Tolerance | None = None,
     conditions: Conditions | None = None,
+    alone: Callable[[], AbstractContextManager[object]] | None = None,
     **_: Any,
 ) -> tuple[list[float], list[float]] | None:
     """The challenger's and the incumbent's samples (ms), timed in alternating rounds
@@ -64,25 +67,27 @@ def paired_times(
             timeout_s=timeout_s,
             tolerance=tolerance,
             conditions=conditions,
+            alone=alone,
         )
         for src in (challenger, incumbent)
     ]
     mine, theirs = Stage(sessions[0]), Stage(sessions[1])
     try:
         with (
-            device_lock(mine.device),
             mine.reference_lease(trimmed=True) as ref,
             mine.candidate_lease(),
             theirs.candidate_lease(),
         ):
             theirs.use(ref=ref)  # one reference runner makes both sides' inputs
-            if not device.startswith("cuda"):
-                mine.session.runners.wait_warm()  # no runner start-up during CPU timing
-            for stage in (mine, theirs):
+            for stage in (mine, theirs):  # loaded and checked sharing the device
                 if stage.loaded_and_checked()[2] is not None:
                     return None
-                stage.restart_clock()
-            return _rounds(mine, theirs, warmup, min_trials, min_time_s)
+            with mine.session.exclusively():  # timed with the device to themselves
+                if not device.startswith("cuda"):
+                    mine.session.runners.wait_warm()  # no runner start-up during CPU timing
+                for stage in (mine, theirs):
+                    stage.restart_clock()
+                return _rounds(mine, theirs, warmup, min_trials, min_time_s)
     except (CandidateFailed, TaskError, RunnerError) as exc:
         log.info("paired_retime_failed", task=task.name, error=str(exc)[:200])
         return None

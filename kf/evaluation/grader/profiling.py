@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import NamedTuple
 
 import msgspec
@@ -24,7 +26,6 @@ from kf.evaluation.grader.grading import (
     OUTPUT_CHANGED,
     TIMER_DISAGREEMENT,
     CandidateFailed,
-    device_lock,
     log,
     seed_trials,
 )
@@ -76,10 +77,12 @@ def profile_candidate(
     compile_baseline: bool | None = None,
     tolerance: Tolerance | None = None,
     conditions: baseline_settings.Conditions | None = None,
+    alone: Callable[[], AbstractContextManager[object]] | None = None,
 ) -> ProfileReport:
     """Time the candidate, PyTorch eager and the reference under ``torch.compile``
     alternately, in separate runners (eager and compiled share the candidate-free one),
-    in one session.
+    in one session; ``alone`` gives the timing the device to itself
+    (:attr:`GradingSession.alone`).
 
     ``compile_baseline`` None follows the run's ``conditions`` (None: the process's
     settings, ``$KF_COMPILE_BASELINE``, default on). The
@@ -90,7 +93,7 @@ def profile_candidate(
     """
     session = GradingSession(
         task, source, device=device, seed=seed, pool=pool, limits=limits or Limits(),
-        timeout_s=timeout_s, tolerance=tolerance, conditions=conditions,
+        timeout_s=timeout_s, tolerance=tolerance, conditions=conditions, alone=alone,
     )  # fmt: skip
     options = Timing(warmup, min_trials, min_time_s, max_trials)
     return profile_session(session, options, compile_baseline=compile_baseline)
@@ -138,32 +141,35 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
     """
     session, task, device, seed = stage.session, stage.task, stage.device, stage.session.seed
     with (
-        device_lock(device),
         stage.reference_lease(trimmed=True, prefer=has_baseline(session)) as ref,
         stage.candidate_lease() as cand,
     ):
-        if not device.startswith("cuda"):
-            # replacement runners import torch now, not during a CPU timing; CUDA events
-            # time the GPU, which runner start-ups on the host do not slow
-            session.runners.wait_warm()
         start = time.monotonic()
         stage.restart_clock()
         try:
+            # loading, the first check and the baseline's compile share the device; only
+            # the timing, the checks after it and the fresh inputs' timing have it alone
             made, setup, problem = stage.loaded_and_checked()
             if problem is not None:
                 return _failed(
                     stage, problem[0], f"wrong output before timing: {problem[1]}", start
                 )
-
             baseline = compile_reference(session, ref, compile_baseline)
-            stage.restart_clock()  # the compile had a time limit of its own
-            timed = _Timed(stage, ref, baseline, min(round_trip_ns(stage) for _ in range(3)))
-            samples = _alternate(timed, options, session.timeout_s)
-            checks = _cross_checks(timed, samples)
-            flags = checks.flags
-            if stage.run_and_check(stage.run_request(made, seed), seed) is not None:
-                flags.append(f"{OUTPUT_CHANGED}: the timed inputs' output is wrong after timing")
-            fresh = _fresh_after_timing(stage, ref, samples.candidate["median"], checks.empty)
+            with session.exclusively():
+                if not device.startswith("cuda"):
+                    # replacement runners import torch now, not during a CPU timing; CUDA
+                    # events time the GPU, which runner start-ups on the host do not slow
+                    session.runners.wait_warm()
+                stage.restart_clock()  # the compile (and the wait for the turn) had its own
+                timed = _Timed(stage, ref, baseline, min(round_trip_ns(stage) for _ in range(3)))
+                samples = _alternate(timed, options, session.timeout_s)
+                checks = _cross_checks(timed, samples)
+                flags = checks.flags
+                if stage.run_and_check(stage.run_request(made, seed), seed) is not None:
+                    flags.append(
+                        f"{OUTPUT_CHANGED}: the timed inputs' output is wrong after timing"
+                    )
+                fresh = _fresh_after_timing(stage, ref, samples.candidate["median"], checks.empty)
             if fresh.problem is not None:
                 why = f"wrong output on fresh inputs after timing: {fresh.problem[1]}"
                 return _failed(stage, "stale_output", why, start, flags)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TypeVar
@@ -24,6 +25,7 @@ from kf.evaluation.grader.grading import (
     AnyReport,
     CandidateFailed,
     Deadline,
+    device_lock,
     discard_reference_if_pinned,
     makes_own_inputs,
     reference_runner_key,
@@ -88,6 +90,9 @@ class GradingSession:
     conditions: Conditions | None = None
     #: the grading process's settings (its transports, limits, caches); None: read now
     settings: Settings | None = None
+    #: what gives a timing the device to itself (a worker's :meth:`kf.device_gate.Turns.alone`);
+    #: None: this process's lock of the device (``kf eval``, a library call)
+    alone: Callable[[], AbstractContextManager[object]] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", parse_device(self.device))
@@ -95,6 +100,10 @@ class GradingSession:
             object.__setattr__(self, "settings", current())
         if self.conditions is None:
             object.__setattr__(self, "conditions", Conditions.from_settings(self.grader))
+
+    def exclusively(self) -> AbstractContextManager[object]:
+        """The device to this session alone (:attr:`alone`), for a timing."""
+        return self.alone() if self.alone is not None else device_lock(self.device)
 
     @property
     def runners(self) -> RunnerPool:

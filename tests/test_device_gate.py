@@ -1,0 +1,134 @@
+"""The device gate's turns: a stage shares the device while it prepares and has it alone
+only while it times (kf.device_gate.Turns), from its grading thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from kf.device_gate import DeviceGate, GateClosed, Turns
+
+
+def _state(gate: DeviceGate) -> tuple[int, bool]:
+    return gate._shared, gate._exclusive
+
+
+def test_a_stage_shares_the_device_until_it_times_then_has_it_alone() -> None:
+    """Outside its timing a profile's hold lets verifications in beside it; inside, a
+    verification waits until the timing is over, and the stage is shared again after."""
+
+    async def main() -> list[str]:
+        gate = DeviceGate()
+        seen: list[str] = []
+        timing = threading.Event()
+        release = threading.Event()
+
+        def grade(turns: Turns) -> None:
+            seen.append(f"prepare {_state(gate)}")
+            with turns.alone():
+                seen.append(f"time {_state(gate)}")
+                timing.set()
+                release.wait(10)
+            seen.append(f"after {_state(gate)}")
+
+        async def verify() -> None:
+            async with await gate.shared():
+                seen.append("verified")
+
+        async with Turns(gate) as turns:
+            await verify()  # beside the stage's shared hold
+            thread = asyncio.create_task(asyncio.to_thread(grade, turns))
+            await asyncio.to_thread(timing.wait, 10)
+            waiting = asyncio.create_task(verify())
+            await asyncio.sleep(0.2)
+            assert not waiting.done()  # the device is the timing's alone
+            release.set()
+            await thread
+            await waiting
+        assert _state(gate) == (0, False)
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[0] == "verified"
+    assert seen[1:3] == ["prepare (1, False)", "time (0, True)"]
+    # then the waiting verification and the stage's own share again, in either order
+    assert sorted(seen[3:]) == ["after (1, False)", "verified"] or sorted(seen[3:]) == [
+        "after (2, False)",
+        "verified",
+    ]
+
+
+def test_two_stages_turning_at_once_take_turns() -> None:
+    """Two stages holding a share each both ask for the device alone: neither waits for
+    the other's share (they are given back first), and each times alone."""
+
+    async def main() -> list[tuple[int, bool]]:
+        gate = DeviceGate()
+        inside: list[tuple[int, bool]] = []
+
+        def grade(turns: Turns) -> None:
+            for _ in range(3):
+                with turns.alone():
+                    inside.append(_state(gate))
+                    time.sleep(0.05)
+
+        async def stage() -> None:
+            async with Turns(gate) as turns:
+                await asyncio.to_thread(grade, turns)
+
+        await asyncio.wait_for(asyncio.gather(stage(), stage()), 30)
+        assert _state(gate) == (0, False)
+        return inside
+
+    assert asyncio.run(main()) == [(0, True)] * 6
+
+
+def test_a_stage_that_ends_while_its_thread_waits_leaves_the_gate_free() -> None:
+    """kf stopping cancels a profile whose thread waits for its turn (behind a
+    verification still sharing the device): the thread gets GateClosed, and nothing of
+    the gate stays held."""
+
+    async def main() -> None:
+        gate = DeviceGate()
+        errors: list[BaseException] = []
+        asked = threading.Event()
+
+        def waits(turns: Turns) -> None:
+            asked.set()
+            try:
+                with turns.alone():
+                    errors.append(AssertionError("timed while a verification shared it"))
+            except GateClosed as exc:
+                errors.append(exc)
+
+        turns = Turns(gate)
+        await turns.__aenter__()
+        verification = await gate.shared()
+        thread = asyncio.create_task(asyncio.to_thread(waits, turns))
+        await asyncio.to_thread(asked.wait, 10)
+        await asyncio.sleep(0.2)
+        assert not thread.done() and gate._waiting_exclusive == 1
+        await asyncio.wait_for(turns.__aexit__(None, None, None), 10)  # cancelled
+        await asyncio.wait_for(thread, 10)
+        await verification.__aexit__()
+        assert len(errors) == 1 and isinstance(errors[0], GateClosed), errors
+        assert _state(gate) == (0, False) and gate._waiting_exclusive == 0
+        async with await gate.exclusive():  # free for the next
+            pass
+
+    asyncio.run(main())
+
+
+def test_a_turn_asked_for_after_the_stage_ended_is_refused() -> None:
+    async def main() -> None:
+        gate = DeviceGate()
+        async with Turns(gate) as turns:
+            pass
+        with pytest.raises(GateClosed):
+            await asyncio.to_thread(lambda: turns.alone().__enter__())
+        assert _state(gate) == (0, False)
+
+    asyncio.run(main())
