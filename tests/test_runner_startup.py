@@ -74,3 +74,28 @@ def test_a_warmed_runner_logs_its_start_up_and_has_no_dynamo() -> None:
             assert isinstance(handle.request(Ping(), 60.0), Pong)
     finally:
         pool.close()
+
+
+def test_kf_load_inline_is_in_place_when_a_candidate_imports_it() -> None:
+    """A runner's backend no longer imports ``torch.utils.cpp_extension`` (0.12 CPU-s of
+    setuptools) but still hands kf's ``load_inline`` to whoever imports it, however it is
+    imported; a module imported before the backend gets it at once."""
+    code = textwrap.dedent(
+        """
+        import sys, time, torch
+        import kf.cuda.inline as kf_inline
+        from kf.evaluation.runner.device import make_backend
+        make_backend("cpu", time.perf_counter_ns)
+        print("imported", "torch.utils.cpp_extension" in sys.modules)
+        from torch.utils.cpp_extension import load_inline
+        import torch.utils.cpp_extension as ext
+        mine = kf_inline.load_inline
+        print("kf's", load_inline is mine, ext.load_inline is mine)
+        make_backend("cpu", time.perf_counter_ns)  # installed at once, still kf's
+        print("again", ext.load_inline is kf_inline.load_inline, callable(kf_inline._original))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.splitlines()
+    assert out[-3:] == ["imported False", "kf's True True", "again True True"], out

@@ -10,6 +10,8 @@ backend times with the runner's bound ``perf_counter_ns``.
 
 from __future__ import annotations
 
+import importlib.machinery
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -19,8 +21,59 @@ __all__ = [
     "Backend",
     "CPUBackend",
     "CUDABackend",
+    "install_inline",
     "make_backend",
 ]
+
+_EXTENSIONS = "torch.utils.cpp_extension"
+
+
+def install_inline() -> None:
+    """kf's ``load_inline`` (:func:`kf.cuda.inline.install`) in place of PyTorch's, for
+    any code that gets it from now on: now if ``torch.utils.cpp_extension`` is imported,
+    else the moment it is. Importing it costs about 0.12 CPU-seconds (setuptools) that
+    most runners never need: every reference runner, and candidates without
+    ``load_inline``."""
+    if _EXTENSIONS in sys.modules:
+        from kf.cuda import inline
+
+        inline.install()
+    elif not any(isinstance(f, _InstallOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _InstallOnImport())
+
+
+class _InstallOnImport:
+    """A finder for ``torch.utils.cpp_extension`` alone: the module as the path finder
+    finds it, with :func:`kf.cuda.inline.install` run once it has been executed."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != _EXTENSIONS:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenInstall(spec.loader)
+        return spec
+
+
+class _ThenInstall:
+    """A module's own loader (every attribute of it), which then installs kf's
+    ``load_inline`` into the module it executed."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _InstallOnImport)]
+        from kf.cuda import inline
+
+        inline.install()
 
 
 class Backend:
@@ -71,9 +124,7 @@ class CPUBackend(Backend):
 
     def __init__(self, clock_ns: Callable[[], int]) -> None:
         super().__init__(clock_ns)
-        from kf.cuda import inline
-
-        inline.install()
+        install_inline()
 
 
 class CUDABackend(Backend):
@@ -92,11 +143,10 @@ class CUDABackend(Backend):
         super().__init__(clock_ns)
         import torch
 
-        from kf.cuda import inline
         from kf.settings import apply
 
         apply({"KF_CUDA_REPORT": "1"})  # this runner's CUDA builds report their resources
-        inline.install()
+        install_inline()
         self.device = torch.device(device)
         torch.cuda.set_device(self.device)
         self._sync = torch.cuda.synchronize
