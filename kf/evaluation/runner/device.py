@@ -10,6 +10,7 @@ backend times with the runner's bound ``perf_counter_ns``.
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.machinery
 import sys
 from collections.abc import Callable
@@ -55,7 +56,7 @@ class _InstallOnImport:
         return spec
 
 
-class _ThenInstall:
+class _ThenInstall(importlib.abc.Loader):
     """A module's own loader (every attribute of it), which then installs kf's
     ``load_inline`` into the module it executed."""
 
