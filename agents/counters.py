@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 from agents.evaluator import EvaluatorAgent, EvaluatorState
 from kf.cuda.ncu import find_ncu
-from kf.device_gate import Turns, gate_for
 from kf.evaluation.grader.counters import counters_session
 from kf.evaluation.grader.reports import is_suspect
 from kf.events import Event, Record
@@ -75,10 +74,10 @@ class CounterCollector(EvaluatorAgent):
         # at the run's recorded tolerance and under its conditions, as every stage grades
         session = self.grading(state, task, source)
         # the runner under ncu starts and is checked sharing the device; the one measured
-        # call has it alone (Turns)
-        async with Turns(gate_for(self.device)) as turns:
+        # call has it alone (``timing_gate``)
+        async with self.timing_gate(ev.report.peak_device_mb) as alone:
             # made in the thread: for a GPU, a session imports torch and counts the devices
-            report = await asyncio.to_thread(lambda: counters_session(session(alone=turns.alone)))
+            report = await asyncio.to_thread(lambda: counters_session(session(alone=alone)))
         if report.unusable:
             # every later try would fail the same way, each with the device to itself
             self.unusable = report.error or "ncu could not start a runner"

@@ -12,13 +12,16 @@ hosts them next to the device they serve. The blocking evaluation calls run in t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
 from kf.agent import Agent, AgentContext
+from kf.device_gate import Turns, gate_for
 from kf.devices import runner_pool
 from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.grader.session import GradingSession
@@ -33,6 +36,7 @@ from kf.search_facts import (
     CandidateRejected,
     CandidateVerified,
 )
+from kf.settings import current
 from kf.tasks import Seed, Task
 from kf.tuning import bind_shape
 
@@ -144,6 +148,27 @@ class EvaluatorAgent(Agent[EvaluatorState]):
             tolerance=state.tolerance,
             conditions=state.conditions,
         )
+
+    @contextlib.asynccontextmanager
+    async def timing_gate(
+        self, peak_device_mb: float | None
+    ) -> AsyncIterator[Callable[[], AbstractContextManager[object]] | None]:
+        """The device gate for a stage that times (:mod:`kf.device_gate`): shared, with
+        the device alone for each timing (what it yields: the session's ``alone``).
+
+        A candidate whose last stage held more device memory than a big task
+        (``$KF_BIG_TASK_MB``) has the device alone throughout instead (None: the
+        session's own lock is uncontended then): big tasks are graded one at a time, and
+        a big verification waiting for that turn while sharing the gate would wait on a
+        stage that waits for it to leave."""
+        gate = gate_for(self.device)
+        big = (peak_device_mb or 0.0) * (1 << 20) > current().big_task_bytes
+        if self.device.startswith("cuda") and big:
+            async with await gate.exclusive():
+                yield None
+        else:
+            async with Turns(gate) as turns:
+                yield turns.alone
 
     def outcome(self, cls: type[_Outcome], ev: Routed, report: Any) -> _Outcome:
         """The stage's outcome ``cls`` with ``report`` for ``ev``'s candidate and attempt."""

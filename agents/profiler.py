@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 
 from agents.build_pool import consumed
 from agents.evaluator import EvaluatorAgent, EvaluatorState
-from kf.device_gate import Turns, gate_for
+from kf.agent import AgentContext
 from kf.devices import runner_pool
 from kf.evaluation import ProfileReport
 from kf.evaluation.grader.policy import Incumbent, relative_noise, stated_profile
@@ -48,6 +48,10 @@ class Profiler(EvaluatorAgent):
     kind = "profiler"
     listens = (RunStarted, CandidateProposed, CandidateVerified, CandidateProfiled, EliteAdmitted)
 
+    def __init__(self, ctx: AgentContext) -> None:
+        super().__init__(ctx)
+        self._task_locks: dict[str, asyncio.Lock] = {}
+
     def initial_state(self) -> ProfilerState:
         return ProfilerState()
 
@@ -76,14 +80,17 @@ class Profiler(EvaluatorAgent):
 
         async def profile() -> ProfileReport:
             # loading, checking and re-verifying share the device; each timing has it
-            # alone (Turns). The task's torch.compile baseline was compiled when its
+            # alone (``timing_gate``). The task's torch.compile baseline was compiled when its
             # first candidate was verified (agents.verifier)
-            async with Turns(gate_for(self.device)) as turns:
+            async with self.timing_gate(ev.report.peak_device_mb) as alone:
                 return await asyncio.to_thread(
-                    self._profile, state, task, ev.candidate_id, source, turns.alone
+                    self._profile, state, task, ev.candidate_id, source, alone
                 )
 
-        report = await self.stage(profile)
+        # one profile of a task at a time: the next one's incumbent is this one, and it
+        # takes the reference runner holding the task's compiled baseline
+        async with self._task_lock(task.name):
+            report = await self.stage(profile)
         if isinstance(report, list):  # the device failed: its candidates go elsewhere
             return report
         consumed(ev.candidate_id)
@@ -100,6 +107,9 @@ class Profiler(EvaluatorAgent):
             )
         out.append(self.outcome(CandidateProfiled, ev, report))
         return out
+
+    def _task_lock(self, task: str) -> asyncio.Lock:
+        return self._task_locks.setdefault(task, asyncio.Lock())
 
     def _profile(
         self,

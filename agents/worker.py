@@ -28,6 +28,7 @@ from kf.tasks import Task
 
 __all__ = [
     "CudaCompiler",
+    "CudaProfiler",
     "CudaVerifier",
     "compile_concurrency",
     "device_agents",
@@ -75,8 +76,18 @@ class CudaVerifier(Verifier):
     concurrency = verify_concurrency()
 
 
+class CudaProfiler(Profiler):
+    """Several profiles at once on a GPU (``$KF_CUDA_VERIFY_JOBS``, 4), one per task:
+    each loads, checks and compiles its baseline sharing the device and times with the
+    device to itself (:meth:`EvaluatorAgent.timing_gate`), so the timings follow each
+    other instead of each waiting behind the next one's set-up."""
+
+    concurrency = verify_concurrency()
+
+
 def device_agents(device: str) -> list[type[Agent[Any]]]:
     """The agent types a worker hosts next to ``device`` (``cpu`` or ``cuda:N``)."""
     if device.startswith("cuda"):
-        return [CudaHardwareAgent, CudaCompiler, CudaVerifier, Profiler, CounterCollector, Tuner]
+        cuda: list[type[Agent[Any]]] = [CudaHardwareAgent, CudaCompiler, CudaVerifier]
+        return [*cuda, CudaProfiler, CounterCollector, Tuner]
     return [CpuHardwareAgent, Compiler, Verifier, Profiler, Tuner]

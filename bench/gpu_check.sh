@@ -98,8 +98,11 @@ for what in "$@"; do
       rm -rf "$out/tp"
       ;;
     venv)
-      step venv 180 bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl \
-        && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .'
+      # without PYTHONPATH: pip otherwise finds the wheels' packages in /tmp/site already
+      # and installs nothing (a test's subprocess with its own PYTHONPATH then lacked them)
+      step venv 180 env -u PYTHONPATH bash -c 'python3 -m pip install -q --no-index --no-deps \
+        --no-compile .whl/*.whl && python3 -m pip install -q --no-index --no-deps \
+        --no-build-isolation -e . && python3 -c "import structlog, nats, msgspec, kf; print(kf.__file__)"'
       ;;
     boxtests)
       # --tb=short and -rfE: a failure's reason comes back even when the step is cut off
