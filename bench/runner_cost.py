@@ -84,13 +84,25 @@ def own_cpu(pid: int) -> float:
 
 def tree_cpu(pid: int) -> tuple[float, int]:
     """CPU-seconds of ``pid`` and every process below it, and how many there are."""
-    total, count, todo = 0.0, 0, [pid]
+    total, count, _ = tree_cpu_split(pid)
+    return total, count
+
+
+def tree_cpu_split(pid: int) -> tuple[float, int, float]:
+    """:func:`tree_cpu`, and the part of it that inductor's compile workers used."""
+    total, count, workers, todo = 0.0, 0, 0.0, [pid]
     while todo:
         p = todo.pop()
-        total += own_cpu(p)
+        used = own_cpu(p)
+        total += used
         count += 1
+        try:
+            if b"compile_worker" in Path(f"/proc/{p}/cmdline").read_bytes():
+                workers += used
+        except OSError:
+            pass
         todo += children(p)
-    return total, count
+    return total, count, workers
 
 
 def runner_roots() -> list[int]:
@@ -112,6 +124,8 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True)
         self.interval = interval
         self.series: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        #: the CPU-seconds of each box's inductor compile workers, at its last sample
+        self.workers: dict[int, float] = {}
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -121,11 +135,12 @@ class Sampler(threading.Thread):
 
     def sample(self) -> None:
         for pid in runner_roots():
-            cpu, _ = tree_cpu(pid)
+            cpu, _, workers = tree_cpu_split(pid)
             now = time.monotonic()
             points = self.series[pid]
             if not points or cpu >= points[-1][1]:  # a box dying reads less: keep the last
                 points.append((now, cpu))
+                self.workers[pid] = max(workers, self.workers.get(pid, 0.0))
 
     def stop(self) -> None:
         self._halt.set()
@@ -307,6 +322,7 @@ def attribute(
                 "requests_cpu_s": round(mine["requests_cpu_s"], 3),
                 "total_cpu_s": round(total, 3),
                 "outside_requests_cpu_s": round(total - mine["requests_cpu_s"], 3),
+                "inductor_workers_cpu_s": round(sampler.workers.get(pid, 0.0), 3),
             }
         )
     return table, runners
@@ -427,11 +443,13 @@ def render(result: dict[str, Any]) -> str:
         )
     out.append(
         f"\n{'pid':>8} {'role':<22} {'stages':<28} {'total':>7} {'requests':>9} {'outside':>8}"
+        f" {'inductor workers':>17}"
     )
     for r in result["runners"]:
         out.append(
             f"{r['pid']:>8} {r['role']:<22} {','.join(r['stages']):<28} {r['total_cpu_s']:>7.2f} "
             f"{r['requests_cpu_s']:>9.2f} {r['outside_requests_cpu_s']:>8.2f}"
+            f" {r['inductor_workers_cpu_s']:>17.2f}"
         )
     out.append("\n" + json.dumps(result["summary"], indent=1))
     imports = result.get("imports")
@@ -458,11 +476,24 @@ def main() -> int:
         "--warm", default="auto", help="warm-up device (auto: as kf run: the GPU, none on a CPU)"
     )
     ap.add_argument("--unboxed", action="store_true", help="KF_UNSAFE_NO_SANDBOX=1")
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set in the runners' environment too ($KF_SANDBOX_ENV passes it into the box); "
+        "e.g. TORCHINDUCTOR_COMPILE_THREADS=1",
+    )
     ap.add_argument("--no-imports", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     args = ap.parse_args()
     if args.unboxed:
         os.environ["KF_UNSAFE_NO_SANDBOX"] = "1"
+    for item in args.env:
+        name, _, value = item.partition("=")
+        os.environ[name] = value
+        passed = [n for n in os.environ.get("KF_SANDBOX_ENV", "").split(",") if n]
+        os.environ["KF_SANDBOX_ENV"] = ",".join([*passed, name])
     from kf.settings import current
 
     gpu = args.device.startswith("cuda")
@@ -514,6 +545,7 @@ def main() -> int:
         "task": str(task.relative_to(ROOT)) if task.is_relative_to(ROOT) else str(task),
         "candidate": str(cand.relative_to(ROOT)) if cand.is_relative_to(ROOT) else str(cand),
         "warm": warm,
+        "env": args.env,
         "cores": len(os.sched_getaffinity(0)),
         "loadavg_at_end": os.getloadavg(),
         "starts": starts,
