@@ -375,6 +375,39 @@ def _rounded(row: dict[str, Any]) -> dict[str, Any]:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 
+# -- how a CUDA wait costs the host -----------------------------------------------------
+def sync_probe(device: str, seconds: float = 0.2) -> dict[str, Any]:
+    """CPU-seconds this process spends waiting ``seconds`` for a GPU kernel: with
+    ``torch.cuda.synchronize`` (CUDA's default schedule spins a core while it waits: a
+    runner waiting for a GPU that other runners keep busy burns CPU all along) and with
+    a blocking event (the thread sleeps). Measured outside the box, on the same GPU."""
+    import torch
+
+    torch.cuda.set_device(device)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    cycles = int(1_000_000 * seconds * 1000 / max(start.elapsed_time(end), 1e-3))
+    out: dict[str, Any] = {"wait_s": seconds}
+    for how in ("synchronize", "blocking event"):
+        cpu, wall = time.process_time(), time.perf_counter()
+        torch.cuda._sleep(cycles)
+        if how == "synchronize":
+            torch.cuda.synchronize()
+        else:
+            done = torch.cuda.Event(blocking=True)
+            done.record()
+            done.synchronize()
+        out[how] = {
+            "cpu_s": round(time.process_time() - cpu, 4),
+            "wall_s": round(time.perf_counter() - wall, 4),
+        }
+    return out
+
+
 # -- the report ---------------------------------------------------------------------------
 def summary(table: list[dict[str, Any]], runners: list[dict[str, Any]], n: int) -> dict[str, Any]:
     """The headline figures: per phase and role, and per candidate."""
@@ -452,6 +485,8 @@ def render(result: dict[str, Any]) -> str:
             f" {r['inductor_workers_cpu_s']:>17.2f}"
         )
     out.append("\n" + json.dumps(result["summary"], indent=1))
+    if "sync_probe" in result:
+        out.append(f"\nCPU of a GPU wait (this process): {json.dumps(result['sync_probe'])}")
     imports = result.get("imports")
     if imports:
         out.append(
@@ -556,6 +591,11 @@ def main() -> int:
     }
     if not args.no_imports:
         result["imports"] = import_profile(sys.executable, args.device)
+    if gpu:
+        try:
+            result["sync_probe"] = sync_probe(args.device)
+        except Exception as exc:  # a probe, not the benchmark: say why and go on
+            result["sync_probe"] = {"error": f"{type(exc).__name__}: {exc}"}
     text = render(result)
     print(text)
     (args.out / "runner_cost.json").write_text(json.dumps(result, indent=1))
