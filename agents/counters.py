@@ -73,11 +73,11 @@ class CounterCollector(EvaluatorAgent):
         task, source = found
         # at the run's recorded tolerance and under its conditions, as every stage grades
         session = self.grading(state, task, source)
-        # the runner under ncu starts and is checked sharing the device; the one measured
-        # call has it alone (``timing_gate``)
-        async with self.timing_gate(ev.report.peak_device_mb) as alone:
+        # the runner under ncu starts holding nothing, is loaded and checked sharing the
+        # device, and its one measured call has it alone (``timing_gate``)
+        async with self.timing_gate(ev.report.peak_device_mb, shared=False) as hooks:
             # made in the thread: for a GPU, a session imports torch and counts the devices
-            report = await asyncio.to_thread(lambda: counters_session(session(alone=alone)))
+            report = await asyncio.to_thread(lambda: counters_session(session(**hooks)))
         if report.unusable:
             # every later try would fail the same way, each with the device to itself
             self.unusable = report.error or "ncu could not start a runner"

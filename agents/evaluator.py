@@ -151,13 +151,14 @@ class EvaluatorAgent(Agent[EvaluatorState]):
 
     @contextlib.asynccontextmanager
     async def timing_gate(
-        self, peak_device_mb: float | None
-    ) -> AsyncIterator[Callable[[], AbstractContextManager[object]] | None]:
-        """The device gate for a stage that times (:mod:`kf.device_gate`): shared, with
-        the device alone for each timing (what it yields: the session's ``alone``).
+        self, peak_device_mb: float | None, *, shared: bool = True
+    ) -> AsyncIterator[dict[str, Callable[[], AbstractContextManager[object]]]]:
+        """The device gate for a stage that times (:mod:`kf.device_gate`): shared (from
+        the start, or ``shared=False`` only where the stage asks), with the device alone
+        for each timing; what it yields are the session's ``alone`` and ``sharing``.
 
         A candidate whose last stage held more device memory than a big task
-        (``$KF_BIG_TASK_MB``) has the device alone throughout instead (None: the
+        (``$KF_BIG_TASK_MB``) has the device alone throughout instead (no hooks: the
         session's own lock is uncontended then): big tasks are graded one at a time, and
         a big verification waiting for that turn while sharing the gate would wait on a
         stage that waits for it to leave."""
@@ -165,10 +166,10 @@ class EvaluatorAgent(Agent[EvaluatorState]):
         big = (peak_device_mb or 0.0) * (1 << 20) > current().big_task_bytes
         if self.device.startswith("cuda") and big:
             async with await gate.exclusive():
-                yield None
+                yield {}
         else:
-            async with Turns(gate) as turns:
-                yield turns.alone
+            async with Turns(gate, shared=shared) as turns:
+                yield {"alone": turns.alone, "sharing": turns.sharing}
 
     def outcome(self, cls: type[_Outcome], ev: Routed, report: Any) -> _Outcome:
         """The stage's outcome ``cls`` with ``report`` for ``ev``'s candidate and attempt."""

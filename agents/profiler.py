@@ -82,9 +82,9 @@ class Profiler(EvaluatorAgent):
             # loading, checking and re-verifying share the device; each timing has it
             # alone (``timing_gate``). The task's torch.compile baseline was compiled when its
             # first candidate was verified (agents.verifier)
-            async with self.timing_gate(ev.report.peak_device_mb) as alone:
+            async with self.timing_gate(ev.report.peak_device_mb) as hooks:
                 return await asyncio.to_thread(
-                    self._profile, state, task, ev.candidate_id, source, alone
+                    self._profile, state, task, ev.candidate_id, source, hooks.get("alone")
                 )
 
         # one profile of a task at a time: the next one's incumbent is this one, and it

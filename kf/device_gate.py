@@ -65,8 +65,9 @@ class GateClosed(RuntimeError):
 
 
 class Turns:
-    """A stage's hold on ``gate``: shared from entering (on the event loop) to leaving,
-    exclusive inside each :meth:`alone` block (entered from the stage's grading thread).
+    """A stage's hold on ``gate``: shared from entering (on the event loop) to leaving
+    (``shared=False``: nothing until the grading thread asks, :meth:`sharing`), exclusive
+    inside each :meth:`alone` block (entered from the stage's grading thread).
 
     To time, the shared hold is given back and the exclusive one taken, never held
     together (two stages turning at once would each wait for the other's share). Leaving
@@ -74,8 +75,9 @@ class Turns:
     :class:`GateClosed` instead.
     """
 
-    def __init__(self, gate: DeviceGate) -> None:
+    def __init__(self, gate: DeviceGate, *, shared: bool = True) -> None:
         self.gate = gate
+        self._shared_from_start = shared
         self._loop: asyncio.AbstractEventLoop | None = None
         self._held: bool | None = None  # exclusive?, None: nothing held
         self._closed = False
@@ -84,7 +86,8 @@ class Turns:
 
     async def __aenter__(self) -> Turns:
         self._loop = asyncio.get_running_loop()
-        await self._hold(False)
+        if self._shared_from_start:
+            await self._hold(False)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -110,15 +113,31 @@ class Turns:
     @contextlib.contextmanager
     def alone(self) -> Iterator[None]:
         """From the grading thread: the device to this stage alone inside the block,
-        shared again after it. Raises :class:`GateClosed` when the stage has ended."""
+        then back to what it held before. Raises :class:`GateClosed` when the stage has
+        ended."""
+        before = self._held
         self._from_thread(True)
         try:
             yield
         finally:
             with contextlib.suppress(GateClosed):  # the block's own error goes first
-                self._from_thread(False)
+                self._from_thread(before)
 
-    def _from_thread(self, exclusive: bool) -> None:
+    @contextlib.contextmanager
+    def sharing(self) -> Iterator[None]:
+        """From the grading thread: a share of the device inside the block (nothing new
+        where the stage holds one already), for work that runs on it without timing."""
+        if self._held is not None:
+            yield
+            return
+        self._from_thread(False)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(GateClosed):
+                self._from_thread(None)
+
+    def _from_thread(self, exclusive: bool | None) -> None:
         loop = self._loop
         if loop is None or self._closed or loop.is_closed():
             raise GateClosed("the stage holding the device gate has ended")

@@ -132,3 +132,28 @@ def test_a_turn_asked_for_after_the_stage_ended_is_refused() -> None:
         assert _state(gate) == (0, False)
 
     asyncio.run(main())
+
+
+def test_a_stage_that_starts_holding_nothing_shares_then_times_then_lets_go() -> None:
+    """Counters start their runner under ncu holding no share of the device (a runner's
+    start is host work, as a pooled runner's is), share it to load and check, have it
+    alone for the one measured call, and hold nothing again after."""
+
+    async def main() -> list[tuple[int, bool]]:
+        gate = DeviceGate()
+        seen: list[tuple[int, bool]] = []
+
+        def grade(turns: Turns) -> None:
+            seen.append(_state(gate))
+            with turns.sharing():
+                seen.append(_state(gate))
+                with turns.alone():
+                    seen.append(_state(gate))
+                seen.append(_state(gate))
+            seen.append(_state(gate))
+
+        async with Turns(gate, shared=False) as turns:
+            await asyncio.to_thread(grade, turns)
+        return seen
+
+    assert asyncio.run(main()) == [(0, False), (1, False), (0, True), (1, False), (0, False)]

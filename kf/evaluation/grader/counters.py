@@ -78,14 +78,17 @@ def _counters(stage: Stage) -> CountersReport:
             boxed = cand.sandbox == box.MODE_BWRAP
             isolated = cand.isolated_network
             try:
-                with stage.reference_lease():
+                # started (Python, torch and the CUDA context under ncu: seconds of host
+                # work, as a pooled runner's start is) holding no share of the device
+                cand.wait_ready()
+                with stage.session.shared(), stage.reference_lease():
                     _, _, problem = stage.loaded_and_checked()
                     if problem is not None:
                         return CountersReport(
                             ok=False, error=f"wrong output under ncu: {problem[1]}", tool=version,
                             device=device, duration_s=time.monotonic() - start,
                         )  # fmt: skip
-                    # started, loaded and checked sharing the device; measured alone
+                    # loaded and checked sharing the device; measured alone
                     with stage.session.exclusively():
                         stage.candidate(Counters(), what="the profiled call")
                 cand.finish(stage.deadline.left())

@@ -93,6 +93,9 @@ class GradingSession:
     #: what gives a timing the device to itself (a worker's :meth:`kf.device_gate.Turns.alone`);
     #: None: this process's lock of the device (``kf eval``, a library call)
     alone: Callable[[], AbstractContextManager[object]] | None = None
+    #: what gives work that runs on the device a share of it, for a stage that starts
+    #: holding none (:meth:`kf.device_gate.Turns.sharing`); None: the caller's hold covers it
+    sharing: Callable[[], AbstractContextManager[object]] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", parse_device(self.device))
@@ -104,6 +107,10 @@ class GradingSession:
     def exclusively(self) -> AbstractContextManager[object]:
         """The device to this session alone (:attr:`alone`), for a timing."""
         return self.alone() if self.alone is not None else device_lock(self.device)
+
+    def shared(self) -> AbstractContextManager[object]:
+        """A share of the device (:attr:`sharing`), for work that runs on it untimed."""
+        return self.sharing() if self.sharing is not None else contextlib.nullcontext()
 
     @property
     def runners(self) -> RunnerPool:
