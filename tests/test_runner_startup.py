@@ -13,10 +13,14 @@ import inspect
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from kf.evaluation import RunnerPool
 from kf.evaluation.runner.guard import OpRecorder
 from kf.evaluation.wire.protocol import Ping, Pong
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import runner_cost
 
 
 def test_the_op_recorder_records_without_importing_dynamo() -> None:
@@ -71,6 +75,11 @@ def test_a_warmed_runner_logs_its_start_up_and_has_no_dynamo() -> None:
             for step in ("interpreter and kf", "import torch", "runner set-up", "op tracer"):
                 assert f"{step} " in line, line
             assert "torch._dynamo loaded: no" in line, line
+            # what bench/runner_cost.py reads of it, and of the box from /proc
+            steps = runner_cost.startup_steps(log)
+            assert steps["import torch"]["cpu_s"] > 0.1, steps
+            box_cpu, processes = runner_cost.tree_cpu(handle.pid)
+            assert processes >= 2 and box_cpu >= steps["import torch"]["cpu_s"], (box_cpu, steps)
             assert isinstance(handle.request(Ping(), 60.0), Pong)
     finally:
         pool.close()
