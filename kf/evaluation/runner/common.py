@@ -247,7 +247,15 @@ class RunnerBase:
             # before any limit: large payloads stay memory files under the file limit
             file_maker.start_file_maker()
         if msg.memory_bytes:
-            resource.setrlimit(resource.RLIMIT_AS, (msg.memory_bytes, msg.memory_bytes))
+            # on top of what the runner maps already: a CUDA build of PyTorch maps
+            # gigabytes of address space when imported, and an absolute limit left a CPU
+            # runner on a GPU host no room to import anything (on the H200 a candidate's
+            # `import sqlite3` failed to map its library)
+            limit = _mapped_bytes() + msg.memory_bytes
+            _, hard = resource.getrlimit(resource.RLIMIT_AS)
+            if hard != resource.RLIM_INFINITY:  # set up before (a reused runner): lower only
+                limit = min(limit, hard)
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         if msg.cpu_s:
             usage = resource.getrusage(resource.RUSAGE_SELF)
             used = int(usage.ru_utime + usage.ru_stime) + 1
@@ -462,3 +470,12 @@ class RunnerBase:
             del inputs, which
         self._trim_device_cache()
         return p.InputsTimed(samples_ns=samples, repeated_ns=repeated)
+
+
+def _mapped_bytes() -> int:
+    """The address space this process maps now (0 where /proc says nothing)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
