@@ -81,7 +81,11 @@ def _counters(stage: Stage) -> CountersReport:
                 # started (Python, torch and the CUDA context under ncu: seconds of host
                 # work, as a pooled runner's start is) holding no share of the device
                 cand.wait_ready()
-                with stage.session.shared(), stage.reference_lease():
+                # a runner without a compiled baseline first: a profile wants that one
+                with (
+                    stage.session.shared(),
+                    stage.reference_lease(prefer=lambda h: not h.baselines),
+                ):
                     _, _, problem = stage.loaded_and_checked()
                     if problem is not None:
                         return CountersReport(
