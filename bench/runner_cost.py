@@ -451,7 +451,10 @@ def _each(table: list[dict[str, Any]], op: str) -> float:
 
 
 def render(result: dict[str, Any]) -> str:
-    out = [f"runner cost on {result['device']} ({result['sandbox']}), kf {result['commit']}"]
+    out = [
+        f"runner cost on {result['device']} ({result['sandbox']}), kf {result['commit']}, "
+        f"{result['load']} busy processes beside the stages"
+    ]
     starts = result["starts"]
     out.append(
         f"\nstart→ready: {starts['mean_cpu_s']:.3f} CPU-s, {starts['mean_wall_s']:.3f} s wall "
@@ -520,6 +523,13 @@ def main() -> int:
         "e.g. TORCHINDUCTOR_COMPILE_THREADS=1",
     )
     ap.add_argument("--no-imports", action="store_true")
+    ap.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        help="busy processes beside the stages (a host as loaded as in a run: on SMT cores a "
+        "CPU-second costs more when the sibling thread is busy)",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     args = ap.parse_args()
     if args.unboxed:
@@ -568,10 +578,16 @@ def main() -> int:
         f"stages: {args.candidates} candidates of {task.name} ({cand.name}) on {args.device}",
         flush=True,
     )
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)
+    ]
     try:
         windows = run_stages(task, cand.read_text(), args.device, args.candidates, warm, sampler)
     finally:
         sampler.stop()
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
     table, runners = attribute(windows, sampler)
     result: dict[str, Any] = {
         "device": args.device,
@@ -581,6 +597,7 @@ def main() -> int:
         "candidate": str(cand.relative_to(ROOT)) if cand.is_relative_to(ROOT) else str(cand),
         "warm": warm,
         "env": args.env,
+        "load": args.load,
         "cores": len(os.sched_getaffinity(0)),
         "loadavg_at_end": os.getloadavg(),
         "starts": starts,
