@@ -15,6 +15,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+import torch
+
 from kf.evaluation import RunnerPool
 from kf.evaluation.runner.guard import OpRecorder
 from kf.evaluation.wire.protocol import Ping, Pong
@@ -108,3 +111,23 @@ def test_kf_load_inline_is_in_place_when_a_candidate_imports_it() -> None:
         [sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True, timeout=120
     ).stdout.splitlines()
     assert out[-3:] == ["imported False", "kf's True True", "again True True"], out
+
+
+def test_a_runner_warmed_for_the_gpu_has_its_context_and_no_dynamo() -> None:
+    """On a GPU (the H200): a runner warmed for ``cuda:0`` made its CUDA context and
+    entered the op tracer before it said it was ready, without importing dynamo, and
+    its box's CPU is what bench/runner_cost.py reports for a start."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU (the H200)")
+    pool = RunnerPool(size=0, threads=1, warm="cuda:0")
+    try:
+        with pool.lease() as handle:
+            line = next(
+                x for x in handle.log_tail().splitlines() if x.startswith("kf runner: started in")
+            )
+            steps = runner_cost.startup_steps(handle.log_tail())
+            assert {"import torch", "CUDA context", "op tracer"} <= set(steps), line
+            assert "torch._dynamo loaded: no" in line, line
+            assert isinstance(handle.request(Ping(), 60.0), Pong)
+    finally:
+        pool.close()
