@@ -501,6 +501,12 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _git(*args: str) -> str:
+    """What ``git ARGS`` prints in the repository (empty where git fails)."""
+    done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT, check=False)
+    return done.stdout.strip()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
@@ -556,20 +562,7 @@ def main() -> int:
         else (args.warm or None)
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "kf"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-    ).stdout.strip()
+    commit, dirty = _git("rev-parse", "--short", "HEAD"), _git("status", "--porcelain", "kf")
     print(f"start-up: {args.starts} runners (warm={warm})", flush=True)
     starts = measure_starts(args.starts, args.idle, warm)
     sampler = Sampler(args.interval)
