@@ -339,24 +339,40 @@ def test_a_reference_runner_is_dropped_for_its_own_failure_only() -> None:
     failing counters run killed the runner holding the task's compiled baseline), and is
     dropped when one of its own requests fails."""
     from kf.evaluation.grader.grading import CandidateFailed
-    from kf.evaluation.grader.sandbox import RunnerError
+    from kf.evaluation.grader.sandbox import RunnerError, RunnerHandle
     from kf.evaluation.wire import protocol
 
     pool = RunnerPool(size=0, references=2)
-    try:
-        with pytest.raises(CandidateFailed), pool.reference_lease("task") as ref:
-            ref.baselines.add("default")
-            raise CandidateFailed("wrong", "the candidate's outputs differ")
+    leased: list[RunnerHandle] = []
+
+    def job(then: Any) -> None:
+        with pool.reference_lease("task") as handle:
+            leased.append(handle)
+            then(handle)
+
+    def candidate_failed(handle: RunnerHandle) -> None:
+        handle.baselines.add("default")
+        raise CandidateFailed("wrong", "the candidate's outputs differ")
+
+    def another_runner_failed(handle: RunnerHandle) -> None:
         other = RunnerError("process exited with status 1 during start-up")
-        other.runner_pid = ref.pid + 1_000_000  # not this runner's
-        with pytest.raises(RunnerError), pool.reference_lease("task") as again:
-            assert again is ref
-            raise other
-        assert pool._refs["task"] == [ref] and ref.proc.poll() is None
-        with pytest.raises(RunnerError) as own, pool.reference_lease("task") as again:
-            assert again is ref
-            again.request(protocol.Run(seed=0), 60.0)  # no model loaded: a Failed answer
-        assert own.value.runner_pid == ref.pid
+        other.runner_pid = handle.pid + 1_000_000  # not this runner's
+        raise other
+
+    def own_request_failed(handle: RunnerHandle) -> None:
+        handle.request(protocol.Run(seed=0), 60.0)  # no model loaded: a Failed answer
+
+    try:
+        with pytest.raises(CandidateFailed):
+            job(candidate_failed)
+        with pytest.raises(RunnerError):
+            job(another_runner_failed)
+        ref = leased[0]
+        assert leased == [ref, ref] and pool._refs["task"] == [ref]
+        assert ref.proc.poll() is None
+        with pytest.raises(RunnerError) as own:
+            job(own_request_failed)
+        assert leased[2] is ref and own.value.runner_pid == ref.pid
         assert pool._refs["task"] == [] and ref.closed
     finally:
         pool.close()
