@@ -52,6 +52,23 @@ def counters_session(session: GradingSession) -> CountersReport:
     return stage.sandboxed(_counters(stage))
 
 
+def _measured(stage: Stage, cand: RunnerHandle) -> str | None:
+    """The runner under ncu started holding no share of the device (Python, torch and
+    the CUDA context: host work, as a pooled runner's start is), the candidate loaded and
+    checked sharing it, the one measured call made with the device alone; what is wrong
+    with the candidate's output, or None."""
+    cand.wait_ready()
+    # a reference runner without a compiled baseline first: a profile wants that one
+    with stage.session.shared(), stage.reference_lease(prefer=lambda h: not h.baselines):
+        _, _, problem = stage.loaded_and_checked()
+        if problem is not None:
+            return problem[1]
+        with stage.session.exclusively():
+            stage.candidate(Counters(), what="the profiled call")
+    cand.finish(stage.deadline.left())
+    return None
+
+
 def _counters(stage: Stage) -> CountersReport:
     """:func:`counters_session` in ``stage``."""
     device, pool = stage.device, stage.session.runners
@@ -78,24 +95,12 @@ def _counters(stage: Stage) -> CountersReport:
             boxed = cand.sandbox == box.MODE_BWRAP
             isolated = cand.isolated_network
             try:
-                # started (Python, torch and the CUDA context under ncu: seconds of host
-                # work, as a pooled runner's start is) holding no share of the device
-                cand.wait_ready()
-                # a runner without a compiled baseline first: a profile wants that one
-                with (
-                    stage.session.shared(),
-                    stage.reference_lease(prefer=lambda h: not h.baselines),
-                ):
-                    _, _, problem = stage.loaded_and_checked()
-                    if problem is not None:
-                        return CountersReport(
-                            ok=False, error=f"wrong output under ncu: {problem[1]}", tool=version,
-                            device=device, duration_s=time.monotonic() - start,
-                        )  # fmt: skip
-                    # loaded and checked sharing the device; measured alone
-                    with stage.session.exclusively():
-                        stage.candidate(Counters(), what="the profiled call")
-                cand.finish(stage.deadline.left())
+                problem = _measured(stage, cand)
+                if problem is not None:
+                    return CountersReport(
+                        ok=False, error=f"wrong output under ncu: {problem}", tool=version,
+                        device=device, duration_s=time.monotonic() - start,
+                    )  # fmt: skip
             except CandidateFailed as exc:
                 return CountersReport(
                     ok=False, error=f"{exc.kind}: {exc.error}", tool=version, device=device,

@@ -153,17 +153,8 @@ def main(argv: list[str]) -> int:
     settings = current()  # this runner's, from the environment its pool gave it
     if settings.build_service:  # in the box: the grader builds
         _builds_by_grader(send, recv, encode, decode)
-    startup.mark("runner's own imports")
-    import torch
-
-    startup.mark("import torch")
-    runner = Runner(clock_ns, watch)
-    startup.mark("runner set-up")
-    if settings.runner_warm:
-        _warm(torch, settings.runner_warm, startup)
-    print(startup.line(), flush=True)
-    send(encode(protocol.Ready(pid=os.getpid(), torch=str(torch.__version__))))
-    del torch, startup
+    runner = _started(startup, Runner, clock_ns, watch, settings.runner_warm, send)
+    del startup
     guard: Integrity | None = None
     while True:
         try:
@@ -214,6 +205,26 @@ def main(argv: list[str]) -> int:
         sys.stdout.flush()
         send_message(reply)
         del reply
+
+
+def _started(
+    startup: StartUp, make: Any, clock_ns: Any, watch: Any, warm: str | None, send: Any
+) -> Any:
+    """Import torch, make the runner (``make``: :class:`Runner`), warm it up, log what the
+    start cost and say it is ready; no candidate code exists yet."""
+    from kf.evaluation.wire import protocol
+
+    startup.mark("runner's own imports")
+    import torch
+
+    startup.mark("import torch")
+    runner = make(clock_ns, watch)
+    startup.mark("runner set-up")
+    if warm:
+        _warm(torch, warm, startup)
+    print(startup.line(), flush=True)
+    send(protocol.encode(protocol.Ready(pid=os.getpid(), torch=str(torch.__version__))))
+    return runner
 
 
 def _builds_by_grader(send: Any, recv: Any, encode: Any, decode: Any) -> None:
