@@ -80,8 +80,9 @@ class Profiler(EvaluatorAgent):
 
         async def profile() -> ProfileReport:
             # loading, checking and re-verifying share the device; each timing has it
-            # alone (``timing_gate``). The task's torch.compile baseline was compiled when its
-            # first candidate was verified (agents.verifier)
+            # alone (``timing_gate``). The verifier compiled the task's torch.compile
+            # baseline already: on a GPU as the run started, else after the task's first
+            # correct candidate (agents.verifier)
             async with self.timing_gate(ev.report.peak_device_mb) as hooks:
                 return await asyncio.to_thread(
                     self._profile, state, task, ev.candidate_id, source, hooks.get("alone")

@@ -61,7 +61,8 @@ class CudaCompiler(Compiler):
 
 
 def verify_concurrency(settings: Settings | None = None) -> int:
-    """Verifications at once on a GPU: ``$KF_CUDA_VERIFY_JOBS``, default 4."""
+    """Verifications at once on a GPU, and profiles (one per task): ``$KF_CUDA_VERIFY_JOBS``,
+    default 4."""
     jobs = (settings or current()).cuda_verify_jobs
     return 4 if jobs is None else jobs
 
