@@ -48,14 +48,25 @@ ABSURD_COUNTERS = {"dram_throughput_pct": 1e9, "sm_throughput_pct": 1e9, "kernel
 
 def tuning_lie(ev: TuningRequested, sources: dict[str, str]) -> ConfigTuned:
     """The answer to a tuning request at the task's own shape set: a configuration of the
-    kernel's space that no candidate has (so the archive chooses it), claimed a million
-    times faster than the kernel's own, after four trials that never ran."""
+    kernel's space that no candidate has and no honest tuner is near (so the archive
+    chooses it), claimed a million times faster than the kernel's own, after four trials
+    that never ran."""
     source = sources[ev.candidate_id]
     parsed = params.parse(source)
     assert parsed is not None, "asked to tune a kernel without a space"
     space, own = parsed
     known = set(sources.values())
-    best = next(c for c in params.grid(space) if params.apply(source, c) not in known)
+    fresh = [c for c in params.grid(space) if params.apply(source, c) not in known]
+    # not one an honest tuner may choose at the same time (a tuner on a small budget picks a
+    # neighbour of an elite's configuration): the archive skips a configuration already
+    # proposed, and the honest device's answer can be committed first
+    near: set[str] = set()
+    for other in sources.values():
+        found = params.parse(other)
+        if found is not None and params.family(other) == params.family(source):
+            near.update(params.config_key(n) for n in params.neighbours(*found))
+    far = [c for c in fresh if params.config_key(c) not in near]
+    best = (far or fresh)[0]
     trials = tuple(TuningTrial(config=dict(best), ok=True, runtime_ms=1e-6) for _ in range(4))
     return ConfigTuned(
         task=ev.task,
