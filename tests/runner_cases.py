@@ -1,5 +1,6 @@
 """What the runner-level tests share: the tiny gelu task (tests/fixtures/eval/task_gelu.py,
-also at other sizes or with more in its source), a reference and a candidate runner in this
+also at other sizes or with more in its source), a candidate for it made of a fixture that
+cheats at import and a ModelNew in PyTorch, a reference and a candidate runner in this
 process on it, a runner pool started under given environment variables, and whole
 evaluations of an adversarial fixture judged against the verdict the default transport
 gives it."""
@@ -21,6 +22,8 @@ from kf.tasks import Task, load_task
 FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"
 #: the tiny task: y = gelu(x + bias) on a 64 x 1024 float32 input
 TASK_FILE = Path(__file__).parent / "fixtures" / "eval" / "task_gelu.py"
+#: the gelu task's answer computed with PyTorch ops, as a candidate's ModelNew
+TORCH_REFERENCE = FIXTURES / "torch_reference.py"
 QUICK = {"min_time_s": 0.05, "warmup": 2, "min_trials": 10}
 PROFILED = ("honest_cpp", "cache_outputs")
 
@@ -54,6 +57,13 @@ def gelu_task(
         assert old in source, f"{TASK_FILE} no longer has {old!r}"
         source = source.replace(old, new)
     return Task.from_source(name, source + more)
+
+
+def cheat_then_torch(fixture: Path) -> str:
+    """A candidate for the gelu task: ``fixture``, code that cheats as it is imported and
+    defines no ModelNew, then TORCH_REFERENCE, whose ModelNew computes the right answer, so
+    that nothing but the cheat can fail it."""
+    return fixture.read_text() + "\n\n" + TORCH_REFERENCE.read_text()
 
 
 def pool_under(env: dict[str, str]) -> Iterator[RunnerPool]:

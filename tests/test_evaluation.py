@@ -23,6 +23,7 @@ from kf.evaluation.grader.timing_checks import cross_check_flags, timing_stats
 from kf.evaluation.runner.compare import compare_inputs, compare_outputs
 from kf.evaluation.wire.protocol import LoadTask, MakeInputs, Ping, Pong, Setup
 from kf.tasks import TaskError, load_task
+from tests.runner_cases import cheat_then_torch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
 TASK = load_task(FIXTURES / "task_gelu.py")
@@ -115,9 +116,8 @@ def test_verify_is_thread_safe_and_isolates_crashes(pool: RunnerPool) -> None:
 
 def test_profile_clock_tampering_does_not_stop_the_timer(pool: RunnerPool) -> None:
     """A candidate that patches time.perf_counter_ns at import cannot zero its own timings."""
-    report = profile_candidate(
-        TASK, candidate("clock_tamper"), pool=pool, warmup=1, min_trials=5, min_time_s=0.01
-    )
+    cheat = cheat_then_torch(FIXTURES / "clock_tamper.py")
+    report = profile_candidate(TASK, cheat, pool=pool, warmup=1, min_trials=5, min_time_s=0.01)
     assert report.ok, report.error
     assert report.runtime_min_ms > 0
 

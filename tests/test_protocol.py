@@ -21,6 +21,7 @@ from kf.evaluation.wire import protocol as p
 from kf.evaluation.wire import shared_memory
 from kf.evaluation.wire.tolerance import Tolerance
 from kf.tasks import load_task
+from tests.runner_cases import cheat_then_torch
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TASK = load_task(FIXTURES / "eval" / "task_gelu.py")
@@ -233,7 +234,9 @@ def test_protocol_runner_writing_garbage_gets_a_clear_verdict(
     name: str, kind: str, says: str, pool: RunnerPool
 ) -> None:
     """A candidate that writes onto the grading socket itself is refused with what it did."""
-    report = compile_candidate(TASK, (FIXTURES / "protocol" / f"{name}.py").read_text(), pool=pool)
+    report = compile_candidate(
+        TASK, cheat_then_torch(FIXTURES / "protocol" / f"{name}.py"), pool=pool
+    )
     assert not report.ok
     assert report.failure_kind == kind, report.error
     assert says in (report.error or ""), report.error
