@@ -15,42 +15,28 @@ from hardware_agents.cpu import (
     probe,
 )
 
-X86_CPUINFO = """\
-processor\t: 0
-vendor_id\t: GenuineIntel
-model name\t: Intel(R) Xeon(R) Platinum 8480+
-physical id\t: 0
-core id\t\t: 0
-flags\t\t: fpu sse sse2 sse4_1 sse4_2 avx avx2 fma avx512f avx512bw avx512vl avx512_bf16 amx_tile
+X86_FLAGS = "fpu sse sse2 sse4_1 sse4_2 avx avx2 fma avx512f avx512bw avx512vl avx512_bf16 amx_tile"
+#: three logical processors on two cores (0 and 1 are hyperthreads of core 0)
+X86_CPUINFO = "\n".join(
+    f"processor\t: {n}\n"
+    "vendor_id\t: GenuineIntel\n"
+    "model name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+    "physical id\t: 0\n"
+    f"core id\t\t: {core}\n"
+    f"flags\t\t: {X86_FLAGS}\n"
+    for n, core in enumerate((0, 0, 1))
+)
 
-processor\t: 1
-vendor_id\t: GenuineIntel
-model name\t: Intel(R) Xeon(R) Platinum 8480+
-physical id\t: 0
-core id\t\t: 0
-flags\t\t: fpu sse sse2 sse4_1 sse4_2 avx avx2 fma avx512f avx512bw avx512vl avx512_bf16 amx_tile
-
-processor\t: 2
-vendor_id\t: GenuineIntel
-model name\t: Intel(R) Xeon(R) Platinum 8480+
-physical id\t: 0
-core id\t\t: 1
-flags\t\t: fpu sse sse2 sse4_1 sse4_2 avx avx2 fma avx512f avx512bw avx512vl avx512_bf16 amx_tile
-"""
-
-ARM_CPUINFO = """\
-processor\t: 0
-BogoMIPS\t: 50.00
-Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp sve sve2 bf16 i8mm
-CPU implementer\t: 0x41
-CPU part\t: 0xd4f
-
-processor\t: 1
-BogoMIPS\t: 50.00
-Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp sve sve2 bf16 i8mm
-CPU implementer\t: 0x41
-CPU part\t: 0xd4f
-"""
+ARM_FEATURES = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp sve sve2 bf16 i8mm"
+#: two processors, with no core ids
+ARM_CPUINFO = "\n".join(
+    f"processor\t: {n}\n"
+    "BogoMIPS\t: 50.00\n"
+    f"Features\t: {ARM_FEATURES}\n"
+    "CPU implementer\t: 0x41\n"
+    "CPU part\t: 0xd4f\n"
+    for n in range(2)
+)
 
 
 def test_parse_size_reads_sysfs_and_lscpu_forms() -> None:

@@ -67,6 +67,13 @@ def test_parse_accepts_multiline_and_annotated_config() -> None:
     assert parsed[1] == {"A": 2, "B": "y"}
 
 
+def _refused(source: str) -> str:
+    """The message of the ParamsError that ``params.parse`` refuses ``source`` with."""
+    with pytest.raises(ParamsError) as info:
+        params.parse(source)
+    return str(info.value)
+
+
 @pytest.mark.parametrize(
     ("config_text", "fragment"),
     [
@@ -81,10 +88,8 @@ def test_parse_accepts_multiline_and_annotated_config() -> None:
 def test_parse_rejects_config_outside_space(config_text: str, fragment: str) -> None:
     """A bad CONFIG raises ParamsError naming the key, value and CONFIG's line (line 5)."""
     source = _module({"BLOCK": [256, 512], "UNROLL": [1, 4]}, config_text)
-    with pytest.raises(ParamsError) as info:
-        params.parse(source)
-    assert fragment in str(info.value)
-    assert "line 5" in str(info.value)
+    message = _refused(source)
+    assert fragment in message and "line 5" in message
 
 
 @pytest.mark.parametrize(
@@ -101,10 +106,8 @@ def test_parse_rejects_config_outside_space(config_text: str, fragment: str) -> 
 def test_parse_rejects_malformed_space(space_text: str, fragment: str) -> None:
     """A malformed SPACE raises ParamsError saying what is wrong and on which line."""
     source = f"# --- kf:params ---\nSPACE = {space_text}\nCONFIG = {{}}\n# --- kf:end ---\n"
-    with pytest.raises(ParamsError) as info:
-        params.parse(source)
-    assert fragment in str(info.value)
-    assert "line 2" in str(info.value)
+    message = _refused(source)
+    assert fragment in message and "line 2" in message
 
 
 @pytest.mark.parametrize(
@@ -119,9 +122,7 @@ def test_parse_rejects_malformed_space(space_text: str, fragment: str) -> None:
 )
 def test_parse_rejects_malformed_block(source: str, fragment: str) -> None:
     """Structural problems with the block raise ParamsError with a pointed message."""
-    with pytest.raises(ParamsError) as info:
-        params.parse(source)
-    assert fragment in str(info.value)
+    assert fragment in _refused(source)
 
 
 def test_apply_rewrites_only_the_config_line() -> None:
