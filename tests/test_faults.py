@@ -105,7 +105,9 @@ def check_counted_once(db: Path, budget: int) -> dict[str, Any]:
     return report
 
 
-def run_args(url: str, db: Path, run: str, budget: int, *extra: str) -> list[str]:
+def search_args(url: str, run: str, budget: int) -> list[str]:
+    """``kf run`` of TASK in run ``run`` on ``url``: ``budget`` candidates on one island, with
+    no tuning (these runs count the search's candidates; tuning would add its own)."""
     return [
         "run",
         str(TASK),
@@ -113,19 +115,27 @@ def run_args(url: str, db: Path, run: str, budget: int, *extra: str) -> list[str
         url,
         "--run",
         run,
-        "--db",
-        str(db),
         "--budget",
         str(budget),
         "--islands",
         "1",
+        "--json",
+        "--tune-budget",
+        "0",
+    ]
+
+
+def run_args(url: str, db: Path, run: str, budget: int, *extra: str) -> list[str]:
+    """search_args with its own log at ``db`` and quick heartbeats (a device silent for 3 s
+    is lost)."""
+    return [
+        *search_args(url, run, budget),
+        "--db",
+        str(db),
         "--heartbeat",
         "0.5",
         "--heartbeat-timeout",
         "3",
-        "--json",
-        "--tune-budget",  # these runs count the search's candidates; tuning adds its own
-        "0",
         *extra,
     ]
 
@@ -259,22 +269,7 @@ def test_faults_archivist_killed_and_restarted_resumes(
     arch = kf_proc(*archivist_args)
     mutator = kf_proc("agent", "mutator", "--nats", url, "--run", run)
     worker = kf_proc(*worker_args(url, run, "w"))
-    starter = kf_proc(
-        "run",
-        str(TASK),
-        "--nats",
-        url,
-        "--run",
-        run,
-        "--join",
-        "--budget",
-        "4",
-        "--islands",
-        "1",
-        "--json",
-        "--tune-budget",  # the archivist's restart is the point; tuning adds its own
-        "0",
-    )
+    starter = kf_proc(*search_args(url, run, 4), "--join")
     arch2: subprocess.Popen[str] | None = None
     try:
         wait_until(lambda: of_type(db, "kernel.candidate_profiled"), 120, "a first result")

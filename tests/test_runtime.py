@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import msgspec
@@ -33,13 +34,28 @@ async def _connect(url: str):
     return await bus.connect(bus.BusOptions(url))
 
 
+def _observer(nc: Any, name: str) -> AgentRunner:
+    """A Tally in run RUN that folds what it is sent and decides nothing."""
+    runner = AgentRunner(Tally(AgentContext(run_id=RUN, agent_id=name)), nc)
+    runner.agent.react = lambda s, r: ()  # type: ignore[method-assign]
+    return runner
+
+
+async def _started(runner: AgentRunner) -> tuple[asyncio.Event, asyncio.Task[None]]:
+    """``runner`` running, once it is ready, until the event returned is set."""
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(runner.run(stop, ready))
+    await ready.wait()
+    return stop, task
+
+
 async def test_runtime_delivers_every_event_once_in_order(
     nats_server: EmbeddedServer, db_path: Path
 ) -> None:
     """Four producers' events are committed once each and reach a subscriber in seq order."""
     nc = await _connect(nats_server.url)
     async with archivist(nats_server.url, RUN, db_path) as arch:
-        runner = AgentRunner(Tally(AgentContext(run_id=RUN, agent_id="tally@sub")), nc)
+        runner = _observer(nc, "tally@sub")
         # a standalone Tally would emit decisions too; only observe here
         runner.react_to_history = False
         seen: list[int] = []
@@ -50,10 +66,7 @@ async def test_runtime_delivers_every_event_once_in_order(
             return original(env)
 
         runner._fold = spy  # type: ignore[method-assign]
-        runner.agent.react = lambda s, r: ()  # type: ignore[method-assign]
-        stop, ready = asyncio.Event(), asyncio.Event()
-        task = asyncio.create_task(runner.run(stop, ready))
-        await ready.wait()
+        stop, task = await _started(runner)
         outboxes = [Outbox(nc, RUN) for _ in range(4)]
         tasks = [asyncio.create_task(o.run()) for o in outboxes]
         for k, o in enumerate(outboxes):
@@ -134,11 +147,8 @@ async def test_runtime_nats_restart_midstream_loses_nothing(db_path: Path) -> No
     sub_nc = await _connect(server.url)
     try:
         async with archivist(server.url, RUN, db_path) as arch:
-            observer = AgentRunner(Tally(AgentContext(run_id=RUN, agent_id="tally@obs")), sub_nc)
-            observer.agent.react = lambda s, r: ()  # type: ignore[method-assign]
-            stop, ready = asyncio.Event(), asyncio.Event()
-            obs_task = asyncio.create_task(observer.run(stop, ready))
-            await ready.wait()
+            observer = _observer(sub_nc, "tally@obs")
+            stop, obs_task = await _started(observer)
             o = Outbox(nc, RUN, batch=16, timeout_s=1.0)
             t = asyncio.create_task(o.run())
             o.put(pings("a", 300, RUN))
@@ -191,11 +201,8 @@ async def test_runtime_garbage_is_rejected_counted_and_survived(
     """Garbage bytes and wrong-schema events are rejected and counted; agents live on."""
     nc = await _connect(nats_server.url)
     async with archivist(nats_server.url, RUN, db_path) as arch:
-        obs = AgentRunner(Tally(AgentContext(run_id=RUN, agent_id="tally@obs")), nc)
-        obs.agent.react = lambda s, r: ()  # type: ignore[method-assign]
-        stop, ready = asyncio.Event(), asyncio.Event()
-        obs_task = asyncio.create_task(obs.run(stop, ready))
-        await ready.wait()
+        obs = _observer(nc, "tally@obs")
+        stop, obs_task = await _started(obs)
         good = make_envelope(Pinged(producer="x", n=1), run_id=RUN, source="x@t")
         wrong_schema = Envelope(
             event_id="bad1",
