@@ -40,11 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.tool_mutator import EpisodeResult, ToolFn
+from agents.tool_mutator import EpisodeResult, ToolFn, episode_ended, tool_called
 from kf.llm.parse import ResponseError, parse_edit
 from kf.llm.prompts import Prompt
 from kf.llm.tools import ToolReply
-from kf.llm_facts import EpisodeEnded, ToolCalled
 from kf.settings import current
 
 __all__ = ["CliSpec", "agent_label", "run_cli_episode"]
@@ -168,22 +167,7 @@ async def run_cli_episode(spec: CliSpec, tool: ToolFn) -> EpisodeResult:
                 else:
                     calls += 1
                     reply = await tool(name, source)
-            events.append(
-                ToolCalled(
-                    episode=spec.episode,
-                    tool=name,
-                    task=spec.task,
-                    selection=spec.selection,
-                    index=calls,
-                    arguments=json.dumps({"source": source}),
-                    ok=reply.ok,
-                    result=reply.text,
-                    summary=reply.summary,
-                    error=reply.error,
-                    ran_on=reply.ran_on,
-                    latency_s=reply.latency_s,
-                )
-            )
+            events.append(tool_called(spec, name, calls, json.dumps({"source": source}), reply))
             writer.write(json.dumps({"ok": reply.ok, "text": reply.text}).encode() + b"\n")
             await writer.drain()
         finally:
@@ -268,21 +252,8 @@ async def run_cli_episode(spec: CliSpec, tool: ToolFn) -> EpisodeResult:
     out = transcript.decode(errors="replace")
     if len(out) > TRANSCRIPT_LIMIT:
         out = f"… ({len(out) - TRANSCRIPT_LIMIT} characters cut)\n" + out[-TRANSCRIPT_LIMIT:]
-    end = EpisodeEnded(
-        episode=spec.episode,
-        kind="cli",
-        task=spec.task,
-        selection=spec.selection,
-        model=spec.model,
-        ended=ended,
-        cause=cause,
-        tool_calls=calls,
-        seconds=time.monotonic() - t0,
-        command=spec.template,
-        exit_code=code,
-        transcript=out,
-        files=files,
-    )
+    run = {"command": spec.template, "exit_code": code, "transcript": out, "files": files}
+    end = episode_ended(spec, "cli", ended, cause, t0, tool_calls=calls, **run)
     return EpisodeResult(
         events=events, source=source, kind="rewrite", notes=notes, reason=reason, ended=end
     )

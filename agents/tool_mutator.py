@@ -25,7 +25,7 @@ import hashlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kf.llm.client import CallOutcome
 from kf.llm.parse import ResponseError, parse_edit
@@ -33,7 +33,16 @@ from kf.llm.prompts import Prompt
 from kf.llm.tools import DEVICE_TOOLS, ToolLimits, ToolReply, ToolRequestError, parse_arguments
 from kf.llm_facts import EpisodeEnded, LlmCalled, ToolCalled
 
-__all__ = ["Elite", "EpisodeResult", "EpisodeSpec", "run_episode", "tools_note"]
+__all__ = [
+    "Elite",
+    "EpisodeOf",
+    "EpisodeResult",
+    "EpisodeSpec",
+    "episode_ended",
+    "run_episode",
+    "tool_called",
+    "tools_note",
+]
 
 # (full conversation, messages to record, turn, tools offered) → the recorded call
 CallFn = Callable[
@@ -81,6 +90,56 @@ class EpisodeResult:
     notes: tuple[str, ...] = ()
     reason: str = ""
     ended: EpisodeEnded | None = None
+
+
+class EpisodeOf(Protocol):
+    """What an episode's spec (of either kind: tools, cli) says it is for."""
+
+    episode: str
+    task: str
+    selection: int | None
+    model: str
+
+
+def episode_ended(
+    spec: EpisodeOf, kind: str, ended: str, cause: str, t0: float, **cost: Any
+) -> EpisodeEnded:
+    """The end of ``spec``'s episode of ``kind`` (tools, cli), begun at monotonic ``t0``:
+    ``ended`` for ``cause``; ``cost`` holds the kind's own fields (turns, tokens, command)."""
+    return EpisodeEnded(
+        episode=spec.episode,
+        kind=kind,
+        task=spec.task,
+        selection=spec.selection,
+        model=spec.model,
+        ended=ended,
+        cause=cause,
+        seconds=time.monotonic() - t0,
+        **cost,
+    )
+
+
+def tool_called(
+    spec: EpisodeOf, name: str, index: int, arguments: str, reply: ToolReply, **call: Any
+) -> ToolCalled:
+    """The record of ``spec``'s episode's ``index``-th tool call, ``name`` with ``arguments``
+    (verbatim), answered ``reply``; ``call``: a tools episode's turn and the model's id of
+    the call (``turn``, ``call_id``)."""
+    return ToolCalled(
+        episode=spec.episode,
+        tool=name,
+        task=spec.task,
+        selection=spec.selection,
+        index=index,
+        arguments=arguments,
+        ok=reply.ok,
+        result=reply.text,
+        summary=reply.summary,
+        error=reply.error,
+        ran_on=reply.ran_on,
+        latency_s=reply.latency_s,
+        **call,
+    )
 
 
 def tools_note(tools: list[dict[str, Any]], limits: ToolLimits) -> str:
@@ -139,24 +198,7 @@ async def run_episode(spec: EpisodeSpec, call: CallFn, tool: ToolFn) -> EpisodeR
     answer: tuple[str, str, tuple[str, ...]] | None = None  # source, kind, notes
 
     def record_tool(turn: int, cid: str, name: str, arguments: str, reply: ToolReply) -> None:
-        events.append(
-            ToolCalled(
-                episode=spec.episode,
-                tool=name,
-                task=spec.task,
-                selection=spec.selection,
-                turn=turn,
-                index=calls,
-                call_id=cid,
-                arguments=arguments,
-                ok=reply.ok,
-                result=reply.text,
-                summary=reply.summary,
-                error=reply.error,
-                ran_on=reply.ran_on,
-                latency_s=reply.latency_s,
-            )
-        )
+        events.append(tool_called(spec, name, calls, arguments, reply, turn=turn, call_id=cid))
 
     for turn in range(lim.turns):
         if time.monotonic() - t0 > lim.seconds:
@@ -253,20 +295,8 @@ async def run_episode(spec: EpisodeSpec, call: CallFn, tool: ToolFn) -> EpisodeR
     if source is not None and _digest(source) in spec.seen:
         reason = "the episode's candidate duplicates one already proposed"
         source = None
-    end = EpisodeEnded(
-        episode=spec.episode,
-        kind="tools",
-        task=spec.task,
-        selection=spec.selection,
-        model=spec.model,
-        ended=ended,
-        cause=cause,
-        turns=turns,
-        tool_calls=calls,
-        prompt_tokens=pin,
-        completion_tokens=pout,
-        seconds=time.monotonic() - t0,
-    )
+    tokens = {"prompt_tokens": pin, "completion_tokens": pout}
+    end = episode_ended(spec, "tools", ended, cause, t0, turns=turns, tool_calls=calls, **tokens)
     return EpisodeResult(
         events=events, source=source, kind=kind, notes=notes, reason=reason, ended=end
     )
