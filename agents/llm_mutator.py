@@ -317,13 +317,7 @@ class LlmMutator(Agent[LlmMutatorState]):
     async def react(self, state: LlmMutatorState, rec: Record) -> Sequence[Event]:
         ev = rec.event
         if isinstance(ev, RunStarted):
-            return seed_candidates(
-                state.seeds,
-                rec.event_id,
-                islands=state.islands,
-                device=state.device,
-                mutator=SEED_LABEL,
-            )
+            return seed_candidates(state, rec.event_id, mutator=SEED_LABEL)
         if isinstance(ev, PromptChosen):
             return await self._mutate(state, ev, rec.event_id)
         if isinstance(ev, PromptRewriteRequested):

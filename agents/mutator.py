@@ -70,13 +70,7 @@ class OfflineMutator(Agent[MutatorState]):
     def react(self, state: MutatorState, rec: Record) -> Sequence[Event]:
         ev = rec.event
         if isinstance(ev, RunStarted):
-            return seed_candidates(
-                state.seeds,
-                rec.event_id,
-                islands=state.islands,
-                device=state.device,
-                mutator=OFFLINE_MUTATOR,
-            )
+            return seed_candidates(state, rec.event_id, mutator=OFFLINE_MUTATOR)
         if isinstance(ev, ParentSelected):
             return [self._child(state, ev, rec.event_id)]
         if isinstance(ev, TunedChosen):

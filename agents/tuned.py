@@ -8,28 +8,35 @@ decision with :func:`tuned_candidate`, so a run proposes them whichever mutator 
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from kf import params
 from kf.events import Event, derived_id
 from kf.search_facts import CandidateProposed, MutationFailed, TunedChosen
 
-__all__ = ["TUNER_LABEL", "seed_candidates", "tuned_candidate"]
+__all__ = ["TUNER_LABEL", "Seeding", "seed_candidates", "tuned_candidate"]
 
 TUNER_LABEL = "tuner (no LLM): a template configuration timed per shape and device"
 
 
-def seed_candidates(
-    seeds: dict[str, list[tuple[str, str]]],
-    event_id: str,
-    *,
-    islands: int,
-    device: str,
-    mutator: str,
-) -> list[Event]:
+class Seeding(Protocol):
+    """What a mutator's state knows of the run when it proposes the seeds."""
+
+    @property
+    def seeds(self) -> dict[str, list[tuple[str, str]]]: ...  # task → (name, source)
+    @property
+    def islands(self) -> int: ...
+    @property
+    def device(self) -> str: ...
+
+
+def seed_candidates(state: Seeding, event_id: str, *, mutator: str) -> list[Event]:
     """``CandidateProposed`` (operator ``seed``) for each task's seeds, named (``name``,
     ``source``) and spread over the islands in turn; a seed whose kf:params block is
     missing or broken is proposed with no configuration."""
+    islands, device = state.islands, state.device
     out: list[Event] = []
-    for task, named in seeds.items():
+    for task, named in state.seeds.items():
         for i, (name, source) in enumerate(named):
             try:
                 parsed = params.parse(source)
