@@ -50,14 +50,16 @@ def run_kf(
         env["KF_EVAL_THREADS"] = eval_threads
     env.pop("KF_LLM_API_KEY", None)
     env.pop("OPENAI_API_KEY", None)
-    return subprocess.run(
-        [sys.executable, "-m", "kf.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=env,
-    )
+    return kf_cli(*args, env=env, timeout=timeout)
+
+
+def kf_cli(
+    *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``python -m kf.cli ARGS`` in ``cwd`` under ``env`` (None: this process's), its output
+    captured as text; its exit status is the caller's to check."""
+    argv = [sys.executable, "-m", "kf.cli", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
 def scripted_llm_run(

@@ -28,7 +28,7 @@ from kf.search_facts import (
     CandidateProposed,
     CountersMeasured,
 )
-from tests.harness import archivist, wait_for
+from tests.harness import archivist, kf_cli, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -297,15 +297,7 @@ def test_auth_shared_login_is_refused_unless_allowed(tmp_path: Path) -> None:
     task = str(ROOT / "tests/fixtures/search/scale_relu.py")
 
     def kf(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "kf.cli", *argv],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=tmp_path,
-            env=env,
-            check=False,
-        )
+        return kf_cli(*argv, env=env, cwd=tmp_path, timeout=120)
 
     with EmbeddedServer(token="kf-shared-secret") as srv:
         bare = srv.url.replace("kf-shared-secret@", "")

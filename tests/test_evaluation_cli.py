@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kf.evaluation.grader.cli import main
+from tests.harness import kf_cli
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
 TASK = str(FIXTURES / "task_gelu.py")
@@ -130,13 +131,7 @@ def test_eval_help_through_the_kf_command() -> None:
     """``kf eval -h`` and ``kf --log-level INFO eval --help`` print kf eval's own help and
     exit 0 (argparse's REMAINDER used to drop a leading ``-h``: "unrecognized arguments")."""
     for argv in (["eval", "-h"], ["--log-level", "INFO", "eval", "--help"]):
-        done = subprocess.run(
-            [sys.executable, "-m", "kf.cli", *argv],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        done = kf_cli(*argv, timeout=120)
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("usage: kf eval") and "candidate" in done.stdout
         assert "unrecognized" not in done.stderr

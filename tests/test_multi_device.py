@@ -28,6 +28,7 @@ from kf.devices import (
     probe_health,
 )
 from kf.events import decode_event
+from tests.harness import kf_cli
 from tests.test_faults import (
     ENV,
     check_counted_once,
@@ -94,15 +95,7 @@ def test_multi_device_cuda_all_without_gpus_is_refused_by_run_and_worker() -> No
         ["run", str(ROOT / "tests/fixtures/search/scale_relu.py"), "--device", "cuda:all"],
         ["worker", "--device", "cuda:all", "--run", "r", "--nats", "nats://127.0.0.1:1"],
     ):
-        proc = subprocess.run(
-            [sys.executable, "-m", "kf.cli", *argv],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            env=env,
-            timeout=120,
-            check=False,
-        )
+        proc = kf_cli(*argv, env=env, timeout=120)
         assert proc.returncode == 2, proc.stderr
         assert "no CUDA devices" in proc.stderr
     helps = subprocess.run(

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kf.evaluation.grader import box
+from tests.harness import kf_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 ADVERSARIAL = ROOT / "tests/fixtures/adversarial"
@@ -538,18 +539,6 @@ def test_box_environment_drops_secrets_even_when_allowed(tmp_path: Path) -> None
     assert env["CXX"] == "g++" and env["HOME"] == str(tmp_path)
 
 
-def _kf_run(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kf.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env=env,
-        check=False,
-    )
-
-
 @needs_box
 def test_box_kf_run_hostile_seed_cannot_forge_the_log(
     tmp_path: Path, listener: socket.socket, cleanup: None
@@ -566,7 +555,9 @@ def test_box_kf_run_hostile_seed_cannot_forge_the_log(
     shutil.copy(seed, tasks / "seeds" / "gelu.py")
     db = tmp_path / f"{MARKER}-run.db"  # the forging seed writes only to such a log
     env = _grader_env(tmp_path)
-    proc = _kf_run(tmp_path, env, "run", str(tasks), "--budget", "1", "--db", str(db), "--json")
+    proc = kf_cli(
+        "run", str(tasks), "--budget", "1", "--db", str(db), "--json", env=env, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["tasks"][0]["correct"] >= 1
@@ -574,7 +565,7 @@ def test_box_kf_run_hostile_seed_cannot_forge_the_log(
     with sqlite3.connect(db) as conn:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     assert "forged" not in tables
-    assert _kf_run(tmp_path, env, "replay", str(db), "--check").returncode == 0
+    assert kf_cli("replay", str(db), "--check", env=env, timeout=600).returncode == 0
     assert _marked_pids() == []
     assert _no_connection(listener)
 
@@ -589,15 +580,14 @@ def test_box_kf_run_unsafe_no_sandbox_marks_the_report(tmp_path: Path) -> None:
     shutil.copy(search / "seeds" / "scale_relu.py", tasks / "seeds" / "scale_relu.py")
     db = tmp_path / "run.db"
     env = _grader_env(tmp_path, KF_BWRAP=str(tmp_path / "no" / "bwrap"), KF_UNSAFE_NO_SANDBOX="1")
-    proc = _kf_run(
-        tmp_path, env, "run", str(tasks), "--budget", "1", "--db", str(db), "--tune-budget", "0"
-    )
+    run = ("run", str(tasks), "--budget", "1", "--db", str(db), "--tune-budget", "0")
+    proc = kf_cli(*run, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    shown = _kf_run(tmp_path, env, "report", str(db))
+    shown = kf_cli("report", str(db), env=env, timeout=600)
     assert shown.returncode == 0, shown.stderr[-3000:]
     assert "UNSANDBOXED: 3 stage result(s)" in shown.stdout, shown.stdout
     assert "unsandboxed: the runners ran outside kf's box" in shown.stdout  # the best's flags
-    as_json = json.loads(_kf_run(tmp_path, env, "report", str(db), "--json").stdout)
+    as_json = json.loads(kf_cli("report", str(db), "--json", env=env, timeout=600).stdout)
     assert as_json["unsandboxed_results"] == 3
 
 
