@@ -36,7 +36,7 @@ class Compiler(EvaluatorAgent):
 
         async def build() -> CompileReport:
             async with pool.slot(self.device_id):
-                return await self.build(task, source, state.conditions)
+                return await self.build(task, source, state.conditions, self.runner_key(ev))
 
         report = await self.stage(build)
         if isinstance(report, list):  # the device failed: its candidates go elsewhere
@@ -45,18 +45,26 @@ class Compiler(EvaluatorAgent):
             pool.add_built(self.device_id, ev.candidate_id)
         return [self.outcome(CandidateCompiled, ev, report)]
 
-    async def build(self, task: Task, source: str, conditions: Conditions) -> CompileReport:
+    async def build(
+        self, task: Task, source: str, conditions: Conditions, key: str | None = None
+    ) -> CompileReport:
         """Compile in a sandbox, sharing the device with verification (timing waits)."""
         async with await gate_for(self.device).shared():
-            return await self.build_now(task, source, conditions)
+            return await self.build_now(task, source, conditions, key)
 
-    async def build_now(self, task: Task, source: str, conditions: Conditions) -> CompileReport:
+    async def build_now(
+        self, task: Task, source: str, conditions: Conditions, key: str | None = None
+    ) -> CompileReport:
         """Compile in a sandbox now, in a thread (for a GPU, making a session imports torch
-        and counts the devices); the runner is set up under the run's ``conditions``."""
+        and counts the devices); the runner is set up under the run's ``conditions``, and
+        kept under ``key`` for the candidate's verification (:meth:`runner_key`)."""
         pool = runner_pool(self.device)
         return await asyncio.to_thread(
             lambda: compile_session(
-                GradingSession(task, source, device=self.device, pool=pool, conditions=conditions),
+                GradingSession(
+                    task, source, device=self.device, pool=pool, conditions=conditions,
+                    candidate_key=key, timeout_s=self.timeout_s,  # the later stages' limit
+                ),
                 self.build_timeout_s,
             )
-        )
+        )  # fmt: skip

@@ -171,6 +171,12 @@ class EvaluatorAgent(Agent[EvaluatorState]):
             async with Turns(gate, shared=shared) as turns:
                 yield {"alone": turns.alone, "sharing": turns.sharing}
 
+    def runner_key(self, ev: Routed) -> str:
+        """What names ``ev``'s candidate, attempt and device to the runner pool: a runner
+        that built or verified it is kept for its next stage here, for it alone
+        (:attr:`kf.evaluation.GradingSession.candidate_key`)."""
+        return f"{self.ctx.run_id}:{ev.candidate_id}:{ev.attempt}:{self.device_id}"
+
     def outcome(self, cls: type[_Outcome], ev: Routed, report: Any) -> _Outcome:
         """The stage's outcome ``cls`` with ``report`` for ``ev``'s candidate and attempt."""
         return cls(

@@ -85,8 +85,9 @@ class Profiler(EvaluatorAgent):
             # correct candidate (agents.verifier)
             async with self.timing_gate(ev.report.peak_device_mb) as hooks:
                 return await asyncio.to_thread(
-                    self._profile, state, task, ev.candidate_id, source, hooks.get("alone")
-                )
+                    self._profile, state, task, ev.candidate_id, source, hooks.get("alone"),
+                    self.runner_key(ev),
+                )  # fmt: skip
 
         # one profile of a task at a time: the next one's incumbent is this one, and it
         # takes the reference runner holding the task's compiled baseline
@@ -119,6 +120,7 @@ class Profiler(EvaluatorAgent):
         cid: str,
         source: str,
         alone: Callable[[], AbstractContextManager[object]] | None = None,
+        key: str | None = None,
     ) -> ProfileReport:
         index = state.shapes.get(cid, 0)
         shape = f"#{index}" if index else ""
@@ -133,4 +135,5 @@ class Profiler(EvaluatorAgent):
             task, source, eager_history=history, incumbent=incumbent, device=self.device,
             seed=state.seed, timeout_s=self.timeout_s, tolerance=state.tolerance,
             conditions=state.conditions, pool=runner_pool(self.device), alone=alone,
+            candidate_key=key,
         )  # fmt: skip

@@ -10,6 +10,7 @@ many workers ran it. After a task's first correct candidate it compiles the task
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -133,7 +134,9 @@ class Verifier(EvaluatorAgent):
         async def verify() -> VerifyReport:
             async with await gate_for(self.device).shared():
                 await self._audit(state, task)
-                session = self.grading(state, task, source)
+                session = functools.partial(
+                    self.grading(state, task, source), candidate_key=self.runner_key(ev)
+                )
                 try:
                     # made in the thread: for a GPU, a session imports torch and counts
                     # the devices, which must not hold up the event loop

@@ -55,9 +55,11 @@ class CudaCompiler(Compiler):
 
     concurrency = compile_concurrency()
 
-    async def build(self, task: Task, source: str, conditions: Conditions) -> CompileReport:
+    async def build(
+        self, task: Task, source: str, conditions: Conditions, key: str | None = None
+    ) -> CompileReport:
         """Compile without the device gate: the GPU is not what a build uses."""
-        return await self.build_now(task, source, conditions)
+        return await self.build_now(task, source, conditions, key)
 
 
 def verify_concurrency(settings: Settings | None = None) -> int:

@@ -230,13 +230,15 @@ def _mean(values: list[float]) -> float:
 def run_stages(
     task_path: Path, source: str, device: str, n: int, warm: str | None, sampler: Sampler
 ) -> list[tuple[str, float, float, Any]]:
-    """The stages of ``kf run`` for ``n`` candidates: ``(stage, began, ended, report)``."""
+    """The stages of ``kf run`` for ``n`` candidates: ``(stage, began, ended, report)``.
+    Each candidate's stages share its key, as a worker's do: its build's runner verifies
+    it and that one profiles it, unless ``$KF_KEPT_RUNNERS=0``."""
     from kf.evaluation import GradingSession, RunnerPool
     from kf.evaluation.grader.audit import audit_task
     from kf.evaluation.grader.baseline import compile_early
-    from kf.evaluation.grader.compiling import compile_candidate
-    from kf.evaluation.grader.profiling import profile_candidate
-    from kf.evaluation.grader.verifying import verify_candidate
+    from kf.evaluation.grader.compiling import compile_session
+    from kf.evaluation.grader.profiling import profile_session
+    from kf.evaluation.grader.verifying import verify_session
     from kf.tasks import load_task
 
     task = load_task(task_path)
@@ -256,14 +258,15 @@ def run_stages(
 
     try:
         for i in range(n):
-            stage("compile", compile_candidate, task, source, device=device, pool=pool)
+            mine = GradingSession(task, source, device=device, pool=pool, candidate_key=f"c{i}")
+            stage("compile", compile_session, mine)
             if i == 0:
                 stage("audit", audit_task, task, device=device, pool=pool)
-            stage("verify", verify_candidate, task, source, device=device, pool=pool)
+            stage("verify", verify_session, mine)
             if i == 0:
                 session = GradingSession(task, source, device=device, pool=pool)
                 stage("baseline", compile_early, session)
-            stage("profile", profile_candidate, task, source, device=device, pool=pool)
+            stage("profile", profile_session, mine)
         time.sleep(3 * sampler.interval)  # the last samples of the runners still alive
         sampler.sample()
     finally:
@@ -453,7 +456,8 @@ def _each(table: list[dict[str, Any]], op: str) -> float:
 def render(result: dict[str, Any]) -> str:
     out = [
         f"runner cost on {result['device']} ({result['sandbox']}), kf {result['commit']}, "
-        f"{result['load']} busy processes beside the stages"
+        f"{result['load']} busy processes beside the stages; candidate runners kept between "
+        f"stages: {result.get('kept_runners', 0)} ($KF_KEPT_RUNNERS; 0: a fresh one a stage)"
     ]
     starts = result["starts"]
     out.append(
@@ -589,6 +593,7 @@ def main() -> int:
         "task": str(task.relative_to(ROOT)) if task.is_relative_to(ROOT) else str(task),
         "candidate": str(cand.relative_to(ROOT)) if cand.is_relative_to(ROOT) else str(cand),
         "warm": warm,
+        "kept_runners": current().kept_runners,
         "env": args.env,
         "load": args.load,
         "cores": len(os.sched_getaffinity(0)),

@@ -291,6 +291,16 @@ class Settings:
         return count
 
     @property
+    def kept_runners(self) -> int:
+        """``KF_KEPT_RUNNERS``: candidate runners a pool keeps between one candidate's
+        stages (its build's runner for its verification, that one for its profile;
+        default 8, the oldest killed first; 0: a fresh runner for every stage)."""
+        count = self._number("KF_KEPT_RUNNERS")
+        if count is not None and count < 0:
+            raise SettingError(f"$KF_KEPT_RUNNERS={count} is negative")
+        return 8 if count is None else count
+
+    @property
     def runner_context_bytes(self) -> int:
         """``KF_RUNNER_CONTEXT_MB`` in bytes: the device memory one warm GPU runner holds
         (its CUDA context; 512), which sizes a GPU's pool from its free memory."""

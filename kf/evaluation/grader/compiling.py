@@ -1,5 +1,7 @@
 """The compile stage: the candidate built and imported in a fresh runner, with the
-static checks' warnings.
+static checks' warnings. A boxed runner that built the candidate is kept for the
+candidate's verification when the session names the candidate
+(:attr:`~kf.evaluation.grader.session.GradingSession.candidate_key`).
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ import time
 
 import msgspec
 
+from kf.evaluation.grader import box
 from kf.evaluation.grader.grading import CandidateFailed, build_niceness, log, truncate
 from kf.evaluation.grader.reports import CompileReport
 from kf.evaluation.grader.sandbox import Limits, RunnerPool
@@ -57,8 +60,12 @@ def _compile(stage: Stage) -> CompileReport:
     with stage.candidate_lease() as cand:
         start = time.monotonic()
         stage.restart_clock()
+        # a boxed runner asks the grader for its builds, which run niced in a build box
+        # (kf.evaluation.grader.builds); an unboxed one builds itself, niced, and a niced
+        # runner cannot be reset for the candidate's verification, so it is not kept
+        boxed = cand.sandbox != box.MODE_UNSAFE
         try:
-            stage.setup_candidate(nice=build_niceness(stage.session.grader))
+            stage.setup_candidate(nice=0 if boxed else build_niceness(stage.session.grader))
             stage.candidate(
                 LoadCandidate(source=source, seed=0, task_source=task.source, task_name=task.name),
                 what="import and construction of ModelNew",
@@ -79,6 +86,8 @@ def _compile(stage: Stage) -> CompileReport:
                 phases=stage.phases(),
             )
         warnings = static + tuple(cand.findings)
+        if boxed:
+            stage.keep_candidate()  # for the candidate's verification
     log.info("candidate_compiled", task=task.name, warnings=warnings)
     return CompileReport(
         ok=True,

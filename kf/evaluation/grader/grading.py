@@ -105,6 +105,7 @@ def setup_request(
     *,
     reference: bool = False,
     nice: int = 0,
+    cpu_later_s: int = 0,
 ) -> Setup:
     """The set-up of ``handle`` for one stage on ``device`` under the run's ``conditions``
     and the grader's ``settings`` (its tensor transport and reference cache)."""
@@ -119,6 +120,7 @@ def setup_request(
         # a reused reference runner (no candidate code) gets no cumulative CPU limit: a
         # hard limit cannot be raised again, and the grader's deadlines still apply
         cpu_s=0 if reference else limits.cpu_s or int(deadline.timeout_s * handle.threads) + 30,
+        cpu_later_s=cpu_later_s,
         # nor a file limit: it guards the host's disk from candidate code, and would
         # refuse the memory files of the reference's large inputs and outputs
         file_bytes=0 if reference else limits.file_bytes,

@@ -1,7 +1,9 @@
 """The whole evaluation, as ``kf eval`` runs it: compile, verify, profile (by the
 profiling policy, :mod:`kf.evaluation.grader.policy`), and counters when asked.
 
-Each stage runs in fresh sandboxed runners. The grader (this process) never imports task
+Each candidate runs in one sandboxed runner of its own from its build to its profile
+(kept between the stages; never one that ran another candidate; re-verification and
+counters start fresh ones). The grader (this process) never imports task
 or candidate code and never unpickles what a runner sends: it forwards payloads between a
 candidate runner and a candidate-free reference runner, which holds the expected outputs
 and judges them. The stages: :mod:`~kf.evaluation.grader.compiling`,
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import uuid
 from typing import Any
 
 from kf.evaluation.grader.audit import audit_task
@@ -55,11 +58,30 @@ def evaluate(
     else KernelBench's). With ``audit``, the task is audited too (is it degenerate?
     :mod:`kf.evaluation.grader.audit`).
     """
+    # one key for this candidate's stages: its build's runner verifies it, that one
+    # profiles it (a boxed runner; never another candidate's)
+    key = f"eval:{uuid.uuid4().hex}"
     session = GradingSession(
         task, source, device=device, seed=seed, pool=pool, limits=limits or Limits(),
-        timeout_s=timeout_s, tolerance=tolerance,
+        timeout_s=timeout_s, tolerance=tolerance, candidate_key=key,
     )  # fmt: skip
-    device = session.device
+    try:
+        return _stages(session, audit, build_timeout_s, profile, counters, profile_options)
+    finally:  # a stage that kept the runner for a next one that did not come
+        session.runners.drop_kept(key)
+
+
+def _stages(
+    session: GradingSession,
+    audit: bool,
+    build_timeout_s: float | None,
+    profile: bool,
+    counters: bool,
+    profile_options: dict[str, Any] | None,
+) -> EvalResult:
+    """:func:`evaluate` of the session's candidate."""
+    task, source, device, seed = session.task, session.source, session.device, session.seed
+    pool, tolerance = session.pool, session.tolerance
     audited = (
         audit_task(task, device=device, seed=seed, pool=pool, tolerance=tolerance)
         if audit
@@ -81,9 +103,10 @@ def evaluate(
         device=device,
         seed=seed,
         pool=pool,
-        limits=limits,
-        timeout_s=timeout_s,
+        limits=session.limits,
+        timeout_s=session.timeout_s,
         tolerance=tolerance,
+        candidate_key=session.candidate_key,
         **(profile_options or {}),
     )
     # ncu replays every kernel: the counters have a time limit of their own

@@ -114,6 +114,7 @@ def stated_profile(
     of the task's earlier sessions on this device; ``incumbent`` the task's best so far
     (None: nothing to pair with)."""
     report = profile_candidate(task, source, **kw)
+    kw.pop("candidate_key", None)  # the re-verification and the pairing start fresh runners
     report = reverify_fast(task, source, report, **{k: kw[k] for k in _REVERIFY_ARGS if k in kw})
     report = against_usual_eager(report, eager_history)
     if not report.ok or incumbent is None:

@@ -78,11 +78,13 @@ def profile_candidate(
     tolerance: Tolerance | None = None,
     conditions: baseline_settings.Conditions | None = None,
     alone: Callable[[], AbstractContextManager[object]] | None = None,
+    candidate_key: str | None = None,
 ) -> ProfileReport:
     """Time the candidate, PyTorch eager and the reference under ``torch.compile``
     alternately, in separate runners (eager and compiled share the candidate-free one),
     in one session; ``alone`` gives the timing the device to itself
-    (:attr:`GradingSession.alone`).
+    (:attr:`GradingSession.alone`); ``candidate_key``: the candidate's runner kept by its
+    verification is taken (:attr:`GradingSession.candidate_key`).
 
     ``compile_baseline`` None follows the run's ``conditions`` (None: the process's
     settings, ``$KF_COMPILE_BASELINE``, default on). The
@@ -94,6 +96,7 @@ def profile_candidate(
     session = GradingSession(
         task, source, device=device, seed=seed, pool=pool, limits=limits or Limits(),
         timeout_s=timeout_s, tolerance=tolerance, conditions=conditions, alone=alone,
+        candidate_key=candidate_key,
     )  # fmt: skip
     options = Timing(warmup, min_trials, min_time_s, max_trials)
     return profile_session(session, options, compile_baseline=compile_baseline)

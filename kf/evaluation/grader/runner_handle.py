@@ -181,6 +181,11 @@ class RunnerHandle:
         self.closed = False
         # set by the grader: do not keep this (reference) runner for reuse
         self.discard = False
+        #: set by a stage: keep this candidate runner for the candidate's next stage, under
+        #: this key (:meth:`kf.evaluation.grader.sandbox.RunnerPool.lease`)
+        self.keep_as: str | None = None
+        #: seconds this runner waited, kept, for the stage that took it (0: a fresh one)
+        self.kept_s = 0.0
         self._ready_lock = threading.Lock()
         self.spawned_at = time.monotonic()
 

@@ -7,8 +7,10 @@ Where the box cannot be set up kf refuses to evaluate, unless
 ``$KF_UNSAFE_NO_SANDBOX=1`` asks for the old, unboxed runners, whose every report is
 marked. Limits (address space, CPU seconds, file size) are applied when a runner is set
 up for its one job. A runner serves one candidate (or one task reference) and is then
-killed; the pool here keeps a few started in advance so the next job's interpreter and
-torch import overlap this one's work. This module also names what the stages use of
+killed: a candidate's runner may be kept from one of its stages to the next (its build's
+runner verifies it, and that one profiles it), never given another candidate. The pool
+here keeps a few started in advance so the next job's interpreter and torch import
+overlap this one's work. This module also names what the stages use of
 the other two, so that they import one place.
 """
 
@@ -19,6 +21,7 @@ import contextlib
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 import structlog
@@ -56,9 +59,14 @@ __all__ = [
 
 log = structlog.get_logger("kf.evaluation.grader.sandbox")
 
+#: seconds a candidate runner stays kept for its candidate's next stage at most (a
+#: candidate whose next stage never comes here: its profile was not wanted, say)
+KEPT_MAX_AGE_S = 900.0
+
 
 class RunnerPool:
-    """A thread-safe pool of warm runners; each leased runner is used once and killed."""
+    """A thread-safe pool of warm runners; each leased runner serves one candidate (or a
+    task's reference side) and is killed."""
 
     def __init__(
         self,
@@ -68,9 +76,11 @@ class RunnerPool:
         python: str | None = None,
         warm: str | None = None,
         references: int = 4,
+        kept: int | None = None,
     ):
         """``warm``: the device (``cuda:N``) whose start-up work runners do while idle;
-        ``references``: the idle reference runners kept, over all tasks."""
+        ``references``: the idle reference runners kept, over all tasks; ``kept``: the
+        candidate runners kept between a candidate's stages (None: ``$KF_KEPT_RUNNERS``)."""
         self.size = max(0, size)
         self.warm = warm
         self.threads = threads or default_threads()
@@ -79,6 +89,9 @@ class RunnerPool:
         self._leased: set[RunnerHandle] = set()
         self._refs: dict[str, list[RunnerHandle]] = {}  # warm reference runners per task
         self.max_references = max(1, references)
+        #: candidate runners kept for the next stage of their one candidate, by its key
+        self._kept: OrderedDict[str, tuple[RunnerHandle, float]] = OrderedDict()
+        self.max_kept = current().kept_runners if kept is None else max(0, kept)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -154,13 +167,73 @@ class RunnerPool:
         raise AssertionError("unreachable")  # pragma: no cover
 
     @contextlib.contextmanager
-    def lease(self) -> Iterator[RunnerHandle]:
-        """A started runner for one job, killed when the block ends."""
-        handle = self.acquire_ready()
+    def lease(self, key: str | None = None) -> Iterator[RunnerHandle]:
+        """A started runner for one job, killed when the block ends; with ``key`` (one
+        candidate's, :attr:`GradingSession.candidate_key`), the runner an earlier stage
+        of that candidate kept, if it is still there and alive.
+
+        The block keeps the runner for its candidate's next stage by setting the
+        handle's ``keep_as`` to the key; only a block that ends without an exception,
+        with the runner alive and not marked ``discard``, keeps it."""
+        handle = self._take_kept(key) if key else None
+        if handle is None:
+            handle = self.acquire_ready()
+        handle.keep_as = None
+        ended = False
         try:
             yield handle
+            ended = True
         finally:
+            alive = handle.proc.poll() is None and not handle.discard
+            if ended and alive and handle.keep_as and self.max_kept > 0:
+                self._keep(handle, handle.keep_as)
+            else:
+                self.release(handle)
+
+    def _take_kept(self, key: str) -> RunnerHandle | None:
+        """The runner kept for ``key`` (leased now), or None; the seconds it waited
+        kept are its ``kept_s``."""
+        with self._lock:
+            found = self._kept.pop(key, None)
+            if found is not None and not self._closed:
+                self._leased.add(found[0])
+        if found is None:
+            return None
+        handle, since = found
+        if self._closed or handle.proc.poll() is not None:
             self.release(handle)
+            return None
+        handle.kept_s = time.monotonic() - since
+        log.debug("runner_reused", pid=handle.pid, kept_s=round(handle.kept_s, 3))
+        return handle
+
+    def _keep(self, handle: RunnerHandle, key: str) -> None:
+        """Keep ``handle`` for ``key``'s next stage. Runners kept longer than
+        :data:`KEPT_MAX_AGE_S` go first; when ``max_kept`` are still kept, ``handle`` is
+        killed instead: the stages take candidates about in the order they came (a
+        profile queue on a GPU), so the oldest kept are the next to be taken."""
+        evicted: list[RunnerHandle] = []
+        now = time.monotonic()
+        with self._lock:
+            self._leased.discard(handle)
+            old = self._kept.pop(key, None)
+            if old is not None:
+                evicted.append(old[0])
+            while self._kept and now - next(iter(self._kept.values()))[1] > KEPT_MAX_AGE_S:
+                evicted.append(self._kept.popitem(last=False)[1][0])
+            if self._closed or len(self._kept) >= self.max_kept:
+                evicted.append(handle)
+            else:
+                self._kept[key] = (handle, now)
+        for h in evicted:
+            h.kill()
+
+    def drop_kept(self, key: str) -> None:
+        """Kill the runner kept for ``key`` (its candidate needs no more stages here)."""
+        with self._lock:
+            found = self._kept.pop(key, None)
+        if found is not None:
+            found[0].kill()
 
     @contextlib.contextmanager
     def reference_lease(
@@ -249,9 +322,11 @@ class RunnerPool:
         with self._lock:
             self._closed = True
             handles = [*self._idle, *self._leased, *(h for hs in self._refs.values() for h in hs)]
+            handles += [h for h, _ in self._kept.values()]
             self._idle.clear()
             self._leased.clear()
             self._refs.clear()
+            self._kept.clear()
         for handle in handles:
             handle.kill()
 

@@ -12,6 +12,7 @@ device=..., seed=...)`` and the others) make one from their arguments.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -96,6 +97,10 @@ class GradingSession:
     #: what gives work that runs on the device a share of it, for a stage that starts
     #: holding none (:meth:`kf.device_gate.Turns.sharing`); None: the caller's hold covers it
     sharing: Callable[[], AbstractContextManager[object]] | None = None
+    #: names the one candidate (and attempt) whose stages may hand their runner on: the
+    #: build's runner then verifies it, and the verification's profiles it (None: every
+    #: stage a fresh runner). Never another candidate's runner: the key says whose it is.
+    candidate_key: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", parse_device(self.device))
@@ -133,6 +138,15 @@ class GradingSession:
     def tol(self) -> Tolerance:
         """The tolerance the task's outputs are judged at."""
         return resolve(self.tolerance, self.task.source)[0]
+
+    @property
+    def kept_key(self) -> str | None:
+        """What a candidate runner is kept under between this candidate's stages: its
+        key, its source and the task, device and conditions (None: not kept)."""
+        if self.candidate_key is None:
+            return None
+        source = hashlib.sha256(self.source.encode("utf-8", "surrogatepass")).hexdigest()
+        return f"{self.candidate_key}:{source[:32]}:{self.reference_key}"
 
     @property
     def reference_key(self) -> str:
@@ -215,10 +229,24 @@ class Stage:
 
     @contextlib.contextmanager
     def candidate_lease(self) -> Iterator[RunnerHandle]:
-        """A fresh runner for the candidate, killed when the block ends."""
-        with self.session.runners.lease() as cand:
+        """A runner for the candidate: the one this candidate's previous stage kept
+        (:attr:`GradingSession.candidate_key`), else a fresh one; killed when the block
+        ends unless the stage called :meth:`keep_candidate`."""
+        with self.session.runners.lease(self.session.kept_key) as cand:
             self.use(cand=cand)
             yield cand
+
+    def keep_candidate(self) -> None:
+        """Keep the candidate runner for the candidate's next stage, when the session has
+        a candidate key and the stage's runners held no more device memory than a big
+        task (``$KF_BIG_TASK_MB``: a kept runner keeps what it holds)."""
+        key = self.session.kept_key
+        if key is None or self._cand is None:
+            return
+        peak = self.peak_device_mb()
+        if peak is not None and peak * (1 << 20) > self.session.grader.big_task_bytes:
+            return
+        self._cand.keep_as = key
 
     def after_candidate_failure(self, exc: CandidateFailed) -> None:
         """A GPU candidate runner that crashed or hung may hold IPC mappings of the
@@ -226,8 +254,13 @@ class Stage:
         discard_reference_if_pinned(self.ref, exc, self.device)
 
     def phases(self) -> dict[str, float]:
-        """Seconds per request op of the stage's runners so far."""
-        return stage_phases(self.since, *self.leased)
+        """Seconds per request op of the stage's runners so far; ``kept_runner_wait``:
+        how long the candidate runner, kept from the candidate's previous stage, waited
+        for this one (absent: a fresh runner)."""
+        phases = stage_phases(self.since, *self.leased)
+        if self._cand is not None and self._cand.kept_s:
+            phases["kept_runner_wait"] = round(self._cand.kept_s, 4)
+        return phases
 
     def peak_device_mb(self) -> float | None:
         """The most device memory the stage's runners held at once so far (MB; None off a
@@ -287,11 +320,19 @@ class Stage:
         )
 
     def setup_candidate(self, nice: int = 0) -> SetUp:
-        """Set the candidate runner up (a failure here is the runner's, not the candidate's)."""
+        """Set the candidate runner up (a failure here is the runner's, not the candidate's).
+
+        A runner that may be kept for the candidate's later stages (verify, profile) has
+        their CPU seconds in its hard limit from the start: a hard limit is never raised
+        again, and each stage sets its soft one."""
         s = self.session
+        later = 0
+        if s.kept_key is not None:
+            later = 2 * (s.limits.cpu_s or int(s.timeout_s * self.cand.threads) + 30)
         request = setup_request(
-            self.cand, s.device, s.limits, self.deadline, s.cond, s.grader, nice=nice
-        )
+            self.cand, s.device, s.limits, self.deadline, s.cond, s.grader, nice=nice,
+            cpu_later_s=later,
+        )  # fmt: skip
         return self.cand.request(request, self.deadline.left())
 
     def load_task(self, seed: int | None = None) -> TaskLoaded:

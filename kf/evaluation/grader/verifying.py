@@ -85,6 +85,7 @@ def _verify(stage: Stage, trials: int, generalise: bool) -> VerifyReport:
                 failed = _unseen_inputs(stage, found)
             if failed is not None:
                 return failed
+            stage.keep_candidate()  # for the candidate's profile
         except CandidateFailed as exc:
             stage.after_candidate_failure(exc)
             detail = (
@@ -275,7 +276,9 @@ def reverify_session(session: GradingSession, report: ProfileReport) -> ProfileR
     with the runners' default limits."""
     if not report.ok or report.speedup <= REVERIFY_ABOVE:
         return report
-    again = verify_session(dataclasses.replace(session, seed=session.seed + 1, limits=Limits()))
+    # in a fresh runner: a second look at a large claim shares no process with the first
+    fresh = dataclasses.replace(session, seed=session.seed + 1, limits=Limits(), candidate_key=None)
+    again = verify_session(fresh)
     task = session.task
     note = (
         f"speedup_over_10x: {report.speedup:.1f}× re-verified on {again.trials} fresh inputs "

@@ -127,6 +127,8 @@ class RunnerBase:
         self.torch = torch
         self.clock_ns = clock_ns
         self.backend: Backend = make_backend("cpu", clock_ns)
+        #: the device its last set-up was for (None: not set up yet)
+        self.set_up_for: str | None = None
         self.model: Any = None
         self.task_module: Any = None
         self._inputs: list[Any] | None = []
@@ -236,7 +238,11 @@ class RunnerBase:
 
         if msg.nice > 0:
             os.nice(msg.nice)  # a build: its compilers yield to grading and timing
-        self.backend = make_backend(msg.device, self.clock_ns)
+        if self.set_up_for != msg.device:
+            # set up again for the same device (a runner kept for its candidate's next
+            # stage), it keeps its backend: the guard checks that one is still in place
+            self.backend = make_backend(msg.device, self.clock_ns)
+            self.set_up_for = msg.device
         self.ipc = msg.ipc and self.backend.name == "cuda"
         self.shm = msg.shm if msg.shm is not None and not self.ipc else None
         self.own_inputs = msg.own_inputs
@@ -260,9 +266,18 @@ class RunnerBase:
             usage = resource.getrusage(resource.RUSAGE_SELF)
             used = int(usage.ru_utime + usage.ru_stime) + 1
             soft = used + msg.cpu_s
-            resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 5))
+            _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+            if hard == resource.RLIM_INFINITY:  # the first set-up
+                hard = soft + msg.cpu_later_s + 5
+            else:  # a kept runner set up for its candidate's next stage: the hard one stays
+                soft = min(soft, hard)
+            resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
         if msg.file_bytes:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (msg.file_bytes, msg.file_bytes))
+            size = msg.file_bytes
+            _, before = resource.getrlimit(resource.RLIMIT_FSIZE)
+            if before != resource.RLIM_INFINITY:  # set up before (a kept runner): lower only
+                size = min(size, before)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
         # TF32 set explicitly before any task or candidate code runs (the grader's choice)
         precision = apply_tf32(self.torch, msg.tf32)
         return p.SetUp(threads=self.torch.get_num_threads(), precision=precision)

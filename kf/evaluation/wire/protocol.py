@@ -229,6 +229,10 @@ class Setup(Request[SetUp], frozen=True, kw_only=True, tag="setup"):
     threads: int
     memory_bytes: int = 0
     cpu_s: int = 0
+    #: CPU seconds the hard limit holds beyond ``cpu_s`` at a runner's first set-up, for
+    #: its later stages (a runner kept from a candidate's build to its profile); a runner
+    #: set up again keeps its hard limit and sets only its soft one, within it
+    cpu_later_s: int = 0
     file_bytes: int = 0
     ipc: bool = False  #: tensors as CUDA IPC handles (a CUDA device only)
     shm: int | None = None  #: payloads of this many bytes or more as memory files (None: never)
