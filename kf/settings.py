@@ -294,11 +294,17 @@ class Settings:
     def kept_runners(self) -> int:
         """``KF_KEPT_RUNNERS``: candidate runners a pool keeps between one candidate's
         stages (its build's runner for its verification, that one for its profile;
-        default 8, the oldest killed first; 0: a fresh runner for every stage)."""
+        default 8; 0: a fresh runner for every stage). Where it is not set, a GPU's
+        stages keep none (:attr:`kept_runners_set`): not yet run on one."""
         count = self._number("KF_KEPT_RUNNERS")
         if count is not None and count < 0:
             raise SettingError(f"$KF_KEPT_RUNNERS={count} is negative")
         return 8 if count is None else count
+
+    @property
+    def kept_runners_set(self) -> bool:
+        """Whether ``KF_KEPT_RUNNERS`` is set (a GPU keeps candidate runners only then)."""
+        return self._number("KF_KEPT_RUNNERS") is not None
 
     @property
     def runner_context_bytes(self) -> int:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
 
 from kf.evaluation import Limits, RunnerPool
 from kf.evaluation.grader import sandbox
@@ -20,7 +22,10 @@ from kf.evaluation.grader.profiling import Timing, profile_session
 from kf.evaluation.grader.sandbox import RunnerHandle
 from kf.evaluation.grader.session import GradingSession
 from kf.evaluation.grader.verifying import verify_session
+from kf.tasks import load_task
 from tests.runner_cases import FIXTURES, gelu_task
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TASK = gelu_task()
 QUICK = Timing(warmup=2, min_trials=10, min_time_s=0.05)
@@ -163,5 +168,37 @@ def test_a_full_pool_keeps_its_oldest_and_a_failed_block_keeps_nothing(
         assert kept_pids(pool) == {"e": late.pid} and handles[0].closed and handle.closed
         pool.drop_kept("e")
         assert late.closed and kept(pool) == {}
+    finally:
+        pool.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs an NVIDIA GPU and a CUDA build of PyTorch (CI has neither)",
+)
+def test_a_cuda_candidate_is_built_verified_and_profiled_in_one_runner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU (where ``$KF_KEPT_RUNNERS`` is set): a ``load_inline`` CUDA kernel, its
+    extension imported again in the kept runner at each stage, verifies and profiles as
+    in fresh runners; without the setting nothing is kept."""
+    monkeypatch.setenv("KF_KEPT_RUNNERS", "4")
+    task = load_task(ROOT / "examples" / "cuda_tasks" / "gelu_residual.py")
+    source = (ROOT / "examples" / "cuda_candidates" / "gelu_residual_load_inline.py").read_text()
+    pool = RunnerPool(size=1, warm="cuda:0")
+    try:
+        s = GradingSession(task, source, device="cuda:0", pool=pool, candidate_key="gpu-1")
+        assert compile_session(s).ok
+        assert len(kept(pool)) == 1
+        verified = verify_session(s)
+        assert verified.correct and "kept_runner_wait" in verified.phases, verified.error
+        profiled = profile_session(s, QUICK)
+        assert profiled.ok and "kept_runner_wait" in profiled.phases, profiled.error
+        fresh = profile_session(dataclasses.replace(s, candidate_key=None), QUICK)
+        assert fresh.ok and "kept_runner_wait" not in fresh.phases, fresh.error
+        monkeypatch.delenv("KF_KEPT_RUNNERS")
+        unset = GradingSession(task, source, device="cuda:0", pool=pool, candidate_key="gpu-2")
+        assert compile_session(unset).ok and kept(pool) == {}
     finally:
         pool.close()

@@ -239,10 +239,13 @@ class Stage:
     def keep_candidate(self) -> None:
         """Keep the candidate runner for the candidate's next stage, when the session has
         a candidate key and the stage's runners held no more device memory than a big
-        task (``$KF_BIG_TASK_MB``: a kept runner keeps what it holds)."""
+        task (``$KF_BIG_TASK_MB``: a kept runner keeps what it holds); on a GPU only where
+        ``$KF_KEPT_RUNNERS`` is set."""
         key = self.session.kept_key
         if key is None or self._cand is None:
             return
+        if self.device.startswith("cuda") and not self.session.grader.kept_runners_set:
+            return  # on a GPU only when asked for: not yet measured on one (docs/decisions.md)
         peak = self.peak_device_mb()
         if peak is not None and peak * (1 << 20) > self.session.grader.big_task_bytes:
             return
