@@ -7,6 +7,7 @@ so it imports nothing of kf.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 __all__ = ["DeviceError", "cuda_device_count", "parse_device"]
 
@@ -18,23 +19,32 @@ class DeviceError(ValueError):
 _CUDA = re.compile(r"^cuda(:\d+)?$")
 
 
-def parse_device(device: str) -> str:
-    """Return the canonical device name or raise :class:`DeviceError` saying what works."""
+def parse_device(device: str, count: Callable[[], int] | None = None) -> str:
+    """Return the canonical device name or raise :class:`DeviceError` saying what works;
+    ``count`` replaces :func:`cuda_device_count` (tests)."""
     name = device.strip().lower()
     if name == "cpu":
         return "cpu"
     if _CUDA.match(name):
         index = int(name.partition(":")[2] or 0)
-        available = cuda_device_count()
+        available = (count or cuda_device_count)()
         if index >= available:
-            have = f"{available} CUDA device(s)" if available else "no CUDA device"
-            raise DeviceError(
-                f"device {device!r} is not available: this machine has {have} that PyTorch "
-                "can use, so only 'cpu' is implemented here; use --device cpu, or run on a "
-                "machine with an NVIDIA GPU and a CUDA build of PyTorch"
-            )
+            raise DeviceError(f"device {device!r} is not available: {_what_works(available)}")
         return f"cuda:{index}"
     raise DeviceError(f"unknown device {device!r}: expected 'cpu' or 'cuda:N'")
+
+
+def _what_works(available: int) -> str:
+    if available:
+        return (
+            f"this machine has {available} CUDA device(s) that PyTorch can use; use one of "
+            "them or --device cpu, or run on a machine with that GPU"
+        )
+    return (
+        "this machine has no CUDA devices that PyTorch can use, so only 'cpu' is "
+        "implemented here; use --device cpu, or run on a machine with an NVIDIA GPU and a "
+        "CUDA build of PyTorch"
+    )
 
 
 def cuda_device_count() -> int:

@@ -95,27 +95,12 @@ def parse_devices(spec: str, *, cuda_count: Callable[[], int] | None = None) -> 
                 )
             out += [f"cuda:{i}" for i in range(n)]
             continue
-        m = _ONE.match(part)
-        if m is None:
+        if _ONE.match(part) is None:
             raise DeviceError(
                 f"unknown device {part!r} in --device {spec!r}: expected cpu, cuda, cuda:N "
                 "or cuda:all, or a comma list of them"
             )
-        if part == "cpu":
-            out.append("cpu")
-            continue
-        if cuda_count is None:  # the one-device check and its wording (kf eval's too)
-            out.append(parse_device(part))
-            continue
-        index = int(m.group(2) or 0)
-        n = count()
-        if index >= n:
-            have = f"{n} CUDA device(s)" if n else "no CUDA devices"
-            raise DeviceError(
-                f"device {part!r} is not available: this machine has {have} that PyTorch "
-                "can use; use --device cpu, or run on a machine with that GPU"
-            )
-        out.append(f"cuda:{index}")
+        out.append(parse_device(part, count))  # one device's check and wording, as kf eval's
     kinds = {d.partition(":")[0] for d in out}
     if len(kinds) > 1:
         raise DeviceError(
