@@ -211,6 +211,21 @@ def test_archive_skips_task_whose_seeds_all_failed() -> None:
     assert any(isinstance(e, RunFinished) for e in out)
 
 
+def mutated(
+    m: OfflineMutator, st: Any, parent_id: str, *, selection: int = 0, island: int = 0, seed: int
+) -> tuple[Any, list[Event]]:
+    """The offline mutator's state after the archive selects ``parent_id`` to mutate, and
+    what it answers."""
+    sel = rec(
+        ParentSelected(
+            task="t", selection=selection, island=island, operator="mutate",
+            parent_id=parent_id, rng_seed=seed,
+        )
+    )  # fmt: skip
+    st = m.evolve(st, sel)
+    return st, list(m.react(st, sel))
+
+
 def test_mutator_proposes_seeds_and_honest_mutations() -> None:
     """The offline mutator proposes seeds, then children inside the declared space."""
     m = OfflineMutator(AgentContext(run_id="r", agent_id="mutator@t"))
@@ -221,18 +236,7 @@ def test_mutator_proposes_seeds_and_honest_mutations() -> None:
     assert len(seeds) == 1 and isinstance(seeds[0], CandidateProposed)
     assert seeds[0].mutator == OFFLINE_MUTATOR and "no LLM" in seeds[0].mutator
     st = m.evolve(st, rec(seeds[0]))
-    sel = rec(
-        ParentSelected(
-            task="t",
-            selection=0,
-            island=1,
-            operator="mutate",
-            parent_id=seeds[0].candidate_id,
-            rng_seed=11,
-        )
-    )
-    st = m.evolve(st, sel)
-    (child,) = m.react(st, sel)
+    st, (child,) = mutated(m, st, seeds[0].candidate_id, island=1, seed=11)
     assert isinstance(child, CandidateProposed)
     parsed = parse(child.source)
     assert parsed is not None
@@ -249,13 +253,7 @@ def test_mutator_fails_clearly_on_parent_without_parameters() -> None:
     st = m.initial_state()
     st = m.evolve(st, rec(started()))
     st = m.evolve(st, rec(propose("plain", source="class ModelNew: pass\n")))
-    sel = rec(
-        ParentSelected(
-            task="t", selection=0, island=0, operator="mutate", parent_id="plain", rng_seed=1
-        )
-    )
-    st = m.evolve(st, sel)
-    (out,) = m.react(st, sel)
+    _, (out,) = mutated(m, st, "plain", seed=1)
     assert isinstance(out, MutationFailed) and "no template parameters" in out.reason
 
 
@@ -341,23 +339,11 @@ def test_mutator_jumps_when_the_neighbourhood_is_explored() -> None:
     for i, cfg in enumerate(everything):
         if cfg != far:
             st = m.evolve(st, rec(propose(f"c{i}", source=apply(SEED_SRC, cfg))))
-    sel = rec(
-        ParentSelected(
-            task="t", selection=0, island=0, operator="mutate", parent_id="c0", rng_seed=5
-        )
-    )
-    st = m.evolve(st, sel)
-    (child,) = m.react(st, sel)
+    st, (child,) = mutated(m, st, "c0", seed=5)
     assert isinstance(child, CandidateProposed)
     assert child.operator == "jump" and child.config == far
     st = m.evolve(st, rec(child))
-    sel2 = rec(
-        ParentSelected(
-            task="t", selection=1, island=0, operator="mutate", parent_id="c0", rng_seed=6
-        )
-    )
-    st = m.evolve(st, sel2)
-    (out,) = m.react(st, sel2)
+    _, (out,) = mutated(m, st, "c0", selection=1, seed=6)
     assert isinstance(out, MutationFailed) and "already proposed" in out.reason
 
 
