@@ -3,7 +3,8 @@ folds, then one real `kf run` (offline seed and an LLM-written template, through
 scripted server) whose tuned configurations become candidates, replay, the exported
 module's dispatch by shape, and the dashboard's tuning table.
 
-The fixture template (tests/fixtures/tuning/seeds/rows_relu.py) is fast only for the row
+The task is tests/fixtures/search/scale_relu.py with one more shape set (8 rows). The
+fixture template (tests/fixtures/tuning/seeds/rows_relu.py) is fast only for the row
 count its parameters name and repeats its pass 400 times otherwise, so which
 configuration is best at each shape is a property of the code, not of timing noise.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
 import sys
 import threading
 from pathlib import Path
@@ -41,13 +41,16 @@ from kf.search_facts import (
 )
 from kf.tasks import Task
 from kf.tuning import bind_shape, parse_shape
-from tests.harness import run_kf
+from tests.harness import SCALE_RELU, run_kf
 from tests.llm_server import ScriptedServer, user_text
 from tests.test_archive import SEED_SRC, Driver, announce, propose, rec, started
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXTURE = ROOT / "tests/fixtures/tuning"
-TEMPLATE = (FIXTURE / "seeds/rows_relu.py").read_text()
+TEMPLATE = (ROOT / "tests/fixtures/tuning/seeds/rows_relu.py").read_text()
+#: the tuning task: SCALE_RELU (relu(x * 2 + b) on 64 x 256) with one more shape set, 8 rows
+ROWS_RELU = SCALE_RELU.read_text() + (
+    "\n\ndef get_tuning_inputs():\n    return [[torch.randn(8, 256)]]\n"
+)
 
 
 # -- pure parts ------------------------------------------------------------------------------
@@ -55,7 +58,7 @@ TEMPLATE = (FIXTURE / "seeds/rows_relu.py").read_text()
 
 def test_shape_sets_bind_get_inputs_and_shapes_parse() -> None:
     """Shape set 0 is the task itself; set i rebinds get_inputs to get_tuning_inputs()[i-1]."""
-    task = Task.from_source("rows_relu", (FIXTURE / "rows_relu.py").read_text())
+    task = Task.from_source("rows_relu", ROWS_RELU)
     assert bind_shape(task, 0) is task
     bound = bind_shape(task, 1)
     assert "return list(get_tuning_inputs()[0])" in bound.source and bound.sha256 != task.sha256
@@ -344,7 +347,7 @@ def tuned_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     tmp = tmp_path_factory.mktemp("tuning")
     tasks = tmp / "tasks"
     tasks.mkdir()
-    shutil.copy(FIXTURE / "rows_relu.py", tasks / "rows_llm.py")  # no seed: the LLM writes it
+    (tasks / "rows_llm.py").write_text(ROWS_RELU)  # no seed: the LLM writes it
     db = tmp / "run.db"
     responder = TemplateResponder()
     with ScriptedServer(responder=responder) as server:
@@ -442,7 +445,7 @@ def test_export_dispatches_by_shape(tuned_run: Any, tmp_path: Path) -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules["fast_rows"] = module
     spec.loader.exec_module(module)
-    ref_spec = importlib.util.spec_from_file_location("rows_ref", FIXTURE / "rows_relu.py")
+    ref_spec = importlib.util.spec_from_file_location("rows_ref", db.parent / "tasks/rows_llm.py")
     assert ref_spec is not None and ref_spec.loader is not None
     ref_module = importlib.util.module_from_spec(ref_spec)
     ref_spec.loader.exec_module(ref_module)
