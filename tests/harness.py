@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +56,43 @@ def run_kf(
 def kf_cli(
     *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m kf.cli ARGS`` in ``cwd`` under ``env`` (None: this process's), its output
+    """``python -m kf.cli ARGS`` run by :func:`ran`."""
+    return ran([sys.executable, "-m", "kf.cli", *args], env=env, cwd=cwd, timeout=timeout)
+
+
+def ran(
+    argv: list[str], *, env: dict[str, str] | None = None, cwd: Path = ROOT, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``argv`` run to its end in ``cwd`` under ``env`` (None: this process's), its output
     captured as text; its exit status is the caller's to check."""
-    argv = [sys.executable, "-m", "kf.cli", *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def kf_proc(
+    *args: str, prefix: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """``python -m kf.cli ARGS`` started from the repository root (after ``prefix``, a
+    command it runs under) under ``env`` (None: this process's), its output piped."""
+    return piped([*prefix, sys.executable, "-m", "kf.cli", *args], env=env)
+
+
+def piped(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """``argv`` started from the repository root under ``env`` (None: this process's),
+    its output piped as text."""
+    return subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+@contextlib.contextmanager
+def killed_at_exit(proc: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """``proc``, killed and reaped if it is still running when the block ends."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def scripted_llm_run(

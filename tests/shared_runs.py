@@ -14,8 +14,6 @@ import contextlib
 import json
 import os
 import sqlite3
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,8 @@ from typing import Any
 import aiohttp
 import pytest
 from filelock import FileLock
+
+from tests.harness import kf_proc, killed_at_exit
 
 ROOT = Path(__file__).resolve().parent.parent
 SEARCH = ROOT / "tests/fixtures/search"
@@ -75,18 +75,15 @@ async def _get_json(url: str) -> Any:
 
 def _make_search_run(folder: Path) -> dict[str, Any]:
     db = folder / "run.db"
-    cmd = [sys.executable, "-m", "kf.cli", "run", str(SEARCH), "--budget", "4", "--seed", "3"]
-    cmd += ["--tune-budget", str(SEARCH_TUNE_BUDGET)]
-    cmd += ["--db", str(db), "--json", "--serve", "--serve-port", "0"]
+    args = ["run", str(SEARCH), "--budget", "4", "--seed", "3"]
+    args += ["--tune-budget", str(SEARCH_TUNE_BUDGET)]
+    args += ["--db", str(db), "--json", "--serve", "--serve-port", "0"]
     # the device measured, as outside the suite (tests/test_loop.py asserts the figure)
     env = dict(os.environ, KF_LOG_LEVEL="WARNING", KF_EVAL_THREADS="1", KF_DEVICE_MEASURE="1")
     env.pop("KF_LLM_API_KEY", None)
     env.pop("OPENAI_API_KEY", None)
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
     state, head = None, []
-    try:
+    with killed_at_exit(kf_proc(*args, env=env)) as proc:
         assert proc.stderr is not None
         for line in proc.stderr:  # with --json the progress (and the URL) go to stderr
             head.append(line)
@@ -95,10 +92,6 @@ def _make_search_run(folder: Path) -> dict[str, Any]:
                 state = asyncio.run(_get_json(url + "api/state"))
                 break
         out, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     return {
         "db": str(db),
         "returncode": proc.returncode,

@@ -24,6 +24,7 @@ import pytest
 from kf.bus import EmbeddedServer
 from kf.events import Envelope, decode_event
 from kf.log import EventLog, LogError
+from tests import harness
 from tests.harness import replay_check
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,14 +36,7 @@ def kf_proc(
     *args: str, prefix: tuple[str, ...] = (), env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
     """A `kf` command as its own process (under ``env``, default ENV), its output piped."""
-    return subprocess.Popen(
-        [*prefix, sys.executable, "-m", "kf.cli", *args],
-        cwd=ROOT,
-        env=ENV if env is None else env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return harness.kf_proc(*args, prefix=prefix, env=ENV if env is None else env)
 
 
 def events(db: Path) -> list[Envelope]:

@@ -16,7 +16,6 @@ import os
 import shutil
 import sqlite3
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from kf.evaluation.grader import box
 from kf.evaluation.grader.sandbox import RunnerPool
 from kf.evaluation.grader.task_check import run_task_check
 from kf.tasks import TaskError, load_task
+from tests.harness import kf_proc, killed_at_exit
 from tests.harness import run_kf as kf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,15 +118,7 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     db = tmp / "run.db"
     args = ["run", str(tasks), "--budget", str(BUDGET), "--seed", "1", "--db", str(db)]
     args += ["--tune-budget", "0", "--max-in-flight", "1", "--json"]
-    main = subprocess.Popen(
-        [sys.executable, "-m", "kf.cli", *args],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with killed_at_exit(kf_proc(*args, env=ENV)) as main:
         deadline = time.monotonic() + 240
         while _events(db) < 3:
             assert main.poll() is None, main.communicate()[1][-3000:]
@@ -145,10 +137,6 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "replace": sqlite_cli(db, "REPLACE INTO events SELECT * FROM events WHERE seq = 1"),
         }
         out, err = main.communicate(timeout=400)
-    finally:
-        if main.poll() is None:
-            main.kill()
-            main.communicate()
     return {
         "db": db,
         "tmp": tmp,

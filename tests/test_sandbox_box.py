@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kf.evaluation.grader import box
-from tests.harness import kf_cli
+from tests.harness import kf_cli, ran
 
 ROOT = Path(__file__).resolve().parent.parent
 ADVERSARIAL = ROOT / "tests/fixtures/adversarial"
@@ -143,15 +143,8 @@ def _kf_eval(
         "import sys\nfrom kf.evaluation.grader.cli import main\n"
         "sys.exit(main(sys.argv[2:]))  # argv[1]: the run's log, as kf run's command line has"
     )
-    return subprocess.run(
-        [sys.executable, "-c", grader, str(db), str(TASK), str(candidate), "--json", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env=env,
-        check=False,
-    )
+    argv = [sys.executable, "-c", grader, str(db), str(TASK), str(candidate), "--json", *args]
+    return ran(argv, env=env, cwd=tmp_path, timeout=300)
 
 
 def _marked_pids() -> list[int]:
@@ -382,15 +375,7 @@ def test_box_uid_mode_builds_and_runs_a_cuda_kernel(
     task = ROOT / "examples/cuda_tasks/gelu_residual.py"
     seed = ROOT / "examples/cuda_tasks/seeds/gelu_residual.py"
     cli = [sys.executable, "-m", "kf.evaluation.grader.cli", str(task), str(seed)]
-    proc = subprocess.run(
-        [*cli, "--device", "cuda:0", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env=env,
-        check=False,
-    )
+    proc = ran([*cli, "--device", "cuda:0", "--json"], env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["correct"] and result["profile"]["ok"], result

@@ -38,7 +38,7 @@ from kf import bus
 from kf.bus import EmbeddedServer
 from kf.events import decode_event
 from kf.shutdown import descendants
-from tests.harness import replay_check
+from tests.harness import killed_at_exit, piped, replay_check
 from tests.test_faults import ENV, ROOT, events, kf_proc, wait_until
 
 STOP_BOUND_S = 10.0  # 5 s asked for, plus a margin for the 2-core CI machine
@@ -464,15 +464,8 @@ def test_stop_a_box_killed_while_the_grader_builds_for_it_ends_the_build(
     crash naming SIGKILL, instead of waiting for the build."""
     task, _, env = slow_task(tmp_path)
     seed = tmp_path / "tasks/seeds" / task.name
-    proc = subprocess.Popen(
-        [sys.executable, "-c", COMPILING, str(task), str(seed)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    argv = [sys.executable, "-c", COMPILING, str(task), str(seed)]
+    with killed_at_exit(piped(argv, env=env)) as proc:
 
         def building() -> int | None:
             below = descendants(proc.pid)
@@ -487,10 +480,6 @@ def test_stop_a_box_killed_while_the_grader_builds_for_it_ends_the_build(
         began = time.monotonic()
         out, err = proc.communicate(timeout=120)
         took = time.monotonic() - began
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     report = json.loads(out.strip().splitlines()[-1])
     assert (report["ok"], report["kind"]) == (False, "crash"), (report, err[-2000:])
     assert "SIGKILL" in report["error"], report
