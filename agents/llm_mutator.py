@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -335,6 +335,12 @@ class LlmMutator(Agent[LlmMutatorState]):
                 used.add(pin, pout, cost)
         return state.budget.exhausted(used, self._in_flight)
 
+    def _refused(self, state: LlmMutatorState, failed: Callable[[str], Event]) -> list[Event]:
+        """With the LLM budget spent: its announcement (once) and ``failed`` with the
+        reason; else nothing."""
+        reason = self._budget_left(state)
+        return [] if reason is None else [*self._exhausted(state, reason), failed(reason)]
+
     def _exhausted(self, state: LlmMutatorState, reason: str) -> list[Event]:
         if state.budget_announced or self._announced:
             return []
@@ -443,9 +449,8 @@ class LlmMutator(Agent[LlmMutatorState]):
         parent = state.sources.get(ev.parent_id)
         if parent is None:
             return [failed(f"parent {ev.parent_id} was never proposed in this run")]
-        reason = self._budget_left(state)
-        if reason is not None:
-            return [*self._exhausted(state, reason), failed(reason)]
+        if refused := self._refused(state, failed):
+            return refused
         info = state.cands.get(ev.parent_id, CandInfo(task=ev.task, island=ev.island))
         ctx = MutationContext(
             task=ev.task,
@@ -705,9 +710,8 @@ class LlmMutator(Agent[LlmMutatorState]):
         """A first-generation candidate: the model writes a kernel from the reference alone
         (in a retry round, with the evidence of the failed first attempts)."""
         label = self._label(state, ev)
-        reason = self._budget_left(state)
-        if reason is not None:
-            return [*self._exhausted(state, reason), failed_as(label, reason)]
+        if refused := self._refused(state, lambda why: failed_as(label, why)):
+            return refused
         attempts = [
             Attempt(
                 candidate_id=cid,
@@ -774,9 +778,8 @@ class LlmMutator(Agent[LlmMutatorState]):
         regions = state.prompts.get(ev.prompt_id)
         if regions is None:
             return [failed(f"prompt {ev.prompt_id} is unknown")]
-        reason = self._budget_left(state)
-        if reason is not None:
-            return [*self._exhausted(state, reason), failed(reason)]
+        if refused := self._refused(state, failed):
+            return refused
         messages = rewrite_messages(
             regions,
             ev.region,
