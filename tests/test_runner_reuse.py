@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kf.evaluation import Limits, RunnerPool
+from kf.evaluation import Limits, RunnerPool, evaluate
 from kf.evaluation.grader import sandbox
 from kf.evaluation.grader.compiling import compile_session
 from kf.evaluation.grader.profiling import Timing, profile_session
@@ -89,6 +89,16 @@ def test_a_candidate_is_built_verified_and_profiled_in_one_runner(pool: RunnerPo
     assert kept_pids(pool) == {}  # the profile is the last stage: nothing kept
     fresh = verify_session(dataclasses.replace(s, candidate_key=None))
     assert fresh.correct and "kept_runner_wait" not in fresh.phases
+
+
+def test_kf_eval_keeps_nothing_past_its_last_stage(pool: RunnerPool) -> None:
+    """``kf eval`` (:func:`evaluate`) verifies in its build's runner; asked for no
+    profile, it lets the runner its verification kept go when it returns."""
+    source = (FIXTURES / "honest_cpp.py").read_text()
+    result = evaluate(TASK, source, pool=pool, timeout_s=90, profile=False)
+    assert result.passed and result.verify is not None, result.error
+    assert "kept_runner_wait" in result.verify.phases
+    assert kept(pool) == {}
 
 
 def test_another_candidate_never_gets_a_kept_runner(pool: RunnerPool) -> None:

@@ -68,7 +68,8 @@ def evaluate(
     try:
         return _stages(session, audit, build_timeout_s, profile, counters, profile_options)
     finally:  # a stage that kept the runner for a next one that did not come
-        session.runners.drop_kept(key)
+        if session.kept_key is not None:
+            session.runners.drop_kept(session.kept_key)
 
 
 def _stages(
