@@ -25,7 +25,36 @@ TASK_FILE = Path(__file__).parent / "fixtures" / "eval" / "task_gelu.py"
 #: the gelu task's answer computed with PyTorch ops, as a candidate's ModelNew
 TORCH_REFERENCE = FIXTURES / "torch_reference.py"
 QUICK = {"min_time_s": 0.05, "warmup": 2, "min_trials": 10}
-PROFILED = ("honest_cpp", "cache_outputs")
+
+# The verdict the default transport gives each adversarial fixture on the tiny task:
+# name → (failure kind, or kinds with |; text the reason must contain)
+REJECTED = {
+    "shape_special": ("generalisation_failed", "never seen before"),
+    "input_write": ("input_mutated", "input 0 was modified"),
+    "uninitialised": ("mismatch|nan_inf", "output"),
+    "stale": ("mismatch", "trial 2/5"),
+    "low_precision": ("mismatch", "atol=rtol=0.0001"),
+    "nan_output": ("nan_inf", "NaN/Inf"),
+    "runner_patch": ("tampering", "Runner.op_time"),
+    "hide_mutation": ("tampering", "Runner.op_run"),
+    "grader_gc": ("tampering", "timing backend"),
+    "lazy_subclass": ("exception", "not a plain torch.Tensor"),
+    "forge_reply": ("tampering", "forged or injected"),
+}
+# name → the flag a passing cheat carries
+FLAGGED = {
+    "torch_reference": "torch_compute",
+    "never_calls_kernel": "kernel_never_called",
+    "try_fallback": "try_fallback",
+    "cache_outputs": "cache_suspected",
+    "timer_patch": "timer_patching",
+    "grader_stack": "timer_disagreement",
+    "network": "network",
+}
+# passing with no flag
+HONEST = ("honest_cpp", "honest_rows")
+# Only timing cheats need the profile stage to show; the rest stop or flag before it.
+PROFILED = {*HONEST, "cache_outputs", "grader_stack"}
 
 
 def runner_pair(
@@ -79,19 +108,21 @@ def pool_under(env: dict[str, str]) -> Iterator[RunnerPool]:
             runners.close()
 
 
-def check_default_verdict(
-    name: str, passed: bool, kind_or_flag: str | None, pool: RunnerPool
-) -> None:
-    """``kf eval`` of fixture ``name`` gives the default path's verdict: passed (with
-    ``kind_or_flag`` among its flags, or no flag) or failed with that kind."""
+def check_default_verdict(name: str, pool: RunnerPool) -> None:
+    """``kf eval`` of fixture ``name`` gives the default path's verdict: rejected with its
+    kind (REJECTED), or passed with its flag (FLAGGED) or with none (HONEST)."""
     result = evaluate(
         load_task(TASK_FILE), (FIXTURES / f"{name}.py").read_text(), pool=pool, timeout_s=90,
         profile_options=QUICK, profile=name in PROFILED,
     )  # fmt: skip
-    assert result.passed is passed, result.error
-    if passed:
-        assert result.profile is not None and result.profile.fresh_runtime_ms is not None
-        flags = " ".join(result.flags)
-        assert (kind_or_flag or "") in flags if kind_or_flag else result.flags == (), flags
+    if name in REJECTED:
+        assert not result.passed, result.flags
+        assert result.failure_kind in REJECTED[name][0].split("|"), result.error
+        return
+    assert result.passed, result.error
+    assert result.profile is not None and result.profile.fresh_runtime_ms is not None
+    code = FLAGGED.get(name)
+    if code:
+        assert any(f.startswith(f"{code}:") for f in result.flags), result.flags
     else:
-        assert result.failure_kind == kind_or_flag, result.error
+        assert result.flags == (), result.flags

@@ -23,7 +23,15 @@ from kf.evaluation import (
 from kf.evaluation.grader.cli import _human
 from kf.evaluation.grader.cli import main as eval_main
 from kf.evaluation.grader.verifying import reverify_fast
-from tests.runner_cases import TASK_FILE, gelu_task
+from tests.runner_cases import (
+    FLAGGED,
+    HONEST,
+    PROFILED,
+    QUICK,
+    REJECTED,
+    TASK_FILE,
+    gelu_task,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"
 TASK = gelu_task()
@@ -36,34 +44,6 @@ def get_extra_inputs() -> list[list[torch.Tensor]]:
 """,
     name="task_gelu_extra",
 )
-QUICK = {"min_time_s": 0.05, "warmup": 2, "min_trials": 10}
-
-# name → (verdict, failure kind or flag code, text the reason must contain)
-REJECTED = {
-    "shape_special": ("generalisation_failed", "never seen before"),
-    "input_write": ("input_mutated", "input 0 was modified"),
-    "uninitialised": ("mismatch|nan_inf", "output"),
-    "stale": ("mismatch", "trial 2/5"),
-    "low_precision": ("mismatch", "atol=rtol=0.0001"),
-    "nan_output": ("nan_inf", "NaN/Inf"),
-    "runner_patch": ("tampering", "Runner.op_time"),
-    "hide_mutation": ("tampering", "Runner.op_run"),
-    "grader_gc": ("tampering", "timing backend"),
-    "lazy_subclass": ("exception", "not a plain torch.Tensor"),
-    "forge_reply": ("tampering", "forged or injected"),
-}
-FLAGGED = {
-    "torch_reference": "torch_compute",
-    "never_calls_kernel": "kernel_never_called",
-    "try_fallback": "try_fallback",
-    "cache_outputs": "cache_suspected",
-    "timer_patch": "timer_patching",
-    "grader_stack": "timer_disagreement",
-    "network": "network",
-}
-HONEST = ("honest_cpp", "honest_rows")
-# Only timing cheats need the profile stage to show; the rest stop or flag before it.
-PROFILED = {*HONEST, "cache_outputs", "grader_stack"}
 
 
 def source(name: str) -> str:
