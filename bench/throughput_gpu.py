@@ -344,9 +344,14 @@ def main() -> int:
         exit=rc, wall_s=round(wall, 1), layout=args.layout, tasks=tasks,
         sizes="real" if args.real_sizes else "v0 (batch_size=16, dim=16384)",
         answers=responder.count, command=" ".join(sys.argv),
+        # candidate runners kept from build to profile (unset: none on a GPU)
+        kept_runners=os.environ.get("KF_KEPT_RUNNERS"),
     )  # fmt: skip
     (args.out / f"throughput_gpu_{args.layout}.json").write_text(json.dumps(result, indent=2))
-    print(f"\nkf run exit {rc} after {wall:.1f} s ({args.layout} layout)")
+    print(
+        f"\nkf run exit {rc} after {wall:.1f} s ({args.layout} layout; "
+        f"KF_KEPT_RUNNERS={result['kept_runners'] or 'unset'})"
+    )
     for key in ("candidates", "final_verdicts", "ends", "span_s", "candidates_per_min"):
         print(f"{key}: {result.get(key)}")
     print(f"build median: {result.get('build_median_s')} s over {len(result.get('builds_s', []))}")
