@@ -25,7 +25,7 @@ import msgspec
 
 from agents import archive_tuning
 from agents.tuned import TUNER_LABEL
-from kf.agent import Agent
+from kf.agent import PlanningAgent
 from kf.backends import backend_of, device_kind, language_of, languages_for
 from kf.behaviour import describe
 from kf.evaluation.grader.reports import ProfileReport, is_suspect
@@ -209,7 +209,7 @@ class ArchiveState(msgspec.Struct, kw_only=True):
         return "\n".join(lines)
 
 
-class ArchiveAgent(Agent[ArchiveState]):
+class ArchiveAgent(PlanningAgent[ArchiveState]):
     """MAP-Elites over kernel behaviour, with islands, migration and seeded selection."""
 
     kind = "archive"
@@ -236,17 +236,9 @@ class ArchiveAgent(Agent[ArchiveState]):
     def initial_state(self) -> ArchiveState:
         return ArchiveState()
 
-    def react(self, state: ArchiveState, rec: Record) -> Sequence[Event]:
-        event_id, decisions = state.plan
-        return list(decisions) if event_id == rec.event_id else ()
-
-    def snapshot(self, state: ArchiveState) -> Any:
-        return msgspec.structs.replace(state, plan=("", []))
-
     # -- the fold -------------------------------------------------------------------------
 
-    def evolve(self, state: ArchiveState, rec: Record) -> ArchiveState:
-        plan: list[Event] = []
+    def fold(self, state: ArchiveState, rec: Record, plan: list[Event]) -> None:
         ev = rec.event
         if isinstance(ev, RunStarted):
             self._start(state, ev, plan)
@@ -314,8 +306,6 @@ class ArchiveAgent(Agent[ArchiveState]):
         if state.started and not state.finished:
             self._dispatch(state, plan)
             self._top_up(state, plan)
-        state.plan = (rec.event_id, plan)
-        return state
 
     def _start(self, state: ArchiveState, ev: RunStarted, plan: list[Event]) -> None:
         if state.started:

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from kf.agent import Agent
+from kf.agent import PlanningAgent
 from kf.events import Event, Record
 from kf.facts import RunStarted
 from kf.llm.prompts import EVOLVABLE_REGIONS, REWRITE_OPERATORS, SEED_REGIONS
@@ -137,7 +137,7 @@ def _pick_model(rng: random.Random, models: Sequence[tuple[str, float]]) -> str:
     return usable[-1][0]
 
 
-class PromptEvolver(Agent[EvolverState]):
+class PromptEvolver(PlanningAgent[EvolverState]):
     """Chooses a meta-prompt and a model per selection; asks for prompt rewrites."""
 
     kind = "prompt_evolver"
@@ -159,15 +159,7 @@ class PromptEvolver(Agent[EvolverState]):
     def initial_state(self) -> EvolverState:
         return EvolverState()
 
-    def react(self, state: EvolverState, rec: Record) -> Sequence[Event]:
-        event_id, decisions = state.plan
-        return list(decisions) if event_id == rec.event_id else ()
-
-    def snapshot(self, state: EvolverState) -> Any:
-        return msgspec.structs.replace(state, plan=("", []))
-
-    def evolve(self, state: EvolverState, rec: Record) -> EvolverState:
-        plan: list[Event] = []
+    def fold(self, state: EvolverState, rec: Record, plan: list[Event]) -> None:
         ev = rec.event
         if isinstance(ev, RunStarted):
             if not state.active and not state.prompts:
@@ -197,7 +189,7 @@ class PromptEvolver(Agent[EvolverState]):
         elif isinstance(ev, (CandidateCompiled, CandidateRejected, CandidateProfiled)):
             ok = ev.report.ok if isinstance(ev, (CandidateCompiled, CandidateProfiled)) else False
             if isinstance(ev, CandidateCompiled) and ok:
-                return self._done(state, rec, plan)
+                return
             pid = state.candidate_prompt.pop(ev.candidate_id, None)
             if pid is not None:
                 score = ev.report.speedup if isinstance(ev, CandidateProfiled) and ok else 0.0
@@ -217,12 +209,6 @@ class PromptEvolver(Agent[EvolverState]):
                 state.open_requests.remove(ev.request)
         elif isinstance(ev, LlmBudgetExhausted):
             state.budget_spent = True
-        return self._done(state, rec, plan)
-
-    @staticmethod
-    def _done(state: EvolverState, rec: Record, plan: list[Event]) -> EvolverState:
-        state.plan = (rec.event_id, plan)
-        return state
 
     def _choose(self, state: EvolverState, ev: ParentSelected) -> PromptChosen:
         cfg = state.config
@@ -246,20 +232,9 @@ class PromptEvolver(Agent[EvolverState]):
             )
             agent = "" if picked in ("single", "default") else picked
         state.selection_prompt[f"{ev.task}:{ev.selection}"] = chosen.id
-        return PromptChosen(
-            task=ev.task,
-            selection=ev.selection,
-            island=ev.island,
-            operator=ev.operator,
-            parent_id=ev.parent_id,
-            second_parent_id=ev.second_parent_id,
-            prompt_id=chosen.id,
-            model=model,
-            rng_seed=ev.rng_seed,
-            language=ev.language,
-            evidence=ev.evidence,
-            agent=agent,
-        )
+        # the selection, every field of it, passed on with the prompt and model chosen for it
+        selection = msgspec.structs.asdict(ev)
+        return PromptChosen(**selection, prompt_id=chosen.id, model=model, agent=agent)
 
     def _finish(
         self, state: EvolverState, pid: str, score: float, task: str, plan: list[Event]

@@ -18,7 +18,7 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast
 
 import msgspec
 import structlog
@@ -29,6 +29,8 @@ __all__ = [
     "Agent",
     "AgentContext",
     "AgentLoadError",
+    "Planned",
+    "PlanningAgent",
     "Runnable",
     "agent_types",
     "load_agent_type",
@@ -111,6 +113,40 @@ class Agent(Generic[S]):
             tags = frozenset(t.tag for t in cls.listens)
             cls._listen_tags = tags
         return tag in tags
+
+
+class Planned(Protocol):
+    """The state of a :class:`PlanningAgent`: the decisions the last folded event called
+    for, with that event's id."""
+
+    plan: tuple[str, list[Event]]
+
+
+P = TypeVar("P", bound=Planned)
+
+
+class PlanningAgent(Agent[P]):
+    """An agent whose decisions are planned inside its fold (docs/decisions.md): ``fold``
+    applies one event to the state and appends the decisions it calls for; evolve keeps
+    them in ``state.plan`` with the event's id, react answers that event with them, and the
+    snapshot leaves them out. Replaying the log therefore replans the same decisions."""
+
+    def fold(self, state: P, rec: Record, plan: list[Event]) -> None:
+        """Apply ``rec`` to ``state`` (in place) and append the decisions it calls for."""
+        raise NotImplementedError
+
+    def evolve(self, state: P, rec: Record) -> P:
+        plan: list[Event] = []
+        self.fold(state, rec, plan)
+        state.plan = (rec.event_id, plan)
+        return state
+
+    def react(self, state: P, rec: Record) -> Sequence[Event]:
+        event_id, decisions = state.plan
+        return list(decisions) if event_id == rec.event_id else ()
+
+    def snapshot(self, state: P) -> Any:
+        return msgspec.structs.replace(cast(msgspec.Struct, state), plan=("", []))
 
 
 class Runnable(Protocol):
