@@ -53,7 +53,7 @@ _LOG = 20_000
 def _niced(argv: list[str]) -> list[str]:
     """``argv`` run ``$KF_BUILD_NICE`` (10) lower than grading: a build's compilers yield
     the host's cores to the verifications and timings of earlier candidates, which the
-    GPU waits on (where ``nice`` is not installed, as it is)."""
+    GPU waits on (where no ``nice`` is installed, at the grader's own priority)."""
     niceness = current().build_nice
     found = shutil.which("nice") if niceness > 0 else None
     return [found, "-n", str(niceness), *argv] if found else argv

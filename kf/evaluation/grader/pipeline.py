@@ -2,11 +2,11 @@
 profiling policy, :mod:`kf.evaluation.grader.policy`), and counters when asked.
 
 Each candidate runs in one sandboxed runner of its own from its build to its profile
-(kept between the stages; never one that ran another candidate; re-verification and
-counters start fresh ones). The grader (this process) never imports task
-or candidate code and never unpickles what a runner sends: it forwards payloads between a
-candidate runner and a candidate-free reference runner, which holds the expected outputs
-and judges them. The stages: :mod:`~kf.evaluation.grader.compiling`,
+(kept between the stages, on a GPU only where ``$KF_KEPT_RUNNERS`` is set; never one that
+ran another candidate; re-verification and counters start fresh ones). The grader (this
+process) never imports task or candidate code and never unpickles what a runner sends: it
+forwards payloads between a candidate runner and a candidate-free reference runner, which
+holds the expected outputs and judges them. The stages: :mod:`~kf.evaluation.grader.compiling`,
 :mod:`~kf.evaluation.grader.verifying`, :mod:`~kf.evaluation.grader.profiling`,
 :mod:`~kf.evaluation.grader.counters`, each given one
 :class:`~kf.evaluation.grader.session.GradingSession`;
