@@ -139,7 +139,7 @@ class GradingSession:
         """The tolerance the task's outputs are judged at."""
         return resolve(self.tolerance, self.task.source)[0]
 
-    @property
+    @cached_property
     def kept_key(self) -> str | None:
         """What a candidate runner is kept under between this candidate's stages: its
         key, its source and the task, device and conditions (None: not kept)."""

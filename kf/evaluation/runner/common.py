@@ -238,6 +238,7 @@ class RunnerBase:
 
         if msg.nice > 0:
             os.nice(msg.nice)  # a build: its compilers yield to grading and timing
+        first = self.set_up_for is None
         if self.set_up_for != msg.device:
             # set up again for the same device (a runner kept for its candidate's next
             # stage), it keeps its backend: the guard checks that one is still in place
@@ -266,12 +267,13 @@ class RunnerBase:
             usage = resource.getrusage(resource.RUSAGE_SELF)
             used = int(usage.ru_utime + usage.ru_stime) + 1
             soft = used + msg.cpu_s
-            _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-            if hard == resource.RLIM_INFINITY:  # the first set-up
-                hard = soft + msg.cpu_later_s + 5
-            else:  # a kept runner set up for its candidate's next stage: the hard one stays
-                soft = min(soft, hard)
-            resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+            _, before = resource.getrlimit(resource.RLIMIT_CPU)
+            # the first set-up sets the hard limit (with the later stages' seconds); a
+            # runner kept for its candidate's next stage keeps it and sets its soft one
+            hard = soft + msg.cpu_later_s + 5 if first else before
+            if before != resource.RLIM_INFINITY:  # lower only
+                hard = min(hard, before)
+            resource.setrlimit(resource.RLIMIT_CPU, (min(soft, hard), hard))
         if msg.file_bytes:
             size = msg.file_bytes
             _, before = resource.getrlimit(resource.RLIMIT_FSIZE)
