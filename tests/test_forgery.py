@@ -166,7 +166,10 @@ def lying_worker(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     with EmbeddedServer(credentials=creds) as server:
         try:
             # tuning on (4: the least that tunes a shape set): the liar answers its requests
-            args = [*run_args(server.url, db, LIAR_RUN, 4), "--tune-budget", "4"]
+            # and a heartbeat timeout that a loaded CI machine cannot reach: the liar's
+            # tuning ends unanswered if its device is counted lost
+            extra = ("--tune-budget", "4", "--heartbeat-timeout", "30")
+            args = run_args(server.url, db, LIAR_RUN, 4, *extra)
             main = proc(["kf.cli", *args], {**logins, **trust})
             liar = proc(
                 ["tests.evil_worker", server.url, LIAR_RUN, evil.user, evil.password, "evil"],
@@ -236,7 +239,7 @@ def test_forgery_lying_tuner_and_counters_raise_no_speedup(lying_worker: dict[st
     lies = [t for t in of_type(db, "tuning.config_tuned") if t.device_id == "evil"]
     assert lies and all(t.improved and t.best_ms == 1e-6 for t in lies)
     chosen = [c for c in of_type(db, "search.tuned_chosen") if c.device_id == "evil"]
-    assert chosen, of_type(db, "search.tuned_chosen")
+    assert chosen, (of_type(db, "search.tuned_chosen"), lies, of_type(db, "device.lost"))
     tuned = [
         p.candidate_id
         for p in of_type(db, "kernel.candidate_proposed")
