@@ -46,6 +46,9 @@ PROGRAMS: dict[str, tuple[str, ...]] = {
 #: kind → what in a Python process's arguments makes it that kind, first match wins
 MODULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("boxed runners", ("kf.evaluation.runner",)),
+    ("build writer", ("kf.evaluation.grader.inline_writer",)),
+    ("object cache launchers", ("kf.cuda.objcache",)),
+    ("build box Python", ("inline.load_inline(**json.loads",)),
     ("inductor compile workers", ("compile_worker", "torch._inductor", "triton")),
     ("kf grader and agents", ("kf.cli", "kf.evaluation.grader")),
 )

@@ -60,7 +60,11 @@ __all__ = [
     "pch_key",
     "pch_wanted",
     "pytorch_load_inline",
+    "record_build",
+    "replay_verdicts",
+    "sources_given",
     "uninstall",
+    "write_build",
 ]
 
 #: Arguments that do not change what is built.
@@ -157,7 +161,7 @@ def _digest(material: dict[str, Any], environment: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def _given(value: Any) -> bool:
+def sources_given(value: Any) -> bool:
     """Whether a ``*_sources`` argument names any source, as PyTorch decides it."""
     return bool([value] if isinstance(value, str) and value else value)
 
@@ -180,7 +184,7 @@ def _languages(arguments: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for flag, sources in (("with_cuda", "cuda_sources"), ("with_sycl", "sycl_sources")):
         given = arguments.get(flag)
-        out[flag] = given if given is not None else _given(arguments.get(sources))
+        out[flag] = given if given is not None else sources_given(arguments.get(sources))
     return out
 
 
@@ -327,6 +331,12 @@ _PRELUDE_NOTES = {
 }
 
 
+def record_build(folder: Path, prelude: str) -> None:
+    """Write into a build's ``folder`` how its ``cuda.cu`` was built (:class:`BuildRecord`'s
+    ``cuda_prelude``)."""
+    (folder / _META).write_text(json.dumps({"cuda_prelude": prelude}))
+
+
 def _prelude_of(folder: Path, arguments: dict[str, Any]) -> str:
     """How the build in ``folder`` compiled its ``cuda.cu`` (its :data:`_META`); builds
     from before kf recorded it were PyTorch's."""
@@ -336,7 +346,7 @@ def _prelude_of(folder: Path, arguments: dict[str, Any]) -> str:
         value = None
     if isinstance(value, str):
         return value
-    return "torch" if _given(arguments.get("cuda_sources")) else ""
+    return "torch" if sources_given(arguments.get("cuda_sources")) else ""
 
 
 def _build(
@@ -353,7 +363,7 @@ def _build(
     if not torchfree.wanted(arguments, original):
         with _object_cache(pch):
             original(**arguments)  # builds and imports from the work folder
-        return "torch" if _given(arguments.get("cuda_sources")) else ""
+        return "torch" if sources_given(arguments.get("cuda_sources")) else ""
     fd, held = tempfile.mkstemp(prefix="kf-torchfree-", suffix=".log")
     os.close(fd)
     ok = False
@@ -372,13 +382,41 @@ def _build(
         with _object_cache(pch):
             original(**arguments)
         return "torch-fallback"
-    _replay(verdicts, bool(arguments.get("verbose")))
+    replay_verdicts(verdicts, bool(arguments.get("verbose")))
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return "none"
 
 
-def _replay(verdicts: str, verbose: bool) -> None:
+def write_build(
+    arguments: dict[str, Any],
+    module_name: str,
+    folder: Path,
+    *,
+    torch_free: bool,
+    pch: str | None,
+    held: str | None = None,
+) -> None:
+    """Write into ``folder`` what the build of a ``load_inline`` call compiles: the
+    sources and PyTorch's ``build.ninja``, its compilers the object cache's launchers,
+    as :func:`load_inline` would build them, for the ninja to be run elsewhere.
+
+    For a process whose PyTorch neither runs ninja nor imports the result (the grader's
+    trusted writer, :mod:`kf.evaluation.grader.inline_writer`). ``arguments``: bound,
+    PyTorch's defaults filled in; ``module_name``: its :func:`extension_module_name`;
+    ``torch_free``: the variant without the torch include (:mod:`kf.cuda.torchfree`);
+    ``pch``: the precompiled header's key, None for none; ``held``: the file the
+    launchers' verdicts go to instead of ``$KF_OBJCACHE_LOG``.
+    """
+    call = {**arguments, "name": module_name, "build_directory": str(folder)}
+    if torch_free:
+        call = torchfree.arguments({**call, "verbose": False})
+    _forget_version(module_name)
+    with _object_cache(pch, log=held):
+        pytorch_load_inline()(**call)
+
+
+def replay_verdicts(verdicts: str, verbose: bool) -> None:
     """Give the held verdicts where they would have gone: the log, and stderr if verbose."""
     if not verdicts:
         return
@@ -431,7 +469,7 @@ def load_inline(*args: Any, **kwargs: Any) -> Any:
                 pch = pch_key(arguments, environment) if pch_wanted(arguments) else None
                 prelude = _build(original, arguments, module_name, pch)
                 sys.modules.pop(module_name, None)
-                (work / _META).write_text(json.dumps({"cuda_prelude": prelude}))
+                record_build(work, prelude)
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(work, final)
     module = _import(module_name, library, key)

@@ -31,6 +31,7 @@ import stat
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -303,18 +304,10 @@ def _refused_inline_flag(arguments: dict[str, Any]) -> str | None:
     return None
 
 
-def _build_inline(
-    arguments: dict[str, Any],
-    arch: str | None,
-    work: Path,
-    final: Path,
-    key: str,
-    module_name: str,
-    timeout_s: float,
-    pch_env: dict[str, str],
-) -> dict[str, Any]:
-    import json
-
+def _box_environment(
+    work: Path, arch: str | None, pch_env: dict[str, str]
+) -> tuple[Path, dict[str, str]]:
+    """The build box's scratch folder and environment (``$KF_CACHE_DIR`` its own ``work``)."""
     scratch = Path(tempfile.gettempdir()) / "kf-build"  # inside the box only (a tmpfs)
     extra = {
         "KF_CACHE_DIR": str(work),
@@ -326,24 +319,154 @@ def _build_inline(
         "KF_TORCHFREE": "1" if current().torchfree else "0",
         **pch_env,
     }
+    return scratch, box.environment(os.environ, scratch, extra)
+
+
+def _run_in_box(
+    run: list[str],
+    work: Path,
+    arch: str | None,
+    pch_env: dict[str, str],
+    timeout_s: float,
+    **kw: Any,
+) -> tuple[int | None, str]:
+    """``run`` in a build box whose one writable place is ``work``, niced, its output
+    capped; its exit status (None: timed out) and output."""
+    scratch, env = _box_environment(work, arch, pch_env)
     boxed = box.command(
         python=sys.executable,
         scratch=scratch,
         log_path=None,
-        env=box.environment(os.environ, scratch, extra),
+        env=env,
         rw_paths=(str(work),),
-        run=[sys.executable, "-P", "-c", _INLINE_SCRIPT],
+        run=run,
     )
-    code, log = run_capped(
+    return run_capped(
         _niced(boxed),
         timeout_s=timeout_s,
-        input_text=json.dumps(arguments),
         env={"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"},
+        **kw,
+    )
+
+
+def _build_inline(
+    arguments: dict[str, Any],
+    arch: str | None,
+    work: Path,
+    final: Path,
+    key: str,
+    module_name: str,
+    timeout_s: float,
+    pch_env: dict[str, str],
+) -> dict[str, Any]:
+    """Build in ``work``, then publish the result as ``final``: PyTorch's files written by
+    the grader's writer and only their ninja run in the box
+    (:mod:`kf.evaluation.grader.inline_writer`), or, where the writer cannot write this
+    call, a Python in the box that runs kf's ``load_inline``."""
+    from kf.evaluation.grader import inline_writer
+
+    if not inline_writer.usable(arguments):
+        return _build_inline_in_python(
+            arguments, arch, work, final, key, module_name, timeout_s, pch_env
+        )
+    return _build_inline_written(arguments, arch, work, final, key, module_name, timeout_s, pch_env)
+
+
+def _build_inline_in_python(
+    arguments: dict[str, Any],
+    arch: str | None,
+    work: Path,
+    final: Path,
+    key: str,
+    module_name: str,
+    timeout_s: float,
+    pch_env: dict[str, str],
+) -> dict[str, Any]:
+    import json
+
+    code, log = _run_in_box(
+        [sys.executable, "-P", "-c", _INLINE_SCRIPT],
+        work,
+        arch,
+        pch_env,
+        timeout_s,
+        input_text=json.dumps(arguments),
     )
     if code is None:
         return _failed(f"the load_inline build timed out after {timeout_s:.0f}s", log)
     if code != 0:
         return _failed(f"the load_inline build exited with status {code}", log)
+    return _publish_inline(work, final, key, module_name, log)
+
+
+def _build_inline_written(
+    arguments: dict[str, Any],
+    arch: str | None,
+    work: Path,
+    final: Path,
+    key: str,
+    module_name: str,
+    timeout_s: float,
+    pch_env: dict[str, str],
+) -> dict[str, Any]:
+    """The build as kf's ``load_inline`` does it (:func:`kf.cuda.inline.load_inline`):
+    first without the torch include where :mod:`kf.cuda.torchfree` wants it, quietly,
+    then PyTorch's way in the same folder (ninja keeps the identical ``main.o``) if that
+    failed in any way; what the last attempt said is what the runner sees."""
+    from kf.cuda import inline, torchfree
+    from kf.evaluation.grader import inline_writer
+
+    end = time.monotonic() + timeout_s
+    toolchain = {**_own_toolchain(), "arch": arch}
+    folder = work / "cuda_ext" / key
+    folder.mkdir(parents=True)
+    held = work / "held-verdicts.log"
+    env = _box_environment(work, arch, pch_env)[1]
+    request: dict[str, Any] = {
+        "arguments": arguments,
+        "module_name": module_name,
+        "folder": str(folder),
+        # the grader's choice (_pch_folders), for the toolchain the runner reported
+        "pch": None if pch_env.get("KF_PCH") == "0" else inline.pch_key(arguments, toolchain),
+        "settings": {k: env.get(k, "") for k in inline_writer.REQUEST_SETTINGS},
+        "environ": {k: env.get(k) for k in inline_writer.REQUEST_ENVIRON},
+    }
+    tries = torchfree.wanted(arguments, inline.pytorch_load_inline())
+    for torch_free in (True, False) if tries else (False,):
+        held.unlink(missing_ok=True)
+        ask = {**request, "torch_free": torch_free, "held": str(held) if torch_free else None}
+        try:
+            reply = inline_writer.writer().write(ask, max(1.0, end - time.monotonic()))
+        except inline_writer.WriterFailed as exc:
+            return _failed(str(exc))
+        if not reply["ok"]:
+            if torch_free:
+                continue
+            return _failed(f"load_inline: {reply['error']}", str(reply.get("log", "")))
+        left = end - time.monotonic()
+        code, out = _run_in_box([*reply["command"], "-C", str(folder)], work, arch, pch_env, left)
+        if code is None:
+            return _failed(f"the load_inline build timed out after {timeout_s:.0f}s", out)
+        if code == 0:
+            break
+        if not torch_free:
+            log = f"{reply['warnings']}{reply['error_prefix']}: {out}"
+            return _failed(f"the load_inline build exited with status {code}", log)
+    if torch_free:
+        inline.replay_verdicts(held.read_text(errors="replace") if held.exists() else "", False)
+        prelude = "none"
+    elif tries:
+        prelude = "torch-fallback"
+    else:
+        prelude = "torch" if inline.sources_given(arguments.get("cuda_sources")) else ""
+    inline.record_build(folder, prelude)
+    return _publish_inline(work, final, key, module_name, str(reply["warnings"]))
+
+
+def _publish_inline(
+    work: Path, final: Path, key: str, module_name: str, log: str
+) -> dict[str, Any]:
+    """The build box's result in ``work``, checked and moved to ``final``."""
     built = work / "cuda_ext" / key
     if not (built / f"{module_name}.so").is_file():
         left = sorted(p.name for p in (work / "cuda_ext").glob("*"))
