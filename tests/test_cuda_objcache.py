@@ -213,6 +213,39 @@ def test_a_failing_compile_passes_its_status_through_and_is_not_cached(
     assert not list(cache.glob("*.json")) and not list(cache.glob("*.o"))
 
 
+#: a source whose compile grows g++'s heap past its own collector threshold (128 MiB): with
+#: g++'s defaults the collector runs in it, through the launcher it does not
+BIG_SOURCE = """#include <bits/stdc++.h>
+std::map<std::string, std::vector<std::regex>> m;
+int f(const std::string& s) {
+    std::regex r("a+b");
+    std::smatch x;
+    return std::regex_search(s, x, r);
+}
+std::unordered_map<int, std::function<double(double)>> g;
+"""
+
+
+@needs_gxx
+def test_the_collector_threshold_changes_nothing_in_the_object(tmp_path: Path, cache: Path) -> None:
+    """g++ through the launcher collects garbage first at 1 GiB (kf.cuda.objcache.gc_args):
+    less CPU for a big compile, and the object byte for byte g++'s own without it."""
+    assert GXX is not None
+    assert objcache.gc_args(os.path.realpath(GXX)) == ["--param", "ggc-min-heapsize=1048576"]
+    assert objcache.gc_args("/usr/local/cuda/bin/nvcc") == []
+    folder = _build_dir(tmp_path, "big", BIG_SOURCE)
+    std = ("-std=c++20",)
+    proc = _compile(folder, *std)
+    assert _verdicts(proc.stderr) == ["miss"]
+    plain = subprocess.run(
+        [str(GXX), *std, "-c", "main.cpp", "-o", "plain.o", "-fPIC", "-O2"],
+        cwd=folder,
+        capture_output=True,
+    )
+    assert plain.returncode == 0, plain.stderr
+    assert (folder / "main.o").read_bytes() == (folder / "plain.o").read_bytes()
+
+
 @needs_gxx
 def test_queries_links_and_preprocessing_pass_straight_through(tmp_path: Path, cache: Path) -> None:
     """``-v``, ``--version``, ``-dumpfullversion``, ``-E`` and links run the real compiler."""

@@ -153,9 +153,12 @@ def extra_args(
     source_index: int,
     look: str | None = None,
     make: str | None = None,
+    gc: Sequence[str] = (),
 ) -> tuple[list[str], str]:
     """Arguments to put in front of this g++ compile, and what was done (for the log):
-    the header in ``look`` if usable, else one made in ``make`` if given."""
+    the header in ``look`` if usable, else one made in ``make`` if given (``gc``: the
+    compiler's garbage-collector arguments, :func:`kf.cuda.objcache.gc_args`, which change
+    nothing in the header but the time it takes)."""
     if not look and not make:
         return [], ""
     if not starts_with_torch(args[source_index]):
@@ -172,7 +175,7 @@ def extra_args(
             made = ""
             if not (folder / MARK).exists():
                 start = time.perf_counter()
-                state = _make(compiler, flags_for_header(args, source_index), folder)
+                state = _make(compiler, [*gc, *flags_for_header(args, source_index)], folder)
                 (folder / MARK).write_text("ok" if state == "ok" else "unusable")
                 if state != "ok":
                     return [], f"no pch ({state})"
