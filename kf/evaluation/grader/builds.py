@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -207,7 +208,7 @@ def build_inline(
         try:
             with _pch_folders(arguments, env, work) as pch_env:
                 return _build_inline(
-                    arguments, arch, work, final, key, module_name, timeout_s, pch_env
+                    _Build(arguments, arch, work, final, key, module_name, timeout_s, pch_env)
                 )
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -304,111 +305,88 @@ def _refused_inline_flag(arguments: dict[str, Any]) -> str | None:
     return None
 
 
-def _box_environment(
-    work: Path, arch: str | None, pch_env: dict[str, str]
-) -> tuple[Path, dict[str, str]]:
-    """The build box's scratch folder and environment (``$KF_CACHE_DIR`` its own ``work``)."""
-    scratch = Path(tempfile.gettempdir()) / "kf-build"  # inside the box only (a tmpfs)
-    extra = {
-        "KF_CACHE_DIR": str(work),
-        "TORCH_EXTENSIONS_DIR": str(work / "torch_extensions"),
-        **({"TORCH_CUDA_ARCH_LIST": arch} if arch is not None else {}),
-        "CXX": os.environ.get("CXX", "c++"),
-        "KF_CACHE_SHARED": "",
-        # the key computed here has the grader's choice (kf.cuda.torchfree): so must the box's
-        "KF_TORCHFREE": "1" if current().torchfree else "0",
-        **pch_env,
-    }
-    return scratch, box.environment(os.environ, scratch, extra)
+@dataclass(frozen=True)
+class _Build:
+    """One ``load_inline`` build the grader runs: the call's bound ``arguments``, the
+    runner's architecture, the build's private ``work`` folder, where it is published
+    (``final``, under ``key``), its module's name, its limit and the precompiled header's
+    folders for the box (``pch_env``, :func:`_pch_folders`)."""
+
+    arguments: dict[str, Any]
+    arch: str | None
+    work: Path
+    final: Path
+    key: str
+    module_name: str
+    timeout_s: float
+    pch_env: dict[str, str]
+
+    def environment(self) -> dict[str, str]:
+        """The build box's environment (``$KF_CACHE_DIR`` its own ``work``)."""
+        extra = {
+            "KF_CACHE_DIR": str(self.work),
+            "TORCH_EXTENSIONS_DIR": str(self.work / "torch_extensions"),
+            **({"TORCH_CUDA_ARCH_LIST": self.arch} if self.arch is not None else {}),
+            "CXX": os.environ.get("CXX", "c++"),
+            "KF_CACHE_SHARED": "",
+            # the key computed here has the grader's choice (kf.cuda.torchfree): so must the box's
+            "KF_TORCHFREE": "1" if current().torchfree else "0",
+            **self.pch_env,
+        }
+        return box.environment(os.environ, _BUILD_SCRATCH, extra)
+
+    def run(self, run: list[str], timeout_s: float, **kw: Any) -> tuple[int | None, str]:
+        """``run`` in a build box whose one writable place is ``work``, niced, its output
+        capped; its exit status (None: timed out) and output."""
+        boxed = box.command(
+            python=sys.executable,
+            scratch=_BUILD_SCRATCH,
+            log_path=None,
+            env=self.environment(),
+            rw_paths=(str(self.work),),
+            run=run,
+        )
+        return run_capped(
+            _niced(boxed),
+            timeout_s=timeout_s,
+            env={"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"},
+            **kw,
+        )
+
+    def publish(self, log: str) -> dict[str, Any]:
+        """The build box's result in ``work``, checked and moved to ``final``."""
+        return _publish_inline(self.work, self.final, self.key, self.module_name, log)
 
 
-def _run_in_box(
-    run: list[str],
-    work: Path,
-    arch: str | None,
-    pch_env: dict[str, str],
-    timeout_s: float,
-    **kw: Any,
-) -> tuple[int | None, str]:
-    """``run`` in a build box whose one writable place is ``work``, niced, its output
-    capped; its exit status (None: timed out) and output."""
-    scratch, env = _box_environment(work, arch, pch_env)
-    boxed = box.command(
-        python=sys.executable,
-        scratch=scratch,
-        log_path=None,
-        env=env,
-        rw_paths=(str(work),),
-        run=run,
-    )
-    return run_capped(
-        _niced(boxed),
-        timeout_s=timeout_s,
-        env={"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8"},
-        **kw,
-    )
+#: a build box's scratch folder (inside the box only: a tmpfs)
+_BUILD_SCRATCH = Path(tempfile.gettempdir()) / "kf-build"
 
 
-def _build_inline(
-    arguments: dict[str, Any],
-    arch: str | None,
-    work: Path,
-    final: Path,
-    key: str,
-    module_name: str,
-    timeout_s: float,
-    pch_env: dict[str, str],
-) -> dict[str, Any]:
+def _build_inline(build: _Build) -> dict[str, Any]:
     """Build in ``work``, then publish the result as ``final``: PyTorch's files written by
     the grader's writer and only their ninja run in the box
     (:mod:`kf.evaluation.grader.inline_writer`), or, where the writer cannot write this
     call, a Python in the box that runs kf's ``load_inline``."""
     from kf.evaluation.grader import inline_writer
 
-    if not inline_writer.usable(arguments):
-        return _build_inline_in_python(
-            arguments, arch, work, final, key, module_name, timeout_s, pch_env
-        )
-    return _build_inline_written(arguments, arch, work, final, key, module_name, timeout_s, pch_env)
+    if not inline_writer.usable(build.arguments):
+        return _build_inline_in_python(build)
+    return _build_inline_written(build)
 
 
-def _build_inline_in_python(
-    arguments: dict[str, Any],
-    arch: str | None,
-    work: Path,
-    final: Path,
-    key: str,
-    module_name: str,
-    timeout_s: float,
-    pch_env: dict[str, str],
-) -> dict[str, Any]:
+def _build_inline_in_python(build: _Build) -> dict[str, Any]:
     import json
 
-    code, log = _run_in_box(
-        [sys.executable, "-P", "-c", _INLINE_SCRIPT],
-        work,
-        arch,
-        pch_env,
-        timeout_s,
-        input_text=json.dumps(arguments),
-    )
+    script = [sys.executable, "-P", "-c", _INLINE_SCRIPT]
+    code, log = build.run(script, build.timeout_s, input_text=json.dumps(build.arguments))
     if code is None:
-        return _failed(f"the load_inline build timed out after {timeout_s:.0f}s", log)
+        return _failed(f"the load_inline build timed out after {build.timeout_s:.0f}s", log)
     if code != 0:
         return _failed(f"the load_inline build exited with status {code}", log)
-    return _publish_inline(work, final, key, module_name, log)
+    return build.publish(log)
 
 
-def _build_inline_written(
-    arguments: dict[str, Any],
-    arch: str | None,
-    work: Path,
-    final: Path,
-    key: str,
-    module_name: str,
-    timeout_s: float,
-    pch_env: dict[str, str],
-) -> dict[str, Any]:
+def _build_inline_written(build: _Build) -> dict[str, Any]:
     """The build as kf's ``load_inline`` does it (:func:`kf.cuda.inline.load_inline`):
     first without the torch include where :mod:`kf.cuda.torchfree` wants it, quietly,
     then PyTorch's way in the same folder (ninja keeps the identical ``main.o``) if that
@@ -416,18 +394,19 @@ def _build_inline_written(
     from kf.cuda import inline, torchfree
     from kf.evaluation.grader import inline_writer
 
-    end = time.monotonic() + timeout_s
-    toolchain = {**_own_toolchain(), "arch": arch}
-    folder = work / "cuda_ext" / key
+    arguments = build.arguments
+    end = time.monotonic() + build.timeout_s
+    toolchain = {**_own_toolchain(), "arch": build.arch}
+    folder = build.work / "cuda_ext" / build.key
     folder.mkdir(parents=True)
-    held = work / "held-verdicts.log"
-    env = _box_environment(work, arch, pch_env)[1]
+    held = build.work / "held-verdicts.log"
+    env = build.environment()
     request: dict[str, Any] = {
         "arguments": arguments,
-        "module_name": module_name,
+        "module_name": build.module_name,
         "folder": str(folder),
         # the grader's choice (_pch_folders), for the toolchain the runner reported
-        "pch": None if pch_env.get("KF_PCH") == "0" else inline.pch_key(arguments, toolchain),
+        "pch": None if build.pch_env.get("KF_PCH") == "0" else inline.pch_key(arguments, toolchain),
         "settings": {k: env.get(k, "") for k in inline_writer.REQUEST_SETTINGS},
         "environ": {k: env.get(k) for k in inline_writer.REQUEST_ENVIRON},
     }
@@ -443,10 +422,10 @@ def _build_inline_written(
             if torch_free:
                 continue
             return _failed(f"load_inline: {reply['error']}", str(reply.get("log", "")))
-        left = end - time.monotonic()
-        code, out = _run_in_box([*reply["command"], "-C", str(folder)], work, arch, pch_env, left)
+        left = max(0.1, end - time.monotonic())
+        code, out = build.run([*reply["command"], "-C", str(folder)], left)
         if code is None:
-            return _failed(f"the load_inline build timed out after {timeout_s:.0f}s", out)
+            return _failed(f"the load_inline build timed out after {build.timeout_s:.0f}s", out)
         if code == 0:
             break
         if not torch_free:
@@ -460,7 +439,7 @@ def _build_inline_written(
     else:
         prelude = "torch" if inline.sources_given(arguments.get("cuda_sources")) else ""
     inline.record_build(folder, prelude)
-    return _publish_inline(work, final, key, module_name, str(reply["warnings"]))
+    return build.publish(str(reply["warnings"]))
 
 
 def _publish_inline(
