@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "nvidia-smi samples its kernelbench.json kept (a log brought back from a GPU)",
     )  # fmt: skip
     ap.add_argument("kf_args", nargs="*", help="after --: more `kf run` options")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # the folder first, `-- kf run options` last
 
     try:
         tasks, skipped = load_tasks_skipping(args.folder)

@@ -415,7 +415,9 @@ def _build_inline_written(build: _Build) -> dict[str, Any]:
         held.unlink(missing_ok=True)
         ask = {**request, "torch_free": torch_free, "held": str(held) if torch_free else None}
         try:
-            reply = inline_writer.writer().write(ask, max(1.0, end - time.monotonic()))
+            # a hung writer holds every other build's request: its own limit, not the build's
+            limit = min(inline_writer.WRITE_LIMIT_S, max(1.0, end - time.monotonic()))
+            reply = inline_writer.writer().write(ask, limit)
         except inline_writer.WriterFailed as exc:
             return _failed(str(exc))
         if not reply["ok"]:

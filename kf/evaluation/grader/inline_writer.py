@@ -39,7 +39,16 @@ from typing import IO, Any
 
 from kf import settings
 
-__all__ = ["HOOKS", "InlineWriter", "WriterFailed", "main", "serve", "usable", "writer"]
+__all__ = [
+    "HOOKS",
+    "WRITE_LIMIT_S",
+    "InlineWriter",
+    "WriterFailed",
+    "main",
+    "serve",
+    "usable",
+    "writer",
+]
 
 #: PyTorch's functions this process replaces or calls (``torch.utils.cpp_extension``)
 HOOKS = (
@@ -52,6 +61,9 @@ HOOKS = (
 #: the settings a request sets (the rest are the grader's, as the build box gets them;
 #: the torch-free variant and the precompiled header are the request's own)
 REQUEST_SETTINGS = ("KF_CACHE_DIR", "KF_CACHE_SHARED", "KF_PCH_DIR", "KF_PCH_MAKE")
+#: the longest a request may take (it takes about 0.1 s; one at a time, so a writer that
+#: hangs would hold every build's request behind it)
+WRITE_LIMIT_S = 60.0
 #: the other variables a request sets; None: unset
 REQUEST_ENVIRON = ("TORCH_CUDA_ARCH_LIST", "TORCH_EXTENSIONS_DIR", "CXX")
 
