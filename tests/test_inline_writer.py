@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import json
 import os
 import re
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from kf.cuda import inline
+from kf.cuda import inline, torchfree
 from kf.evaluation.grader import box, inline_writer
 from kf.evaluation.grader.builds import _own_toolchain, build_inline
 
@@ -161,3 +165,85 @@ def test_what_the_writer_cannot_write_is_built_the_old_way() -> None:
     flags, which only a box may do: such a call is built by a Python in the box."""
     assert not inline_writer.usable({"use_pch": True})
     assert inline_writer.usable({"use_pch": False})
+
+
+NVCC = shutil.which("nvcc")
+
+#: the split layout: a torch-free kernel and launcher, the torch wrapper in cpp_sources
+KERNEL = r"""
+#include <stdint.h>
+__global__ void kf_twice(const float* x, float* y, int64_t n) {
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = 2.0f * x[i];
+}
+void kf_launch(const float* x, float* y, int64_t n, cudaStream_t stream) {
+    kf_twice<<<(unsigned)((n + 255) / 256), 256, 0, stream>>>(x, y, n);
+}
+"""
+WRAPPER = r"""
+#include <cuda_runtime.h>
+void kf_launch(const float* x, float* y, int64_t n, cudaStream_t stream);
+torch::Tensor kf_run(torch::Tensor x) {
+    auto y = torch::empty_like(x);
+    kf_launch(x.data_ptr<float>(), y.data_ptr<float>(), x.numel(), nullptr);
+    return y;
+}
+"""
+
+
+def _cuda_home() -> str | None:
+    """The CUDA toolkit's folder (``nvcc`` on ``PATH`` may be a link from elsewhere)."""
+    assert NVCC is not None
+    for home in (
+        os.environ.get("CUDA_HOME"),
+        Path(os.path.realpath(NVCC)).parent.parent,
+        "/usr/local/cuda",
+    ):
+        if home and os.path.isfile(os.path.join(home, "include", "cuda_runtime.h")):
+            return str(home)
+    return None
+
+
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc")
+@pytest.mark.skipif(
+    torch.version.cuda is None,
+    reason="a CPU build of PyTorch builds no CUDA extension (its CUDA_HOME is None)",
+)
+def test_a_cuda_build_is_written_by_the_writer_and_built_in_the_box(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A split-layout CUDA extension for the H200 (``9.0a``) built the boxed way: the
+    writer writes PyTorch's nvcc rule and a ``cuda.cu`` without the torch include
+    (kf.cuda.torchfree), ninja in the box compiles and links it, and it computes."""
+    cuda_home = _cuda_home()
+    if cuda_home is None:
+        pytest.skip("no CUDA toolkit folder with include/cuda_runtime.h")
+    monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KF_PCH", "0")  # the precompiled header is tests/test_pch.py's
+    monkeypatch.setenv("CUDA_HOME", cuda_home)
+    # a writer of its own, started with this environment
+    fresh = inline_writer.InlineWriter(box.environment(os.environ, Path(tempfile.gettempdir()), {}))
+    monkeypatch.setattr(inline_writer, "_writer", fresh)
+    args = {
+        "name": "kf_tf",
+        "cpp_sources": WRAPPER,
+        "cuda_sources": KERNEL,
+        "functions": ["kf_run"],
+    }
+    env = {**_own_toolchain(), "arch": "9.0a"}
+    try:
+        result = build_inline(dict(args), env, 600)
+    finally:
+        fresh.close()
+    assert result["ok"], result.get("error", "") + result.get("log", "")[-4000:]
+    folder = Path(result["path"])
+    assert json.loads((folder / "kf-build.json").read_text()) == {"cuda_prelude": "none"}
+    assert (folder / "cuda.cu").read_text().startswith(torchfree.PLACEHOLDER)
+    ninja = (folder / "build.ninja").read_text()
+    assert "rule cuda_compile" in ninja and "arch=compute_90a,code=sm_90a" in ninja
+    bound = inline.build_material(inline.bound_arguments(**args))
+    module_name = inline.extension_module_name("kf_tf", inline.binding_key(bound, env))
+    if torch.cuda.is_available():
+        module = inline._import(module_name, folder / f"{module_name}.so", "kf-test")
+        x = torch.arange(1000, dtype=torch.float32, device="cuda")
+        assert torch.equal(module.kf_run(x), 2 * x)
