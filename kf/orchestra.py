@@ -145,6 +145,11 @@ def worker_plan(
 
     slots = device_slots(devices, host_id(), name)
     agents = worker_agents(devices[0], devices=len(devices))
+    if devices[0].startswith("cuda"):
+        from kf.evaluation.grader import box, inline_writer
+
+        if not box.unsafe_requested():  # boxed load_inline builds: the writer writes them
+            inline_writer.prewarm()
     if devices[0].startswith("cuda") and len(devices) > 1:
         from agents.worker import compile_concurrency
 

@@ -22,6 +22,7 @@ import re
 import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,22 @@ def test_a_dead_writer_is_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     _, folder, module_name = _built(_args(3))
     assert writer.started == started + 1
     assert _load(folder / f"{module_name}.so", module_name).triple(1) == 6
+
+
+def test_prewarm_starts_the_writer_in_the_background() -> None:
+    """A CUDA worker starts its writer as it starts (kf.orchestra.worker_plan): the call
+    returns at once, and the process is there before the first build asks for it."""
+    writer = inline_writer.writer()
+    writer.close()
+    started = writer.started
+    inline_writer.prewarm()
+    for _ in range(200):
+        if writer.started > started:
+            break
+        time.sleep(0.05)
+    assert writer.started == started + 1
+    proc = writer._proc
+    assert proc is not None and proc.poll() is None
 
 
 def test_a_writer_that_does_not_answer_fails_the_build_and_is_killed(tmp_path: Path) -> None:

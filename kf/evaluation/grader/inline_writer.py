@@ -45,6 +45,7 @@ __all__ = [
     "InlineWriter",
     "WriterFailed",
     "main",
+    "prewarm",
     "serve",
     "usable",
     "writer",
@@ -177,6 +178,11 @@ class InlineWriter:
         self.started += 1
         return self._proc
 
+    def start(self) -> None:
+        """Start the process now, if none is running (its torch import: 5 s on the H200)."""
+        with self._lock:
+            self._start()
+
     def write(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """The writer's reply to ``request``; raises :class:`WriterFailed` when it dies
         or does not answer within ``timeout_s`` (it is then killed, and the next request
@@ -261,6 +267,12 @@ def main() -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     serve(sys.stdin, replies)
+
+
+def prewarm() -> None:
+    """Start this grader's writer in the background: a CUDA worker's first builds, fifteen
+    at once on the H200, then do not all wait for its torch import."""
+    threading.Thread(target=writer().start, name="kf-inline-writer-start", daemon=True).start()
 
 
 if __name__ == "__main__":
