@@ -177,6 +177,45 @@ def test_a_writer_that_does_not_answer_fails_the_build_and_is_killed(tmp_path: P
         hung.close()
 
 
+def test_closing_does_not_wait_for_a_hung_request(tmp_path: Path) -> None:
+    """The grader's exit closes the writer: with a request stuck on a hung writer, the
+    close kills it within seconds instead of waiting for the request's limit, and the
+    request fails with its reason."""
+    import threading
+
+    hung = inline_writer.InlineWriter({"PATH": os.environ.get("PATH", "")})
+    proc = None
+    try:
+        proc = hung._start()
+        os.kill(proc.pid, signal.SIGSTOP)
+        failed: list[BaseException] = []
+
+        def ask() -> None:
+            try:
+                hung.write({"arguments": {}}, 60.0)
+            except inline_writer.WriterFailed as exc:
+                failed.append(exc)
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        for _ in range(400):  # until the request holds the writer
+            if hung._lock.locked():
+                break
+            time.sleep(0.025)
+        assert hung._lock.locked()
+        start = time.monotonic()
+        hung.close()
+        asker.join(timeout=30)
+        assert not asker.is_alive()
+        assert time.monotonic() - start < 30  # not the request's 60 s
+        assert failed and "build writer failed" in str(failed[0])
+        assert proc.poll() is not None
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        hung.close()
+
+
 def test_what_the_writer_cannot_write_is_built_the_old_way() -> None:
     """PyTorch's own precompiled header is made by running the compiler with the call's
     flags, which only a box may do: such a call is built by a Python in the box."""

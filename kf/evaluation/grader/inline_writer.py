@@ -219,9 +219,19 @@ class InlineWriter:
             self._home = None
 
     def close(self) -> None:
-        """Stop the writer (end of its input; killed if it does not go within 2 s)."""
-        with self._lock:
+        """Stop the writer (end of its input; killed if it does not go within 2 s). A
+        request still waiting for it (a hung writer) does not hold this up: the process
+        is killed, and that request fails."""
+        if not self._lock.acquire(timeout=2.0):
+            proc = self._proc
+            if proc is not None:
+                with contextlib.suppress(OSError):
+                    proc.kill()
+            return
+        try:
             self._stop_locked()
+        finally:
+            self._lock.release()
 
 
 def _read_line(stream: IO[bytes], timeout_s: float) -> str:
