@@ -768,7 +768,7 @@ def _store(
 
 #: where g++'s garbage collector first collects (``--param ggc-min-heapsize``, KiB): 1 GiB
 #: instead of its 128 MiB. A ``main.cpp`` under ``torch/extension.h`` then takes 17 % less
-#: CPU (18.8 -> 15.3 user seconds on the development machine, +0.5 GB of memory) and the
+#: CPU (18.4 -> 15.3 user seconds, means of three, +0.5 GB of memory) and the
 #: precompiled header is made 9 % faster, with byte-identical objects (the collector
 #: frees memory, it decides nothing; tests/test_cuda_objcache.py). A compile that reads
 #: the precompiled header collects nothing either way.
