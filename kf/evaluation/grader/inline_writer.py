@@ -62,15 +62,15 @@ HOOKS = (
 #: the settings a request sets (the rest are the grader's, as the build box gets them;
 #: the torch-free variant and the precompiled header are the request's own)
 REQUEST_SETTINGS = ("KF_CACHE_DIR", "KF_CACHE_SHARED", "KF_PCH_DIR", "KF_PCH_MAKE")
+#: the other variables a request sets; None: unset
+REQUEST_ENVIRON = ("TORCH_CUDA_ARCH_LIST", "TORCH_EXTENSIONS_DIR", "CXX")
 #: the longest a request may take (it takes about 0.1 s; one at a time, so a writer that
 #: hangs would hold every build's request behind it)
 WRITE_LIMIT_S = 60.0
-#: the other variables a request sets; None: unset
-REQUEST_ENVIRON = ("TORCH_CUDA_ARCH_LIST", "TORCH_EXTENSIONS_DIR", "CXX")
 
 
 class WriterFailed(RuntimeError):
-    """The writer did not answer (it died, or took longer than the build's limit)."""
+    """The writer did not answer (it died, or took longer than the request's limit)."""
 
 
 def usable(arguments: dict[str, Any]) -> bool:
@@ -128,10 +128,11 @@ def serve(stdin: IO[str], stdout: IO[str]) -> None:
     workers = ext._get_num_workers
 
     def run_ninja(build_directory: str, verbose: bool, error_prefix: str) -> None:
+        # the folder is the request's own: the grader runs ninja there
         jobs = workers(verbose)
         ninja = shutil.which("ninja") or "ninja"
         command = [ninja, "-v", *(["-j", str(jobs)] if jobs is not None else [])]
-        ran.append({"command": command, "folder": build_directory, "error_prefix": error_prefix})
+        ran.append({"command": command, "error_prefix": error_prefix})
 
     ext._run_ninja_build = run_ninja
     ext._import_module_from_library = lambda *args, **kwargs: None
