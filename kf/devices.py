@@ -48,6 +48,7 @@ __all__ = [
     "failure",
     "free_device_memory",
     "gpu_pool_size",
+    "kept_runners",
     "looks_like_device_error",
     "mark_failed",
     "parse_device",
@@ -229,10 +230,23 @@ def configure_runner_pools(devices: Sequence[str], build_slots: int) -> None:
             refs = references or min(16, max(4, size))
             old = _pools.get(d)
             if old is not None and not old._closed:
-                old.configure(size=size, warm=d, references=refs)
+                old.configure(size=size, warm=d, references=refs, kept=kept_runners(size))
                 continue
-            pool = _pools[d] = RunnerPool(size=size, warm=d, references=refs)
+            pool = _pools[d] = RunnerPool(
+                size=size, warm=d, references=refs, kept=kept_runners(size)
+            )
             atexit.register(pool.close)
+
+
+def kept_runners(pool_size: int) -> int:
+    """The candidate runners a GPU's pool keeps between a candidate's stages:
+    ``$KF_KEPT_RUNNERS`` where set, else as many as its idle runners (at least 8): a
+    kept runner is one of the runners that fit beside the tasks' tensors, and with
+    fewer than the candidates in flight a candidate whose runner was not kept pays a
+    runner's start again (on the H200, a cap of 8 at 24 in flight left 23 of 69
+    verifications a fresh runner)."""
+    settings = current()
+    return settings.kept_runners if settings.kept_runners_set else max(8, pool_size)
 
 
 def runner_pool(device: str) -> RunnerPool | None:

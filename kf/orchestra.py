@@ -88,7 +88,7 @@ def worker_agents(device: str = "cpu", *, devices: int = 1) -> list[type[Agent[A
         size = settings.eval_pool
         # idle runners make their CUDA context and load the op tracer before a stage
         # needs them; `kf run` checked its tasks first, which may have made the pool
-        from kf.devices import gpu_pool_size
+        from kf.devices import gpu_pool_size, kept_runners
 
         pool_size = gpu_pool_size(device, compile_concurrency(settings) + 4)
         configure_default_pool(
@@ -98,6 +98,7 @@ def worker_agents(device: str = "cpu", *, devices: int = 1) -> list[type[Agent[A
             # a reference runner per task keeps its compiled baseline (a fresh one
             # compiles it again: 5-15 s of an H200 host's time per profile)
             references=settings.reference_runners or min(16, max(4, pool_size)),
+            kept=kept_runners(pool_size),
         )
     return device_agents(device)
 

@@ -294,8 +294,9 @@ class Settings:
     def kept_runners(self) -> int:
         """``KF_KEPT_RUNNERS``: candidate runners a pool keeps between one candidate's
         stages (its build's runner for its verification, that one for its profile;
-        default 8; 0: a fresh runner for every stage). Where it is not set, a GPU's
-        stages keep none (:attr:`kept_runners_set`): not yet run on one."""
+        0: a fresh runner for every stage). Default 8; a GPU worker's pool, where it is
+        not set (:attr:`kept_runners_set`), keeps as many as its idle runners
+        (:mod:`kf.orchestra`), so that its candidates in flight find theirs."""
         count = self._number("KF_KEPT_RUNNERS")
         if count is not None and count < 0:
             raise SettingError(f"$KF_KEPT_RUNNERS={count} is negative")
@@ -303,7 +304,7 @@ class Settings:
 
     @property
     def kept_runners_set(self) -> bool:
-        """Whether ``KF_KEPT_RUNNERS`` is set (a GPU keeps candidate runners only then)."""
+        """Whether ``KF_KEPT_RUNNERS`` is set (a GPU worker sizes it by its pool otherwise)."""
         return self._number("KF_KEPT_RUNNERS") is not None
 
     @property

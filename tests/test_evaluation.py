@@ -320,15 +320,19 @@ def test_default_pool_takes_settings_made_after_it(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.delenv("KF_EVAL_POOL", raising=False)
     monkeypatch.delenv("KF_RUNNER_WARM", raising=False)
+    monkeypatch.delenv("KF_KEPT_RUNNERS", raising=False)
     monkeypatch.setattr(sandbox, "_default", None)
     monkeypatch.setattr(sandbox, "_configured", None)
     first = sandbox.default_pool()
     try:
         first.start()
-        assert (first.size, first.warm) == (2, None)
-        sandbox.configure_default_pool(size=3, warm="cpu")  # as kf.orchestra's worker does
+        assert (first.size, first.warm, first.max_kept) == (2, None, 8)
+        # as kf.orchestra's worker does (a GPU keeps as many candidate runners as idle ones)
+        sandbox.configure_default_pool(size=3, warm="cpu", kept=19)
         assert sandbox.default_pool() is first
-        assert (first.size, first.warm) == (3, "cpu")
+        assert (first.size, first.warm, first.max_kept) == (3, "cpu", 19)
+        sandbox.configure_default_pool(size=3, warm="cpu")
+        assert first.max_kept == 19  # None: as asked before
         idle = list(first._idle)
         assert len(idle) == 3 and all(h.warm == "cpu" for h in idle)
         with first.lease() as handle:  # a runner that did its warm-up before 'ready' serves

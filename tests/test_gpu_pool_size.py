@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kf.devices import free_device_memory, gpu_pool_size, runners_that_fit
+from kf.devices import free_device_memory, gpu_pool_size, kept_runners, runners_that_fit
 
 MIB = 1 << 20
 
@@ -67,3 +67,16 @@ def test_a_small_gpu_gets_a_smaller_pool(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("KF_RUNNER_CONTEXT_MB", "256")
     assert gpu_pool_size("cuda:0", 19) == 4  # 1 GiB of 4 for contexts of 256 MiB
+
+
+def test_a_gpu_keeps_as_many_candidate_runners_as_idle_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unset, ``$KF_KEPT_RUNNERS`` on a GPU is its pool's size, at least 8 (so that the
+    candidates in flight each find the runner their last stage kept); set, it wins."""
+    monkeypatch.delenv("KF_KEPT_RUNNERS", raising=False)
+    assert kept_runners(19) == 19 and kept_runners(4) == 8
+    monkeypatch.setenv("KF_KEPT_RUNNERS", "0")
+    assert kept_runners(19) == 0
+    monkeypatch.setenv("KF_KEPT_RUNNERS", "3")
+    assert kept_runners(19) == 3

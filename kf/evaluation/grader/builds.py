@@ -327,6 +327,9 @@ class _Build:
             "KF_CACHE_DIR": str(self.work),
             "TORCH_EXTENSIONS_DIR": str(self.work / "torch_extensions"),
             **({"TORCH_CUDA_ARCH_LIST": self.arch} if self.arch is not None else {}),
+            # no GPU for a build: the architecture is the runner's, never one the box's
+            # PyTorch finds (which would key the build differently from the grader)
+            "CUDA_VISIBLE_DEVICES": "",
             "CXX": os.environ.get("CXX", "c++"),
             "KF_CACHE_SHARED": "",
             # the key computed here has the grader's choice (kf.cuda.torchfree): so must the box's

@@ -256,7 +256,8 @@ _writer_lock = threading.Lock()
 
 
 def writer() -> InlineWriter:
-    """This grader's writer (its environment: the build box's, without the box's paths)."""
+    """This grader's writer (its environment: the build box's, without the box's paths,
+    and no GPU: a build's architecture is the one its request names)."""
     global _writer
     with _writer_lock:
         if _writer is None:
@@ -264,7 +265,9 @@ def writer() -> InlineWriter:
 
             from kf.evaluation.grader import box
 
-            environment = box.environment(os.environ, Path(tempfile.gettempdir()), {})
+            environment = box.environment(
+                os.environ, Path(tempfile.gettempdir()), {"CUDA_VISIBLE_DEVICES": ""}
+            )
             _writer = InlineWriter(environment)
             atexit.register(_writer.close)
         return _writer

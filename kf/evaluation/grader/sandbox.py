@@ -105,13 +105,22 @@ class RunnerPool:
         while not self._closed and len(self._idle) < self.size:
             self._idle.append(self._spawn())
 
-    def configure(self, *, size: int, warm: str | None, references: int | None = None) -> None:
+    def configure(
+        self,
+        *,
+        size: int,
+        warm: str | None,
+        references: int | None = None,
+        kept: int | None = None,
+    ) -> None:
         """Change the number of idle runners kept and what they warm up for (idle
         runners started for another warm-up are replaced), and the idle reference
-        runners kept (None: as it is)."""
+        runners and candidate runners kept (None: as it is)."""
         with self._lock:
             if references is not None:
                 self.max_references = max(1, references)
+            if kept is not None:
+                self.max_kept = max(0, kept)
             stale = [h for h in self._idle if h.warm != warm]
             self._idle = [h for h in self._idle if h.warm == warm]
             self.size, self.warm = max(0, size), warm
@@ -221,10 +230,13 @@ class RunnerPool:
                 evicted.append(old[0])
             while self._kept and now - next(iter(self._kept.values()))[1] > KEPT_MAX_AGE_S:
                 evicted.append(self._kept.popitem(last=False)[1][0])
-            if self._closed or len(self._kept) >= self.max_kept:
+            full = not self._closed and len(self._kept) >= self.max_kept
+            if self._closed or full:
                 evicted.append(handle)
             else:
                 self._kept[key] = (handle, now)
+        if full:  # its next stage starts a runner again: a sign the cap is too low
+            log.info("candidate_runner_not_kept", pid=handle.pid, kept=self.max_kept)
         for h in evicted:
             h.kill()
 
@@ -269,6 +281,7 @@ class RunnerPool:
                     h.kill()
         if handle is None:
             handle = self.acquire_ready()
+            log.info("reference_runner_started", task_key=key[:16], pid=handle.pid)
         failed: str | None = "its job was interrupted"
         try:
             yield handle
@@ -344,16 +357,17 @@ _default: RunnerPool | None = None
 _default_lock = threading.Lock()
 
 
-#: what the process's worker asked of its pool (:func:`configure_default_pool`)
-_configured: tuple[int, str | None, int] | None = None
+#: what the process's worker asked of its pool (:func:`configure_default_pool`): its
+#: size, warm-up, reference runners and kept candidate runners (None: the setting's)
+_configured: tuple[int, str | None, int, int | None] | None = None
 
 
-def _pool_settings() -> tuple[int, str | None, int]:
+def _pool_settings() -> tuple[int, str | None, int, int | None]:
     if _configured is not None:
         return _configured
     settings = current()
     size, references = settings.eval_pool, settings.reference_runners
-    return (2 if size is None else size), settings.runner_warm, references or 4
+    return (2 if size is None else size), settings.runner_warm, references or 4, None
 
 
 def default_pool() -> RunnerPool:
@@ -363,26 +377,32 @@ def default_pool() -> RunnerPool:
     global _default
     with _default_lock:
         if _default is None or _default._closed:
-            size, warm, references = _pool_settings()
-            _default = RunnerPool(size=size, warm=warm, references=references)
+            size, warm, references, kept = _pool_settings()
+            _default = RunnerPool(size=size, warm=warm, references=references, kept=kept)
             atexit.register(_default.close)
         return _default
 
 
 def configure_default_pool(
-    *, size: int | None = None, warm: str | None, references: int | None = None
+    *,
+    size: int | None = None,
+    warm: str | None,
+    references: int | None = None,
+    kept: int | None = None,
 ) -> None:
     """Give the process-wide pool ``size`` idle runners (None: ``$KF_EVAL_POOL``, 2)
-    warmed for ``warm`` (a worker's choice for its device) and ``references`` idle
-    reference runners (None: ``$KF_REFERENCE_RUNNERS``, 4): now if the pool exists
+    warmed for ``warm`` (a worker's choice for its device), ``references`` idle
+    reference runners (None: ``$KF_REFERENCE_RUNNERS``, 4) and ``kept`` candidate
+    runners kept between stages (None: ``$KF_KEPT_RUNNERS``, 8): now if the pool exists
     already (a task check made it before the worker started; see
     :meth:`RunnerPool.configure`), else when it is made."""
     global _configured
     asked = _pool_settings()
     size = asked[0] if size is None else size
     references = asked[2] if references is None else references
+    kept = asked[3] if kept is None else kept
     with _default_lock:
-        _configured = (size, warm, references)
+        _configured = (size, warm, references, kept)
         pool = _default if _default is not None and not _default._closed else None
     if pool is not None:
-        pool.configure(size=size, warm=warm, references=references)
+        pool.configure(size=size, warm=warm, references=references, kept=kept)

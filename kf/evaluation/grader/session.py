@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TypeVar
 
+import structlog
+
 from kf.devices import parse_device
 from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.grader.grading import (
@@ -68,6 +70,7 @@ from kf.tasks import Task, TaskError
 __all__ = ["GradingSession", "Stage"]
 
 _R = TypeVar("_R", bound=Reply)
+log = structlog.get_logger("kf.evaluation.grader.session")
 
 
 @dataclass(frozen=True)
@@ -239,15 +242,13 @@ class Stage:
     def keep_candidate(self) -> None:
         """Keep the candidate runner for the candidate's next stage, when the session has
         a candidate key and the stage's runners held no more device memory than a big
-        task (``$KF_BIG_TASK_MB``: a kept runner keeps what it holds); on a GPU only where
-        ``$KF_KEPT_RUNNERS`` is set."""
+        task (``$KF_BIG_TASK_MB``: a kept runner keeps what it holds)."""
         key = self.session.kept_key
         if key is None or self._cand is None:
             return
-        if self.device.startswith("cuda") and not self.session.grader.kept_runners_set:
-            return  # on a GPU only when asked for: not yet measured on one (docs/decisions.md)
         peak = self.peak_device_mb()
-        if peak is not None and peak * (1 << 20) > self.session.grader.big_task_bytes:
+        if peak is not None and peak * 1e6 > self.session.grader.big_task_bytes:
+            log.info("candidate_runner_not_kept", peak_device_mb=peak, why="over $KF_BIG_TASK_MB")
             return
         self._cand.keep_as = key
 
