@@ -297,6 +297,45 @@ def _builtins(event: Any) -> Any:
     return msgspec.to_builtins(event)
 
 
+#: the runner pool's log events counted in kf run's output (``KF_LOG_LEVEL=INFO``)
+RUNNER_EVENTS = (
+    "reference_runner_started",
+    "candidate_runner_not_kept",
+    "reference_runner_dropped",
+)
+
+
+def run_counting(
+    cmd: list[str], env: dict[str, str], timeout_s: float
+) -> tuple[int, dict[str, int]]:
+    """Run ``cmd`` (kf run) for at most ``timeout_s``, its output passed through, and
+    count the :data:`RUNNER_EVENTS` in it; its exit status (124: stopped at the limit)."""
+    counts = dict.fromkeys(RUNNER_EVENTS, 0)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            for name in RUNNER_EVENTS:
+                if f'"event": "{name}"' in line:
+                    counts[name] += 1
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        rc = 124
+    reader.join(timeout=10)
+    sys.stdout.flush()
+    return rc, counts
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--kernelbench", type=Path, default=ROOT.parent / "shared/kernelbench/level1")
@@ -330,11 +369,7 @@ def main() -> int:
         ]  # fmt: skip
         print("$", " ".join(cmd), flush=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        try:
-            run = subprocess.run(cmd, check=False, cwd=ROOT, env=env, timeout=args.timeout)
-            rc = run.returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
+        rc, runner_events = run_counting(cmd, env, args.timeout)
     wall = time.monotonic() - t0
     result = analyse(db) if db.exists() else {}
     if result:
@@ -344,8 +379,9 @@ def main() -> int:
         exit=rc, wall_s=round(wall, 1), layout=args.layout, tasks=tasks,
         sizes="real" if args.real_sizes else "v0 (batch_size=16, dim=16384)",
         answers=responder.count, command=" ".join(sys.argv),
-        # candidate runners kept from build to profile (unset: none on a GPU)
+        # candidate runners kept from build to profile (unset: a GPU's pool size, >= 8)
         kept_runners=os.environ.get("KF_KEPT_RUNNERS"),
+        runner_events=runner_events,
     )  # fmt: skip
     (args.out / f"throughput_gpu_{args.layout}.json").write_text(json.dumps(result, indent=2))
     print(
@@ -359,6 +395,11 @@ def main() -> int:
     print(
         "host CPU-seconds by kind of process (bench/host_cpu.py):",
         json.dumps(result["host_cpu"], indent=1),
+    )
+    print(
+        "runner pool events in kf run's log (fresh reference runners, candidate runners "
+        "not kept, reference runners dropped):",
+        json.dumps(result["runner_events"]),
     )
     print("phases:", json.dumps(result.get("phases_s"), indent=1))
     print("run stats:", json.dumps(result.get("run_stats"), indent=1))
