@@ -336,7 +336,10 @@ class _Build:
             "KF_TORCHFREE": "1" if current().torchfree else "0",
             **self.pch_env,
         }
-        return box.environment(os.environ, _BUILD_SCRATCH, extra)
+        env = box.environment(os.environ, _BUILD_SCRATCH, extra)
+        if self.arch is None:  # the key has none: not the grader's own $TORCH_CUDA_ARCH_LIST
+            env.pop("TORCH_CUDA_ARCH_LIST", None)
+        return env
 
     def run(self, run: list[str], timeout_s: float, **kw: Any) -> tuple[int | None, str]:
         """``run`` in a build box whose one writable place is ``work``, niced, its output
