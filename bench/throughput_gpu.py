@@ -276,12 +276,16 @@ def analyse(db: Path) -> dict[str, Any]:
     first = min(assigned.values()) if assigned else 0.0
     last = max(done.values()) if done else first
     span = max(last - first, 1e-9)
+    # the rate once verdicts flow: the start (first builds, the tasks' baselines) left out
+    first_done = min(done.values()) if done else last
+    after_first = (len(done) - 1) / (last - first_done) * 60 if last > first_done else None
     return {
         "candidates": len(assigned),
         "final_verdicts": len(done),
         "ends": {k: sum(1 for v in ends.values() if v == k) for k in sorted(set(ends.values()))},
         "span_s": round(span, 1),
         "candidates_per_min": round(len(done) / span * 60, 2),
+        "per_min_after_first_verdict": round(after_first, 2) if after_first else None,
         "first_assigned": first,
         "last_verdict": last,
         "builds_s": sorted(round(b, 2) for b in builds),
@@ -388,7 +392,8 @@ def main() -> int:
         f"\nkf run exit {rc} after {wall:.1f} s ({args.layout} layout; "
         f"KF_KEPT_RUNNERS={result['kept_runners'] or 'unset'})"
     )
-    for key in ("candidates", "final_verdicts", "ends", "span_s", "candidates_per_min"):
+    keys = ("candidates", "final_verdicts", "ends", "span_s", "candidates_per_min")
+    for key in (*keys, "per_min_after_first_verdict"):
         print(f"{key}: {result.get(key)}")
     print(f"build median: {result.get('build_median_s')} s over {len(result.get('builds_s', []))}")
     print(f"GPU busy (nvidia-smi utilisation, mean over the span): {result.get('gpu_busy')}")

@@ -333,6 +333,42 @@ def test_reference_runners_with_a_baseline_are_evicted_last() -> None:
         pool.close()
 
 
+def test_a_profile_waits_for_the_leased_runner_that_holds_its_baseline() -> None:
+    """A reference lease that prefers the runner holding the task's compiled baseline
+    waits (``wait_s``) while another stage has it leased, and gets it when it comes back,
+    instead of a runner that would compile the baseline again; with nothing preferred
+    leased, or ``wait_s`` 0, it does not wait for one."""
+    import threading
+
+    pool = RunnerPool(size=0, references=4)
+    prefer = lambda h: "default" in h.baselines  # noqa: E731 (as has_baseline's)
+    try:
+        with pool.reference_lease("task") as holder:
+            holder.baselines.add("default")
+        got: list[Any] = []
+        leased, back = threading.Event(), threading.Event()
+
+        def verification() -> None:  # holds the baseline's runner for a moment
+            with pool.reference_lease("task") as handle:
+                got.append(handle)
+                leased.set()
+                back.wait(60)
+
+        other = threading.Thread(target=verification)
+        other.start()
+        assert leased.wait(60) and got == [holder]
+        with pool.reference_lease("task", prefer) as fresh:  # no wait asked: another one
+            assert fresh is not holder
+        threading.Timer(0.5, back.set).start()
+        with pool.reference_lease("task", prefer, wait_s=60.0) as waited:
+            assert waited is holder  # came back from the verification
+        other.join(60)
+        with pool.reference_lease("other-task", prefer, wait_s=60.0) as unrelated:
+            assert unrelated is not holder  # none of its key leased: no wait
+    finally:
+        pool.close()
+
+
 def test_a_reference_runner_is_dropped_for_its_own_failure_only() -> None:
     """A reused reference runner survives an error of another runner of the job (a
     candidate's failure, or the runner under ncu that never started: on the H200 each

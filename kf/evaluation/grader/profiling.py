@@ -60,6 +60,13 @@ from kf.evaluation.wire.protocol import BaselineCompiled, SetUp, Time
 from kf.evaluation.wire.tolerance import Tolerance
 from kf.tasks import Task
 
+#: seconds a profile waits for its task's reference runner that holds the compiled
+#: baseline, when another stage (a verification, about a second) has it leased, before
+#: it takes another runner and compiles the baseline again there (10-15 s of an H200
+#: host, with the device's shared side held, which every timing waits on: four such
+#: compiles made four 10-17 s gaps in the timings of a 220 s run)
+BASELINE_WAIT_S = 10.0
+
 
 def profile_candidate(
     task: Task,
@@ -144,7 +151,9 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
     """
     session, task, device, seed = stage.session, stage.task, stage.device, stage.session.seed
     with (
-        stage.reference_lease(trimmed=True, prefer=has_baseline(session)) as ref,
+        stage.reference_lease(
+            trimmed=True, prefer=has_baseline(session), wait_s=BASELINE_WAIT_S
+        ) as ref,
         stage.candidate_lease() as cand,
     ):
         start = time.monotonic()

@@ -93,6 +93,9 @@ class RunnerPool:
         self._kept: OrderedDict[str, tuple[RunnerHandle, float]] = OrderedDict()
         self.max_kept = current().kept_runners if kept is None else max(0, kept)
         self._lock = threading.Lock()
+        #: reference runners leased now, per key; notified when one comes back or goes
+        self._refs_busy: dict[str, set[RunnerHandle]] = {}
+        self._returned = threading.Condition(self._lock)
         self._closed = False
 
     def _spawn(self) -> RunnerHandle:
@@ -249,7 +252,10 @@ class RunnerPool:
 
     @contextlib.contextmanager
     def reference_lease(
-        self, key: str, prefer: Callable[[RunnerHandle], bool] | None = None
+        self,
+        key: str,
+        prefer: Callable[[RunnerHandle], bool] | None = None,
+        wait_s: float = 0.0,
     ) -> Iterator[RunnerHandle]:
         """A candidate-free runner for the reference side of one job, reused per ``key``.
 
@@ -259,29 +265,23 @@ class RunnerPool:
         discards it; at most ``max_references`` are kept, the oldest killed first.
         ``prefer``: an idle runner it holds true of is taken first (one that has
         compiled the task's baseline, say); only a preference, never a condition.
+        ``wait_s``: when none idle is preferred but one leased for ``key`` is, how long to
+        wait for it to come back first (a profile waits for the verification that holds
+        its task's compiled baseline rather than compile it again, 10-15 s on an H200,
+        while holding the device's shared side, which every timing then waits on).
 
         It is dropped when it died, was marked ``discard``, or one of its own requests
         failed (an answer of the runner is then in doubt); an error of another runner
         of the job (a candidate's, say, which the caller handles) leaves it as good as
         it was: its requests and answers went one at a time and all were answered.
         """
-        handle: RunnerHandle | None = None
-        with self._lock:
-            idle = self._refs.get(key, [])
-            if prefer is not None:
-                # the preferred ones last, so the loop below pops them first
-                idle.sort(key=lambda h: bool(prefer(h)))
-            while idle and handle is None:
-                h = idle.pop()
-                if h.proc.poll() is None:
-                    handle = h
-                    self._leased.add(h)
-                else:
-                    _dropped(h, key, "it died while idle")
-                    h.kill()
+        handle = self._take_reference(key, prefer, wait_s)
         if handle is None:
             handle = self.acquire_ready()
             log.info("reference_runner_started", task_key=key[:16], pid=handle.pid)
+        with self._lock:
+            busy = self._refs_busy.setdefault(key, set())
+            busy.add(handle)
         failed: str | None = "its job was interrupted"
         try:
             yield handle
@@ -293,13 +293,18 @@ class RunnerPool:
             failed = None  # not the runner's: it answered every request it was sent
             raise
         finally:
+            with self._returned:
+                busy.discard(handle)
             if failed or handle.discard or handle.proc.poll() is not None:
                 why = failed or ("discarded" if handle.discard else "it died")
                 _dropped(handle, key, why)
                 self.release(handle)
+                with self._returned:
+                    self._returned.notify_all()
             else:
                 evicted: list[tuple[str, RunnerHandle, str]] = []
-                with self._lock:
+                with self._returned:
+                    self._returned.notify_all()
                     self._leased.discard(handle)
                     if self._closed:
                         evicted.append((key, handle, "the pool is closed"))
@@ -317,6 +322,34 @@ class RunnerPool:
                     _dropped(h, k, why)
                     h.kill()
 
+    def _take_reference(
+        self, key: str, prefer: Callable[[RunnerHandle], bool] | None, wait_s: float
+    ) -> RunnerHandle | None:
+        """An idle reference runner of ``key``, leased now (a preferred one first, after
+        waiting up to ``wait_s`` for a preferred one leased elsewhere); None: none idle."""
+        deadline = time.monotonic() + wait_s
+        with self._returned:
+            while True:
+                idle = self._refs.get(key, [])
+                if prefer is None or any(prefer(h) for h in idle):
+                    break
+                left = deadline - time.monotonic()
+                wanted = any(prefer(h) for h in self._refs_busy.get(key, ()))
+                if self._closed or left <= 0 or not wanted:
+                    break
+                self._returned.wait(left)
+            if prefer is not None:
+                # the preferred ones last, so the loop below pops them first
+                idle.sort(key=lambda h: bool(prefer(h)))
+            while idle:
+                h = idle.pop()
+                if h.proc.poll() is None:
+                    self._leased.add(h)
+                    return h
+                _dropped(h, key, "it died while idle")
+                h.kill()
+        return None
+
     def wait_warm(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Wait until every idle runner has finished starting (quiet machine for timing)."""
         deadline = time.monotonic() + timeout_s
@@ -332,8 +365,9 @@ class RunnerPool:
 
     def close(self) -> None:
         """Kill every runner, idle or leased; later acquires fail."""
-        with self._lock:
+        with self._returned:
             self._closed = True
+            self._returned.notify_all()
             handles = [*self._idle, *self._leased, *(h for hs in self._refs.values() for h in hs)]
             handles += [h for h, _ in self._kept.values()]
             self._idle.clear()

@@ -200,13 +200,18 @@ class Stage:
 
     @contextlib.contextmanager
     def reference_lease(
-        self, *, trimmed: bool = False, prefer: Callable[[RunnerHandle], bool] | None = None
+        self,
+        *,
+        trimmed: bool = False,
+        prefer: Callable[[RunnerHandle], bool] | None = None,
+        wait_s: float = 0.0,
     ) -> Iterator[RunnerHandle]:
         """The task's (reused) reference runner for this stage; ``trimmed``: it drops
         its large tensors before going back idle; ``prefer``: which idle one to take
-        first (:meth:`RunnerPool.reference_lease`)."""
+        first, and ``wait_s`` how long to wait for a preferred one leased elsewhere
+        (:meth:`RunnerPool.reference_lease`)."""
         pool = self.session.runners
-        with pool.reference_lease(self.session.reference_key, prefer) as ref:
+        with pool.reference_lease(self.session.reference_key, prefer, wait_s) as ref:
             self.use(ref=ref)
             try:
                 yield ref
