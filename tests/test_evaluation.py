@@ -68,6 +68,9 @@ def test_honest_candidate_passes_every_stage(pool: RunnerPool) -> None:
     assert profiled.outside_wall_ms is not None
     assert "perf_counter_ns" in profiled.timer
     assert profiled.phases["time"] > 0 and "setup" in profiled.phases
+    # the timing turn: waited for (nothing else held the device here) and held while timing
+    assert profiled.phases["turn_held"] >= profiled.phases["time"] > 0
+    assert 0 <= profiled.phases["turn_wait"] < profiled.phases["turn_held"]
 
 
 @pytest.mark.parametrize(

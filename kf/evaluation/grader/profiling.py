@@ -167,7 +167,7 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
                     stage, problem[0], f"wrong output before timing: {problem[1]}", start
                 )
             baseline = compile_reference(session, ref, compile_baseline)
-            with session.exclusively():
+            with stage.alone():
                 if not device.startswith("cuda"):
                     # replacement runners import torch now, not during a CPU timing; CUDA
                     # events time the GPU, which runner start-ups on the host do not slow

@@ -171,6 +171,23 @@ class Stage:
         self.leased: list[RunnerHandle] = []
         self._ref: RunnerHandle | None = None
         self._cand: RunnerHandle | None = None
+        #: the grader's own seconds in the stage's phases (:meth:`alone`)
+        self._own: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        """The device to this stage alone (:meth:`GradingSession.exclusively`); the seconds
+        it waited for that turn and held it are its phases ``turn_wait`` and
+        ``turn_held`` (the timing turn, which every other stage on the device waits on)."""
+        asked = time.monotonic()
+        with self.session.exclusively():
+            got = time.monotonic()
+            self._own["turn_wait"] = self._own.get("turn_wait", 0.0) + got - asked
+            try:
+                yield
+            finally:
+                held = time.monotonic() - got
+                self._own["turn_held"] = self._own.get("turn_held", 0.0) + held
 
     @property
     def ref(self) -> RunnerHandle:
@@ -265,10 +282,12 @@ class Stage:
     def phases(self) -> dict[str, float]:
         """Seconds per request op of the stage's runners so far; ``kept_runner_wait``:
         how long the candidate runner, kept from the candidate's previous stage, waited
-        for this one (absent: a fresh runner)."""
+        for this one (absent: a fresh runner); ``turn_wait`` and ``turn_held``: the
+        timing turn's (:meth:`alone`)."""
         phases = stage_phases(self.since, *self.leased)
         if self._cand is not None and self._cand.kept_s:
             phases["kept_runner_wait"] = round(self._cand.kept_s, 4)
+        phases.update({k: round(v, 4) for k, v in self._own.items()})
         return phases
 
     def peak_device_mb(self) -> float | None:
