@@ -49,7 +49,7 @@ class Compiler(EvaluatorAgent):
         self, task: Task, source: str, conditions: Conditions, key: str | None = None
     ) -> CompileReport:
         """Compile in a sandbox, sharing the device with verification (timing waits)."""
-        async with await gate_for(self.device).shared():
+        async with await gate_for(self.device).shared("build"):
             return await self.build_now(task, source, conditions, key)
 
     async def build_now(

@@ -165,10 +165,10 @@ class EvaluatorAgent(Agent[EvaluatorState]):
         gate = gate_for(self.device)
         big = (peak_device_mb or 0.0) * (1 << 20) > current().big_task_bytes
         if self.device.startswith("cuda") and big:
-            async with await gate.exclusive():
+            async with await gate.exclusive(self.kind):
                 yield {}
         else:
-            async with Turns(gate, shared=shared) as turns:
+            async with Turns(gate, shared=shared, label=self.kind) as turns:
                 yield {"alone": turns.alone, "sharing": turns.sharing}
 
     def runner_key(self, ev: Routed) -> str:

@@ -150,7 +150,9 @@ class ToolServer:
             return
         async with self._slots:
             gate = gate_for(self.device)
-            hold = await (gate.exclusive() if tool in ("time", "counters") else gate.shared())
+            label = f"tool:{tool}"
+            timed = tool in ("time", "counters")
+            hold = await (gate.exclusive(label) if timed else gate.shared(label))
             async with hold:
                 reply = await asyncio.to_thread(
                     run_device_tool,

@@ -229,7 +229,7 @@ class Tuner(EvaluatorAgent):
         self, state: EvaluatorState, task: Task, source: str, config: dict[str, Any], seed: int
     ) -> TuningTrial:
         """One timing of ``config``, under the run's tolerance and conditions."""
-        async with await gate_for(self.device).exclusive():
+        async with await gate_for(self.device).exclusive("tuner"):
             report = await asyncio.to_thread(
                 profile_candidate,
                 task,

@@ -110,7 +110,7 @@ class Verifier(EvaluatorAgent):
         slots = asyncio.Semaphore(self.concurrency)
 
         async def one(task: Task) -> None:
-            async with slots, await gate_for(self.device).shared():
+            async with slots, await gate_for(self.device).shared("baseline"):
                 if task.name in self._baselined or self.device_down():
                     return
                 self._baselined.add(task.name)
@@ -132,7 +132,7 @@ class Verifier(EvaluatorAgent):
         task, source = found
 
         async def verify() -> VerifyReport:
-            async with await gate_for(self.device).shared():
+            async with await gate_for(self.device).shared("verify"):
                 await self._audit(state, task)
                 session = functools.partial(
                     self.grading(state, task, source), candidate_key=self.runner_key(ev)

@@ -309,12 +309,41 @@ RUNNER_EVENTS = (
 )
 
 
+class Turns:
+    """The device gate's ``device_turn`` lines (kf.device_gate): the exclusive holds by
+    label (count, seconds waited, seconds held), and what the waits waited on: the
+    seconds of the turns that found each kind of shared holder, or another turn, ahead of
+    them (a wait behind two counts for both)."""
+
+    def __init__(self) -> None:
+        self.by_label: dict[str, dict[str, float]] = {}
+        self.waited_on: dict[str, float] = {}
+
+    def add(self, line: str) -> None:
+        try:
+            turn = json.loads(line)
+        except ValueError:
+            return
+        mine = self.by_label.setdefault(turn["label"], {"n": 0, "waited_s": 0.0, "held_s": 0.0})
+        mine["n"] += 1
+        mine["waited_s"] = round(mine["waited_s"] + turn["waited_s"], 3)
+        mine["held_s"] = round(mine["held_s"] + turn["held_s"], 3)
+        causes = list(turn["waited_on"]) + (["another turn"] if turn["behind_a_turn"] else [])
+        for cause in causes:
+            self.waited_on[cause] = round(self.waited_on.get(cause, 0.0) + turn["waited_s"], 3)
+
+    def summary(self) -> dict[str, Any]:
+        return {"by_label": self.by_label, "waits_by_what_was_ahead_s": self.waited_on}
+
+
 def run_counting(
     cmd: list[str], env: dict[str, str], timeout_s: float
-) -> tuple[int, dict[str, int]]:
+) -> tuple[int, dict[str, int], dict[str, Any]]:
     """Run ``cmd`` (kf run) for at most ``timeout_s``, its output passed through, and
-    count the :data:`RUNNER_EVENTS` in it; its exit status (124: stopped at the limit)."""
+    count the :data:`RUNNER_EVENTS` and sum the timing turns (:class:`Turns`) in it; its
+    exit status (124: stopped at the limit)."""
     counts = dict.fromkeys(RUNNER_EVENTS, 0)
+    turns = Turns()
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -326,6 +355,8 @@ def run_counting(
             for name in RUNNER_EVENTS:
                 if f'"event": "{name}"' in line:
                     counts[name] += 1
+            if '"event": "device_turn"' in line:
+                turns.add(line)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -337,7 +368,7 @@ def run_counting(
         rc = 124
     reader.join(timeout=10)
     sys.stdout.flush()
-    return rc, counts
+    return rc, counts, turns.summary()
 
 
 def main() -> int:
@@ -373,7 +404,7 @@ def main() -> int:
         ]  # fmt: skip
         print("$", " ".join(cmd), flush=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        rc, runner_events = run_counting(cmd, env, args.timeout)
+        rc, runner_events, turns = run_counting(cmd, env, args.timeout)
     wall = time.monotonic() - t0
     result = analyse(db) if db.exists() else {}
     if result:
@@ -386,6 +417,7 @@ def main() -> int:
         # candidate runners kept from build to profile (unset: a GPU's pool size, >= 8)
         kept_runners=os.environ.get("KF_KEPT_RUNNERS"),
         runner_events=runner_events,
+        device_turns=turns,
     )  # fmt: skip
     (args.out / f"throughput_gpu_{args.layout}.json").write_text(json.dumps(result, indent=2))
     print(
@@ -405,6 +437,10 @@ def main() -> int:
         "runner pool events in kf run's log (fresh reference runners, candidate runners "
         "not kept, reference runners dropped):",
         json.dumps(result["runner_events"]),
+    )
+    print(
+        "the device's exclusive turns (kf.device_gate's device_turn lines):",
+        json.dumps(result["device_turns"], indent=1),
     )
     print("phases:", json.dumps(result.get("phases_s"), indent=1))
     print("run stats:", json.dumps(result.get("run_stats"), indent=1))

@@ -73,7 +73,7 @@ class HardwareAgent(Agent[None]):
     async def _measure(self) -> None:
         """Measure with the device to ourselves, then announce the measured figures."""
         try:
-            async with await gate_for(self.device).exclusive():
+            async with await gate_for(self.device).exclusive("hardware"):
                 capabilities = await asyncio.to_thread(self.probe, True)
         except Exception as exc:  # the first announcement stands (a cancel is no Exception)
             self.ctx.log.warning("device_measurement_failed", device=self.device, error=str(exc))

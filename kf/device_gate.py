@@ -9,6 +9,12 @@ A stage that times only part of the way (a profile: loading, checking and compil
 the baseline before its timing; counters: a runner started under ncu before its one
 measured call) holds the gate through :class:`Turns`: shared while it prepares, and
 exclusive only for each timing, which its grading thread asks for (:meth:`Turns.alone`).
+
+Each hold has a label (the stage: ``verify``, ``profile``, ``counters``, ...). When an
+exclusive hold ends, the gate logs ``device_turn`` (INFO): its label, the seconds it
+waited and held, and what it waited on: the shared holders by label when it asked, and
+whether another exclusive hold was held or asked for before it. So a run's log says what
+kept the timing turn waiting (``bench/throughput_gpu.py`` sums it).
 """
 
 from __future__ import annotations
@@ -16,7 +22,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import time
+from collections import Counter
 from collections.abc import Iterator
+
+import structlog
+
+log = structlog.get_logger("kf.device_gate")
 
 __all__ = ["DeviceGate", "GateClosed", "Turns", "gate_for"]
 
@@ -33,29 +45,37 @@ class DeviceGate:
         self._shared = 0
         self._exclusive = False
         self._waiting_exclusive = 0
+        self._holders: Counter[str] = Counter()  # the shared holds, by label
 
-    async def shared(self) -> _Hold:
+    async def shared(self, label: str = "shared") -> _Hold:
         async with self._cond:
             await self._cond.wait_for(lambda: not self._exclusive and self._waiting_exclusive == 0)
             self._shared += 1
-        return _Hold(self, exclusive=False)
+            self._holders[label] += 1
+        return _Hold(self, exclusive=False, label=label)
 
-    async def exclusive(self) -> _Hold:
+    async def exclusive(self, label: str = "exclusive") -> _Hold:
+        asked = time.monotonic()
         async with self._cond:
+            waited_on = dict(+self._holders)
+            behind = self._exclusive or self._waiting_exclusive > 0
             self._waiting_exclusive += 1
             try:
                 await self._cond.wait_for(lambda: not self._exclusive and self._shared == 0)
             finally:
                 self._waiting_exclusive -= 1
             self._exclusive = True
-        return _Hold(self, exclusive=True)
+        hold = _Hold(self, exclusive=True, label=label)
+        hold.waited = (time.monotonic() - asked, waited_on, behind)
+        return hold
 
-    async def _release(self, exclusive: bool) -> None:
+    async def _release(self, exclusive: bool, label: str = "shared") -> None:
         async with self._cond:
             if exclusive:
                 self._exclusive = False
             else:
                 self._shared -= 1
+                self._holders[label] -= 1
             self._cond.notify_all()
 
 
@@ -75,11 +95,13 @@ class Turns:
     :class:`GateClosed` instead.
     """
 
-    def __init__(self, gate: DeviceGate, *, shared: bool = True) -> None:
+    def __init__(self, gate: DeviceGate, *, shared: bool = True, label: str = "turns") -> None:
         self.gate = gate
+        self.label = label
         self._shared_from_start = shared
         self._loop: asyncio.AbstractEventLoop | None = None
         self._held: bool | None = None  # exclusive?, None: nothing held
+        self._hold_now: _Hold | None = None
         self._closed = False
         self._changing = asyncio.Lock()
         self._pending: concurrent.futures.Future[None] | None = None
@@ -99,16 +121,17 @@ class Turns:
     async def _hold(self, exclusive: bool | None) -> None:
         """Give back what is held, then take ``exclusive`` (None: nothing)."""
         async with self._changing:
-            if self._held is not None:
-                await self.gate._release(self._held)
-                self._held = None
+            if self._hold_now is not None:
+                await self._hold_now.__aexit__()
+                self._held = self._hold_now = None
             if exclusive is None or self._closed:
                 return
-            hold = await (self.gate.exclusive() if exclusive else self.gate.shared())
+            take = self.gate.exclusive if exclusive else self.gate.shared
+            hold = await take(self.label)
             if self._closed:  # left while waiting: the gate is not kept
                 await hold.__aexit__()
                 return
-            self._held = exclusive
+            self._held, self._hold_now = exclusive, hold
 
     @contextlib.contextmanager
     def alone(self) -> Iterator[None]:
@@ -161,15 +184,34 @@ class Turns:
 
 
 class _Hold:
-    def __init__(self, gate: DeviceGate, *, exclusive: bool) -> None:
+    def __init__(self, gate: DeviceGate, *, exclusive: bool, label: str) -> None:
         self.gate = gate
         self.exclusive = exclusive
+        self.label = label
+        self.since = time.monotonic()
+        #: an exclusive hold's wait: seconds, the shared holders by label when it asked,
+        #: and whether another exclusive hold was held or waited for then
+        self.waited: tuple[float, dict[str, int], bool] | None = None
+        self._released = False
 
     async def __aenter__(self) -> _Hold:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.gate._release(self.exclusive)
+        if self._released:
+            return
+        self._released = True
+        await self.gate._release(self.exclusive, self.label)
+        if self.waited is not None:
+            waited_s, waited_on, behind = self.waited
+            log.info(
+                "device_turn",
+                label=self.label,
+                waited_s=round(waited_s, 3),
+                held_s=round(time.monotonic() - self.since, 3),
+                waited_on=waited_on,
+                behind_a_turn=behind,
+            )
 
 
 _GATES: dict[tuple[int, str], DeviceGate] = {}

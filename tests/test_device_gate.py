@@ -157,3 +157,43 @@ def test_a_stage_that_starts_holding_nothing_shares_then_times_then_lets_go() ->
         return seen
 
     assert asyncio.run(main()) == [(0, False), (1, False), (0, True), (1, False), (0, False)]
+
+
+def test_a_turn_logs_what_it_waited_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exclusive hold ends with a ``device_turn`` log line: its label, its wait and
+    hold, the shared holders by label when it asked, and whether it queued behind another
+    exclusive hold; a shared hold leaves no count behind when it ends."""
+    from kf import device_gate
+
+    logs: list[dict[str, object]] = []
+
+    class Recorder:  # whatever level the process logs at
+        def info(self, event: str, **fields: object) -> None:
+            logs.append({"event": event, **fields})
+
+    monkeypatch.setattr(device_gate, "log", Recorder())
+
+    async def main() -> None:
+        gate = DeviceGate()
+        verify = await gate.shared("verify")
+        counters = await gate.shared("counters")
+        first = asyncio.create_task(gate.exclusive("profile"))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(gate.exclusive("tuner"))
+        await asyncio.sleep(0.05)
+        await verify.__aexit__()
+        await counters.__aexit__()
+        async with await first:
+            pass
+        async with await second:
+            pass
+        assert gate._holders == {} or all(v == 0 for v in gate._holders.values())
+
+    asyncio.run(main())
+    turns = [e for e in logs if e["event"] == "device_turn"]
+    assert [t["label"] for t in turns] == ["profile", "tuner"]
+    profile, tuner = turns
+    assert profile["waited_on"] == {"verify": 1, "counters": 1} and not profile["behind_a_turn"]
+    assert profile["waited_s"] > 0 and profile["held_s"] >= 0
+    # asked while both shares were still held, and queued behind the profile
+    assert tuner["waited_on"] == {"verify": 1, "counters": 1} and tuner["behind_a_turn"]
