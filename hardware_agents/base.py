@@ -87,7 +87,12 @@ class HardwareAgent(Agent[None]):
             await asyncio.sleep(self.heartbeat_s)
             if failure(self.device_id) is not None:  # recorded as left, with the reason
                 return
-            self.emit(DeviceHeartbeat(device_id=self.device_id))
+            self.emit(DeviceHeartbeat(device_id=self.device_id, utilisation_pct=self.utilisation()))
+
+    def utilisation(self) -> float | None:
+        """The device's mean utilisation since the last call, in percent (None: not
+        sampled; a GPU's agent samples it)."""
+        return None
 
     async def on_stop(self) -> None:
         from kf.devices import failure

@@ -10,6 +10,8 @@ import msgspec
 
 from hardware_agents.base import HardwareAgent
 from hardware_agents.cuda import probe_in_subprocess, take_early_probe
+from kf.agent import AgentContext
+from kf.devices import UtilisationSampler
 
 __all__ = ["CudaHardwareAgent"]
 
@@ -26,6 +28,21 @@ class CudaHardwareAgent(HardwareAgent):
     device_kind = "cuda"
     default_device = "cuda:0"
     announce_before_measuring = True
+
+    def __init__(self, ctx: AgentContext) -> None:
+        super().__init__(ctx)
+        self._sampler = UtilisationSampler(self.device)
+
+    async def on_start(self) -> None:
+        self._sampler.start()  # before the probe: its measurements are the GPU's work too
+        await super().on_start()
+
+    async def on_stop(self) -> None:
+        await super().on_stop()
+        self._sampler.stop()
+
+    def utilisation(self) -> float | None:
+        return self._sampler.take()
 
     def probe(self, measure: bool) -> dict[str, Any]:
         early = None if measure else take_early_probe(self.device)

@@ -43,6 +43,7 @@ __all__ = [
     "DEVICE_HELP",
     "DeviceError",
     "DeviceSlot",
+    "UtilisationSampler",
     "configure_runner_pools",
     "device_slots",
     "failure",
@@ -58,6 +59,7 @@ __all__ = [
     "record_stage",
     "runner_pool",
     "runners_that_fit",
+    "smi_id",
 ]
 
 DEVICE_HELP = (
@@ -159,16 +161,75 @@ _pools: dict[str, RunnerPool] = {}
 _pools_lock = threading.Lock()
 
 
-def free_device_memory(device: str) -> int | None:
-    """Free bytes of GPU ``device`` (``cuda:N``) as ``nvidia-smi`` reports them, or None
-    where it cannot tell (no ``nvidia-smi``, no answer). The worker process itself makes
-    no CUDA context: its runners do."""
+def smi_id(device: str) -> str:
+    """``nvidia-smi``'s ``--id`` of GPU ``device`` (``cuda:N``): PyTorch's index N is the
+    N-th of ``$CUDA_VISIBLE_DEVICES`` where that is set."""
     import os
 
     index = device.partition(":")[2] or "0"
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
     if any(visible) and int(index) < len(visible):
-        index = visible[int(index)]  # PyTorch's index N is the N-th visible device
+        index = visible[int(index)]
+    return index
+
+
+class UtilisationSampler:
+    """GPU ``device``'s utilisation as ``nvidia-smi`` samples it (``utilization.gpu``: the
+    share of the last sample period in which a kernel ran), one reading every
+    ``interval_ms`` from one long-lived ``nvidia-smi -lms`` process; :meth:`take` gives
+    the mean since the last take. Where ``nvidia-smi`` is missing or says nothing usable,
+    :meth:`take` gives None."""
+
+    def __init__(self, device: str, interval_ms: int = 500) -> None:
+        self.device, self.interval_ms = device, interval_ms
+        self._samples: list[float] = []
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        argv = [
+            "nvidia-smi", f"--id={smi_id(self.device)}", "--query-gpu=utilization.gpu",
+            "--format=csv,noheader,nounits", f"-lms={self.interval_ms}",
+        ]  # fmt: skip
+        try:
+            self._proc = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+        except OSError:
+            return
+        threading.Thread(target=self._read, args=(self._proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            try:
+                value = float(line.strip())
+            except ValueError:
+                continue
+            with self._lock:
+                self._samples.append(value)
+
+    def take(self) -> float | None:
+        with self._lock:
+            samples, self._samples = self._samples, []
+        return round(sum(samples) / len(samples), 1) if samples else None
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def free_device_memory(device: str) -> int | None:
+    """Free bytes of GPU ``device`` (``cuda:N``) as ``nvidia-smi`` reports them, or None
+    where it cannot tell (no ``nvidia-smi``, no answer). The worker process itself makes
+    no CUDA context: its runners do."""
+    index = smi_id(device)
     try:
         out = subprocess.run(
             ["nvidia-smi", f"--id={index}", "--query-gpu=memory.free",

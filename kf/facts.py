@@ -94,11 +94,14 @@ class DeviceAnnounced(Observation, frozen=True, kw_only=True):
 
 @event("device.heartbeat")
 class DeviceHeartbeat(Observation, frozen=True, kw_only=True):
-    """A hardware agent is alive, with its current load."""
+    """A hardware agent is alive, with its current load; ``utilisation_pct``: a GPU's mean
+    utilisation since its last heartbeat as ``nvidia-smi`` sampled it (the share of the
+    time a kernel ran; None where not sampled)."""
 
     device_id: str
     busy: int = 0
     queued: int = 0
+    utilisation_pct: float | None = None
 
 
 @event("device.lost")

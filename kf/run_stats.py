@@ -12,6 +12,8 @@ profile). Over the span from the first device's announcement to the run's end:
   in flight (the evaluators starved for candidates);
 - the calls' count, summed and mean latency, the seconds with at least one call in
   flight, and the most calls in flight at once;
+- per GPU, its mean utilisation as its hardware agent's heartbeats carry it
+  (``nvidia-smi``'s ``utilization.gpu``: the share of the time a kernel ran);
 - per device, where its time went: the seconds with at least one of its candidates
   building (assigned to compiled), verifying (compiled to verified or rejected) and being
   timed (verified to profiled or rejected, the wait for the device's timing turn
@@ -84,6 +86,7 @@ def run_stats(envelopes: Sequence[Envelope]) -> dict[str, Any]:
     stage_at: dict[tuple[str, int], tuple[str, float]] = {}
     stages: dict[str, dict[str, list[tuple[float, float]]]] = {}
     busy: dict[str, list[tuple[float, float]]] = {}
+    utilisation: dict[str, list[float]] = {}  # a GPU's, per heartbeat (nvidia-smi's mean)
     start = end = None
     for env in envelopes:
         t = env.type
@@ -91,6 +94,10 @@ def run_stats(envelopes: Sequence[Envelope]) -> dict[str, Any]:
             start = env.time
         elif t == "run.finished":
             end = env.time
+        elif t == "device.heartbeat":
+            ev = decode_event(env)
+            if (pct := getattr(ev, "utilisation_pct", None)) is not None:
+                utilisation.setdefault(ev.device_id, []).append(float(pct))  # type: ignore[attr-defined]
         elif t == "llm.called":
             ev = decode_event(env)
             calls.append((env.time - float(getattr(ev, "latency_s", 0.0)), env.time))
@@ -143,9 +150,16 @@ def run_stats(envelopes: Sequence[Envelope]) -> dict[str, Any]:
                 "candidates": len(ivs),
             }
             | _where(stages.get(d, {}), _union(ivs), span)
+            | _utilisation(utilisation.get(d, []))
             for d, ivs in sorted(busy.items())
         },
     }
+
+
+def _utilisation(samples: list[float]) -> dict[str, Any]:
+    """A GPU's mean utilisation over its heartbeats (each the mean of ``nvidia-smi``'s
+    samples since the one before), where it sent any."""
+    return {"gpu_utilisation_pct": round(sum(samples) / len(samples), 1)} if samples else {}
 
 
 def _where(
@@ -181,6 +195,11 @@ def format_run_stats(stats: dict[str, Any]) -> list[str]:
             f"evaluator {d}: busy {s['busy_s']:.1f} s"
             + (f" ({100 * frac:.0f}% of the run)" if frac is not None else "")
             + f", {s['candidates']} candidate evaluations"
+            + (
+                f"; GPU utilisation {s['gpu_utilisation_pct']:.1f}% (nvidia-smi, mean)"
+                if s.get("gpu_utilisation_pct") is not None
+                else ""
+            )
         )
         if "building_s" in s:
             per = [

@@ -80,3 +80,41 @@ def test_a_gpu_keeps_as_many_candidate_runners_as_idle_ones(
     assert kept_runners(19) == 0
     monkeypatch.setenv("KF_KEPT_RUNNERS", "3")
     assert kept_runners(19) == 3
+
+
+def test_the_utilisation_sampler_gives_the_mean_since_its_last_take(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``UtilisationSampler`` reads one long-lived ``nvidia-smi -lms`` (here a script that
+    answers as it does, then waits) for the visible device's id, gives the mean of what
+    it read since the last take, None when nothing new came, and stops it; without
+    ``nvidia-smi`` it gives None."""
+    import time
+
+    from kf.devices import UtilisationSampler
+
+    script = tmp_path / "nvidia-smi"
+    answers = 'printf "10\\n20\\n[N/A]\\n30\\n"'  # then it waits, as -lms does
+    script.write_text(f'#!/bin/sh\necho "$@" > "{tmp_path}/args"\n{answers}\nexec sleep 60\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,7")
+    sampler = UtilisationSampler("cuda:1", interval_ms=250)
+    sampler.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sampler._samples != [10.0, 20.0, 30.0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sampler.take() == 20.0  # the unusable line skipped
+        assert sampler.take() is None
+        args = (tmp_path / "args").read_text()
+        assert "--id=7" in args and "-lms=250" in args and "utilization.gpu" in args
+    finally:
+        proc = sampler._proc
+        sampler.stop()
+    assert proc is not None and proc.poll() is not None
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    missing = UtilisationSampler("cuda:0")
+    missing.start()
+    assert missing.take() is None
+    missing.stop()
