@@ -10,7 +10,7 @@ the baseline before its timing; counters: a runner started under ncu before its 
 measured call) holds the gate through :class:`Turns`: shared while it prepares, and
 exclusive only for each timing, which its grading thread asks for (:meth:`Turns.alone`).
 
-Each hold has a label (the stage: ``verify``, ``profile``, ``counters``, ...). When an
+Each hold has a label (its stage: ``verify``, ``profiler``, ``counters``, ...). When an
 exclusive hold ends, the gate logs ``device_turn`` (INFO): its label, the seconds it
 waited and held, and what it waited on: the shared holders by label when it asked, and
 whether another exclusive hold was held or asked for before it. So a run's log says what
