@@ -147,10 +147,12 @@ def worker_plan(
     slots = device_slots(devices, host_id(), name)
     agents = worker_agents(devices[0], devices=len(devices))
     if devices[0].startswith("cuda"):
-        from kf.evaluation.grader import box, inline_writer
+        from kf.evaluation.grader import box, inline_writer, pch_prewarm
 
         if not box.unsafe_requested():  # boxed load_inline builds: the writer writes them
             inline_writer.prewarm()
+            # and torch/extension.h's precompiled header is made before the first wave
+            pch_prewarm.prewarm(devices[0])
     if devices[0].startswith("cuda") and len(devices) > 1:
         from agents.worker import compile_concurrency
 

@@ -1,0 +1,122 @@
+"""The precompiled ``torch/extension.h`` made as a CUDA worker starts.
+
+A ``load_inline`` build's ``main.cpp`` reads ``torch/extension.h``; with kf's precompiled
+header (:mod:`kf.cuda.pch`) that compile is about half as long. The header is made by
+the first build of its key (the call's flag arguments and the toolchain), in the build
+box, and the builds that come meanwhile wait for it (:data:`builds.PCH_WAIT_S
+<kf.evaluation.grader.builds.PCH_WAIT_S>`). On a fresh machine that first build is a
+candidate's, and the first wave waits some 40 s on the H200.
+
+:func:`prewarm` starts that build as the worker starts, in the background, for the calls
+most candidates make (a CUDA ``load_inline`` without flags of its own, the layout kf's
+prompt asks for): a tiny module of the same shape, built through the grader's own boxed
+path (:func:`kf.evaluation.grader.builds.build_inline`), for the architecture the worker's
+runners will report. Nothing of it is used by a candidate but the header, which the build
+publishes under its key as any build does. It does nothing where the header of that key
+is there already, where builds are not boxed, or where the architecture cannot be told
+without a CUDA context (``$TORCH_CUDA_ARCH_LIST`` unset and no ``nvidia-smi``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from typing import Any
+
+import structlog
+
+__all__ = ["ARGUMENTS", "arch_of", "prewarm", "prewarm_now"]
+
+log = structlog.get_logger("kf.evaluation.grader.pch_prewarm")
+
+#: a CUDA ``load_inline`` call in the split layout, with no flags of its own
+ARGUMENTS: dict[str, Any] = {
+    "name": "kf_pch_prewarm",
+    "cpp_sources": (
+        "void kf_pch_prewarm_launch(float* p, long n);\n"
+        "torch::Tensor kf_pch_prewarm(torch::Tensor x) {\n"
+        "  kf_pch_prewarm_launch(x.data_ptr<float>(), x.numel());\n"
+        "  return x;\n"
+        "}\n"
+    ),
+    "cuda_sources": (
+        "__global__ void kf_pch_prewarm_kernel(float* p, long n) {\n"
+        "  long i = blockIdx.x * (long)blockDim.x + threadIdx.x;\n"
+        "  if (i < n) p[i] += 0.0f;\n"
+        "}\n"
+        "void kf_pch_prewarm_launch(float* p, long n) {\n"
+        "  kf_pch_prewarm_kernel<<<(unsigned)((n + 255) / 256), 256>>>(p, n);\n"
+        "}\n"
+    ),
+    "functions": ["kf_pch_prewarm"],
+}
+
+
+def arch_of(device: str) -> str | None:
+    """The architecture a runner on ``device`` reports (:func:`kf.cuda.inline._environment`):
+    ``$TORCH_CUDA_ARCH_LIST`` where set, else the GPU's compute capability as
+    ``nvidia-smi`` gives it (the worker makes no CUDA context); None where neither says."""
+    from kf.devices import smi_id
+
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if arch is not None:
+        return arch
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--id={smi_id(device)}", "--query-gpu=compute_cap",
+             "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    cap = out.stdout.strip()
+    major, dot, minor = cap.partition(".")
+    if out.returncode != 0 or not (dot and major.isdigit() and minor.isdigit()):
+        return None
+    return f"{int(major)}.{int(minor)}"
+
+
+def prewarm_now(device: str, timeout_s: float = 600.0) -> str:
+    """Make the header for :data:`ARGUMENTS` on ``device`` unless it is there; what
+    happened, in words (also logged)."""
+    from kf.cuda import inline
+    from kf.cuda import pch as pch_mod
+    from kf.evaluation.grader import box, builds
+
+    arch = arch_of(device)
+    if box.unsafe_requested() or box.probe() is not None:
+        why = "builds are not boxed here"
+    elif arch is None:
+        why = "the GPU's architecture is unknown without a CUDA context"
+    elif not inline.pch_wanted(ARGUMENTS):
+        why = "precompiled headers are off ($KF_PCH)"
+    else:
+        env = builds.toolchain(arch)
+        bound = inline.build_material(inline.bound_arguments(**ARGUMENTS))
+        shared = inline.cache_root() / "pch" / inline.pch_key(bound, env)
+        if pch_mod.usable(shared):
+            why = "made already"
+        else:
+            began = time.monotonic()
+            result = builds.build_inline(dict(ARGUMENTS), env, timeout_s)
+            seconds = round(time.monotonic() - began, 1)
+            if result.get("ok") and pch_mod.usable(shared):
+                log.info("pch_prewarmed", device=device, arch=arch, seconds=seconds)
+                return f"made in {seconds} s"
+            why = f"its build did not make it: {str(result.get('error', ''))[:300]}"
+    log.info("pch_prewarm_skipped", device=device, why=why)
+    return why
+
+
+def prewarm(device: str) -> None:
+    """:func:`prewarm_now` in a background thread (it never raises into the worker)."""
+
+    def run() -> None:
+        try:
+            prewarm_now(device)
+        except Exception as exc:  # the candidates' builds make the header as before
+            log.info("pch_prewarm_skipped", device=device, why=f"{type(exc).__name__}: {exc}")
+
+    threading.Thread(target=run, name="kf-pch-prewarm", daemon=True).start()

@@ -1,0 +1,139 @@
+"""The precompiled ``torch/extension.h`` made before the first wave of builds
+(kf.evaluation.grader.pch_prewarm), and builds waiting for a header being made
+(kf.evaluation.grader.builds._pch_folders). The GPU side (a real CUDA build making the
+header) runs on the H200 (docs/gpu.md); here the waiting, the architecture and the
+prewarm's refusals, with a scripted ``nvidia-smi``."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kf.evaluation.grader import builds, pch_prewarm
+
+
+def _smi(folder: Path, answer: str) -> None:
+    script = folder / "nvidia-smi"
+    script.write_text(f'#!/bin/sh\necho "{answer}"\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+
+
+def test_the_architecture_is_the_runners(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$TORCH_CUDA_ARCH_LIST`` where set (as a runner's own environment says), else the
+    compute capability nvidia-smi gives, else unknown."""
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    _smi(tmp_path, "9.0")
+    assert pch_prewarm.arch_of("cuda:0") == "9.0"
+    _smi(tmp_path, "No devices were found")
+    assert pch_prewarm.arch_of("cuda:0") is None
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6")
+    assert pch_prewarm.arch_of("cuda:0") == "8.6"
+
+
+def test_no_prewarm_without_an_architecture_or_a_box(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing is built where the architecture is unknown or builds are not boxed."""
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    _smi(tmp_path, "No devices were found")
+    assert "architecture is unknown" in pch_prewarm.prewarm_now("cuda:0")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    monkeypatch.setenv("KF_UNSAFE_NO_SANDBOX", "1")
+    assert "not boxed" in pch_prewarm.prewarm_now("cuda:0")
+
+
+def test_a_build_waits_for_the_header_another_build_is_making(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Of two builds of one header key, the first makes the header (``KF_PCH_MAKE``) and
+    the second waits for it and reads the published one, not making its own; with no
+    wait, the second builds without it as before."""
+    from kf.cuda import pch as pch_mod
+
+    published = threading.Event()
+    monkeypatch.setattr(pch_mod, "usable", _usable_after(published))
+    monkeypatch.setattr(builds, "_publish_pch", lambda made, shared: published.set())
+    monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KF_PCH", "all")
+    args: dict[str, Any] = {"name": "x", "cpp_sources": "", "with_cuda": False}
+    env = builds.toolchain(None)
+    seen: dict[str, Any] = {}
+    making = threading.Event()
+
+    def maker() -> None:
+        with builds._pch_folders(args, env, tmp_path / "a", 60.0) as box_env:
+            seen["maker"] = box_env
+            making.set()
+            time.sleep(1.0)  # making it; _publish_pch runs on the way out
+
+    first = threading.Thread(target=maker)
+    first.start()
+    assert making.wait(30)
+    with builds._pch_folders(args, env, tmp_path / "b", 0.0) as box_env:
+        assert "KF_PCH_MAKE" not in box_env  # no wait: without the header, as before
+    with builds._pch_folders(args, env, tmp_path / "c", 60.0) as box_env:
+        seen["waiter"] = box_env
+        assert published.is_set()  # it waited for the maker's header
+    first.join(30)
+    assert "KF_PCH_MAKE" in seen["maker"] and "KF_PCH_MAKE" not in seen["waiter"]
+    assert seen["waiter"]["KF_PCH_DIR"] == seen["maker"]["KF_PCH_DIR"]
+
+
+def _usable_after(published: threading.Event) -> Any:
+    """``pch.usable`` as the builds see it here: the shared folder once published, and
+    the maker's own folder always (it made the header)."""
+
+    def usable(folder: Path) -> bool:
+        return published.is_set() or "/a/" in f"{folder}/"
+
+    return usable
+
+
+def _cuda_build_possible() -> bool:
+    import torch.utils.cpp_extension as ext
+
+    return ext.CUDA_HOME is not None
+
+
+@pytest.mark.skipif(_cuda_build_possible(), reason="a CUDA PyTorch builds it: the GPU test")
+def test_the_prewarm_build_goes_the_grader_s_way_and_says_why_it_made_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU PyTorch (no CUDA_HOME) the prewarm's call passes the grader's checks, goes
+    to the writer and its build, and the reason it made no header is PyTorch's own."""
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
+    _smi(tmp_path, "9.0")
+    why = pch_prewarm.prewarm_now("cuda:0")
+    assert why.startswith("its build did not make it") and "CUDA_HOME" in why, why
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not _cuda_build_possible(), reason="needs a CUDA PyTorch and nvcc (CI has neither)"
+)
+def test_the_prewarm_makes_the_header_a_candidates_build_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU host: the prewarm makes the header of a flagless CUDA call, and says so the
+    second time without building."""
+    from kf.cuda import inline
+    from kf.cuda import pch as pch_mod
+
+    monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
+    arch = pch_prewarm.arch_of("cuda:0")
+    assert arch is not None
+    assert pch_prewarm.prewarm_now("cuda:0").startswith("made in")
+    bound = inline.build_material(inline.bound_arguments(**pch_prewarm.ARGUMENTS))
+    key = inline.pch_key(bound, builds.toolchain(arch))
+    assert pch_mod.usable(inline.cache_root() / "pch" / key)
+    assert pch_prewarm.prewarm_now("cuda:0") == "made already"
