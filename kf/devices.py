@@ -60,6 +60,7 @@ __all__ = [
     "runner_pool",
     "runners_that_fit",
     "smi_id",
+    "smi_query",
 ]
 
 DEVICE_HELP = (
@@ -225,19 +226,28 @@ class UtilisationSampler:
                 proc.wait()
 
 
+def smi_query(device: str, field: str) -> str | None:
+    """``nvidia-smi``'s answer for GPU ``device``'s ``field`` (``--query-gpu``, without
+    units), or None where it gives none (no ``nvidia-smi``, an error, a timeout)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--id={smi_id(device)}", f"--query-gpu={field}",
+             "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
 def free_device_memory(device: str) -> int | None:
     """Free bytes of GPU ``device`` (``cuda:N``) as ``nvidia-smi`` reports them, or None
     where it cannot tell (no ``nvidia-smi``, no answer). The worker process itself makes
     no CUDA context: its runners do."""
-    index = smi_id(device)
+    answer = smi_query(device, "memory.free")
     try:
-        out = subprocess.run(
-            ["nvidia-smi", f"--id={index}", "--query-gpu=memory.free",
-             "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=10, check=False,
-        )  # fmt: skip
-        return int(float(out.stdout.split()[0]) * (1 << 20)) if out.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return int(float((answer or "").split()[0]) * (1 << 20)) if answer else None
+    except (ValueError, IndexError):
         return None
 
 

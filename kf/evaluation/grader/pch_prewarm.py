@@ -20,7 +20,6 @@ without a CUDA context (``$TORCH_CUDA_ARCH_LIST`` unset and no ``nvidia-smi``).
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 import time
 from typing import Any
@@ -58,22 +57,13 @@ def arch_of(device: str) -> str | None:
     """The architecture a runner on ``device`` reports (:func:`kf.cuda.inline._environment`):
     ``$TORCH_CUDA_ARCH_LIST`` where set, else the GPU's compute capability as
     ``nvidia-smi`` gives it (the worker makes no CUDA context); None where neither says."""
-    from kf.devices import smi_id
+    from kf.devices import smi_query
 
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if arch is not None:
         return arch
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", f"--id={smi_id(device)}", "--query-gpu=compute_cap",
-             "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10, check=False,
-        )  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    cap = out.stdout.strip()
-    major, dot, minor = cap.partition(".")
-    if out.returncode != 0 or not (dot and major.isdigit() and minor.isdigit()):
+    major, dot, minor = (smi_query(device, "compute_cap") or "").partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()):
         return None
     return f"{int(major)}.{int(minor)}"
 
