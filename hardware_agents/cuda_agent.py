@@ -4,6 +4,7 @@ verifier a CUDA worker hosts beside it are agents (:mod:`agents.worker`)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -39,7 +40,7 @@ class CudaHardwareAgent(HardwareAgent):
 
     async def on_stop(self) -> None:
         await super().on_stop()
-        self._sampler.stop()
+        await asyncio.to_thread(self._sampler.stop)  # never holds the loop on a slow exit
 
     def utilisation(self) -> float | None:
         return self._sampler.take()
