@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -99,15 +100,18 @@ class Verifier(EvaluatorAgent):
 
     async def _baselines_at_start(self, state: EvaluatorState) -> None:
         """On a GPU, compile the tasks' ``torch.compile`` baselines as the run starts,
-        several at once sharing the gate: the first candidates are still building then,
-        so nothing waits to time. Compiled after a task's first correct candidate
-        instead, each held the gate shared for 10-16 s on the H200 while profiles waited
-        to time. At most as many tasks as the pool keeps reference runners for, less
-        one per verification at once (more would evict each other's)."""
+        all at once (up to one per core) sharing the gate: the first candidates are still
+        building then. Compiled after a task's first correct candidate instead, each held
+        the gate shared for 10-16 s on the H200 while profiles waited to time. At most as
+        many tasks as the pool keeps reference runners for, less one per verification at
+        once (more would evict each other's). All at once because no timing can start
+        while any of them holds its share: four at a time, twelve tasks' compiles ended in
+        three waves, the last 66 s into the run, and the first timing waited for it (run
+        h, docs/decisions.md)."""
         if not self.device.startswith("cuda") or not state.conditions.compile_baseline:
             return
         room = (runner_pool(self.device) or default_pool()).max_references - self.concurrency
-        slots = asyncio.Semaphore(self.concurrency)
+        slots = asyncio.Semaphore(max(1, min(room, len(os.sched_getaffinity(0)))))
 
         async def one(task: Task) -> None:
             async with slots, await gate_for(self.device).shared("baseline"):
