@@ -5,7 +5,8 @@ header (:mod:`kf.cuda.pch`) that compile is about half as long. The header is ma
 the first build of its key (the call's flag arguments and the toolchain), in the build
 box, and the builds that come meanwhile wait for it (:data:`builds.PCH_WAIT_S
 <kf.evaluation.grader.builds.PCH_WAIT_S>`). On a fresh machine that first build is a
-candidate's, and the first wave waits some 40 s on the H200.
+candidate's, and the first wave waits while it makes the header (about 40 CPU-seconds of
+g++ alone; before the wait they compiled the header themselves, 50-67 s each on the H200).
 
 :func:`prewarm` starts that build as the worker starts, in the background, for the calls
 most candidates make (a CUDA ``load_inline`` without flags of its own, the layout kf's
