@@ -190,7 +190,7 @@ class UtilisationSampler:
     def start(self) -> None:
         argv = [
             "nvidia-smi", f"--id={smi_id(self.device)}", "--query-gpu=utilization.gpu",
-            "--format=csv,noheader,nounits", f"-lms={self.interval_ms}",
+            "--format=csv,noheader,nounits", "-lms", str(self.interval_ms),
         ]  # fmt: skip
         try:
             self._proc = subprocess.Popen(

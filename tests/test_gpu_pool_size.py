@@ -108,7 +108,7 @@ def test_the_utilisation_sampler_gives_the_mean_since_its_last_take(
         assert sampler.take() == 20.0  # the unusable line skipped
         assert sampler.take() is None
         args = (tmp_path / "args").read_text()
-        assert "--id=7" in args and "-lms=250" in args and "utilization.gpu" in args
+        assert "--id=7" in args and "-lms 250" in args and "utilization.gpu" in args
     finally:
         proc = sampler._proc
         sampler.stop()
