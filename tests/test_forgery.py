@@ -18,6 +18,7 @@ import pytest
 from kf import bus
 from kf.auth import RunCredentials
 from kf.bus import EmbeddedServer
+from kf.events import decode_event as decode
 from kf.log import EventLog
 from tests.test_faults import ENV, ROOT, check_counted_once, events, finish, of_type, run_args
 from tests.test_faults import stop as stop_procs
@@ -229,6 +230,19 @@ def test_forgery_lying_worker_needs_another_device_to_confirm(
     assert check.returncode == 0 and json.loads(check.stdout)["check"]["ok"], check.stdout
 
 
+def _lies_proposed_first(db: Any) -> list[bool]:
+    """For each of the liar's tuning answers, whether a candidate with its configuration
+    had been proposed before the answer was committed."""
+    proposed: list[tuple[int, dict[str, Any]]] = []
+    answers: list[tuple[int, dict[str, Any]]] = []
+    for env in events(db):
+        if env.type == "kernel.candidate_proposed":
+            proposed.append((env.seq, dict(decode(env).config or {})))
+        elif env.type == "tuning.config_tuned" and decode(env).device_id == "evil":
+            answers.append((env.seq, dict(decode(env).best_config or {})))
+    return [any(s < seq and c == config for s, c in proposed) for seq, config in answers]
+
+
 def test_forgery_lying_tuner_and_counters_raise_no_speedup(lying_worker: dict[str, Any]) -> None:
     """The liar's tuning answer (a configuration it claims is a million times faster) only
     makes the archive evaluate that configuration: the tuned candidate, pinned to the liar,
@@ -239,7 +253,14 @@ def test_forgery_lying_tuner_and_counters_raise_no_speedup(lying_worker: dict[st
     lies = [t for t in of_type(db, "tuning.config_tuned") if t.device_id == "evil"]
     assert lies and all(t.improved and t.best_ms == 1e-6 for t in lies)
     chosen = [c for c in of_type(db, "search.tuned_chosen") if c.device_id == "evil"]
-    assert chosen, (of_type(db, "search.tuned_chosen"), lies, of_type(db, "device.lost"))
+    if not chosen:
+        # the archive skips a configuration the run proposed before it read the lie
+        # (archive_tuning._choose); in this task's three-parameter space a mutation can
+        # propose the one the liar invented first (one CI run in eight): then there is no
+        # lie to follow, and the skip itself is what is checked
+        late = _lies_proposed_first(db)
+        assert late and all(late), (lies, of_type(db, "device.lost"))
+        pytest.skip("each lie's configuration was proposed by the run before the lie")
     tuned = [
         p.candidate_id
         for p in of_type(db, "kernel.candidate_proposed")
