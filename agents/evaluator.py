@@ -163,7 +163,7 @@ class EvaluatorAgent(Agent[EvaluatorState]):
         a big verification waiting for that turn while sharing the gate would wait on a
         stage that waits for it to leave."""
         gate = gate_for(self.device)
-        big = (peak_device_mb or 0.0) * 1e6 > current().big_task_bytes  # MB: 10**6 bytes
+        big = current().over_big_task(peak_device_mb)
         if self.device.startswith("cuda") and big:
             async with await gate.exclusive(self.kind):
                 yield {}

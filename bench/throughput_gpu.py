@@ -309,7 +309,7 @@ RUNNER_EVENTS = (
 )
 
 
-class Turns:
+class TurnLog:
     """The device gate's ``device_turn`` lines (kf.device_gate): the exclusive holds by
     label (count, seconds waited, seconds held), and what the waits waited on: the
     seconds of the turns that found each kind of shared holder, or another turn, ahead of
@@ -340,10 +340,10 @@ def run_counting(
     cmd: list[str], env: dict[str, str], timeout_s: float
 ) -> tuple[int, dict[str, int], dict[str, Any]]:
     """Run ``cmd`` (kf run) for at most ``timeout_s``, its output passed through, and
-    count the :data:`RUNNER_EVENTS` and sum the timing turns (:class:`Turns`) in it; its
+    count the :data:`RUNNER_EVENTS` and sum the timing turns (:class:`TurnLog`) in it; its
     exit status (124: stopped at the limit)."""
     counts = dict.fromkeys(RUNNER_EVENTS, 0)
-    turns = Turns()
+    turns = TurnLog()
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

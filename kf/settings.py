@@ -346,6 +346,11 @@ class Settings:
         """``KF_BIG_TASK_MB`` in bytes: tasks above it verify one at a time (2048)."""
         return int(float(self._text("KF_BIG_TASK_MB", "2048")) * (1 << 20))
 
+    def over_big_task(self, peak_device_mb: float | None) -> bool:
+        """Whether a stage that held ``peak_device_mb`` of device memory (MB of 10**6
+        bytes, as stages report it; None: not measured) held more than a big task."""
+        return (peak_device_mb or 0.0) * 1e6 > self.big_task_bytes
+
     # -- the baselines -------------------------------------------------------------------
 
     @property

@@ -63,8 +63,8 @@ from kf.tasks import Task
 #: seconds a profile waits for its task's reference runner that holds the compiled
 #: baseline, when another stage (a verification, about a second) has it leased, before
 #: it takes another runner and compiles the baseline again there (10-15 s of an H200
-#: host, with the device's shared side held, which every timing waits on: four such
-#: compiles made four 10-17 s gaps in the timings of a 220 s run)
+#: host, with the device's shared side held, which every timing waits on: on the H200
+#: three such compiles made three 10-17 s gaps in the timings of a 220 s run)
 BASELINE_WAIT_S = 10.0
 
 

@@ -269,7 +269,7 @@ class Stage:
         if key is None or self._cand is None:
             return
         peak = self.peak_device_mb()
-        if peak is not None and peak * 1e6 > self.session.grader.big_task_bytes:
+        if self.session.grader.over_big_task(peak):
             log.info("candidate_runner_not_kept", peak_device_mb=peak, why="over $KF_BIG_TASK_MB")
             return
         self._cand.keep_as = key
