@@ -74,8 +74,10 @@ class CounterCollector(EvaluatorAgent):
         # at the run's recorded tolerance and under its conditions, as every stage grades
         session = self.grading(state, task, source)
         # the runner under ncu starts holding nothing, is loaded and checked sharing the
-        # device, and its one measured call has it alone (``timing_gate``)
-        async with self.timing_gate(ev.report.peak_device_mb, shared=False) as hooks:
+        # device, and its one measured call has it alone (``timing_gate``), after every
+        # timing waiting then: counters decide no verdict, and ncu's turn takes seconds
+        gate = self.timing_gate(ev.report.peak_device_mb, shared=False, yielding=True)
+        async with gate as hooks:
             # made in the thread: for a GPU, a session imports torch and counts the devices
             report = await asyncio.to_thread(lambda: counters_session(session(**hooks)))
         if report.unusable:

@@ -151,11 +151,12 @@ class EvaluatorAgent(Agent[EvaluatorState]):
 
     @contextlib.asynccontextmanager
     async def timing_gate(
-        self, peak_device_mb: float | None, *, shared: bool = True
+        self, peak_device_mb: float | None, *, shared: bool = True, yielding: bool = False
     ) -> AsyncIterator[dict[str, Callable[[], AbstractContextManager[object]]]]:
         """The device gate for a stage that times (:mod:`kf.device_gate`): shared (from
         the start, or ``shared=False`` only where the stage asks), with the device alone
         for each timing; what it yields are the session's ``alone`` and ``sharing``.
+        ``yielding``: its turns go after every other stage's (:class:`Turns`).
 
         A candidate whose last stage held more device memory than a big task
         (``$KF_BIG_TASK_MB``) has the device alone throughout instead (no hooks: the
@@ -165,10 +166,10 @@ class EvaluatorAgent(Agent[EvaluatorState]):
         gate = gate_for(self.device)
         big = current().over_big_task(peak_device_mb)
         if self.device.startswith("cuda") and big:
-            async with await gate.exclusive(self.kind):
+            async with await gate.exclusive(self.kind, yielding=yielding):
                 yield {}
         else:
-            async with Turns(gate, shared=shared, label=self.kind) as turns:
+            async with Turns(gate, shared=shared, label=self.kind, yielding=yielding) as turns:
                 yield {"alone": turns.alone, "sharing": turns.sharing}
 
     def runner_key(self, ev: Routed) -> str:

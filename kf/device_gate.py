@@ -9,6 +9,8 @@ A stage that times only part of the way (a profile: loading, checking and compil
 the baseline before its timing; counters: a runner started under ncu before its one
 measured call) holds the gate through :class:`Turns`: shared while it prepares, and
 exclusive only for each timing, which its grading thread asks for (:meth:`Turns.alone`).
+A turn that decides no verdict (the counters' ncu run of a task's new best) yields: it
+is taken only when no other turn is asked for, so the timings waiting go first.
 
 Each hold has a label (its stage: ``verify``, ``profiler``, ``counters``, ...). When an
 exclusive hold ends, the gate logs ``device_turn`` (INFO): its label, the seconds it
@@ -45,6 +47,7 @@ class DeviceGate:
         self._shared = 0
         self._exclusive = False
         self._waiting_exclusive = 0
+        self._waiting_yielding = 0  # of those, the turns that let the others go first
         self._holders: Counter[str] = Counter()  # the shared holds, by label
 
     async def shared(self, label: str = "shared") -> _Hold:
@@ -54,16 +57,26 @@ class DeviceGate:
             self._holders[label] += 1
         return _Hold(self, exclusive=False, label=label)
 
-    async def exclusive(self, label: str = "exclusive") -> _Hold:
+    async def exclusive(self, label: str = "exclusive", *, yielding: bool = False) -> _Hold:
+        """The device alone, once no stage shares it and no other has it alone; no new
+        share is given while this waits. ``yielding``: after every turn asked for without
+        it, even those asked later (what waits on no timing goes last: counters)."""
         asked = time.monotonic()
         async with self._cond:
             waited_on = dict(+self._holders)
             behind = self._exclusive or self._waiting_exclusive > 0
             self._waiting_exclusive += 1
+            self._waiting_yielding += yielding
+
+            def free() -> bool:
+                first = self._waiting_exclusive - self._waiting_yielding
+                return not self._exclusive and self._shared == 0 and not (yielding and first)
+
             try:
-                await self._cond.wait_for(lambda: not self._exclusive and self._shared == 0)
+                await self._cond.wait_for(free)
             finally:
                 self._waiting_exclusive -= 1
+                self._waiting_yielding -= yielding
             self._exclusive = True
         hold = _Hold(self, exclusive=True, label=label)
         hold.waited = (time.monotonic() - asked, waited_on, behind)
@@ -95,9 +108,12 @@ class Turns:
     :class:`GateClosed` instead.
     """
 
-    def __init__(self, gate: DeviceGate, *, shared: bool = True, label: str = "turns") -> None:
+    def __init__(
+        self, gate: DeviceGate, *, shared: bool = True, label: str = "turns", yielding: bool = False
+    ) -> None:
         self.gate = gate
         self.label = label
+        self.yielding = yielding  # its turns go after the others' (DeviceGate.exclusive)
         self._shared_from_start = shared
         self._loop: asyncio.AbstractEventLoop | None = None
         self._held: bool | None = None  # exclusive?, None: nothing held
@@ -126,8 +142,10 @@ class Turns:
                 self._held = self._hold_now = None
             if exclusive is None or self._closed:
                 return
-            take = self.gate.exclusive if exclusive else self.gate.shared
-            hold = await take(self.label)
+            if exclusive:
+                hold = await self.gate.exclusive(self.label, yielding=self.yielding)
+            else:
+                hold = await self.gate.shared(self.label)
             if self._closed:  # left while waiting: the gate is not kept
                 await hold.__aexit__()
                 return

@@ -197,3 +197,43 @@ def test_a_turn_logs_what_it_waited_on(monkeypatch: pytest.MonkeyPatch) -> None:
     assert profile["waited_s"] > 0 and profile["held_s"] >= 0
     # asked while both shares were still held, and queued behind the profile
     assert tuner["waited_on"] == {"verify": 1, "counters": 1} and tuner["behind_a_turn"]
+
+
+def test_a_yielding_turn_lets_every_other_turn_go_first() -> None:
+    """The counters' turn (``yielding``) asked for first still goes after the timings
+    asked for later, while they wait; no share is given while it waits; with no other
+    turn asked for, it is taken as any turn is."""
+
+    async def main() -> list[str]:
+        gate = DeviceGate()
+        order: list[str] = []
+        verify = await gate.shared("verify")
+
+        async def turn(label: str, yielding: bool = False) -> None:
+            async with await gate.exclusive(label, yielding=yielding):
+                order.append(label)
+                await asyncio.sleep(0.02)
+
+        async def share() -> None:
+            async with await gate.shared("verify"):
+                order.append("shared")
+
+        counters = asyncio.create_task(turn("counters", yielding=True))
+        await asyncio.sleep(0.05)
+        late_share = asyncio.create_task(share())
+        await asyncio.sleep(0.05)
+        first = asyncio.create_task(turn("profile 1"))
+        second = asyncio.create_task(turn("profile 2"))
+        await asyncio.sleep(0.05)
+        assert order == []  # the verification still shares the device
+        await verify.__aexit__()
+        await asyncio.gather(counters, first, second, late_share)
+        # alone, a yielding turn is not held back
+        await turn("counters again", yielding=True)
+        return order
+
+    order = asyncio.run(main())
+    assert order[:3] == ["profile 1", "profile 2", "counters"] or order[:3] == [
+        "profile 2", "profile 1", "counters",
+    ]  # fmt: skip
+    assert order[3:] == ["shared", "counters again"]

@@ -54,12 +54,13 @@ def counters_session(session: GradingSession) -> CountersReport:
 
 def _measured(stage: Stage, cand: RunnerHandle) -> str | None:
     """The runner under ncu started holding no share of the device (Python, torch and
-    the CUDA context: host work, as a pooled runner's start is), the candidate loaded and
-    checked sharing it, the one measured call made with the device alone; what is wrong
-    with the candidate's output, or None."""
+    the CUDA context, made before it says it is ready: host work, as a pooled runner's
+    start is), and the reference runner leased; the candidate loaded and checked sharing
+    the device; the one measured call made with the device alone. What is wrong with the
+    candidate's output, or None."""
     cand.wait_ready()
     # a reference runner without a compiled baseline first: a profile wants that one
-    with stage.session.shared(), stage.reference_lease(prefer=lambda h: not h.baselines):
+    with stage.reference_lease(prefer=lambda h: not h.baselines), stage.session.shared():
         _, _, problem = stage.loaded_and_checked()
         if problem is not None:
             return problem[1]
@@ -87,6 +88,7 @@ def _counters(stage: Stage) -> CountersReport:
                 pool.python,
                 pool.threads,
                 wrapper=ncu.command(tool, str(log_file)),
+                warm=device,  # the CUDA context under ncu before it is ready
                 isolate=isolate,
                 ro_paths=tuple(ncu.install_paths(tool)),
                 rw_paths=(str(folder),),
