@@ -19,6 +19,7 @@ from kf.agent import AgentContext
 from kf.devices import runner_pool
 from kf.evaluation import ProfileReport
 from kf.evaluation.grader.policy import Incumbent, relative_noise, stated_profile
+from kf.evaluation.grader.profiling import await_baselined_reference
 from kf.events import Event, Record
 from kf.facts import RunStarted
 from kf.search_facts import (
@@ -79,6 +80,11 @@ class Profiler(EvaluatorAgent):
         task, source = found
 
         async def profile() -> ProfileReport:
+            # before the share: a wait for the task's baselined runner holds up no timing
+            await asyncio.to_thread(
+                await_baselined_reference, task, device=self.device,
+                conditions=state.conditions, pool=runner_pool(self.device),
+            )  # fmt: skip
             # loading, checking and re-verifying share the device; each timing has it
             # alone (``timing_gate``). The verifier compiled the task's torch.compile
             # baseline already: on a GPU as the run started, else after the task's first

@@ -185,6 +185,12 @@ class Settings:
         return None if jobs is None else max(1, jobs)
 
     @property
+    def cuda_profile_jobs(self) -> int | None:
+        """``KF_CUDA_PROFILE_JOBS``: profiles at once on a GPU, one per task (default 12)."""
+        jobs = self._number("KF_CUDA_PROFILE_JOBS")
+        return None if jobs is None else max(1, jobs)
+
+    @property
     def ncu(self) -> str | None:
         """``KF_NCU``: Nsight Compute's path, or ``0`` for no counters (default: found)."""
         return self._text("KF_NCU") or None

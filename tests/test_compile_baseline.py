@@ -4,6 +4,7 @@ in the same session, reused by later profiles, recorded (not fatal) when it cann
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -365,6 +366,40 @@ def test_a_profile_waits_for_the_leased_runner_that_holds_its_baseline() -> None
         other.join(60)
         with pool.reference_lease("other-task", prefer, wait_s=60.0) as unrelated:
             assert unrelated is not holder  # none of its key leased: no wait
+    finally:
+        pool.close()
+
+
+def test_a_profile_can_wait_for_its_baselined_runner_before_it_leases_anything() -> None:
+    """``wait_for_reference`` (what a profile calls before it takes its share of the
+    device) waits while the runner holding the baseline is leased elsewhere, returns when
+    it is back without leasing it, and does not wait where nothing preferred is leased."""
+    import threading
+
+    pool = RunnerPool(size=0, references=4)
+    prefer = lambda h: "default" in h.baselines  # noqa: E731 (as has_baseline's)
+    try:
+        with pool.reference_lease("task") as holder:
+            holder.baselines.add("default")
+        leased, back = threading.Event(), threading.Event()
+
+        def verification() -> None:
+            with pool.reference_lease("task"):
+                leased.set()
+                back.wait(60)
+
+        other = threading.Thread(target=verification)
+        other.start()
+        assert leased.wait(60)
+        assert not pool.wait_for_reference("task", prefer, 0.0)  # leased, and no wait asked
+        threading.Timer(0.5, back.set).start()
+        started = time.monotonic()
+        assert pool.wait_for_reference("task", prefer, 60.0)
+        assert time.monotonic() - started < 30  # it came back; the wait ended then
+        other.join(60)
+        with pool.reference_lease("task", prefer) as taken:  # still idle: the wait leased nothing
+            assert taken is holder
+        assert not pool.wait_for_reference("other-task", prefer, 60.0)  # nothing to wait for
     finally:
         pool.close()
 

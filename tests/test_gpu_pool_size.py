@@ -118,3 +118,17 @@ def test_the_utilisation_sampler_gives_the_mean_since_its_last_take(
     missing.start()
     assert missing.take() is None
     missing.stop()
+
+
+def test_a_gpu_profiles_more_candidates_at_once_than_it_verifies() -> None:
+    """Profiles at once (``$KF_CUDA_PROFILE_JOBS``, 12) are set apart from verifications
+    (``$KF_CUDA_VERIFY_JOBS``, 4): at four, a profile stage of 8.4 s held the H200 to 28
+    timings a minute. Each is at least one."""
+    from agents.worker import profile_concurrency, verify_concurrency
+    from kf.settings import Settings
+
+    plain = Settings.from_env({})
+    assert (profile_concurrency(plain), verify_concurrency(plain)) == (12, 4)
+    both = Settings.from_env({"KF_CUDA_PROFILE_JOBS": "6", "KF_CUDA_VERIFY_JOBS": "2"})
+    assert (profile_concurrency(both), verify_concurrency(both)) == (6, 2)
+    assert profile_concurrency(Settings.from_env({"KF_CUDA_PROFILE_JOBS": "0"})) == 1

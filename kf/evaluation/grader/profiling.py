@@ -68,6 +68,23 @@ from kf.tasks import Task
 BASELINE_WAIT_S = 10.0
 
 
+def await_baselined_reference(
+    task: Task,
+    *,
+    device: str,
+    conditions: baseline_settings.Conditions | None = None,
+    pool: RunnerPool | None = None,
+    wait_s: float = BASELINE_WAIT_S,
+) -> bool:
+    """Wait, holding no share of the device, up to ``wait_s`` for the task's reference
+    runner that holds its compiled baseline, while another stage has it leased (True: it
+    is idle now). A profile calls this before it takes its share: the profile's own
+    lease would wait as long holding the share, and every timing then waits on it."""
+    session = GradingSession(task, "", device=device, pool=pool, conditions=conditions)
+    key = session.reference_key
+    return session.runners.wait_for_reference(key, has_baseline(session), wait_s)
+
+
 def profile_candidate(
     task: Task,
     source: str,

@@ -322,22 +322,39 @@ class RunnerPool:
                     _dropped(h, k, why)
                     h.kill()
 
+    def wait_for_reference(
+        self, key: str, prefer: Callable[[RunnerHandle], bool], wait_s: float
+    ) -> bool:
+        """Wait up to ``wait_s`` while no idle reference runner of ``key`` is preferred
+        but one leased elsewhere is; True: a preferred one is idle now. Nothing is
+        leased: a profile waits here before it takes its share of the device, so that no
+        timing waits on its wait (:meth:`reference_lease` may still wait, if another stage
+        takes that runner first)."""
+        with self._returned:
+            return self._wait_preferred(key, prefer, time.monotonic() + wait_s)
+
+    def _wait_preferred(
+        self, key: str, prefer: Callable[[RunnerHandle], bool] | None, deadline: float
+    ) -> bool:
+        """(Holding ``_returned``) :meth:`wait_for_reference` until ``deadline``."""
+        while True:
+            idle = self._refs.get(key, [])
+            if prefer is None or any(prefer(h) for h in idle):
+                return True
+            left = deadline - time.monotonic()
+            wanted = any(prefer(h) for h in self._refs_busy.get(key, ()))
+            if self._closed or left <= 0 or not wanted:
+                return False
+            self._returned.wait(left)
+
     def _take_reference(
         self, key: str, prefer: Callable[[RunnerHandle], bool] | None, wait_s: float
     ) -> RunnerHandle | None:
         """An idle reference runner of ``key``, leased now (a preferred one first, after
         waiting up to ``wait_s`` for a preferred one leased elsewhere); None: none idle."""
-        deadline = time.monotonic() + wait_s
         with self._returned:
-            while True:
-                idle = self._refs.get(key, [])
-                if prefer is None or any(prefer(h) for h in idle):
-                    break
-                left = deadline - time.monotonic()
-                wanted = any(prefer(h) for h in self._refs_busy.get(key, ()))
-                if self._closed or left <= 0 or not wanted:
-                    break
-                self._returned.wait(left)
+            self._wait_preferred(key, prefer, time.monotonic() + wait_s)
+            idle = self._refs.get(key, [])
             if prefer is not None:
                 # the preferred ones last, so the loop below pops them first
                 idle.sort(key=lambda h: bool(prefer(h)))
