@@ -373,7 +373,8 @@ def test_a_profile_waits_for_the_leased_runner_that_holds_its_baseline() -> None
 def test_a_profile_can_wait_for_its_baselined_runner_before_it_leases_anything() -> None:
     """``wait_for_reference`` (what a profile calls before it takes its share of the
     device) waits while the runner holding the baseline is leased elsewhere, returns when
-    it is back without leasing it, and does not wait where nothing preferred is leased."""
+    it is back without leasing it, and does not wait where nothing preferred is leased; a
+    lease with ``only_preferred`` (the counters') starts a runner rather than take it."""
     import threading
 
     pool = RunnerPool(size=0, references=4)
@@ -399,6 +400,9 @@ def test_a_profile_can_wait_for_its_baselined_runner_before_it_leases_anything()
         other.join(60)
         with pool.reference_lease("task", prefer) as taken:  # still idle: the wait leased nothing
             assert taken is holder
+        # the counters' lease: never the baselined runner, though it is the only one idle
+        with pool.reference_lease("task", lambda h: not h.baselines, only_preferred=True) as ref:
+            assert ref is not holder and not ref.baselines
         assert not pool.wait_for_reference("other-task", prefer, 60.0)  # nothing to wait for
     finally:
         pool.close()

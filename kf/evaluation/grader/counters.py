@@ -59,8 +59,12 @@ def _measured(stage: Stage, cand: RunnerHandle) -> str | None:
     the device; the one measured call made with the device alone. What is wrong with the
     candidate's output, or None."""
     cand.wait_ready()
-    # a reference runner without a compiled baseline first: a profile wants that one
-    with stage.reference_lease(prefer=lambda h: not h.baselines), stage.session.shared():
+    # never the runner holding the task's compiled baseline: this stage holds its
+    # reference through a turn that lets every timing go first, and a profile that
+    # waited for that runner in vain compiled the baseline again, holding its share of
+    # the device for 11 s, while every timing waited (twice in the H200's run r3)
+    fresh = lambda h: not h.baselines  # noqa: E731
+    with stage.reference_lease(prefer=fresh, only_preferred=True), stage.session.shared():
         _, _, problem = stage.loaded_and_checked()
         if problem is not None:
             return problem[1]

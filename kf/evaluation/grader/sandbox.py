@@ -256,6 +256,7 @@ class RunnerPool:
         key: str,
         prefer: Callable[[RunnerHandle], bool] | None = None,
         wait_s: float = 0.0,
+        only_preferred: bool = False,
     ) -> Iterator[RunnerHandle]:
         """A candidate-free runner for the reference side of one job, reused per ``key``.
 
@@ -264,7 +265,10 @@ class RunnerPool:
         of the same task: that saves a Python + torch start-up per stage. Any error
         discards it; at most ``max_references`` are kept, the oldest killed first.
         ``prefer``: an idle runner it holds true of is taken first (one that has
-        compiled the task's baseline, say); only a preference, never a condition.
+        compiled the task's baseline, say); only a preference, unless ``only_preferred``:
+        then a fresh runner rather than an idle one it holds false of (counters hold
+        theirs through a turn that lets every timing go first, and must not keep the
+        runner holding the task's compiled baseline from a profile meanwhile).
         ``wait_s``: when none idle is preferred but one leased for ``key`` is, how long to
         wait for it to come back first (a profile waits for the verification that holds
         its task's compiled baseline rather than compile it again, 10-15 s on an H200,
@@ -275,7 +279,7 @@ class RunnerPool:
         of the job (a candidate's, say, which the caller handles) leaves it as good as
         it was: its requests and answers went one at a time and all were answered.
         """
-        handle = self._take_reference(key, prefer, wait_s)
+        handle = self._take_reference(key, prefer, wait_s, only_preferred)
         if handle is None:
             handle = self.acquire_ready()
             log.info("reference_runner_started", task_key=key[:16], pid=handle.pid)
@@ -348,10 +352,15 @@ class RunnerPool:
             self._returned.wait(left)
 
     def _take_reference(
-        self, key: str, prefer: Callable[[RunnerHandle], bool] | None, wait_s: float
+        self,
+        key: str,
+        prefer: Callable[[RunnerHandle], bool] | None,
+        wait_s: float,
+        only_preferred: bool = False,
     ) -> RunnerHandle | None:
         """An idle reference runner of ``key``, leased now (a preferred one first, after
-        waiting up to ``wait_s`` for a preferred one leased elsewhere); None: none idle."""
+        waiting up to ``wait_s`` for a preferred one leased elsewhere; ``only_preferred``:
+        no other); None: none idle."""
         with self._returned:
             self._wait_preferred(key, prefer, time.monotonic() + wait_s)
             idle = self._refs.get(key, [])
@@ -359,6 +368,8 @@ class RunnerPool:
                 # the preferred ones last, so the loop below pops them first
                 idle.sort(key=lambda h: bool(prefer(h)))
             while idle:
+                if only_preferred and prefer is not None and not prefer(idle[-1]):
+                    break  # sorted: none left is preferred
                 h = idle.pop()
                 if h.proc.poll() is None:
                     self._leased.add(h)

@@ -222,13 +222,15 @@ class Stage:
         trimmed: bool = False,
         prefer: Callable[[RunnerHandle], bool] | None = None,
         wait_s: float = 0.0,
+        only_preferred: bool = False,
     ) -> Iterator[RunnerHandle]:
         """The task's (reused) reference runner for this stage; ``trimmed``: it drops
         its large tensors before going back idle; ``prefer``: which idle one to take
-        first, and ``wait_s`` how long to wait for a preferred one leased elsewhere
-        (:meth:`RunnerPool.reference_lease`)."""
+        first, ``wait_s`` how long to wait for a preferred one leased elsewhere, and
+        ``only_preferred``: a fresh one rather than another (:meth:`RunnerPool.reference_lease`)."""
         pool = self.session.runners
-        with pool.reference_lease(self.session.reference_key, prefer, wait_s) as ref:
+        key = self.session.reference_key
+        with pool.reference_lease(key, prefer, wait_s, only_preferred) as ref:
             self.use(ref=ref)
             try:
                 yield ref
