@@ -191,6 +191,17 @@ class Settings:
         return None if jobs is None else max(1, jobs)
 
     @property
+    def counters_share(self) -> float:
+        """``KF_COUNTERS_SHARE``: the most of a GPU's time the counter collector's turns
+        may take, as a fraction (default 0.1; at least 0.01, at most 1)."""
+        raw = self._text("KF_COUNTERS_SHARE").strip()
+        try:
+            share = float(raw) if raw else 0.1
+        except ValueError:
+            raise SettingError(f"$KF_COUNTERS_SHARE={raw!r} is not a fraction") from None
+        return min(1.0, max(0.01, share))
+
+    @property
     def ncu(self) -> str | None:
         """``KF_NCU``: Nsight Compute's path, or ``0`` for no counters (default: found)."""
         return self._text("KF_NCU") or None

@@ -205,6 +205,78 @@ def test_collector_grades_at_the_runs_recorded_tolerance_and_conditions(
     assert setup.precision is not None and setup.precision["tf32"] == "on"
 
 
+def test_a_turn_budget_waits_until_its_turns_are_within_their_share() -> None:
+    """After 2 s of turns at a share of 0.1 the next waits until 20 s have passed since
+    the budget began; turns are counted from inside the session's ``alone``."""
+    from agents.counters import TurnBudget
+
+    now = [100.0]
+    budget = TurnBudget(0.1, clock=lambda: now[0])
+    assert budget.wait_s() == 0.0
+    events: list[str] = []
+
+    class Alone:
+        def __enter__(self) -> None:
+            events.append("turn")
+            now[0] += 5.0  # waiting for the turn is not counted
+
+        def __exit__(self, *exc: object) -> None:
+            events.append("back")
+
+    with budget.counting(Alone)():
+        now[0] += 2.0
+    assert events == ["turn", "back"] and budget.held_s == 2.0
+    assert budget.wait_s() == pytest.approx(20.0 - 7.0)
+    now[0] += 13.0
+    assert budget.wait_s() == 0.0
+
+
+def test_collector_measures_one_at_a_time_within_its_share_and_skips_overtaken_bests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three new bests of one task and one of another in quick succession: the first is
+    measured at once, the others wait for the budget one at a time; the task's second
+    best, overtaken by its third while it waited, is not measured. (ncu's own run is the
+    GPU tests'; here the measurement only counts a turn.)"""
+    from agents import counters as counters_agent
+    from kf.evaluation.grader.reports import CountersReport
+
+    monkeypatch.setenv("KF_COUNTERS_SHARE", "0.5")
+    monkeypatch.setattr(counters_agent, "find_ncu", lambda *a: "/usr/bin/ncu")
+    source = (EVAL_TASK.parent / "honest.py").read_text()
+    proposed = [
+        CandidateProposed(candidate_id=c, task="task_gelu", source=source, operator="seed",
+                          mutator="test")
+        for c in "abcd"
+    ]  # fmt: skip
+    agent, state = _collector("cuda:0", "gpu0", _started(EVAL_TASK, {}), *proposed)
+    measured: list[str] = []
+
+    async def measure(state: Any, ev: CandidateProfiled, task: Any, source: str, budget: Any):
+        measured.append(ev.candidate_id)
+        budget.held_s += 0.1
+        return CountersReport(ok=True, device="cuda:0")
+
+    monkeypatch.setattr(agent, "_measure", measure)
+    recs = []
+    for cid, task, speedup in (("a", "task_gelu", 1.1), ("b", "task_gelu", 1.2),
+                               ("c", "task_gelu", 1.3), ("d", "other", 2.0)):  # fmt: skip
+        report = ProfileReport(ok=True, speedup=speedup, runtime_ms=1.0)
+        rec = _rec(CandidateProfiled(candidate_id=cid, task=task, device_id="gpu0", report=report))
+        state = agent.evolve(state, rec)
+        recs.append(rec)
+    agent.lookup = lambda state, task, cid: (task, source)  # "other" is not a run task here
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(*(agent.react(state, rec) for rec in recs))
+
+    out = asyncio.run(main())
+    assert measured == ["a", "c", "d"]
+    assert [len(o) for o in out] == [1, 0, 1, 1]
+    assert all(isinstance(o[0], CountersMeasured) for o in out if o)
+    assert agent._budget is not None and agent._budget.held_s == pytest.approx(0.3)
+
+
 needs_gpu_ncu = pytest.mark.skipif(
     not torch.cuda.is_available() or ncu.find_ncu() is None,
     reason="needs an NVIDIA GPU, a CUDA build of PyTorch and Nsight Compute (CI has none)",
