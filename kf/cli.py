@@ -635,7 +635,8 @@ def _run_parser(sub: Any) -> None:
         "--max-in-flight",
         type=int,
         default=None,
-        help="candidates being evaluated at once, across tasks (default: 2 per local device)",
+        help="candidates being evaluated at once, across tasks (default: 2 per local CPU, "
+        "24 per local GPU)",
     )
     from kf.llm.cli import add_llm_options
 

@@ -41,10 +41,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEVICE_HELP",
+    "GPU_IN_FLIGHT",
     "DeviceError",
     "DeviceSlot",
     "UtilisationSampler",
     "configure_runner_pools",
+    "default_in_flight",
     "device_slots",
     "failure",
     "free_device_memory",
@@ -307,6 +309,18 @@ def configure_runner_pools(devices: Sequence[str], build_slots: int) -> None:
                 size=size, warm=d, references=refs, kept=kept_runners(size)
             )
             atexit.register(pool.close)
+
+
+#: candidates in flight per local GPU when ``--max-in-flight`` is not given: what the H200
+#: runs of issue 31 used (builds on 15 cores, 4 verifications and 12 profiles at once);
+#: two kept the GPU's pipeline nearly empty
+GPU_IN_FLIGHT = 24
+
+
+def default_in_flight(local: Sequence[str]) -> int:
+    """Candidates being evaluated at once when the run does not say: two per local CPU
+    device, :data:`GPU_IN_FLIGHT` per local GPU, two with no local worker."""
+    return sum(GPU_IN_FLIGHT if d.startswith("cuda") else 2 for d in local) or 2
 
 
 def kept_runners(pool_size: int) -> int:

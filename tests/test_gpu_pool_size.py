@@ -132,3 +132,15 @@ def test_a_gpu_profiles_more_candidates_at_once_than_it_verifies() -> None:
     both = Settings.from_env({"KF_CUDA_PROFILE_JOBS": "6", "KF_CUDA_VERIFY_JOBS": "2"})
     assert (profile_concurrency(both), verify_concurrency(both)) == (6, 2)
     assert profile_concurrency(Settings.from_env({"KF_CUDA_PROFILE_JOBS": "0"})) == 1
+
+
+def test_a_run_keeps_a_gpus_pipeline_full_unless_told() -> None:
+    """Without ``--max-in-flight`` a run keeps two candidates in flight per local CPU and
+    24 per local GPU (what the H200's throughput runs used: two left its builds, checks
+    and timings mostly idle), two with no local worker."""
+    from kf.devices import default_in_flight
+
+    assert default_in_flight(["cpu"]) == 2
+    assert default_in_flight(["cuda:0"]) == 24
+    assert default_in_flight(["cuda:0", "cuda:1"]) == 48
+    assert default_in_flight([]) == 2

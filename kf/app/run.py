@@ -192,6 +192,7 @@ def _options(
 ) -> RunOptions:
     """The process's settings of the run (:class:`kf.orchestra.RunOptions`); the run's
     config records them."""
+    from kf.devices import default_in_flight
     from kf.orchestra import RunOptions
     from kf.settings import current
 
@@ -202,10 +203,10 @@ def _options(
         devices=local,
         db=request.db or Path("runs") / f"{run_id}.db",
         run_id=run_id,
-        # two candidates in flight per local device unless told
+        # two candidates in flight per local CPU, 24 per local GPU, unless told
         max_in_flight=request.max_in_flight
         if request.max_in_flight is not None
-        else 2 * (len(local) or 1),
+        else default_in_flight(local),
         measure_device=current().device_measure,
         resuming=logged.exists,
     )
