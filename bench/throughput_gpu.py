@@ -31,6 +31,7 @@ over the same span, and the host's CPU-seconds by kind of process over the whole
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -318,12 +320,16 @@ class TurnLog:
     def __init__(self) -> None:
         self.by_label: dict[str, dict[str, float]] = {}
         self.waited_on: dict[str, float] = {}
+        self.spans: list[tuple[float, float, str]] = []  # (start, end, label) of each turn
 
     def add(self, line: str) -> None:
         try:
             turn = json.loads(line)
         except ValueError:
             return
+        with contextlib.suppress(KeyError, ValueError):
+            end = datetime.fromisoformat(turn["timestamp"].replace("Z", "+00:00")).timestamp()
+            self.spans.append((end - turn["held_s"], end, turn["label"]))
         mine = self.by_label.setdefault(turn["label"], {"n": 0, "waited_s": 0.0, "held_s": 0.0})
         mine["n"] += 1
         mine["waited_s"] = round(mine["waited_s"] + turn["waited_s"], 3)
@@ -332,8 +338,33 @@ class TurnLog:
         for cause in causes:
             self.waited_on[cause] = round(self.waited_on.get(cause, 0.0) + turn["waited_s"], 3)
 
+    def gaps(self) -> dict[str, Any]:
+        """The stretches between the first timing turn and the last in which no turn was
+        held (the hardware agent's start-up measurement left out): their sum and the
+        longest five, each as (seconds after the first turn, seconds long, the label of
+        the turn that ended it)."""
+        spans = sorted(t for t in self.spans if t[2] != "hardware")
+        if not spans:
+            return {}
+        first, reach, found = spans[0][0], spans[0][1], []
+        for start, end, label in spans[1:]:
+            if start > reach:
+                found.append((round(reach - first, 1), round(start - reach, 2), label))
+            reach = max(reach, end)
+        longest = sorted(found, key=lambda g: -g[1])[:5]
+        return {
+            "first_to_last_s": round(reach - first, 1),
+            "held_s": round(sum(end - start for start, end, _ in spans), 1),
+            "gaps_s": round(sum(g[1] for g in found), 1),
+            "longest_gaps": longest,
+        }
+
     def summary(self) -> dict[str, Any]:
-        return {"by_label": self.by_label, "waits_by_what_was_ahead_s": self.waited_on}
+        return {
+            "by_label": self.by_label,
+            "waits_by_what_was_ahead_s": self.waited_on,
+            "timeline": self.gaps(),
+        }
 
 
 def run_counting(
