@@ -308,6 +308,10 @@ RUNNER_EVENTS = (
     "reference_runner_started",
     "candidate_runner_not_kept",
     "reference_runner_dropped",
+    # the counter collector's new bests that waited for its share of the device, and
+    # those a newer best of their task overtook meanwhile (agents/counters.py)
+    "counters_deferred",
+    "counters_skipped",
 )
 
 
@@ -465,8 +469,9 @@ def main() -> int:
         json.dumps(result["host_cpu"], indent=1),
     )
     print(
-        "runner pool events in kf run's log (fresh reference runners, candidate runners "
-        "not kept, reference runners dropped):",
+        "runner pool and counters events in kf run's log (fresh reference runners, "
+        "candidate runners not kept, reference runners dropped, counters deferred and "
+        "skipped):",
         json.dumps(result["runner_events"]),
     )
     print(
