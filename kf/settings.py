@@ -98,11 +98,15 @@ class Settings:
             raise SettingError(f"$KF_BUILD_TIMEOUT_S={raw!r} is not a number of seconds") from exc
         return value if value > 0 else None
 
+    def _jobs(self, name: str) -> int | None:
+        """A count of things at once: at least 1; None when unset."""
+        jobs = self._number(name)
+        return None if jobs is None else max(1, jobs)
+
     @property
     def build_jobs(self) -> int | None:
         """``KF_BUILD_JOBS``: builds at once in one process (default: its usable cores)."""
-        jobs = self._number("KF_BUILD_JOBS")
-        return None if jobs is None else max(1, jobs)
+        return self._jobs("KF_BUILD_JOBS")
 
     @property
     def build_nice(self) -> int:
@@ -175,20 +179,17 @@ class Settings:
     def cuda_compile_jobs(self) -> int | None:
         """``KF_CUDA_COMPILE_JOBS``: compiles at once on a CUDA worker (default: all
         cores but one, at least 2)."""
-        jobs = self._number("KF_CUDA_COMPILE_JOBS")
-        return None if jobs is None else max(1, jobs)
+        return self._jobs("KF_CUDA_COMPILE_JOBS")
 
     @property
     def cuda_verify_jobs(self) -> int | None:
         """``KF_CUDA_VERIFY_JOBS``: verifications at once on a GPU (default 4)."""
-        jobs = self._number("KF_CUDA_VERIFY_JOBS")
-        return None if jobs is None else max(1, jobs)
+        return self._jobs("KF_CUDA_VERIFY_JOBS")
 
     @property
     def cuda_profile_jobs(self) -> int | None:
         """``KF_CUDA_PROFILE_JOBS``: profiles at once on a GPU, one per task (default 12)."""
-        jobs = self._number("KF_CUDA_PROFILE_JOBS")
-        return None if jobs is None else max(1, jobs)
+        return self._jobs("KF_CUDA_PROFILE_JOBS")
 
     @property
     def counters_share(self) -> float:
