@@ -84,6 +84,12 @@ def has_baseline(session: GradingSession) -> Callable[[RunnerHandle], bool]:
     return lambda handle: mode in handle.baselines
 
 
+def holds_no_baseline(handle: RunnerHandle) -> bool:
+    """Whether a reference runner compiled no baseline (a preference for the stages that
+    leave the runners holding one to the profiles: :meth:`RunnerPool.reference_lease`)."""
+    return not handle.baselines
+
+
 def compile_early(session: GradingSession) -> BaselineCompiled | None:
     """Compile the task's ``torch.compile`` baseline in a reference runner before the
     profile's turn: the compile is host work, minutes of it over a run's tasks, and the

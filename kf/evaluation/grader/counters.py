@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kf.cuda import ncu
 from kf.evaluation.grader import box
+from kf.evaluation.grader.baseline import holds_no_baseline
 from kf.evaluation.grader.grading import CandidateFailed
 from kf.evaluation.grader.reports import CountersReport
 from kf.evaluation.grader.sandbox import Limits, RunnerError, RunnerHandle, RunnerPool
@@ -63,8 +64,8 @@ def _measured(stage: Stage, cand: RunnerHandle) -> str | None:
     # reference through a turn that lets every timing go first, and a profile that
     # waited for that runner in vain compiled the baseline again, holding its share of
     # the device for 11 s, while every timing waited (twice in the H200's run r3)
-    fresh = lambda h: not h.baselines  # noqa: E731
-    with stage.reference_lease(prefer=fresh, only_preferred=True), stage.session.shared():
+    lease = stage.reference_lease(prefer=holds_no_baseline, only_preferred=True)
+    with lease, stage.session.shared():
         _, _, problem = stage.loaded_and_checked()
         if problem is not None:
             return problem[1]

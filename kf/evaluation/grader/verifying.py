@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from kf.evaluation.grader.admission import BIG_LOCKS, set_footprint, too_large
+from kf.evaluation.grader.baseline import holds_no_baseline
 from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.grader.grading import (
     DISTRIBUTION_FAILED,
@@ -73,7 +74,7 @@ def _verify(stage: Stage, trials: int, generalise: bool) -> VerifyReport:
     chosen, chosen_from = resolve(stage.session.tolerance, task.source)
     # a reference runner that compiled the task's baseline is left for the profiles
     with (
-        stage.reference_lease(prefer=lambda h: not h.baselines) as ref,
+        stage.reference_lease(prefer=holds_no_baseline) as ref,
         stage.candidate_lease() as cand,
     ):
         found = _Findings(stage, cand, chosen, chosen_from)
