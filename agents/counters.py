@@ -95,6 +95,8 @@ class CounterCollector(EvaluatorAgent):
         self.newest: dict[str, str] = {}
         self._budget: TurnBudget | None = None  # made at the first new best
         self._one_at_a_time: asyncio.Lock | None = None  # made on the event loop
+        #: set as the run's agents drain: bests not yet measured are not measured then
+        self._draining: asyncio.Event | None = None
 
     def initial_state(self) -> CounterState:
         return CounterState()
@@ -128,13 +130,23 @@ class CounterCollector(EvaluatorAgent):
         if self._budget is None:
             self._budget = TurnBudget(current().counters_share)
         self._one_at_a_time = self._one_at_a_time or asyncio.Lock()
+        draining = self._drain_event()
         async with self._one_at_a_time:
             if self.unusable:  # found while this one waited
                 return ()
             wait = self._budget.wait_s()
-            if wait > 0:
+            if wait > 0 and not draining.is_set():
                 self.ctx.log.info("counters_deferred", task=ev.task, wait_s=round(wait, 1))
-                await asyncio.sleep(wait)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(draining.wait(), wait)
+            if draining.is_set():
+                # nothing waits for counters to decide the run, and ncu's runner takes
+                # seconds to start: the run's end does not wait for a backlog of them
+                self.ctx.log.info(
+                    "counters_skipped", task=ev.task, candidate=ev.candidate_id,
+                    why="the run ended before its turn",
+                )  # fmt: skip
+                return ()
             if self.newest.get(ev.task) != ev.candidate_id:
                 self.ctx.log.info(
                     "counters_skipped", task=ev.task, candidate=ev.candidate_id,
@@ -151,6 +163,16 @@ class CounterCollector(EvaluatorAgent):
                 candidate_id=ev.candidate_id, task=ev.task, device_id=self.device_id, report=report
             )
         ]
+
+    def _drain_event(self) -> asyncio.Event:
+        if self._draining is None:
+            self._draining = asyncio.Event()
+        return self._draining
+
+    async def on_drain(self) -> None:
+        """The run ended: the new bests still waiting for their turn are not measured
+        (the one being measured finishes)."""
+        self._drain_event().set()
 
     async def _measure(
         self, state: EvaluatorState, ev: CandidateProfiled, task: Task, source: str,

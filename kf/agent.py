@@ -94,6 +94,12 @@ class Agent(Generic[S]):
     async def on_start(self) -> None:
         """Acquire resources, announce yourself (``self.ctx.emit``). Called before catch-up."""
 
+    async def on_drain(self) -> None:
+        """The runner stopped taking events and is about to wait for the reactions in
+        flight (the run ended, or this agent is being drained): an agent whose queued
+        work is optional (nothing waits for its events to decide the run) cuts it short
+        here. Not called when the runner is cancelled (``on_stop`` is not, either)."""
+
     async def on_stop(self) -> None:
         """Release resources. Called after the last reaction finished."""
 

@@ -14,8 +14,9 @@ subscribes first, catches up from the log, buffers what arrives early, fills gap
 fetch requests and polls the head when idle (a lost last message leaves no later gap).
 
 Lifecycle. ``start → ready → drain``: the runner calls ``on_start``, catches up, sets
-``ready``, follows the live log, and on ``stop`` stops taking events, lets running
-reactions finish, flushes the outbox and drains the connection.
+``ready``, follows the live log, and on ``stop`` stops taking events, calls ``on_drain``
+(an agent cuts optional queued work short), lets running reactions finish, flushes the
+outbox and drains the connection.
 
 Supervision policy. A ``react`` that raises is logged with its traceback, counted and
 recorded as a ``ReactionFailed`` event; the agent goes on. An ``evolve`` that raises means
@@ -526,6 +527,7 @@ class AgentRunner:
         self.log.info("agent_interrupted", folded=self.folded, cut=len(cut))
 
     async def _drain(self) -> None:
+        await self.agent.on_drain()
         if self._reactions:
             await asyncio.gather(*self._reactions, return_exceptions=True)
         await self.agent.on_stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -275,6 +276,59 @@ def test_collector_measures_one_at_a_time_within_its_share_and_skips_overtaken_b
     assert [len(o) for o in out] == [1, 0, 1, 1]
     assert all(isinstance(o[0], CountersMeasured) for o in out if o)
     assert agent._budget is not None and agent._budget.held_s == pytest.approx(0.3)
+
+
+def test_collector_does_not_hold_the_runs_end_for_bests_waiting_for_their_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two new bests of two tasks: the first is measured, the second waits for the
+    collector's share (a minute here); the run's agents drain meanwhile, and the waiting
+    best ends at once, unmeasured, rather than holding the run's end for its turn."""
+    from agents import counters as counters_agent
+    from kf.evaluation.grader.reports import CountersReport
+
+    monkeypatch.setenv("KF_COUNTERS_SHARE", "0.01")
+    monkeypatch.setattr(counters_agent, "find_ncu", lambda *a: "/usr/bin/ncu")
+    source = (EVAL_TASK.parent / "honest.py").read_text()
+    proposed = [
+        CandidateProposed(candidate_id=c, task="task_gelu", source=source, operator="seed",
+                          mutator="test")
+        for c in "ab"
+    ]  # fmt: skip
+    agent, state = _collector("cuda:0", "gpu0", _started(EVAL_TASK, {}), *proposed)
+    measured: list[str] = []
+    first = asyncio.Event()
+
+    async def measure(state: Any, ev: CandidateProfiled, task: Any, source: str, budget: Any):
+        measured.append(ev.candidate_id)
+        budget.held_s += 0.6  # the next turn is a minute away at a 1 % share
+        first.set()
+        return CountersReport(ok=True, device="cuda:0")
+
+    monkeypatch.setattr(agent, "_measure", measure)
+    recs = []
+    for cid, task in (("a", "task_gelu"), ("b", "other")):
+        report = ProfileReport(ok=True, speedup=1.5, runtime_ms=1.0)
+        rec = _rec(CandidateProfiled(candidate_id=cid, task=task, device_id="gpu0", report=report))
+        state = agent.evolve(state, rec)
+        recs.append(rec)
+    agent.lookup = lambda state, task, cid: (task, source)
+
+    async def main() -> tuple[list[Any], float]:
+        reactions = [asyncio.ensure_future(agent.react(state, rec)) for rec in recs]
+        await asyncio.wait_for(first.wait(), 10)
+        await asyncio.sleep(0.1)
+        assert agent._budget is not None and agent._budget.wait_s() > 30
+        assert not reactions[1].done()  # "b" waits for its turn
+        began = time.monotonic()
+        await agent.on_drain()
+        out = await asyncio.wait_for(asyncio.gather(*reactions), 10)
+        return out, time.monotonic() - began
+
+    out, drained_s = asyncio.run(main())
+    assert measured == ["a"]
+    assert [len(o) for o in out] == [1, 0]
+    assert drained_s < 10  # the wait_for above fails first; the turn was 59 s away
 
 
 needs_gpu_ncu = pytest.mark.skipif(

@@ -376,3 +376,43 @@ async def test_feed_ends_when_closed_even_if_its_cancel_is_swallowed(
     feed.close()
     done, _ = await asyncio.wait({read}, timeout=2.0)
     assert done and isinstance(read.exception(), StopAsyncIteration)
+
+
+async def test_runtime_drain_lets_the_agent_cut_optional_work_short_first(
+    nats_server: EmbeddedServer, db_path: Path
+) -> None:
+    """A drained runner calls ``on_drain`` before it waits for the reactions in flight: a
+    reaction that waits for work the agent calls optional ends then (the counter
+    collector's backlog held a run's end for minutes before)."""
+    nc = await _connect(nats_server.url)
+    async with archivist(nats_server.url, RUN, db_path):
+        agent = Tally(AgentContext(run_id=RUN, agent_id="tally@drain"))
+        agent.concurrency = 4  # reactions in tasks of their own, as the evaluators' are
+        runner = AgentRunner(agent, nc)
+        runner.react_to_history = False
+        cut, reacting = asyncio.Event(), asyncio.Event()
+        order: list[str] = []
+
+        async def react(state: Any, rec: Any) -> list[Any]:
+            reacting.set()
+            await cut.wait()
+            order.append("reaction ended")
+            return []
+
+        async def on_drain() -> None:
+            order.append("on_drain")
+            cut.set()
+
+        runner.agent.react = react  # type: ignore[method-assign,assignment]
+        runner.agent.on_drain = on_drain  # type: ignore[method-assign]
+        stop, task = await _started(runner)
+        o = Outbox(nc, RUN)
+        t = asyncio.create_task(o.run())
+        o.put(pings("drain", 1, RUN))
+        assert await o.flush(10)
+        await asyncio.wait_for(reacting.wait(), 20)
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        assert order == ["on_drain", "reaction ended"]
+        t.cancel()
+    await bus.close(nc)
