@@ -7,8 +7,9 @@ import asyncio
 import os
 import stat
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -232,50 +233,72 @@ def test_a_turn_budget_waits_until_its_turns_are_within_their_share() -> None:
     assert budget.wait_s() == 0.0
 
 
-def test_collector_measures_one_at_a_time_within_its_share_and_skips_overtaken_bests(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Three new bests of one task and one of another in quick succession: the first is
-    measured at once, the others wait for the budget one at a time; the task's second
-    best, overtaken by its third while it waited, is not measured. (ncu's own run is the
-    GPU tests'; here the measurement only counts a turn.)"""
+class _PacedCollector(NamedTuple):
+    agent: Any
+    state: Any
+    recs: list[Any]
+    measured: list[str]
+    first: asyncio.Event  # set as the first measurement ends
+
+
+def _paced_collector(
+    monkeypatch: pytest.MonkeyPatch, share: str, held_s: float,
+    bests: Sequence[tuple[str, str, float]],
+) -> _PacedCollector:  # fmt: skip
+    """A GPU collector at ``KF_COUNTERS_SHARE=share`` that has folded ``bests``
+    (candidate, task, speed-up), each a new best; its measurement only counts a turn of
+    ``held_s`` (ncu's own run is the GPU tests')."""
     from agents import counters as counters_agent
     from kf.evaluation.grader.reports import CountersReport
 
-    monkeypatch.setenv("KF_COUNTERS_SHARE", "0.5")
+    monkeypatch.setenv("KF_COUNTERS_SHARE", share)
     monkeypatch.setattr(counters_agent, "find_ncu", lambda *a: "/usr/bin/ncu")
     source = (EVAL_TASK.parent / "honest.py").read_text()
     proposed = [
         CandidateProposed(candidate_id=c, task="task_gelu", source=source, operator="seed",
                           mutator="test")
-        for c in "abcd"
+        for c, _, _ in bests
     ]  # fmt: skip
     agent, state = _collector("cuda:0", "gpu0", _started(EVAL_TASK, {}), *proposed)
     measured: list[str] = []
+    first = asyncio.Event()
 
     async def measure(state: Any, ev: CandidateProfiled, task: Any, source: str, budget: Any):
         measured.append(ev.candidate_id)
-        budget.held_s += 0.1
+        budget.held_s += held_s
+        first.set()
         return CountersReport(ok=True, device="cuda:0")
 
     monkeypatch.setattr(agent, "_measure", measure)
     recs = []
-    for cid, task, speedup in (("a", "task_gelu", 1.1), ("b", "task_gelu", 1.2),
-                               ("c", "task_gelu", 1.3), ("d", "other", 2.0)):  # fmt: skip
+    for cid, task, speedup in bests:
         report = ProfileReport(ok=True, speedup=speedup, runtime_ms=1.0)
         rec = _rec(CandidateProfiled(candidate_id=cid, task=task, device_id="gpu0", report=report))
         state = agent.evolve(state, rec)
         recs.append(rec)
     agent.lookup = lambda state, task, cid: (task, source)  # "other" is not a run task here
+    return _PacedCollector(agent, state, recs, measured, first)
+
+
+def test_collector_measures_one_at_a_time_within_its_share_and_skips_overtaken_bests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three new bests of one task and one of another in quick succession: the first is
+    measured at once, the others wait for the budget one at a time; the task's second
+    best, overtaken by its third while it waited, is not measured."""
+    c = _paced_collector(monkeypatch, "0.5", 0.1, (
+        ("a", "task_gelu", 1.1), ("b", "task_gelu", 1.2), ("c", "task_gelu", 1.3),
+        ("d", "other", 2.0),
+    ))  # fmt: skip
 
     async def main() -> list[Any]:
-        return await asyncio.gather(*(agent.react(state, rec) for rec in recs))
+        return await asyncio.gather(*(c.agent.react(c.state, rec) for rec in c.recs))
 
     out = asyncio.run(main())
-    assert measured == ["a", "c", "d"]
+    assert c.measured == ["a", "c", "d"]
     assert [len(o) for o in out] == [1, 0, 1, 1]
     assert all(isinstance(o[0], CountersMeasured) for o in out if o)
-    assert agent._budget is not None and agent._budget.held_s == pytest.approx(0.3)
+    assert c.agent._budget is not None and c.agent._budget.held_s == pytest.approx(0.3)
 
 
 def test_collector_does_not_hold_the_runs_end_for_bests_waiting_for_their_turn(
@@ -284,39 +307,13 @@ def test_collector_does_not_hold_the_runs_end_for_bests_waiting_for_their_turn(
     """Two new bests of two tasks: the first is measured, the second waits for the
     collector's share (a minute here); the run's agents drain meanwhile, and the waiting
     best ends at once, unmeasured, rather than holding the run's end for its turn."""
-    from agents import counters as counters_agent
-    from kf.evaluation.grader.reports import CountersReport
-
-    monkeypatch.setenv("KF_COUNTERS_SHARE", "0.01")
-    monkeypatch.setattr(counters_agent, "find_ncu", lambda *a: "/usr/bin/ncu")
-    source = (EVAL_TASK.parent / "honest.py").read_text()
-    proposed = [
-        CandidateProposed(candidate_id=c, task="task_gelu", source=source, operator="seed",
-                          mutator="test")
-        for c in "ab"
-    ]  # fmt: skip
-    agent, state = _collector("cuda:0", "gpu0", _started(EVAL_TASK, {}), *proposed)
-    measured: list[str] = []
-    first = asyncio.Event()
-
-    async def measure(state: Any, ev: CandidateProfiled, task: Any, source: str, budget: Any):
-        measured.append(ev.candidate_id)
-        budget.held_s += 0.6  # the next turn is a minute away at a 1 % share
-        first.set()
-        return CountersReport(ok=True, device="cuda:0")
-
-    monkeypatch.setattr(agent, "_measure", measure)
-    recs = []
-    for cid, task in (("a", "task_gelu"), ("b", "other")):
-        report = ProfileReport(ok=True, speedup=1.5, runtime_ms=1.0)
-        rec = _rec(CandidateProfiled(candidate_id=cid, task=task, device_id="gpu0", report=report))
-        state = agent.evolve(state, rec)
-        recs.append(rec)
-    agent.lookup = lambda state, task, cid: (task, source)
+    # the next turn is a minute away at a 1 % share after a turn of 0.6 s
+    c = _paced_collector(monkeypatch, "0.01", 0.6, (("a", "task_gelu", 1.5), ("b", "other", 1.5)))
+    agent = c.agent
 
     async def main() -> tuple[list[Any], float]:
-        reactions = [asyncio.ensure_future(agent.react(state, rec)) for rec in recs]
-        await asyncio.wait_for(first.wait(), 10)
+        reactions = [asyncio.ensure_future(agent.react(c.state, rec)) for rec in c.recs]
+        await asyncio.wait_for(c.first.wait(), 10)
         await asyncio.sleep(0.1)
         assert agent._budget is not None and agent._budget.wait_s() > 30
         assert not reactions[1].done()  # "b" waits for its turn
@@ -326,7 +323,7 @@ def test_collector_does_not_hold_the_runs_end_for_bests_waiting_for_their_turn(
         return out, time.monotonic() - began
 
     out, drained_s = asyncio.run(main())
-    assert measured == ["a"]
+    assert c.measured == ["a"]
     assert [len(o) for o in out] == [1, 0]
     assert drained_s < 10  # the wait_for above fails first; the turn was 59 s away
 
