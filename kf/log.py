@@ -464,10 +464,21 @@ class EventLog:
         return LogError(f"{self.path}: cannot read the log: {_sqlite_problem(exc)}")
 
     def _query(self, sql: str, args: Sequence[object] = ()) -> Iterator[tuple[Any, ...]]:
+        # a plain loop, not ``yield from``: a reader abandoned half-way (its caller raised
+        # on a garbled body) is finalised after the log is closed, and ``yield from`` would
+        # then close the cursor of a closed connection, an "Exception ignored" traceback
         try:
-            yield from self.conn.execute(sql, args)
+            rows = self.conn.execute(sql, args)
         except sqlite3.DatabaseError as exc:
             raise self._damaged(exc) from None
+        while True:
+            try:
+                row = next(rows, None)
+            except sqlite3.DatabaseError as exc:
+                raise self._damaged(exc) from None
+            if row is None:
+                return
+            yield row
 
     def _scalar(self, sql: str) -> int:
         for (n,) in self._query(sql):

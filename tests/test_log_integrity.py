@@ -526,6 +526,25 @@ def test_cli_garbled_page_gets_one_printable_line(
                 assert str(path) in err and ("damaged" in err or "integrity" in err), err
 
 
+def test_replay_garbled_body_is_one_line_and_no_finaliser_traceback(tmp_path: Path) -> None:
+    """`kf replay` (and `--check`) as its own process, on a log whose event body in the
+    middle is garbled, writes exactly its one line to stderr: no "Exception ignored"
+    traceback from a reader left open behind it."""
+    data = small_log(tmp_path / "good.db", 40).read_bytes()
+    garbled = bytearray(data)
+    spots = [i for i in range(len(data)) if data.startswith(b"p-25", i)]
+    assert spots
+    for i in spots:
+        garbled[i : i + 4] = b"\xff\x01\xfe\x02"
+    path = tmp_path / "garbled.db"
+    path.write_bytes(garbled)
+    for extra in ((), ("--check",)):
+        proc = kf("replay", str(path), *extra)
+        assert proc.returncode == 2, proc
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert "damaged" in proc.stderr and "Exception ignored" not in proc.stderr
+
+
 def test_log_path_with_hash_and_question_mark_is_one_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
