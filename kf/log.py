@@ -42,6 +42,7 @@ __all__ = [
     "LogError",
     "LogIntegrityError",
     "LogLocked",
+    "LogTooNew",
     "check_integrity",
     "check_writable",
 ]
@@ -66,6 +67,10 @@ class LogError(RuntimeError, ValueError):
 
 class LogIntegrityError(LogError):
     """The log fails its chain: a row was rewritten, inserted or deleted outside kf."""
+
+
+class LogTooNew(LogError):
+    """The log was written by a newer kf (a format this kf does not read); upgrade kf."""
 
 
 class LogLocked(LogError):
@@ -261,6 +266,11 @@ class EventLog:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         if tables or self.readonly:
             self.format = self._format(tables)  # before anything changes another's database
+            if self.format > FORMAT:  # refused at open, by readers too: never "verified"
+                raise LogTooNew(
+                    f"{self.path}: written by a newer kf (format kf-log/{self.format}); this "
+                    f"kf reads kf-log/1 to kf-log/{FORMAT}: upgrade kf to read or extend it"
+                )
         if not self.readonly:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
@@ -269,11 +279,6 @@ class EventLog:
                 self.format = FORMAT
         self.chained = any(r[1] == "hash" for r in conn.execute("PRAGMA table_info(events)"))
         if not self.readonly:
-            if self.format > FORMAT:
-                raise LogError(
-                    f"{self.path}: written by a newer kf (format kf-log/{self.format}); "
-                    "upgrade kf to extend it"
-                )
             have = {
                 r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='trigger'")
             }

@@ -526,6 +526,36 @@ def test_cli_garbled_page_gets_one_printable_line(
                 assert str(path) in err and ("damaged" in err or "integrity" in err), err
 
 
+def test_cli_log_from_newer_kf_refused_at_open(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log whose format is kf-log/99 is refused by replay, report, export, serve and run
+    (resume) at open, exit 2, one line naming its format, the ones this kf reads and to
+    upgrade kf; none of them shows it as verified."""
+    path = small_log(tmp_path / "newer.db")
+    with contextlib.closing(sqlite3.connect(path)) as c:  # as a future kf would write it
+        c.execute("DROP TRIGGER meta_no_update")
+        c.execute("UPDATE meta SET value = 'kf-log/99' WHERE key = 'format'")
+        c.commit()
+    task = str(ROOT / "examples" / "tasks" / "sum_rows.py")
+    for argv in (
+        ["replay", str(path)],
+        ["replay", str(path), "--check"],
+        ["report", str(path)],
+        ["export", str(path), "-o", str(tmp_path / "out.py")],
+        ["serve", str(path), "--port", "0"],
+        ["run", task, "--budget", "1", "--db", str(path), "--resume"],
+    ):
+        assert kf_main(argv) == 2, argv
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert len(err.splitlines()) == 1, (argv, err)
+        assert str(path) in err and "kf-log/99" in err and "kf-log/2" in err, (argv, err)
+        assert "upgrade kf" in err and "verified" not in captured.out + err, (argv, captured)
+    with pytest.raises(LogError, match="newer kf"):
+        EventLog(path, readonly=True)
+
+
 def test_replay_garbled_body_is_one_line_and_no_finaliser_traceback(tmp_path: Path) -> None:
     """`kf replay` (and `--check`) as its own process, on a log whose event body in the
     middle is garbled, writes exactly its one line to stderr: no "Exception ignored"

@@ -16,7 +16,7 @@ import structlog
 
 from kf.dashboard.view import RunView
 from kf.events import EventError, Record
-from kf.log import EventLog, Integrity, LogError
+from kf.log import EventLog, Integrity, LogError, LogTooNew
 
 __all__ = ["DashboardError", "Feed", "integrity_state", "open_log"]
 
@@ -39,6 +39,8 @@ def open_log(db: str | Path) -> EventLog:
         raise DashboardError(f"{path}: is a folder; pass a run's event log file (runs/<id>.db)")
     try:
         return EventLog(path, readonly=True)
+    except LogTooNew as exc:  # it says what to do: upgrade kf
+        raise DashboardError(str(exc)) from None
     except LogError as exc:
         raise DashboardError(f"{exc}; pass a log written by kf run") from None
     except sqlite3.DatabaseError as exc:
