@@ -18,9 +18,12 @@ Two layers (``docs/authorization.md``):
 
 2. **The archivist's entitlement check** (:class:`Entitlements`, a fold of the committed
    log): an observation that speaks for a device is accepted only on that device's
-   intake subject, and a stage result only for a candidate attempt the archive assigned
-   to that device; decisions and ``device.lost`` are never accepted from outside. What
-   it refuses goes to the log's ``rejected`` table with the reason, and is counted.
+   intake subject, a stage result only for a candidate attempt the archive assigned
+   to that device, a task's audit only from a device given some of that task's work, a
+   tuning answer only from a device asked to tune, a failed reaction only to that
+   device's own work (never to a proposal); decisions and ``device.lost`` are never
+   accepted from outside. What it refuses goes to the log's ``rejected`` table with the
+   reason, and is counted.
 
 A token-only server (``--auth``) still works, but every token holder is every role:
 nothing then stops a holder from publishing committed events or speaking for another
@@ -72,6 +75,8 @@ _LIFECYCLE = frozenset({"agent.started", "agent.stopped", "agent.reaction_failed
 # times elites found on other devices on its own device)
 _ANY_CANDIDATE = frozenset({"tuning.config_tuned"})
 _ARCHIVIST_ONLY = frozenset({"device.lost"})
+# the archive's decisions that give a device work (what its results may then be about)
+_GIVES_WORK = frozenset({"search.candidate_assigned", "search.tuning_requested"})
 
 
 def permissions(run_id: str, role: str, device_id: str | None = None) -> dict[str, Any]:
@@ -234,11 +239,17 @@ class Entitlements:
         self.assigned: dict[tuple[str, int], str] = {}  # (candidate, attempt) → device
         self.devices_of: dict[str, set[str]] = {}  # candidate → every device it went to
         self.event_device: dict[str, str] = {}  # event id → the device whose work it is
+        self.task_devices: dict[str, set[str]] = {}  # task → devices given any of its work
+        self.tuning_asked: set[tuple[str, str]] = set()  # (task, device) asked to tune
+        self.proposals: set[str] = set()  # event ids of proposals (no device's work)
 
     def fold(self, env: Envelope, ev: Event | None = None) -> None:
         """Take one committed envelope into account."""
         tag = env.type
-        if tag != "search.candidate_assigned" and not (
+        if tag == "kernel.candidate_proposed":
+            self.proposals.add(env.event_id)
+            return
+        if tag not in _GIVES_WORK and not (
             _speaks_for_device(tag) and "candidate_id" in _fields(tag)
         ):
             return
@@ -249,9 +260,13 @@ class Entitlements:
         if not isinstance(device, str) or not isinstance(candidate, str):
             return
         self.event_device[env.event_id] = device
+        task = str(getattr(ev, "task", ""))
         if tag == "search.candidate_assigned":
             self.assigned[(candidate, int(getattr(ev, "attempt", 0)))] = device
             self.devices_of.setdefault(candidate, set()).add(device)
+            self.task_devices.setdefault(task, set()).add(device)
+        elif tag == "search.tuning_requested":
+            self.tuning_asked.add((task, device))
 
     def check(self, device: str | None, env: Envelope, ev: Event) -> str | None:
         """Why ``env`` may not be accepted from the intake of ``device`` (None: the
@@ -270,6 +285,9 @@ class Entitlements:
                 )
             if claimed != device:
                 return f"{tag} claims device {claimed!r} but came on the intake of {device!r}"
+            work = self._work_given(tag, device, ev)
+            if work is not None:
+                return work
             candidate = getattr(ev, "candidate_id", None)
             if candidate is None or tag in _ANY_CANDIDATE:
                 return None
@@ -288,6 +306,12 @@ class Entitlements:
         if device is not None and event_class(tag) is not None and tag not in _LIFECYCLE:
             return f"{tag} is not a device's observation: the intake of {device!r} may not send it"
         if tag == "agent.reaction_failed" and env.caused_by:
+            if device is not None and env.caused_by in self.proposals:
+                return (
+                    f"a failed reaction to the proposal {env.caused_by} (no device's work: a "
+                    f"device's failure fails only what was given to it) may not come from "
+                    f"the intake of {device!r}"
+                )
             owner = self.event_device.get(env.caused_by)
             if owner is not None and owner != device:
                 came = "the general intake" if device is None else f"the intake of {device!r}"
@@ -295,6 +319,20 @@ class Entitlements:
                     f"a failed reaction to {env.caused_by} (work of device {owner!r}) may come "
                     f"only from that device, not from {came}"
                 )
+        return None
+
+    def _work_given(self, tag: str, device: str, ev: Event) -> str | None:
+        """Why a device's result that names no attempt (an audit, a tuning answer) is not
+        its work, or None: a task's audit only from a device given some of that task's
+        candidates, a tuning answer only from a device asked to tune that task."""
+        task = str(getattr(ev, "task", ""))
+        if tag == "kernel.task_audited" and device not in self.task_devices.get(task, ()):
+            return (
+                f"{tag}: {device!r} was never assigned a candidate of task {task!r}, so "
+                "auditing it is not its work"
+            )
+        if tag == "tuning.config_tuned" and (task, device) not in self.tuning_asked:
+            return f"{tag}: {device!r} was never asked to tune task {task!r}"
         return None
 
 

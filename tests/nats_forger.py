@@ -6,7 +6,10 @@ It follows the committed log (a worker may read it) until a candidate is assigne
 1. a forged ``run.finished`` published on the committed subject;
 2. a 77× profile of that candidate claiming the victim's device, on its own intake;
 3. the same profile claiming its own device (the candidate was never assigned to it);
-4. the profile on the victim's intake subject, and on the general intake.
+4. the profile on the victim's intake subject, and on the general intake;
+5. on its own intake, as itself, results it was never given the work for (issue 43, ND1):
+   a degenerate audit of the victim's task, a tuning answer nobody asked it for, and a
+   failed reaction to the victim candidate's proposal (which would fail that candidate).
 
 It prints one JSON object: the server's errors it heard (permission violations) and the
 archivist's replies to its requests (what it refused, and why).
@@ -23,10 +26,12 @@ import msgspec
 import nats
 
 from kf import bus
-from kf.evaluation.grader.reports import ProfileReport
-from kf.events import decode_envelope, decode_event, encode_envelope, make_envelope
-from kf.facts import RunFinished
-from kf.search_facts import CandidateAssigned, CandidateProfiled
+from kf.evaluation.grader.reports import ProfileReport, TaskAudit
+from kf.events import Envelope, decode_envelope, decode_event, encode_envelope, make_envelope
+from kf.facts import ReactionFailed, RunFinished
+from kf.llm_facts import ConfigTuned
+from kf.runtime import fetch_range
+from kf.search_facts import CandidateAssigned, CandidateProfiled, TaskAudited
 
 
 async def main(url: str, run: str, user: str, password: str, me: str, victim: str) -> None:
@@ -83,6 +88,7 @@ async def main(url: str, run: str, user: str, password: str, me: str, victim: st
             replies[tag] = "answered"
         except nats.errors.TimeoutError:
             timeouts.append(tag)
+    replies["unentitled"] = await _unentitled(nc, run, me, ev)
     await nc.flush()
     await nc.close()
     print(
@@ -95,6 +101,59 @@ async def main(url: str, run: str, user: str, password: str, me: str, victim: st
             }
         )
     )
+
+
+async def _proposal(nc: Any, run: str, candidate_id: str) -> str:
+    """The event id of ``candidate_id``'s proposal, from the committed log."""
+    start = 1
+    while True:
+        head, batch = await fetch_range(nc, run, start)
+        for raw in batch:
+            env = decode_envelope(raw)
+            proposal = env.type == "kernel.candidate_proposed"
+            if proposal and getattr(decode_event(env), "candidate_id", None) == candidate_id:
+                return env.event_id
+        start += len(batch)
+        if not batch or start > head:
+            raise LookupError(f"no proposal of {candidate_id} in the log")
+
+
+async def _unentitled(nc: Any, run: str, me: str, ev: CandidateAssigned) -> Any:
+    """Step 5: results speaking for its own device about work it was never given."""
+    audit = TaskAudited(
+        task=ev.task, device_id=me, audit=TaskAudit(degenerate=True, reason="forged")
+    )
+    tuned = ConfigTuned(
+        task=ev.task,
+        candidate_id=ev.candidate_id,
+        device_id=me,
+        family="forged",
+        shape_index=0,
+        shape="[[1]]",
+        baseline_config={},
+        best_config={},
+        baseline_ms=1.0,
+        best_ms=1e-6,
+        requested=True,
+        last=True,
+        improved=True,
+    )
+    failure = ReactionFailed(kind="compiler", agent_id=f"compiler@{me}", event_type="x", error="!")
+    proposal = await _proposal(nc, run, ev.candidate_id)
+    envs: list[Envelope] = [
+        make_envelope(audit, run_id=run, source=f"verifier@{me}", event_id="forged-audit"),
+        make_envelope(tuned, run_id=run, source=f"tuner@{me}", event_id="forged-tuned"),
+        make_envelope(
+            failure,
+            run_id=run,
+            source=f"compiler@{me}",
+            event_id="forged-failure",
+            caused_by=proposal,
+        ),
+    ]
+    subject = bus.device_inbound_subject(run, me)
+    reply = await nc.request(subject, msgspec.msgpack.encode(envs), timeout=10)
+    return msgspec.msgpack.decode(reply.data)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from kf import bus
 from kf.auth import Entitlements, RunBus, deployment_config, password_env
 from kf.bus import EmbeddedServer
-from kf.evaluation.grader.reports import CountersReport, ProfileReport
+from kf.evaluation.grader.reports import CountersReport, ProfileReport, TaskAudit
 from kf.events import Envelope, Event, decode_event, make_envelope
 from kf.facts import DeviceHeartbeat, DeviceLost, ReactionFailed, RunFinished
 from kf.llm_facts import ConfigTuned
@@ -27,6 +27,8 @@ from kf.search_facts import (
     CandidateProfiled,
     CandidateProposed,
     CountersMeasured,
+    TaskAudited,
+    TuningRequested,
 )
 from tests.harness import archivist, kf_cli, wait_for
 
@@ -132,7 +134,8 @@ def _check(ent: Entitlements, device: str | None, ev: Event, caused_by: str | No
 
 def test_auth_entitlements_accept_only_the_assigned_device() -> None:
     """A stage result is accepted only from the device its attempt was assigned to, on
-    that device's intake; decisions, device.lost and other kinds' facts are refused."""
+    that device's intake, an audit or a tuning answer only from a device given that work;
+    decisions, device.lost, other kinds' facts and failures of proposals are refused."""
     ent = Entitlements()
     ent.fold(
         _committed(
@@ -175,11 +178,20 @@ def test_auth_entitlements_accept_only_the_assigned_device() -> None:
         shape="[]",
         baseline_config={},
     )
-    assert _check(ent, "evil", tuned) is None  # a device may time any elite on itself
+    assert "never asked to tune task 't'" in _check(ent, "evil", tuned)
+    asked = TuningRequested(task="t", candidate_id="c1", device_id="evil", budget=4)
+    ent.fold(_committed(asked, 6, "tune-1"))
+    assert _check(ent, "evil", tuned) is None  # asked: it may time any elite on itself
+    audit = TaskAudited(task="t", device_id="evil", audit=TaskAudit(degenerate=True))
+    assert "never assigned a candidate of task 't'" in _check(ent, "evil", audit)
+    honest = TaskAudited(task="t", device_id="wA", audit=TaskAudit(degenerate=True))
+    assert _check(ent, "wA", honest) is None
     failed = ReactionFailed(kind="compiler", agent_id="compiler@x", event_type="x", error="e")
     assert _check(ent, "wA", failed, caused_by="assign-1") is None
     assert "work of device 'wA'" in _check(ent, None, failed, caused_by="assign-1")
     assert "work of device 'wA'" in _check(ent, "evil", failed, caused_by="assign-1")
+    ent.fold(_committed(proposal, 7, "propose-2"))
+    assert "proposal propose-2" in _check(ent, "wA", failed, caused_by="propose-2")
 
 
 async def test_auth_archivist_never_answers_onto_a_kf_subject(

@@ -130,10 +130,38 @@ def test_forgery_profile_for_a_candidate_not_assigned_is_refused_and_recorded(
     assert all(p.report.speedup != 77.0 for p in profiled)
     with EventLog(db, readonly=True) as elog:
         rows = list(elog.db.query("SELECT subject, reason FROM rejected"))
+    rows = [r for r in rows if "kernel.candidate_profiled" in r["reason"]]
     assert [r["subject"] for r in rows] == [bus.device_inbound_subject(RUN, "evil")] * 2
     assert all(r["reason"].startswith("refused: kernel.candidate_profiled") for r in rows)
     report = json.loads(scenario["out"])
     assert report["tasks"][0]["candidates"] - report["tasks"][0]["tuned_candidates"] == BUDGET
+
+
+def test_forgery_results_for_work_never_given_are_refused(scenario: dict[str, Any]) -> None:
+    """A worker with valid credentials, speaking for its own device about work it was never
+    given (a degenerate audit of a task it was assigned nothing of, a tuning answer nobody
+    asked for, a failed reaction to another device's candidate's proposal), is refused,
+    counted and recorded; the report's audit and every candidate's verdict are unchanged."""
+    reply = scenario["forger"]["replies"]["unentitled"]
+    why = dict(reply["rejected"])
+    assert set(why) == {"forged-audit", "forged-tuned", "forged-failure"}, reply
+    assert "kernel.task_audited" in why["forged-audit"]
+    assert "evil" in why["forged-audit"] and "never assigned" in why["forged-audit"]
+    assert "tuning.config_tuned" in why["forged-tuned"]
+    assert "never asked" in why["forged-tuned"]
+    assert "proposal" in why["forged-failure"]
+    db = scenario["db"]
+    assert not [e for e in events(db) if e.event_id.startswith("forged-")]
+    with EventLog(db, readonly=True) as elog:
+        reasons = [r["reason"] for r in elog.db.query("SELECT reason FROM rejected")]
+    assert sum("kernel.task_audited" in r for r in reasons) == 1
+    audits = of_type(db, "kernel.task_audited")
+    assert audits and {a.device_id for a in audits} == {"wA"}
+    report = json.loads(scenario["out"])
+    assert report["tasks"][0]["degenerate"] is False
+    assert report["headline_tasks"] == 1
+    failures = report["tasks"][0].get("failures", {})
+    assert not any(k.startswith("agent_error") for k in failures), failures
 
 
 # -- a worker lying about its own assignments ---------------------------------------------
