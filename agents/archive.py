@@ -7,7 +7,7 @@ admitted elite) and keeps them as the plan for that event; ``react`` only return
 plan. So a batch of events can never over-commit the budget, and ``kf replay --check``
 recomputes exactly the same decisions from the same prefix.
 
-Behavioural cells come from the candidate's source (:func:`kf.behaviour.describe`):
+Behavioural cells come from the candidate's source (:func:`kf.kernels.behaviour.describe`):
 (memory, compute, parallelism) levels 0..3, i.e. 64 cells per island per task.
 Randomness: each selection draws from ``random.Random`` seeded by sha256 of the run seed,
 the task and the selection number, so no choice depends on anything but the log.
@@ -26,8 +26,6 @@ import msgspec
 from agents import archive_tuning
 from agents.tuned import TUNER_LABEL
 from kf.agent import PlanningAgent
-from kf.backends import backend_of, device_kind, language_of, languages_for
-from kf.behaviour import describe
 from kf.evaluation.grader.reports import ProfileReport, is_suspect
 from kf.events import Event, Record
 from kf.facts import (
@@ -38,8 +36,10 @@ from kf.facts import (
     RunFinished,
     RunStarted,
 )
+from kf.kernels.backends import backend_of, device_kind, language_of, languages_for
+from kf.kernels.behaviour import describe
+from kf.kernels.params import family as param_family
 from kf.llm_facts import ConfigTuned, LlmBudgetExhausted
-from kf.params import family as param_family
 from kf.search_facts import (
     CandidateAssigned,
     CandidateCompiled,

@@ -8,7 +8,7 @@ kernel, with the whole budget. Version 4 asks for every elite (every distinct oc
 the task's cells, not itself a tuned candidate), best speed-up first (ties: proposal
 order), one request at a time per task and device, each with what the task has left of
 ``tune_budget`` on that device (the budget less the timings the tuner recorded for the
-earlier elites); it stops when less than :data:`kf.tuning.MIN_PER_SHAPE` is left. The
+earlier elites); it stops when less than :data:`kf.kernels.tuning.MIN_PER_SHAPE` is left. The
 device's tuner answers each request with one ``tuning.config_tuned`` per shape set, the
 last marked ``last``. For every shape set where the tuner's best configuration beat the
 kernel's own by more than the timing noise, the archive decides ``search.tuned_chosen``:
@@ -29,12 +29,12 @@ from typing import Any
 
 import msgspec
 
-from kf import params
 from kf.events import Event, Record
 from kf.facts import ReactionFailed
+from kf.kernels import params
+from kf.kernels.tuning import MIN_PER_SHAPE
 from kf.llm_facts import ConfigTuned
 from kf.search_facts import TunedChosen, TuningRequested
-from kf.tuning import MIN_PER_SHAPE
 
 __all__ = [
     "Tuning",

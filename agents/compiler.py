@@ -13,8 +13,8 @@ from kf.evaluation import CompileReport, GradingSession, compile_session
 from kf.evaluation.grader.baseline_settings import Conditions
 from kf.events import Event, Record
 from kf.facts import RunStarted
+from kf.kernels.tasks import Task
 from kf.search_facts import CandidateAssigned, CandidateCompiled, CandidateProposed
-from kf.tasks import Task
 
 __all__ = ["Compiler"]
 

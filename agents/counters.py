@@ -32,9 +32,9 @@ from kf.evaluation.grader.counters import counters_session
 from kf.evaluation.grader.reports import CountersReport, is_suspect
 from kf.events import Event, Record
 from kf.facts import RunStarted
+from kf.kernels.tasks import Task
 from kf.search_facts import CandidateProfiled, CandidateProposed, CountersMeasured
 from kf.settings import current
-from kf.tasks import Task
 
 __all__ = ["CounterCollector", "CounterState", "TurnBudget"]
 

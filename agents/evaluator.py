@@ -28,6 +28,8 @@ from kf.evaluation.grader.session import GradingSession
 from kf.evaluation.wire.tolerance import Tolerance
 from kf.events import Event, Record
 from kf.facts import DeviceLeft, RunStarted
+from kf.kernels.tasks import Seed, Task
+from kf.kernels.tuning import bind_shape
 from kf.search_facts import (
     CandidateAssigned,
     CandidateCompiled,
@@ -37,8 +39,6 @@ from kf.search_facts import (
     CandidateVerified,
 )
 from kf.settings import current
-from kf.tasks import Seed, Task
-from kf.tuning import bind_shape
 
 __all__ = ["EvaluatorAgent", "EvaluatorState"]
 
@@ -61,7 +61,9 @@ class EvaluatorState(msgspec.Struct, kw_only=True):
     # the run's other measuring conditions (config compile_baseline, compile_mode, tf32,
     # device_inputs): every stage is graded under the recorded run's, never this process's
     conditions: Conditions = Conditions()
-    shapes: dict[str, int] = {}  # tuned candidate id → its shape set (kf.tuning), when not 0
+    shapes: dict[
+        str, int
+    ] = {}  # tuned candidate id → its shape set (kf.kernels.tuning), when not 0
 
 
 class EvaluatorAgent(Agent[EvaluatorState]):

@@ -30,11 +30,11 @@ from agents.cli_mutator import CliSpec, agent_label, run_cli_episode
 from agents.tool_mutator import Elite, EpisodeResult, EpisodeSpec, ToolFn, run_episode
 from agents.tool_server import BusTools
 from agents.tuned import seed_candidates, tuned_candidate
-from kf import params
 from kf.agent import Agent, AgentContext
-from kf.backends import backend_of, device_kind, language_of
 from kf.events import Event, Record, derived_id
 from kf.facts import DeviceAnnounced, DeviceLeft, DeviceLost, RunStarted
+from kf.kernels import params
+from kf.kernels.backends import backend_of, device_kind, language_of
 from kf.llm.budget import Budget, Pricing, Usage
 from kf.llm.client import CallOutcome, ClientSettings, LlmClient, api_key_from_env
 from kf.llm.evidence import compile_outcome, profile_outcome, verify_outcome

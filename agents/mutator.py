@@ -18,10 +18,10 @@ from typing import Any
 import msgspec
 
 from agents.tuned import seed_candidates, tuned_candidate
-from kf import params
 from kf.agent import Agent
 from kf.events import Event, Record, derived_id
 from kf.facts import RunStarted
+from kf.kernels import params
 from kf.search_facts import CandidateProposed, MutationFailed, ParentSelected, TunedChosen
 
 __all__ = ["OFFLINE_MUTATOR", "MutatorState", "OfflineMutator"]

@@ -22,6 +22,7 @@ from kf.evaluation.grader.policy import Incumbent, relative_noise, stated_profil
 from kf.evaluation.grader.profiling import await_baselined_reference
 from kf.events import Event, Record
 from kf.facts import RunStarted
+from kf.kernels.tasks import Task
 from kf.search_facts import (
     CandidateProfiled,
     CandidateProposed,
@@ -29,7 +30,6 @@ from kf.search_facts import (
     EliteAdmitted,
     GeneralisationFailed,
 )
-from kf.tasks import Task
 
 __all__ = ["Profiler", "ProfilerState"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kf import params
 from kf.events import Event, derived_id
+from kf.kernels import params
 from kf.search_facts import CandidateProposed, MutationFailed, TunedChosen
 
 __all__ = ["TUNER_LABEL", "Seeding", "seed_candidates", "tuned_candidate"]

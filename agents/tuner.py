@@ -3,7 +3,7 @@
 It answers the archive's ``search.tuning_requested`` for this worker's device (search
 versions 3 and 4; see :mod:`agents.archive_tuning`): for the requested kernel (an elite),
 which declares a parameter space (a ``kf:params`` block), and for each shape set of the task
-(:mod:`kf.tuning`: set 0 is the task's own ``get_inputs()``, then its
+(:mod:`kf.kernels.tuning`: set 0 is the task's own ``get_inputs()``, then its
 ``get_tuning_inputs()``), it climbs the space from the kernel's own configuration: time
 the configurations one step away in one parameter (in a seeded order), move to the
 fastest, repeat until no neighbour is faster or the shape set's share of the budget is
@@ -30,16 +30,16 @@ from typing import Any
 import msgspec
 
 from agents.evaluator import EvaluatorAgent, EvaluatorState
-from kf import params
 from kf.device_gate import gate_for
 from kf.evaluation import profile_candidate
 from kf.evaluation.grader.task_check import run_task_check
 from kf.events import Event, Record
 from kf.facts import RunStarted
+from kf.kernels import params
+from kf.kernels.tasks import Task, TaskError, TaskInfo
+from kf.kernels.tuning import MIN_PER_SHAPE, shape_sets
 from kf.llm_facts import ConfigTuned, TuningTrial
 from kf.search_facts import CandidateProposed, TuningRequested
-from kf.tasks import Task, TaskError, TaskInfo
-from kf.tuning import MIN_PER_SHAPE, shape_sets
 
 __all__ = ["MIN_PER_SHAPE", "Tuner", "TunerState", "improvement"]
 

@@ -27,6 +27,7 @@ from kf.evaluation.grader.baseline import compile_early
 from kf.evaluation.grader.sandbox import default_pool
 from kf.events import Event, Record, derived_id
 from kf.facts import RunStarted
+from kf.kernels.tasks import Task, TaskError
 from kf.search_facts import (
     CandidateCompiled,
     CandidateProposed,
@@ -35,7 +36,6 @@ from kf.search_facts import (
     GeneralisationFailed,
     TaskAudited,
 )
-from kf.tasks import Task, TaskError
 
 __all__ = ["Verifier"]
 

@@ -23,8 +23,8 @@ from hardware_agents.cuda_agent import CudaHardwareAgent
 from kf.agent import Agent
 from kf.evaluation import CompileReport
 from kf.evaluation.grader.baseline_settings import Conditions
+from kf.kernels.tasks import Task
 from kf.settings import Settings, current
-from kf.tasks import Task
 
 __all__ = [
     "CudaCompiler",

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ONE = """
 import json, sys, time
 from kf.evaluation import evaluate
-from kf.tasks import load_task
+from kf.kernels.tasks import load_task
 task, source = load_task(sys.argv[1]), open(sys.argv[2]).read()
 out = []
 for _ in range(int(sys.argv[4])):

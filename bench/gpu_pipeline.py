@@ -399,7 +399,7 @@ def bandwidth_arm(work: Path, configs: list[dict[str, Any]]) -> dict[str, Any]:
 
     caps = probe_in_subprocess("cuda:0")
     base = NVRTC_SEED.read_text()
-    from kf import params
+    from kf.kernels import params
 
     nbytes = 3 * 4096 * 8192 * 4
     rows = []

@@ -96,7 +96,7 @@ def main() -> int:
 
     from kf.evaluation import compile_candidate, profile_candidate, verify_candidate
     from kf.evaluation.grader.sandbox import RunnerPool
-    from kf.tasks import load_task
+    from kf.kernels.tasks import load_task
 
     n, load = args.candidates, args.load
     sources = variants(n + load)

@@ -53,10 +53,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kf.kernelbench import format_levels, rows_to_csv, task_windows
+from kf.kernels.tasks import TaskError, load_tasks_skipping
 from kf.log import EventLog
 from kf.report import build_report
 from kf.task_select import SelectionError, select_loaded
-from kf.tasks import TaskError, load_tasks_skipping
 
 AS_CANDIDATE = '''
 

@@ -239,7 +239,7 @@ def run_stages(
     from kf.evaluation.grader.compiling import compile_session
     from kf.evaluation.grader.profiling import profile_session
     from kf.evaluation.grader.verifying import verify_session
-    from kf.tasks import load_task
+    from kf.kernels.tasks import load_task
 
     task = load_task(task_path)
     pool = RunnerPool(size=2, warm=warm, references=4)

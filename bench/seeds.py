@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kf import params
+from kf.kernels import params
 
 TASKS = ROOT / "examples" / "tasks"
 SEEDS = TASKS / "seeds"
@@ -44,7 +44,7 @@ def load_module(path: Path, source: str | None = None, name: str | None = None) 
 
 
 def params_block(source: str) -> tuple[dict[str, list[Any]], dict[str, Any]]:
-    """The seed's SPACE and CONFIG, as kf reads them (kf.params)."""
+    """The seed's SPACE and CONFIG, as kf reads them (kf.kernels.params)."""
     parsed = params.parse(source)
     if parsed is None:
         raise SystemExit("the seed has no '# --- kf:params ---' block")

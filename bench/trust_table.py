@@ -93,7 +93,7 @@ def main() -> int:
     os.environ.setdefault("KF_COMPILE_BASELINE", "0")  # the table is about checks, not speed
     from kf.evaluation import Limits, RunnerPool, evaluate
     from kf.evaluation.grader.box import SandboxUnavailable, require
-    from kf.tasks import load_task
+    from kf.kernels.tasks import load_task
     from tests.runner_cases import gelu_task
 
     try:

@@ -87,8 +87,8 @@ def from_log(db: Path) -> dict[str, Any]:
 
 
 def measure(task: Any, source: str, rounds: int, configs: list[dict[str, Any]]) -> list[Any]:
-    from kf import params
     from kf.evaluation import profile_candidate
+    from kf.kernels import params
 
     sessions: list[list[Any]] = [[] for _ in configs]
     for _ in range(rounds):
@@ -124,11 +124,11 @@ def main() -> None:
         None if args.measure_only else run_search(args.db, args.budget, args.tune_budget, args.seed)
     )
 
+    from kf.kernels.tasks import load_task
     from kf.logs import configure
-    from kf.tasks import load_task
 
     configure("WARNING")
-    from kf.tuning import bind_shape
+    from kf.kernels.tuning import bind_shape
 
     found = from_log(args.db)
     took = f"kf run {wall / 60:.1f} min; " if wall is not None else ""

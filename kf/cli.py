@@ -325,8 +325,8 @@ def _run_request(args: argparse.Namespace) -> RunRequest | str:
     """``kf run``'s flags as a :class:`kf.app.RunRequest`, or what is wrong with them."""
     from kf.app import RunRequest
     from kf.evaluation.wire.tolerance import tolerance_from_args
+    from kf.kernels.tuning import tuning_config
     from kf.llm.cli import llm_config
-    from kf.tuning import tuning_config
 
     llm = llm_config(args)
     if isinstance(llm, str):
@@ -518,7 +518,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         ) + header
         print(f"kf export: WARNING: {integrity.message()}", file=sys.stderr)
     from kf.export import dispatch_module, tuned_choices
-    from kf.params import family as param_family
+    from kf.kernels.params import family as param_family
 
     choices = tuned_choices(state, envelopes, task, param_family(best.source))
     text, left_out = dispatch_module(header, best.source, choices) if choices else ("", [])
@@ -641,7 +641,7 @@ def _run_parser(sub: Any) -> None:
     from kf.llm.cli import add_llm_options
 
     add_llm_options(rn)
-    from kf.tuning import add_tuning_options
+    from kf.kernels.tuning import add_tuning_options
 
     add_tuning_options(rn)
     rn.add_argument(

@@ -8,13 +8,13 @@ row of the exported module's ``DISPATCH`` table: (device kind, the call's input 
 tuned on and what kf measured. A call whose inputs match no row runs the default: the
 task's best kernel, as a plain export writes it. Where one (device kind, shapes) was
 tuned on several devices, the row with the best measured speed-up is kept. Only candidates
-tuned from the default's template (its ``kf.params.family``) are rows: with every elite
+tuned from the default's template (its ``kf.kernels.params.family``) are rows: with every elite
 tuned (search version 4), one tuned from another elite's template at some shape is
 measured in the run but its configuration means nothing to the default's code.
 
 The module defines ``ModelNew`` as a subclass of the default kernel's ``ModelNew``; the
 variants are built from the same template with their configuration applied
-(:func:`kf.params.apply`), constructed with the same random state, and share the
+(:func:`kf.kernels.params.apply`), constructed with the same random state, and share the
 default's parameters and buffers (so ``state_dict`` and ``load_state_dict`` are the
 default's, and the variants follow ``.to()``). ``ModelNew.choose(*inputs)`` says which
 configuration a call would run.
@@ -26,9 +26,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kf import params
 from kf.events import Envelope, decode_event
-from kf.tuning import parse_shape
+from kf.kernels import params
+from kf.kernels.tuning import parse_shape
 
 __all__ = ["Choice", "dispatch_module", "tuned_choices"]
 
@@ -146,8 +146,8 @@ from typing import Any
 
 import torch
 
-from kf import params
-from kf.tasks import import_source
+from kf.kernels import params
+from kf.kernels.tasks import import_source
 
 DISPATCH: dict[tuple[str, tuple[tuple[int, ...], ...]], dict[str, Any]] = {{
 {table}

@@ -27,11 +27,11 @@ from kf.devices import DeviceSlot
 from kf.events import Envelope, Event, Record, decode_event, derived_id, make_envelope
 from kf.facts import RunFinished, RunStarted, TaskSpec
 from kf.fold import fold
+from kf.kernels.tasks import Task
 from kf.log import EventLog
 from kf.runtime import AgentRunner, CommittedFeed, Outbox, supervise
 from kf.settings import current
 from kf.shutdown import BUS_LOST_S
-from kf.tasks import Task
 
 __all__ = [
     "PartDied",

@@ -9,7 +9,7 @@ from typing import Any
 from kf.evaluation.grader.audit import TaskAudit
 from kf.evaluation.grader.reports import CompileReport, CountersReport, ProfileReport, VerifyReport
 from kf.events import Decision, Observation, Record, event
-from kf.tasks import TaskInfo
+from kf.kernels.tasks import TaskInfo
 
 __all__ = [
     "CandidateAssigned",

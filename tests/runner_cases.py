@@ -17,7 +17,7 @@ import pytest
 from kf.evaluation import RunnerPool, evaluate
 from kf.evaluation.runner.loop import Runner
 from kf.evaluation.wire.protocol import LoadCandidate, LoadTask, Setup
-from kf.tasks import Task, load_task
+from kf.kernels.tasks import Task, load_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adversarial"
 #: the tiny task: y = gelu(x + bias) on a 64 x 1024 float32 input

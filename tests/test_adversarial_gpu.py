@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kf.evaluation import evaluate
-from kf.static_checks import check_source
+from kf.kernels.static_checks import check_source
 from tests.runner_cases import gelu_task
 
 pytestmark = [

@@ -85,7 +85,7 @@ def test_profiler_retimes_challenger_within_noise_of_best(monkeypatch: pytest.Mo
     from agents import profiler as profiler_module
     from kf.agent import AgentContext
     from kf.evaluation.grader import policy
-    from kf.tasks import Task
+    from kf.kernels.tasks import Task
 
     first = ProfileReport(
         ok=True, speedup=2.1, runtime_ms=1.0, runtime_ci95_ms=0.1, ref_runtime_ms=2.1
@@ -123,7 +123,7 @@ def test_profiler_pairing_never_raises_a_measured_speedup(
     from agents import profiler as profiler_module
     from kf.agent import AgentContext
     from kf.evaluation.grader import policy
-    from kf.tasks import Task
+    from kf.kernels.tasks import Task
 
     first = ProfileReport(
         ok=True, speedup=2.1, runtime_ms=1.0, runtime_ci95_ms=0.1, ref_runtime_ms=2.1
@@ -146,7 +146,7 @@ def test_profiler_does_not_retime_a_clear_win(monkeypatch: pytest.MonkeyPatch) -
     from agents import profiler as profiler_module
     from kf.agent import AgentContext
     from kf.evaluation.grader import policy
-    from kf.tasks import Task
+    from kf.kernels.tasks import Task
 
     clear = ProfileReport(ok=True, speedup=4.0, runtime_ms=1.0, ref_runtime_ms=4.0)
     monkeypatch.setattr(policy, "profile_candidate", lambda t, s, **kw: clear)
@@ -188,7 +188,7 @@ def test_profiler_states_speedup_against_usual_eager_after_an_outlier_session(
     from kf.agent import AgentContext
     from kf.evaluation.grader import policy
     from kf.events import Record, make_envelope
-    from kf.tasks import Task
+    from kf.kernels.tasks import Task
 
     def profiled(i: int, eager: float, device: str) -> Record:
         report = ProfileReport(ok=True, speedup=eager / 0.1, runtime_ms=0.1, ref_runtime_ms=eager)
@@ -231,7 +231,7 @@ def test_kf_eval_states_its_speedup_by_the_profilers_policy(
 
     from kf.evaluation import evaluate
     from kf.evaluation.grader import policy
-    from kf.tasks import load_task
+    from kf.kernels.tasks import load_task
 
     fixtures = Path(__file__).parent / "fixtures" / "adversarial"
     fast = ProfileReport(ok=True, speedup=12.0, runtime_ms=0.1, ref_runtime_ms=1.2)

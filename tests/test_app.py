@@ -14,9 +14,9 @@ from kf.app.run import asked_conditions
 from kf.events import make_envelope
 from kf.facts import RunStarted, TaskSpec
 from kf.fold import fold
+from kf.kernels.tasks import load_task
 from kf.log import EventLog
 from kf.search_facts import TaskChecked, TaskChecks
-from kf.tasks import load_task
 
 ROOT = Path(__file__).resolve().parent.parent
 SEARCH = ROOT / "tests/fixtures/search"

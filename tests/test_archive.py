@@ -11,7 +11,7 @@ from kf.agent import AgentContext
 from kf.evaluation.grader.reports import CompileReport, ProfileReport, VerifyReport
 from kf.events import Event, Record, make_envelope
 from kf.facts import DeviceAnnounced, DeviceLost, RunFinished, RunStarted, TaskSpec
-from kf.params import parse
+from kf.kernels.params import parse
 from kf.search_facts import (
     CandidateAssigned,
     CandidateCompiled,
@@ -328,7 +328,7 @@ def test_archive_redispatches_work_of_a_lost_device_and_counts_it_once() -> None
 
 def test_mutator_jumps_when_the_neighbourhood_is_explored() -> None:
     """With every neighbour already proposed, the child is an unexplored point elsewhere."""
-    from kf.params import apply, grid
+    from kf.kernels.params import apply, grid
 
     m = OfflineMutator(AgentContext(run_id="r", agent_id="mutator@t"))
     st = m.initial_state()

@@ -99,7 +99,7 @@ def test_runner_computes_under_the_sessions_tf32_not_its_environments(
     from kf.evaluation import RunnerPool
     from kf.evaluation.grader.session import GradingSession, Stage
     from kf.evaluation.wire.protocol import MakeInputs
-    from kf.tasks import Task
+    from kf.kernels.tasks import Task
 
     monkeypatch.setenv("KF_TF32", env)
     monkeypatch.setenv("KF_SANDBOX_ENV", "KF_TF32")  # a boxed runner gets it too
@@ -148,7 +148,7 @@ def test_profile_records_the_settings_the_runners_used(monkeypatch: pytest.Monke
     the reference runner stated them, whatever the environment says; the compiled baseline
     is described with its mode. Without conditions, a library call takes the process's."""
     from kf.evaluation import RunnerPool, profile_candidate
-    from kf.tasks import load_task
+    from kf.kernels.tasks import load_task
 
     monkeypatch.setenv("KF_COMPILE_BASELINE", "0")
     monkeypatch.setenv("KF_TF32", "off")
@@ -181,9 +181,9 @@ def test_a_resumed_run_grades_under_its_recorded_conditions(
     from kf.events import make_envelope
     from kf.facts import RunStarted, TaskSpec
     from kf.fold import fold
+    from kf.kernels.tasks import load_task
     from kf.log import EventLog
     from kf.search_facts import CandidateProposed
-    from kf.tasks import load_task
 
     task = load_task(EVAL / "task_gelu.py")
     source = (EVAL / "honest.py").read_text()

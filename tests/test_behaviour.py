@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kf.behaviour import (
+from kf.kernels.behaviour import (
     COMPUTE_LEVELS,
     MEMORY_LEVELS,
     PARALLEL_LEVELS,

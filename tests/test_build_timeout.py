@@ -19,7 +19,7 @@ import pytest
 from kf import native
 from kf.evaluation import RunnerPool, compile_candidate, verify_candidate
 from kf.evaluation.grader import box
-from kf.tasks import load_task
+from kf.kernels.tasks import load_task
 from tests.runner_cases import pool_under
 
 pytestmark = pytest.mark.skipif(box.probe() is not None, reason=f"no box here: {box.probe()}")

@@ -14,7 +14,7 @@ import torch
 
 from kf.evaluation import ProfileReport, RunnerPool, profile_candidate
 from kf.evaluation.grader.cli import main as eval_main
-from kf.tasks import load_task
+from kf.kernels.tasks import load_task
 
 ROOT = Path(__file__).resolve().parent.parent
 EVAL = ROOT / "tests" / "fixtures" / "eval"

@@ -22,9 +22,9 @@ from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.grader.counters import collect_counters
 from kf.events import Event, Record, make_envelope
 from kf.facts import RunStarted, TaskSpec
+from kf.kernels.tasks import load_task
 from kf.search_facts import CandidateProfiled, CandidateProposed, CountersMeasured
 from kf.settings import Settings
-from kf.tasks import load_task
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK = ROOT / "examples" / "cuda_tasks" / "gelu_residual.py"

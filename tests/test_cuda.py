@@ -137,7 +137,7 @@ def test_cuda_evaluate_seed_is_correct_and_profiled(seed: str) -> None:
     eager PyTorch (how much faster they are is bench/gpu_pipeline.py's to say: a timing
     is no test's assertion)."""
     from kf.evaluation import evaluate
-    from kf.tasks import load_task
+    from kf.kernels.tasks import load_task
 
     result = evaluate(load_task(TASK), (SEEDS / seed).read_text(), device="cuda:0")
     assert result.correct, result.error
@@ -154,7 +154,7 @@ def test_cuda_evaluate_seed_is_correct_and_profiled(seed: str) -> None:
 def test_cuda_load_inline_candidate_is_correct() -> None:
     """A KernelBench-style load_inline candidate compiles through kf's cache and verifies."""
     from kf.evaluation import evaluate
-    from kf.tasks import load_task
+    from kf.kernels.tasks import load_task
 
     result = evaluate(load_task(TASK), INLINE.read_text(), device="cuda:0")
     assert result.correct, result.error
@@ -164,7 +164,7 @@ def test_cuda_load_inline_candidate_is_correct() -> None:
 def test_cuda_illegal_memory_access_fails_only_that_candidate() -> None:
     """A kernel writing far out of bounds is rejected; the next candidate still verifies."""
     from kf.evaluation import verify_candidate
-    from kf.tasks import load_task
+    from kf.kernels.tasks import load_task
 
     task = load_task(TASK)
     good = (SEEDS / "gelu_residual.py").read_text()
@@ -184,7 +184,7 @@ def test_cuda_verification_over_ipc_matches_bytes_and_still_rejects(
     runners: CUDA IPC does not cross kf's boxes (bench/box_ipc_probe.py), so only
     unboxed runners use it by default."""
     from kf.evaluation import RunnerPool, verify_candidate
-    from kf.tasks import load_task
+    from kf.kernels.tasks import load_task
 
     task = load_task(TASK)
     good = (SEEDS / "gelu_residual.py").read_text()

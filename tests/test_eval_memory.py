@@ -289,7 +289,7 @@ def _profiled_requests() -> list[str]:
     inputs timed) of the honest candidate on the small task."""
     from kf.evaluation import RunnerPool, evaluate
     from kf.evaluation.grader.runner_handle import REQUESTS
-    from kf.tasks import load_task
+    from kf.kernels.tasks import load_task
 
     REQUESTS.clear()
     pool = RunnerPool(size=2, threads=1)

@@ -22,7 +22,7 @@ from kf.evaluation.grader.sandbox import REQUESTS
 from kf.evaluation.grader.timing_checks import cross_check_flags, timing_stats
 from kf.evaluation.runner.compare import compare_inputs, compare_outputs
 from kf.evaluation.wire.protocol import LoadTask, MakeInputs, Ping, Pong, Setup
-from kf.tasks import TaskError, load_task
+from kf.kernels.tasks import TaskError, load_task
 from tests.runner_cases import cheat_then_torch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"

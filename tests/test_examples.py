@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from kf import params
+from kf.kernels import params
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "examples" / "tasks"
 SEEDS_DIR = TASKS_DIR / "seeds"
@@ -27,7 +27,7 @@ def _load(path: Path, source: str | None = None) -> types.ModuleType:
 
 
 def _params(source: str) -> tuple[dict[str, list[Any]], dict[str, Any]]:
-    """The seed's SPACE and CONFIG as kf reads them (kf.params)."""
+    """The seed's SPACE and CONFIG as kf reads them (kf.kernels.params)."""
     parsed = params.parse(source)
     assert parsed is not None, "the seed has no kf:params block"
     return parsed[0].as_dict(), dict(parsed[1])

@@ -26,7 +26,7 @@ import pytest
 from kf.evaluation.grader import box
 from kf.evaluation.grader.sandbox import RunnerPool
 from kf.evaluation.grader.task_check import run_task_check
-from kf.tasks import TaskError, load_task
+from kf.kernels.tasks import TaskError, load_task
 from tests.harness import kf_proc, killed_at_exit
 from tests.harness import run_kf as kf
 

@@ -10,8 +10,8 @@ import pytest
 
 from kf.cli import build_parser
 from kf.events import decode_event
+from kf.kernels.tuning import tuning_config
 from kf.log import EventLog
-from kf.tuning import tuning_config
 from tests.harness import replay_check, run_kf
 from tests.shared_runs import SEARCH_TUNE_BUDGET, search_run
 

@@ -23,7 +23,7 @@ from kf.evaluation import RunnerPool, TrialEvidence, VerifyReport, verify_candid
 from kf.evaluation.runner.compare import compare_outputs, judge_float64
 from kf.evaluation.runner.float64 import check_with_float64, reference_in_float64
 from kf.evaluation.wire.tolerance import Tolerance
-from kf.tasks import Task, load_task
+from kf.kernels.tasks import Task, load_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "numerics"
 ROOT = Path(__file__).resolve().parent.parent

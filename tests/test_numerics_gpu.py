@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kf.evaluation import verify_candidate
-from kf.tasks import Task, load_task
+from kf.kernels.tasks import Task, load_task
 
 pytestmark = [
     pytest.mark.gpu,

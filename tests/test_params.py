@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kf import params
-from kf.params import ParamsError, ParamSpace
+from kf.kernels import params
+from kf.kernels.params import ParamsError, ParamSpace
 
 EXAMPLE = '''\
 import torch

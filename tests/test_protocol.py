@@ -20,7 +20,7 @@ from kf.evaluation import RunnerPool, compile_candidate
 from kf.evaluation.wire import protocol as p
 from kf.evaluation.wire import shared_memory
 from kf.evaluation.wire.tolerance import Tolerance
-from kf.tasks import load_task
+from kf.kernels.tasks import load_task
 from tests.runner_cases import cheat_then_torch
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -22,7 +22,7 @@ from kf.evaluation.grader.profiling import Timing, profile_session
 from kf.evaluation.grader.sandbox import RunnerHandle
 from kf.evaluation.grader.session import GradingSession
 from kf.evaluation.grader.verifying import verify_session
-from kf.tasks import load_task
+from kf.kernels.tasks import load_task
 from tests.runner_cases import FIXTURES, gelu_task
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kf.static_checks import CODES, check_source
+from kf.kernels.static_checks import CODES, check_source
 
 ADVERSARIAL = Path(__file__).parent / "fixtures" / "adversarial"
 SEEDS = Path(__file__).parent.parent / "examples" / "tasks" / "seeds"

@@ -412,7 +412,7 @@ def test_stop_a_box_killed_mid_stage_is_a_crash_with_its_signal_not_a_hang() -> 
     from concurrent.futures import ThreadPoolExecutor
 
     from kf.evaluation import RunnerPool, verify_candidate
-    from kf.tasks import load_task
+    from kf.kernels.tasks import load_task
 
     task = load_task(ROOT / "tests/fixtures/eval/task_gelu.py")
     assert "kf-test: in forward" in HANGING_CANDIDATE
@@ -447,7 +447,7 @@ def parent(pid: int) -> int:
 COMPILING = """
 import json, sys
 from kf.evaluation import RunnerPool, compile_candidate
-from kf.tasks import load_task
+from kf.kernels.tasks import load_task
 
 report = compile_candidate(
     load_task(sys.argv[1]), open(sys.argv[2]).read(), pool=RunnerPool(size=0, threads=1)

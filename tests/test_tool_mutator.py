@@ -26,6 +26,7 @@ from kf.auth import RunCredentials
 from kf.evaluation.grader.baseline_settings import Conditions
 from kf.events import Record, make_envelope
 from kf.facts import RunStarted, TaskSpec
+from kf.kernels.tasks import load_task
 from kf.llm.budget import Pricing
 from kf.llm.cli import add_llm_options, llm_config, parse_mutators
 from kf.llm.client import CallOutcome, ClientSettings, LlmClient
@@ -35,7 +36,6 @@ from kf.llm_facts import EpisodeEnded, LlmCalled, LlmToolCall, ToolCalled
 from kf.log import EventLog
 from kf.runtime import Outbox
 from kf.search_facts import ParentSelected
-from kf.tasks import load_task
 from tests.harness import (
     SCALE_RELU,
     archivist,

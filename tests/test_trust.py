@@ -19,7 +19,7 @@ from kf.evaluation.grader.timing_checks import cache_suspected, timer_disagreeme
 from kf.evaluation.runner.compare import compare_outputs
 from kf.evaluation.runner.variants import derived_shapes
 from kf.evaluation.wire.tolerance import Tolerance, declared, resolve
-from kf.tasks import load_task
+from kf.kernels.tasks import load_task
 from tests.harness import run_kf
 from tests.runner_cases import gelu_task
 

@@ -27,20 +27,20 @@ from agents import archive_tuning
 from agents.mutator import OfflineMutator
 from agents.tuned import TUNER_LABEL
 from agents.tuner import improvement
-from kf import params
 from kf.agent import AgentContext
 from kf.events import decode_event
+from kf.kernels import params
+from kf.kernels.params import apply, parse
+from kf.kernels.tasks import Task
+from kf.kernels.tuning import bind_shape, parse_shape
 from kf.llm_facts import ConfigTuned, TuningTrial
 from kf.log import EventLog
-from kf.params import apply, parse
 from kf.search_facts import (
     CandidateProposed,
     EliteAdmitted,
     TunedChosen,
     TuningRequested,
 )
-from kf.tasks import Task
-from kf.tuning import bind_shape, parse_shape
 from tests.harness import SCALE_RELU, run_kf
 from tests.llm_server import ScriptedServer, user_text
 from tests.test_archive import SEED_SRC, Driver, announce, propose, rec, started

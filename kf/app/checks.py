@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.grader.task_check import run_task_check
+from kf.kernels.tasks import Task, TaskError
 from kf.search_facts import TaskChecked
-from kf.tasks import Task, TaskError
 
 __all__ = ["Checked", "check_one", "check_tasks"]
 

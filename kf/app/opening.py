@@ -18,9 +18,9 @@ from kf.evaluation.wire.tolerance import Tolerance
 from kf.events import decode_event
 from kf.facts import RunStarted
 from kf.fold import fold
+from kf.kernels.tasks import Task
 from kf.log import EventLog
 from kf.search_facts import TaskChecked, TaskChecks
-from kf.tasks import Task
 
 __all__ = ["LoggedRun", "differences", "open_log", "run_id_for"]
 

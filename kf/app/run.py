@@ -26,7 +26,7 @@ from kf.app.opening import LoggedRun, open_log, run_id_for
 from kf.app.request import RunRefused, RunRequest
 from kf.evaluation.grader.baseline_settings import Conditions
 from kf.events import Envelope
-from kf.tasks import Task, TaskError
+from kf.kernels.tasks import Task, TaskError
 
 if TYPE_CHECKING:
     from kf.orchestra import RunOptions
@@ -167,7 +167,7 @@ def require_sandbox(unsafe: bool) -> str | None:
 def _load(request: RunRequest) -> tuple[list[Task], list[tuple[str, str]]]:
     """The tasks asked for; in a folder, a file that does not load is skipped with its
     reason and the others run."""
-    from kf.tasks import load_tasks_skipping
+    from kf.kernels.tasks import load_tasks_skipping
 
     tasks, skipped = load_tasks_skipping(request.tasks)
     if request.select is None:

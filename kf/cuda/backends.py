@@ -1,7 +1,7 @@
-"""Which kernel backend a candidate uses (kept for imports; see :mod:`kf.backends`)."""
+"""Which kernel backend a candidate uses (kept for imports; see :mod:`kf.kernels.backends`)."""
 
 from __future__ import annotations
 
-from kf.backends import CUDA_BACKENDS, backend_of
+from kf.kernels.backends import CUDA_BACKENDS, backend_of
 
 __all__ = ["CUDA_BACKENDS", "backend_of"]

@@ -21,7 +21,6 @@ from typing import Any
 import msgspec
 
 from kf.agent import AgentContext
-from kf.behaviour import COMPUTE_LEVELS, MEMORY_LEVELS, PARALLEL_LEVELS
 from kf.events import Record, UnknownEvent
 from kf.facts import (
     DeviceAnnounced,
@@ -31,6 +30,7 @@ from kf.facts import (
     RunStarted,
 )
 from kf.fold import fold
+from kf.kernels.behaviour import COMPUTE_LEVELS, MEMORY_LEVELS, PARALLEL_LEVELS
 from kf.search_facts import (
     CandidateCompiled,
     CandidateProfiled,

@@ -199,7 +199,7 @@ def llm_config(args: argparse.Namespace) -> dict[str, Any] | str:
         return "--init must be 0 or more"
     if args.llm_max_context <= args.llm_max_tokens // 2 or args.llm_max_tokens < 16:
         return "--llm-max-context must leave room for --llm-max-tokens (and that at least 16)"
-    from kf.backends import parse_languages
+    from kf.kernels.backends import parse_languages
 
     try:
         languages = parse_languages(args.language, getattr(args, "device", "cpu"))

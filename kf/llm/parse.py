@@ -23,7 +23,7 @@ from __future__ import annotations
 import ast
 import re
 
-from kf import params
+from kf.kernels import params
 
 __all__ = [
     "Edit",

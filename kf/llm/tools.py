@@ -204,7 +204,7 @@ def run_device_tool(
     runner that could not start is a reply with ``error`` set.
     """
     from kf.evaluation import GradingSession
-    from kf.tasks import Task, TaskError
+    from kf.kernels.tasks import Task, TaskError
 
     t0 = time.monotonic()
     try:

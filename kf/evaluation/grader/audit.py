@@ -61,7 +61,7 @@ def audit_session(session: GradingSession, trials: int = 5) -> TaskAudit:
     from kf.evaluation.grader.grading import SCALES, seed_trials
     from kf.evaluation.grader.sandbox import RunnerError
     from kf.evaluation.grader.session import Stage
-    from kf.tasks import TaskError
+    from kf.kernels.tasks import TaskError
 
     start = time.monotonic()
     stage = Stage(session)

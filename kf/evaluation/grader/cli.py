@@ -21,8 +21,8 @@ from kf.evaluation.grader.pipeline import evaluate
 from kf.evaluation.grader.reports import FLAG_REASONS, EvalResult, ProfileReport
 from kf.evaluation.grader.sandbox import RunnerStartError, configure_default_pool
 from kf.evaluation.wire.tolerance import describe, tolerance_from_args
+from kf.kernels.tasks import TaskError, load_task
 from kf.settings import apply, current
-from kf.tasks import TaskError, load_task
 
 __all__ = ["main"]
 

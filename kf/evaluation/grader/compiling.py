@@ -16,8 +16,8 @@ from kf.evaluation.grader.reports import CompileReport
 from kf.evaluation.grader.sandbox import Limits, RunnerPool
 from kf.evaluation.grader.session import GradingSession, Stage
 from kf.evaluation.wire.protocol import LoadCandidate
-from kf.static_checks import check_source
-from kf.tasks import Task
+from kf.kernels.static_checks import check_source
+from kf.kernels.tasks import Task
 
 
 def compile_candidate(

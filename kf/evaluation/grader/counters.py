@@ -15,7 +15,7 @@ from kf.evaluation.grader.reports import CountersReport
 from kf.evaluation.grader.sandbox import Limits, RunnerError, RunnerHandle, RunnerPool
 from kf.evaluation.grader.session import GradingSession, Stage
 from kf.evaluation.wire.protocol import Counters
-from kf.tasks import Task
+from kf.kernels.tasks import Task
 
 #: how long the counters of one candidate may take by default (ncu replays each kernel)
 COUNTERS_TIMEOUT_S = 300.0

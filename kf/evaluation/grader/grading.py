@@ -27,8 +27,8 @@ from kf.evaluation.grader.sandbox import REQUESTS, Limits, RunnerError, RunnerHa
 from kf.evaluation.wire import shared_memory
 from kf.evaluation.wire.protocol import Setup, Trim, Verdict
 from kf.evaluation.wire.verdict import Float64Rule
+from kf.kernels.tasks import Task
 from kf.settings import Settings
-from kf.tasks import Task
 
 log = structlog.get_logger("kf.evaluation")
 

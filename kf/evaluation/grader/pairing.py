@@ -26,7 +26,7 @@ from kf.evaluation.grader.sandbox import Limits, RunnerError, RunnerPool
 from kf.evaluation.grader.session import GradingSession, Stage
 from kf.evaluation.wire.protocol import Time
 from kf.evaluation.wire.tolerance import Tolerance
-from kf.tasks import Task, TaskError
+from kf.kernels.tasks import Task, TaskError
 
 __all__ = ["MAX_ROUNDS", "paired_times"]
 

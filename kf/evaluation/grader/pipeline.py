@@ -29,7 +29,7 @@ from kf.evaluation.grader.sandbox import Limits, RunnerPool
 from kf.evaluation.grader.session import GradingSession
 from kf.evaluation.grader.verifying import verify_session
 from kf.evaluation.wire.tolerance import Tolerance
-from kf.tasks import Task
+from kf.kernels.tasks import Task
 
 
 def evaluate(

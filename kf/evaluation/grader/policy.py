@@ -39,7 +39,7 @@ from kf.evaluation.grader.pairing import paired_times
 from kf.evaluation.grader.profiling import profile_candidate
 from kf.evaluation.grader.reports import ProfileReport
 from kf.evaluation.grader.verifying import reverify_fast
-from kf.tasks import Task
+from kf.kernels.tasks import Task
 
 __all__ = [
     "EAGER_HISTORY",

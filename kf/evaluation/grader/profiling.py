@@ -58,7 +58,7 @@ from kf.evaluation.grader.timing_checks import (
 )
 from kf.evaluation.wire.protocol import BaselineCompiled, SetUp, Time
 from kf.evaluation.wire.tolerance import Tolerance
-from kf.tasks import Task
+from kf.kernels.tasks import Task
 
 #: seconds a profile waits for its task's reference runner that holds the compiled
 #: baseline, when another stage (a verification, about a second) has it leased, before

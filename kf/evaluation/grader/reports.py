@@ -72,7 +72,7 @@ FLAG_REASONS: dict[str, str] = {
     "eager_outlier": "eager was unusually slow this session: speed-up against earlier median",
     "unsandboxed": "outside the box a candidate can read kf's secrets and files and forge results",
     "degenerate_task": "the task's outputs do not depend on its inputs: a constant passes it",
-    # static checks (kf.static_checks)
+    # static checks (kf.kernels.static_checks)
     "no_custom_kernel": "no native kernel is built or loaded",
     "kernel_never_called": "a kernel is built but forward never calls it",
     "try_fallback": "forward catches exceptions (a fallback can hide a broken kernel)",

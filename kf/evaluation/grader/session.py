@@ -64,8 +64,8 @@ from kf.evaluation.wire.protocol import (
     Verdict,
 )
 from kf.evaluation.wire.tolerance import Tolerance, resolve
+from kf.kernels.tasks import Task, TaskError
 from kf.settings import Settings, current
-from kf.tasks import Task, TaskError
 
 __all__ = ["GradingSession", "Stage"]
 

@@ -6,7 +6,7 @@ from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.grader.sandbox import Limits, RunnerPool
 from kf.evaluation.grader.session import GradingSession, Stage
 from kf.evaluation.wire.protocol import MakeInputs
-from kf.tasks import Task, TaskInfo
+from kf.kernels.tasks import Task, TaskInfo
 
 
 def run_task_check(

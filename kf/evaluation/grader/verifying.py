@@ -28,7 +28,7 @@ from kf.evaluation.grader.sandbox import Limits, RunnerHandle, RunnerPool
 from kf.evaluation.grader.session import GradingSession, Stage
 from kf.evaluation.wire.protocol import MakeInputs, Run
 from kf.evaluation.wire.tolerance import Tolerance, for_dtype, resolve, rule_of
-from kf.tasks import Task
+from kf.kernels.tasks import Task
 
 
 def verify_candidate(

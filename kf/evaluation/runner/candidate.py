@@ -24,8 +24,8 @@ class CandidateRole(RunnerBase):
     """Request handlers of a candidate runner (the candidate's ModelNew)."""
 
     def op_load_candidate(self, msg: p.LoadCandidate) -> p.CandidateLoaded:
+        from kf.kernels.tasks import import_source
         from kf.native import NativeCompileError
-        from kf.tasks import import_source
 
         seed = msg.seed
         if msg.init is not None:

@@ -300,7 +300,7 @@ class RunnerBase:
         return min(1 << 30, limit // 8) if limit else 1 << 30
 
     def _import_task(self, source: str, name: str) -> Any:
-        from kf.tasks import REQUIRED_NAMES, import_source
+        from kf.kernels.tasks import REQUIRED_NAMES, import_source
 
         try:
             module = import_source(f"kf_task_{name}", source, filename=f"<task {name}>")

@@ -1,6 +1,6 @@
 """Whether ``ModelNew.forward`` reaches a kernel the candidate builds: a static call graph.
 
-Used by :mod:`kf.static_checks` for ``kernel_never_called``. It follows what candidates
+Used by :mod:`kf.kernels.static_checks` for ``kernel_never_called``. It follows what candidates
 written by people and by LLMs actually do:
 
 - a built library or kernel bound to a module-level name, to an attribute of the module

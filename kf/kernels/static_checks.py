@@ -10,7 +10,7 @@ out-of-process reference and the timers are). The codes:
 ``no_custom_kernel``   the candidate builds no native kernel at all
 ``kernel_never_called`` it builds a kernel but ``forward`` never calls into it (followed through
                        attributes, aliases and the module's functions and classes,
-                       :mod:`kf.kernel_calls`; not raised where a call cannot be followed)
+                       :mod:`kf.kernels.calls`; not raised where a call cannot be followed)
 ``try_fallback``       ``forward`` catches exceptions (a fallback to PyTorch hides a broken kernel)
 ``stream``             CUDA streams or events are created (work can escape the timer)
 ``thread``             threads or processes are started (work can escape the timer)
@@ -23,7 +23,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from kf.kernel_calls import analyse, dotted_name
+from kf.kernels.calls import analyse, dotted_name
 
 __all__ = ["CODES", "check_source"]
 

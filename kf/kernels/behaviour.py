@@ -94,7 +94,7 @@ The CPU rules apply to CPU sources, the CUDA rules to sources with ``__global__`
 ``threadIdx`` or ``blockIdx``, the Triton rules to ``@triton.jit`` sources; a source that
 mixes them gets the highest level any applicable rule gives.
 
-Template parameters (see :mod:`kf.params`) change what a kernel does, so the CONFIG of a
+Template parameters (see :mod:`kf.kernels.params`) change what a kernel does, so the CONFIG of a
 valid ``kf:params`` block raises levels as the tables say (integer values > 1 only;
 booleans never count). ``*THREADS*`` and ``*VEC*`` raise parallelism on CPU sources only:
 a CUDA block always has many threads, and CUDA vector width is a memory matter.
@@ -111,7 +111,7 @@ from functools import lru_cache
 
 import msgspec
 
-from kf import params
+from kf.kernels import params
 
 __all__ = [
     "COMPUTE_LEVELS",

@@ -15,7 +15,7 @@ import argparse
 import ast
 from typing import Any
 
-from kf.tasks import Task
+from kf.kernels.tasks import Task
 
 __all__ = [
     "DEFAULT_TUNE_BUDGET",
