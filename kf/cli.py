@@ -549,6 +549,9 @@ def build_parser() -> argparse.ArgumentParser:
         add(sub)
     for add in (_report_parser, _export_parser, _serve_parser):
         add(sub)
+    from kf.app.extract import add_parser as _extract_parser
+
+    _extract_parser(sub)
     return p
 
 
