@@ -69,9 +69,22 @@ def _installed_names(folder: Path, _stamp: int) -> tuple[str, ...]:
     for meta in folder.glob("*.egg-info"):
         names.add(meta.name)
         with contextlib.suppress(OSError, UnicodeDecodeError):
-            for top in (meta / "top_level.txt").read_text().split():
-                names.update(n.name for n in folder.glob(f"{glob.escape(top)}*"))
+            tops = {t for t in (meta / "top_level.txt").read_text().split() if t.isidentifier()}
+            # the package's folder or the module's file, exactly: never every entry that
+            # starts with its name (``h`` bound ``history_of_secrets`` beside it: NX10)
+            names.update(n.name for n in folder.iterdir() if _module_name(n.name) in tops)
     return tuple(sorted(n for n in names if (folder / n).exists() and not n.startswith(".")))
+
+
+#: a module's file: ``name.py``, ``name.pyc``, or an extension ``name[.tag].so``/``.pyd``
+_MODULE_FILE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:\.pyc?|(?:\.[A-Za-z0-9_-]+)?\.(?:so|pyd))?")
+
+
+def _module_name(entry: str) -> str | None:
+    """The top-level module an entry of a folder on ``sys.path`` is (a package's folder,
+    a module's file), or None."""
+    found = _MODULE_FILE.fullmatch(entry)
+    return found.group(1) if found else None
 
 
 def _python_paths(python: str) -> list[Path]:
