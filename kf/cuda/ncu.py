@@ -20,6 +20,7 @@ import glob
 import io
 import os
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,8 @@ from typing import Any
 from kf.settings import Settings, current
 
 __all__ = [
-    "METRICS", "command", "find_ncu", "install_paths", "parse", "permission_refused", "summarise",
-    "version",
+    "LOG_MAX_BYTES", "METRICS", "LogRefused", "command", "find_ncu", "install_paths", "parse",
+    "permission_refused", "read_log", "summarise", "version",
 ]  # fmt: skip
 
 #: ncu metric → the name kf records it under.
@@ -102,6 +103,45 @@ def command(ncu: str, log_file: str) -> list[str]:
         "--metrics", ",".join(METRICS),
         "--log-file", log_file,
     ]  # fmt: skip
+
+
+#: the most of ncu's log the grader reads: one CSV row per kernel of one forward call
+LOG_MAX_BYTES = 32 << 20
+
+
+class LogRefused(Exception):
+    """ncu's log is not a plain file of at most :data:`LOG_MAX_BYTES` (one line, why)."""
+
+
+def read_log(path: Path) -> str:
+    """ncu's log at ``path``, as text ("" where there is none). It was written in the
+    candidate's box, so it is never followed (a link), waited on (a FIFO), or read past
+    :data:`LOG_MAX_BYTES`: :class:`LogRefused` says which."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:  # ELOOP: a symbolic link
+        raise LogRefused(
+            f"ncu's output {path.name} is not a regular file ({exc.strerror}): refused, "
+            "not followed (something in the box put it there)"
+        ) from exc
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise LogRefused(
+                f"ncu's output {path.name} is not a regular file (a FIFO, device or "
+                "socket): refused, not read (something in the box put it there)"
+            )
+        if st.st_size > LOG_MAX_BYTES:
+            raise LogRefused(
+                f"ncu's output {path.name} is larger than {LOG_MAX_BYTES >> 20} MiB "
+                f"({st.st_size} bytes): refused, not read"
+            )
+        data = f.read(LOG_MAX_BYTES + 1)
+    if len(data) > LOG_MAX_BYTES:  # grew while read
+        raise LogRefused(f"ncu's output {path.name} grew past {LOG_MAX_BYTES >> 20} MiB")
+    return data.decode("utf-8", "replace")
 
 
 def _number(text: str) -> float | None:

@@ -75,6 +75,13 @@ def _measured(stage: Stage, cand: RunnerHandle) -> str | None:
     return None
 
 
+def _failed(error: str, tool: str, device: str, start: float) -> CountersReport:
+    """No counters, and why."""
+    return CountersReport(
+        ok=False, error=error, tool=tool, device=device, duration_s=time.monotonic() - start
+    )
+
+
 def _counters(stage: Stage) -> CountersReport:
     """:func:`counters_session` in ``stage``."""
     device, pool = stage.device, stage.session.runners
@@ -88,6 +95,9 @@ def _counters(stage: Stage) -> CountersReport:
     try:
         for isolate in (True, False):
             log_file = folder / f"ncu-{int(isolate)}.csv"
+            # the file alone is bound writable into the box, not its folder: the box can
+            # write ncu's rows into it, never put a link or a FIFO in its place
+            log_file.touch()
             stage.restart_clock()
             cand = RunnerHandle(
                 pool.python,
@@ -96,7 +106,7 @@ def _counters(stage: Stage) -> CountersReport:
                 warm=device,  # the CUDA context under ncu before it is ready
                 isolate=isolate,
                 ro_paths=tuple(ncu.install_paths(tool)),
-                rw_paths=(str(folder),),
+                rw_paths=(str(log_file),),
             )
             stage.use(cand=cand)
             boxed = cand.sandbox == box.MODE_BWRAP
@@ -104,15 +114,9 @@ def _counters(stage: Stage) -> CountersReport:
             try:
                 problem = _measured(stage, cand)
                 if problem is not None:
-                    return CountersReport(
-                        ok=False, error=f"wrong output under ncu: {problem}", tool=version,
-                        device=device, duration_s=time.monotonic() - start,
-                    )  # fmt: skip
+                    return _failed(f"wrong output under ncu: {problem}", version, device, start)
             except CandidateFailed as exc:
-                return CountersReport(
-                    ok=False, error=f"{exc.kind}: {exc.error}", tool=version, device=device,
-                    duration_s=time.monotonic() - start,
-                )  # fmt: skip
+                return _failed(f"{exc.kind}: {exc.error}", version, device, start)
             except RunnerError as exc:  # the runner under ncu did not start or answer
                 if isolated and not boxed:
                     continue  # ncu may not work inside the namespace: once more outside
@@ -125,7 +129,10 @@ def _counters(stage: Stage) -> CountersReport:
             finally:
                 tail = cand.log_tail()
                 cand.kill()
-            text = log_file.read_text(errors="replace") if log_file.exists() else ""
+            try:
+                text = ncu.read_log(log_file)  # bounded, never a link or a FIFO
+            except ncu.LogRefused as exc:
+                return _failed(str(exc), version, device, start)
             kernels = ncu.parse(text)
             if kernels:
                 return CountersReport(
