@@ -155,11 +155,19 @@ class DeviceSlot(msgspec.Struct, kw_only=True):
     live: bool = True
 
 
+def budget_of(t: TaskArchive, cfg: SearchConfig) -> int:
+    """The task's search budget: its package's, else the run's."""
+    return t.budget if t.budget is not None else cfg.budget
+
+
 class TaskArchive(msgspec.Struct, kw_only=True):
     """Per-task search progress and its MAP-Elites grid."""
 
     name: str
     seeds: int = 0
+    #: the task's own budget and languages (a task package's kf.toml; None: the run's)
+    budget: int | None = None
+    languages: list[str] | None = None
     selections: int = 0  # issued (each uses one unit of budget)
     proposed: int = 0
     compiled: int = 0
@@ -315,7 +323,12 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
         state.seed = ev.seed
         state.config = SearchConfig.of(ev.config)
         for spec in ev.tasks:
-            t = TaskArchive(name=spec.name, seeds=len(spec.seeds))
+            t = TaskArchive(
+                name=spec.name,
+                seeds=len(spec.seeds),
+                budget=spec.settings.get("budget"),
+                languages=spec.settings.get("languages"),
+            )
             state.tasks[spec.name] = t
             if not spec.seeds and not state.config.llm:
                 t.skipped = (
@@ -651,11 +664,14 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
         cfg = state.config
         return cfg.llm and cfg.search_version >= 2 and cfg.init > 0
 
-    def _languages(self, state: ArchiveState) -> list[str] | None:
-        """Languages to ask for that a live device runs (None: no device of the kind is live)."""
+    def _languages(self, state: ArchiveState, t: TaskArchive | None = None) -> list[str] | None:
+        """Languages to ask for that a live device runs (None: no device of the kind is
+        live); for ``t``, only those its package asks for, where it asks."""
         cfg = state.config
         kind = device_kind(cfg.device)
         wanted = cfg.languages or languages_for(cfg.device)
+        if t is not None and t.languages is not None:
+            wanted = [lang for lang in wanted if lang in t.languages]
         live = [s for s in state.devices.values() if s.live and s.kind == kind]
         if not live:
             return None
@@ -677,7 +693,7 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
             and (t.proposed < t.seeds or self._in_flight(state, t.name) > 0)
         ):
             return None
-        return "init" if self._languages(state) else None
+        return "init" if self._languages(state, t) else None
 
     def _top_up(self, state: ArchiveState, plan: list[Event]) -> None:
         cfg = state.config
@@ -686,7 +702,8 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
         while in_flight < limit:
             eligible = []
             for t in state.tasks.values():
-                if t.skipped is None and self._used(t) < cfg.budget and state.llm_stopped is None:
+                more = self._used(t) < budget_of(t, cfg)
+                if t.skipped is None and more and state.llm_stopped is None:
                     kind = self._next_kind(state, t)
                     if kind is not None:
                         eligible.append((self._used(t), t.name, kind))
@@ -731,7 +748,7 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
             in_flight == 0
             and all(
                 t.skipped is not None
-                or self._used(t) >= cfg.budget
+                or self._used(t) >= budget_of(t, cfg)
                 or state.llm_stopped is not None
                 for t in state.tasks.values()
             )
@@ -744,7 +761,7 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
         """A first-generation selection: the model writes a kernel from the reference alone
         (a retry round also shows it the evidence of the failed first candidates)."""
         cfg = state.config
-        langs = self._languages(state) or []
+        langs = self._languages(state, t) or []
         n = t.selections
         rng = _selection_rng(state.seed, t.name, n)
         first_gen = (t.seeds == 0 or cfg.init_with_seeds) and t.inits < cfg.init

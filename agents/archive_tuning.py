@@ -107,7 +107,8 @@ def _search_done(state: Any, t: Any) -> bool:
     cfg = state.config
     if t.skipped is not None or t.pending or t.proposed < t.seeds:
         return False
-    if t.seeds + t.selections < cfg.budget and state.llm_stopped is None:
+    budget = t.budget if t.budget is not None else cfg.budget  # a package's own, or the run's
+    if t.seeds + t.selections < budget and state.llm_stopped is None:
         return False
     return not any(c.in_flight for c in state.candidates.values() if c.task == t.name)
 

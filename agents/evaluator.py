@@ -28,7 +28,7 @@ from kf.evaluation.grader.session import GradingSession
 from kf.evaluation.wire.tolerance import Tolerance
 from kf.events import Event, Record
 from kf.facts import DeviceLeft, RunStarted
-from kf.kernels.tasks import Seed, Task
+from kf.kernels.tasks import Seed, Task, UserTest
 from kf.kernels.tuning import bind_shape
 from kf.search_facts import (
     CandidateAssigned,
@@ -96,6 +96,9 @@ class EvaluatorAgent(Agent[EvaluatorState]):
                     t.source,
                     path=t.path,
                     seeds=tuple(Seed(name=n, source=s) for n, s in t.seeds),
+                    tests=tuple(UserTest(name=n, source=s) for n, s in t.tests),
+                    settings=t.settings,
+                    origin=t.origin,
                 )
                 for t in ev.tasks
             }

@@ -32,6 +32,12 @@ class TaskSpec(msgspec.Struct, frozen=True, kw_only=True):
     sha256: str
     path: str | None = None
     seeds: tuple[tuple[str, str], ...] = ()
+    #: a package's user tests, (path in the package, text): every candidate must pass them
+    tests: tuple[tuple[str, str], ...] = ()
+    #: a package's settings (its kf.toml, as checked)
+    settings: dict[str, Any] = {}
+    #: where the task was read from and how kf made it (a package, a robust-kbench folder)
+    origin: dict[str, Any] = {}
 
 
 @event("run.started")

@@ -67,6 +67,7 @@ EXAMPLES: list[p.Message] = [
     p.Trim(id=12, keep_bytes=0),
     p.Audit(id=13, seeds=[1, 2, 3], scales=[3.0, 0.01], tol=None),
     p.CompileBaseline(id=14, cache_dir="/tmp/inductor", mode="max-autotune"),
+    p.UserTests(id=14, tests=[("tests/test_a.py", "def test_a(candidate): pass")], seed=3),
     p.Exit(),
     p.Built(ok=False, error="g++ failed", log="error: expected ';'"),
     p.Failed(id=15, kind="compile_error", error="C++ compilation failed", log="…", took_ns=5),
@@ -116,6 +117,7 @@ EXAMPLES: list[p.Message] = [
         id=29, degenerate=True, reason="all zeros pass", input_sets=7, spread=0.0, constant_passes=7
     ),
     p.BaselineCompiled(id=30, baseline="torch.compile", mode="default", compile_s=3.5, graphs=1),
+    p.UserTestsRan(id=31, passed=["tests/test_a.py::test_a"], failed="t::b", message="no"),
     p.Ready(pid=42, torch="2.13.0"),
     p.BuildNative(source="int f();", flags=["-O3"], defines={"N": "4"}, timeout_s=60.0),
     p.BuildInline(arguments={"name": "ext", "cpp_sources": ["..."]}, environment={"torch": "2"}),

@@ -31,8 +31,9 @@ class RunRequest:
     :func:`kf.llm.cli.llm_config`'s run-config keys, ``tolerance`` as
     ``Tolerance.config()``, ``bus_options`` as a :class:`kf.bus.BusOptions`."""
 
-    tasks: Path  # a task file, or a folder of them
-    select: str | None = None  # --tasks: of a folder, only these (kf.task_select)
+    tasks: Path  # a task file, a task folder (package, robust-kbench), or a folder of them
+    shape_cap: int | None = None  # --shape-cap: robust-kbench config integers at most this
+    select: str | None = None  # --tasks: of a folder, only these (kf.app.task_select)
     budget: int = 20
     seed: int = 0
     db: Path | None = None  # default runs/<run_id>.db

@@ -100,7 +100,7 @@ def prepare_run(request: RunRequest) -> RunPlan:
                 tasks,
                 device,
                 recorded=logged.checks,
-                single=not request.tasks.is_dir(),
+                single=_single(request.tasks),
                 conditions=conditions,
             )
             tasks, records = checked.passed, checked.made
@@ -169,7 +169,7 @@ def _load(request: RunRequest) -> tuple[list[Task], list[tuple[str, str]]]:
     reason and the others run."""
     from kf.kernels.tasks import load_tasks_skipping
 
-    tasks, skipped = load_tasks_skipping(request.tasks)
+    tasks, skipped = load_tasks_skipping(request.tasks, shape_cap=request.shape_cap)
     if request.select is None:
         return tasks, skipped
     from kf.task_select import SelectionError, select_loaded
@@ -180,6 +180,15 @@ def _load(request: RunRequest) -> tuple[list[Task], list[tuple[str, str]]]:
         return select_loaded(tasks, skipped, request.select, lambda t: t.name)
     except SelectionError as exc:
         raise TaskError(f"{request.tasks}: {exc}") from exc
+
+
+def _single(path: Path) -> bool:
+    """Whether the run is of one task (a file, or a task package): a failed check refuses
+    it. A folder's tasks (a robust-kbench folder's two passes included) are left out one
+    by one, with their reasons."""
+    from kf.kernels.task_packages import is_package
+
+    return not path.is_dir() or is_package(path)
 
 
 def _options(
@@ -218,6 +227,8 @@ def _options(
         o.extra["skipped_tasks"] = dict(skipped)  # recorded in the run's first event
     if request.select is not None:
         o.extra["task_selection"] = request.select
+    if request.shape_cap is not None:
+        o.extra["shape_cap"] = request.shape_cap  # robust-kbench configs capped
     o.extra.update(request.llm)
     return o
 

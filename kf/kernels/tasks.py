@@ -4,6 +4,10 @@ A task is read as text and hashed; its code runs only in a sandboxed runner proc
 (:func:`kf.evaluation.grader.task_check.run_task_check`), never in the process that
 loads it. A task may come with seed candidates in ``<folder>/seeds/<stem>.py`` and
 ``<folder>/seeds/<stem>.*.py``.
+
+A folder may also be a *task package* (:mod:`kf.task_packages`: ``task.py``, ``kf.toml``,
+``tests/test_*.py``) or a robust-kbench task folder (:mod:`kf.robust_kbench`), and a
+folder of tasks may hold such folders beside its task files.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import sys
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -23,6 +28,8 @@ __all__ = [
     "Task",
     "TaskError",
     "TaskInfo",
+    "UserTest",
+    "folder_tasks",
     "import_source",
     "load_task",
     "load_tasks",
@@ -44,22 +51,52 @@ class Seed:
 
 
 @dataclass(frozen=True)
+class UserTest:
+    """A task package's test file (``tests/test_*.py``): its path in the package and text.
+    Every candidate must pass its ``test_*`` functions, run in the candidate's box."""
+
+    name: str
+    source: str
+
+
+@dataclass(frozen=True)
 class Task:
-    """One KernelBench-format task: its name (the file stem), source text and hash."""
+    """One KernelBench-format task: its name (the file stem), source text and hash.
+
+    A task from a package or a robust-kbench folder also carries the package's user
+    ``tests``, its ``settings`` (its ``kf.toml``, as checked) and its ``origin`` (where
+    it was read from and how it was made); all three travel with it in the run's log."""
 
     name: str
     source: str
     sha256: str
     path: str | None = None
     seeds: tuple[Seed, ...] = field(default=())
+    tests: tuple[UserTest, ...] = field(default=())
+    settings: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    origin: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     @classmethod
     def from_source(
-        cls, name: str, source: str, *, path: str | None = None, seeds: tuple[Seed, ...] = ()
+        cls,
+        name: str,
+        source: str,
+        *,
+        path: str | None = None,
+        seeds: tuple[Seed, ...] = (),
+        tests: tuple[UserTest, ...] = (),
+        settings: dict[str, Any] | None = None,
+        origin: dict[str, Any] | None = None,
     ) -> Task:
-        """Build a task from its text (a remote worker gets the text from an event)."""
-        digest = hashlib.sha256(source.encode()).hexdigest()
-        return cls(name=name, source=source, sha256=digest, path=path, seeds=seeds)
+        """Build a task from its text (a remote worker gets the text from an event). Its
+        hash covers the text and its user tests (a changed test is a changed task)."""
+        h = hashlib.sha256(source.encode())
+        for t in tests:
+            h.update(f"\0{t.name}\0{t.source}".encode())
+        return cls(
+            name=name, source=source, sha256=h.hexdigest(), path=path, seeds=seeds,
+            tests=tests, settings=dict(settings or {}), origin=dict(origin or {}),
+        )  # fmt: skip
 
     @property
     def label(self) -> str:
@@ -116,41 +153,69 @@ def load_task(path: str | Path) -> Task:
     return Task.from_source(p.stem, source, path=str(p), seeds=_seeds_for(p))
 
 
-def load_tasks(path: str | Path) -> list[Task]:
-    """Read a task file, or every task in a folder (``*.py``, sorted, not recursive)."""
+def load_tasks(path: str | Path, *, shape_cap: int | None = None) -> list[Task]:
+    """Read a task file, a task folder (a package or a robust-kbench folder), or every
+    task of a folder (``*.py`` and task folders, sorted, not recursive); ``shape_cap``
+    caps a robust-kbench folder's config integers (:mod:`kf.kernels.robust_kbench`)."""
+    tasks, skipped = load_tasks_skipping(path, shape_cap=shape_cap)
+    if skipped:
+        raise TaskError(skipped[0][1])
+    return tasks
+
+
+def folder_tasks(folder: Path, *, shape_cap: int | None = None) -> list[Task] | None:
+    """The tasks of a task folder: a package (:mod:`kf.kernels.task_packages`) or a
+    robust-kbench folder (:mod:`kf.kernels.robust_kbench`); None: ``folder`` is neither."""
+    from kf.kernels import robust_kbench, task_packages
+
+    if task_packages.is_package(folder):
+        return task_packages.load_package(folder)
+    if robust_kbench.is_robust_kbench(folder):
+        return robust_kbench.load_folder(folder, shape_cap=shape_cap)
+    return None
+
+
+def _entries(p: Path) -> list[Path]:
+    """A folder's task files and task folders, sorted by name."""
+    from kf.kernels import robust_kbench, task_packages
+
+    def usable(f: Path) -> bool:
+        if f.name.startswith(("_", ".")) or f.name == "seeds":
+            return False
+        if f.is_dir():
+            return task_packages.is_package(f) or robust_kbench.is_robust_kbench(f)
+        return f.is_file() and f.suffix == ".py"
+
+    return sorted((f for f in p.iterdir() if usable(f)), key=lambda f: f.name)
+
+
+def load_tasks_skipping(
+    path: str | Path, *, shape_cap: int | None = None
+) -> tuple[list[Task], list[tuple[str, str]]]:
+    """Like :func:`load_tasks`, but a folder's broken entries are skipped: returns the
+    tasks and ``(file, reason)`` for each skipped one. A single file, package or
+    robust-kbench folder still raises."""
     p = Path(path)
     if not p.exists():
         raise TaskError(f"{p}: no such file or folder")
-    if p.is_file():
-        return [load_task(p)]
-    files = sorted(
-        f
-        for f in p.glob("*.py")
-        if f.is_file() and f.name != "__init__.py" and not f.name.startswith("_")
-    )
-    if not files:
-        raise TaskError(f"{p}: folder holds no task files (*.py)")
-    return [load_task(f) for f in files]
-
-
-def load_tasks_skipping(path: str | Path) -> tuple[list[Task], list[tuple[str, str]]]:
-    """Like :func:`load_tasks`, but a folder's broken files are skipped: returns the tasks
-    and ``(file, reason)`` for each skipped one. A single file still raises."""
-    p = Path(path)
     if not p.is_dir():
-        return load_tasks(p), []
-    files = sorted(
-        f
-        for f in p.glob("*.py")
-        if f.is_file() and f.name != "__init__.py" and not f.name.startswith("_")
-    )
-    if not files:
-        raise TaskError(f"{p}: folder holds no task files (*.py)")
+        return [load_task(p)], []
+    own = folder_tasks(p, shape_cap=shape_cap)
+    if own is not None:
+        return own, []
+    entries = _entries(p)
+    if not entries:
+        raise TaskError(
+            f"{p}: folder holds no task files (*.py), task packages or robust-kbench folders"
+        )
     tasks: list[Task] = []
     skipped: list[tuple[str, str]] = []
-    for f in files:
+    for f in entries:
         try:
-            tasks.append(load_task(f))
+            if f.is_dir():
+                tasks += folder_tasks(f, shape_cap=shape_cap) or []
+            else:
+                tasks.append(load_task(f))
         except TaskError as exc:
             skipped.append((str(f), str(exc)))
     return tasks, skipped

@@ -45,7 +45,10 @@ def bind_shape(task: Task, index: int) -> Task:
         f"{task.source}\n\n# kf: bound to tuning shape set {index}\n"
         f"def get_inputs():\n    return list(get_tuning_inputs()[{index - 1}])\n"
     )
-    return Task.from_source(task.name, src, path=task.path, seeds=task.seeds)
+    return Task.from_source(
+        task.name, src, path=task.path, seeds=task.seeds, tests=task.tests,
+        settings=task.settings, origin=task.origin,
+    )  # fmt: skip
 
 
 def shape_sets(task: Task, limit: int) -> list[tuple[int, Task]]:

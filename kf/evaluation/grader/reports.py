@@ -55,6 +55,7 @@ FailureKind = Literal[
     "stale_output",
     "reverify_failed",
     "distribution_failed",
+    "user_test_failed",  # a task package's user test (kf.kernels.task_packages)
 ]
 FAILURE_KINDS: tuple[str, ...] = FailureKind.__args__  # type: ignore[attr-defined]
 

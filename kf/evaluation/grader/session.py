@@ -369,7 +369,8 @@ class Stage:
         """Load the task in the reference runner, seeded with ``seed`` (None: the session's)."""
         task = self.task
         seed = self.session.seed if seed is None else seed
-        return self.reference(LoadTask(source=task.source, name=task.name, seed=seed))
+        tests = [(t.name, t.source) for t in task.tests]
+        return self.reference(LoadTask(source=task.source, name=task.name, seed=seed, tests=tests))
 
     @property
     def own_inputs(self) -> bool:

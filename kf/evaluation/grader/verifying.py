@@ -26,9 +26,14 @@ from kf.evaluation.grader.grading import (
 from kf.evaluation.grader.reports import ProfileReport, TrialEvidence, VerifyReport
 from kf.evaluation.grader.sandbox import Limits, RunnerHandle, RunnerPool
 from kf.evaluation.grader.session import GradingSession, Stage
-from kf.evaluation.wire.protocol import MakeInputs, Run
+from kf.evaluation.wire.protocol import MakeInputs, Run, UserTests
 from kf.evaluation.wire.tolerance import Tolerance, for_dtype, resolve, rule_of
 from kf.kernels.tasks import Task
+
+#: the most of a task's own get_extra_inputs() sets the generalisation gate runs
+MAX_EXTRA_SETS = 32
+#: the failure kind of a candidate that fails a task package's user test
+USER_TEST_FAILED = "user_test_failed"
 
 
 def verify_candidate(
@@ -84,6 +89,8 @@ def _verify(stage: Stage, trials: int, generalise: bool) -> VerifyReport:
             failed = _seeded_trials(stage, found, trials)
             if failed is None and generalise:
                 failed = _unseen_inputs(stage, found)
+            if failed is None and task.tests:
+                failed = _user_tests(stage, found)
             if failed is not None:
                 return failed
             stage.keep_candidate()  # for the candidate's profile
@@ -194,6 +201,19 @@ def _unseen_inputs(stage: Stage, found: _Findings) -> VerifyReport | None:
     return None
 
 
+def _user_tests(stage: Stage, found: _Findings) -> VerifyReport | None:
+    """A task package's user tests against the candidate, in its box
+    (:mod:`kf.evaluation.runner.user_tests`); the report of the first that fails, else
+    None."""
+    tests = [(t.name, t.source) for t in stage.task.tests]
+    ran = stage.candidate(UserTests(tests=tests, seed=stage.session.seed), what="user tests")
+    if ran.failed:
+        found.flags.append(f"user_tests: {len(ran.passed)} passed, {ran.failed} failed")
+        return found.rejected(USER_TEST_FAILED, f"user test {ran.failed} failed: {ran.message}")
+    found.flags.append(f"user_tests: {len(ran.passed)} passed")
+    return None
+
+
 def _hidden_distributions(stage: Stage, evidence: list[TrialEvidence]) -> str | None:
     """Run the candidate on the task's inputs scaled by each of
     :data:`kf.evaluation.grader.grading.SCALES` (never seen before); None, or why it failed.
@@ -234,8 +254,12 @@ def _unseen_trial(
 
 
 def _generalisation_gate(stage: Stage, evidence: list[TrialEvidence]) -> str | None:
-    """Run the candidate on input shapes it never saw; None, or why it failed."""
-    for variant, trial_seed in enumerate(seed_trials(stage.session.seed ^ 0x6E4E, 4)):
+    """Run the candidate on input shapes it never saw; None, or why it failed. A task's
+    own ``get_extra_inputs()`` are all run (up to :data:`MAX_EXTRA_SETS`: a robust-kbench
+    folder's configurations, a package's swept shapes); derived shapes, four."""
+    own = "def get_extra_inputs" in stage.task.source
+    count = MAX_EXTRA_SETS if own else 4
+    for variant, trial_seed in enumerate(seed_trials(stage.session.seed ^ 0x6E4E, count)):
         made = stage.reference(MakeInputs(seed=trial_seed, variant=variant))
         if made.missing or made.inputs is None:
             break

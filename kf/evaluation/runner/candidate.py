@@ -28,6 +28,7 @@ class CandidateRole(RunnerBase):
         from kf.native import NativeCompileError
 
         seed = msg.seed
+        self.task_text = (msg.task_source, msg.task_name)  # for the user tests
         if msg.init is not None:
             init = list(self.load(msg.init))
             if self.own_inputs:  # the task's get_inputs, imported before any candidate code
@@ -45,6 +46,7 @@ class CandidateRole(RunnerBase):
                 f"importing the candidate raised {describe_exception(exc)}",
                 traceback_tail(),
             ) from exc
+        self.candidate_module, self.init_inputs = module, init
         cls = getattr(module, "ModelNew", None)
         if cls is None:
             raise RequestFailure("exception", "the candidate defines no class ModelNew")
@@ -119,6 +121,30 @@ class CandidateRole(RunnerBase):
             inputs_problem=problem,
             phases_ns={"inputs": t1 - t0, "forward": t2 - t1, "outputs": self.clock_ns() - t2},
         )
+
+    def op_user_tests(self, msg: p.UserTests) -> p.UserTestsRan:
+        """A package's user tests against the loaded candidate (:mod:`~kf.evaluation.
+        runner.user_tests`); the reference they get is built here from the same seed."""
+        from kf.evaluation.runner.user_tests import run_tests
+
+        torch, seed, to_device = self.torch, msg.seed, self.backend.to_device
+        task = self.task_module or self._import_task(*self.task_text)
+
+        def reference() -> Any:
+            torch.manual_seed(seed)
+            return to_device(task.Model(*self.init_inputs))
+
+        fixtures = {
+            "candidate": lambda: self.model,
+            "reference": reference,
+            "inputs": lambda: [to_device(v) for v in self._get_inputs(seed)],
+            "module": lambda: self.candidate_module,
+            "task": lambda: task,
+            "device": lambda: self.backend.device,
+            "torch": lambda: torch,
+        }
+        passed, failed, message = run_tests(msg.tests, fixtures)
+        return p.UserTestsRan(passed=passed, failed=failed, message=message)
 
     def op_counters(self, msg: p.Counters) -> p.CountersRan:
         """One warm-up call, then one call between cudaProfilerStart and Stop (for ncu)."""

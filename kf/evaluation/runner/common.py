@@ -131,6 +131,11 @@ class RunnerBase:
         self.set_up_for: str | None = None
         self.model: Any = None
         self.task_module: Any = None
+        # a candidate runner's candidate module, constructor inputs and task text (for a
+        # package's user tests: kf.evaluation.runner.user_tests)
+        self.candidate_module: Any = None
+        self.init_inputs: list[Any] = []
+        self.task_text: tuple[str, str] = ("", "")
         self._inputs: list[Any] | None = []
         self._inputs_from: list[Any] = []
         self.trials: dict[int, tuple[list[Any], list[Any]]] = {}

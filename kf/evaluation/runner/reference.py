@@ -44,6 +44,10 @@ class ReferenceRole(RunnerBase):
 
     def op_load_task(self, msg: p.LoadTask) -> p.TaskLoaded:
         module = self._import_task(msg.source, msg.name)
+        if msg.tests:  # a package's user tests must import (they run in candidate runners)
+            from kf.evaluation.runner.user_tests import import_tests
+
+            import_tests(msg.tests)
         seed = msg.seed
         self.model_seed = seed  # the model's parameters: part of what made inputs are keyed by
         init = self._init_inputs(module, seed)
@@ -70,14 +74,16 @@ class ReferenceRole(RunnerBase):
         if callable(extra):
             torch.manual_seed(seed)
             try:
-                sets = list(extra())
+                sets = extra()  # a sequence is indexed: only the set asked for is made
+                if not hasattr(sets, "__getitem__") or not hasattr(sets, "__len__"):
+                    sets = list(sets)
+                return [("get_extra_inputs()", list(sets[variant]))] if variant < len(sets) else []
             except BaseException as exc:
                 raise RequestFailure(
                     "task_error",
                     f"get_extra_inputs() raised {describe_exception(exc)}",
                     traceback_tail(),
                 ) from exc
-            return [("get_extra_inputs()", list(sets[variant]))] if variant < len(sets) else []
         from kf.evaluation.runner.variants import derived_shapes
 
         return derived_shapes(torch, self.task_module, self._get_inputs, seed, variant)

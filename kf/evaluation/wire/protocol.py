@@ -34,7 +34,8 @@ __all__ = [
     "Exit", "Failed", "ForeignMessage", "InputsMade", "InputsTimed", "LoadCandidate",
     "LoadTask", "MakeInputs", "Message", "Ping", "Pong", "ProtocolError", "Ran", "Ready",
     "Reply", "Request", "Run", "SetUp", "Settle", "Setup", "TaskLoaded", "Time", "TimeInputs",
-    "Timed", "ToGrader", "ToRunner", "Trim", "Trimmed", "Verdict", "decode_from_grader",
+    "Timed", "ToGrader", "ToRunner", "Trim", "Trimmed", "UserTests", "UserTestsRan",
+    "Verdict", "decode_from_grader",
     "decode_from_runner", "encode", "reply_type",
 ]  # fmt: skip
 
@@ -194,6 +195,15 @@ class Trimmed(Reply, frozen=True, kw_only=True, tag="trimmed"):
     dropped_bytes: int = 0
 
 
+class UserTestsRan(Reply, frozen=True, kw_only=True, tag="user_tests_ran"):
+    """The user tests that ran (``file::function``) and the first that failed, with its
+    message (``failed`` empty: all passed)."""
+
+    passed: list[str] = []
+    failed: str = ""
+    message: str = ""
+
+
 class Audited(Reply, frozen=True, kw_only=True, tag="audited"):
     """Whether the task's outputs depend on its inputs (:mod:`kf.evaluation.grader.audit`)."""
 
@@ -249,6 +259,8 @@ class LoadTask(Request[TaskLoaded], frozen=True, kw_only=True, tag="load_task"):
     source: str
     name: str
     seed: int
+    #: a package's user tests, imported after the task to check that they import
+    tests: list[tuple[str, str]] = []
 
 
 class LoadCandidate(Request[CandidateLoaded], frozen=True, kw_only=True, tag="load_candidate"):
@@ -359,6 +371,15 @@ class CompileBaseline(Request[BaselineCompiled], frozen=True, kw_only=True, tag=
     mode: str = "default"
 
 
+class UserTests(Request[UserTestsRan], frozen=True, kw_only=True, tag="user_tests"):
+    """Run a task package's user tests (``(path in the package, text)`` each) against the
+    loaded candidate: each ``test_*`` function with the fixtures it names
+    (:data:`kf.kernels.task_packages.FIXTURES`), built from ``seed``."""
+
+    tests: list[tuple[str, str]]
+    seed: int = 0
+
+
 class Exit(Request[Reply], frozen=True, kw_only=True, tag="exit"):
     """Exit now (no reply)."""
 
@@ -403,12 +424,13 @@ class Built(Message, frozen=True, kw_only=True, tag="built"):
 #: what the grader sends a runner: requests, and answers to its builds
 ToRunner = (
     Ping | Setup | LoadTask | LoadCandidate | MakeInputs | Run | Check | Time | TimeInputs
-    | Batch | Settle | Counters | Trim | Audit | CompileBaseline | Exit | Built
+    | Batch | Settle | Counters | Trim | Audit | CompileBaseline | UserTests | Exit | Built
 )  # fmt: skip
 #: what a runner sends the grader: replies, its start-up, and builds it asks for
 ToGrader = (
     Failed | Pong | SetUp | TaskLoaded | CandidateLoaded | InputsMade | Ran | Checked | Timed
-    | InputsTimed | BatchRan | CountersRan | Trimmed | Audited | BaselineCompiled | Ready
+    | InputsTimed | BatchRan | CountersRan | Trimmed | Audited | BaselineCompiled
+    | UserTestsRan | Ready
     | BuildNative | BuildInline
 )  # fmt: skip
 
