@@ -40,6 +40,7 @@ __all__ = [
     "Integrity",
     "LogBusy",
     "LogError",
+    "LogFull",
     "LogIntegrityError",
     "LogLocked",
     "LogTooNew",
@@ -54,6 +55,7 @@ any other connection fail with ``no such function: kf_log_append_only``."""
 BUSY_TIMEOUT_S = 0.1  # the writer's own wait inside SQLite; longer waits are the caller's
 _MIN_SEQ = -(2**63)
 _SQLITE_HEADER = b"SQLite format 3\x00"
+_SQLITE_FULL = 13
 _BUSY_CODES = (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED (and their extended codes' low byte)
 
 
@@ -71,6 +73,11 @@ class LogIntegrityError(LogError):
 
 class LogTooNew(LogError):
     """The log was written by a newer kf (a format this kf does not read); upgrade kf."""
+
+
+class LogFull(LogError):
+    """The disk (or the database's page limit) is full: nothing of the refused write was
+    committed, nothing committed was lost; free space and resume."""
 
 
 class LogLocked(LogError):
@@ -178,6 +185,12 @@ def _sqlite_problem(exc: sqlite3.Error) -> str:
     return text
 
 
+def _is_full(exc: sqlite3.Error) -> bool:
+    """Whether SQLite refused a write because the disk (or the page limit) is full."""
+    code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+    return code == _SQLITE_FULL or "disk is full" in str(exc)
+
+
 class _WriterLock:
     """An exclusive ``flock`` on ``<log>.lock``, held by the log's writer for its lifetime."""
 
@@ -247,6 +260,8 @@ class EventLog:
             self._open()
         except sqlite3.Error as exc:
             self.close()
+            if _is_full(exc):
+                raise self._full(exc) from None
             raise LogError(f"{self.path}: cannot open the log: {_sqlite_problem(exc)}") from None
         except BaseException:
             self.close()
@@ -316,9 +331,29 @@ class EventLog:
             for sql in statements:
                 conn.execute(sql)
             conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            self._rollback()
+            if _is_full(exc):
+                raise self._full(exc) from None
             raise
+        except BaseException:
+            self._rollback()
+            raise
+
+    def _rollback(self) -> None:
+        """End the write transaction this writer began, unless SQLite ended it already: on
+        a full disk or an I/O error during COMMIT it rolls back by itself, and a second
+        ROLLBACK would only hide why ("no transaction is active")."""
+        conn = self.conn
+        if conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):  # the first error is the one to tell
+                conn.execute("ROLLBACK")
+
+    def _full(self, exc: sqlite3.Error) -> LogFull:
+        return LogFull(
+            f"disk full writing {self.path} ({exc}): free space on its disk and resume "
+            "(the same --db); nothing committed was lost"
+        )
 
     @property
     def conn(self) -> sqlite3.Connection:
@@ -417,10 +452,12 @@ class EventLog:
             self._write_rejects()
             conn.execute("COMMIT")
         except sqlite3.DatabaseError as exc:
-            conn.execute("ROLLBACK")
+            self._rollback()
+            if _is_full(exc):
+                raise self._full(exc) from None
             raise LogError(f"{self.path}: the log refused the append: {exc}") from None
         except BaseException:
-            conn.execute("ROLLBACK")
+            self._rollback()
             raise
         self._pending_rejects.clear()
         self._head, self._prev = seq, prev
@@ -435,6 +472,8 @@ class EventLog:
                 raise LogBusy(
                     f"{self.path}: another connection holds the log's write lock ({exc})"
                 ) from None
+            if _is_full(exc):
+                raise self._full(exc) from None
             raise LogError(f"{self.path}: cannot write the log: {_sqlite_problem(exc)}") from None
 
     def _write_rejects(self) -> None:
@@ -458,8 +497,13 @@ class EventLog:
         try:
             self._write_rejects()
             self.conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._rollback()
+            if _is_full(exc):
+                raise self._full(exc) from None
+            raise
         except BaseException:
-            self.conn.execute("ROLLBACK")
+            self._rollback()
             raise
         self._pending_rejects.clear()
 
