@@ -94,7 +94,7 @@ for what in "$@"; do
         --budget "${TP_BUDGET:-6}" --timeout "$(( ${TP_LIMIT:-480} - 30 ))" ${TP_ARGS:-}
       cp "$out/tp/throughput_gpu_${TP_LAYOUT:-split}.json" "$out/" 2>/dev/null
       [ -f "$out/tp/throughput_${TP_LAYOUT:-split}.db" ] && backup "$out/tp/throughput_${TP_LAYOUT:-split}.db" "$out/throughput.db" \
-        && step replay 120 python3 -m kf.cli replay --check "$out/throughput.db"
+        && step replay 120 python3 -m kf.app.cli replay --check "$out/throughput.db"
       rm -rf "$out/tp"
       ;;
     venv)

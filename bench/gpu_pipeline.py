@@ -183,7 +183,7 @@ def pipeline_arm(sources: list[str], work: Path, task: Path, timeout_s: float) -
         (folder / "seeds" / f"gelu_residual.v{i:02d}.py").write_text(src)
     env = {**os.environ, "KF_CACHE_DIR": str(work / "kf-cache")}
     argv = [
-        sys.executable, "-m", "kf.cli", "run", str(folder / "gelu_residual.py"),
+        sys.executable, "-m", "kf.app.cli", "run", str(folder / "gelu_residual.py"),
         "--device", "cuda:0", "--budget", str(len(sources)), "--max-in-flight",
         str(len(sources)), "--json", "--db", str(work / "pipeline.db"),
     ]  # fmt: skip
@@ -407,7 +407,7 @@ def bandwidth_arm(work: Path, configs: list[dict[str, Any]]) -> dict[str, Any]:
         path = work / f"nvrtc_{len(rows)}.py"
         path.write_text(params.apply(base, config))
         proc = subprocess.run(
-            [sys.executable, "-m", "kf.cli", "eval", str(TASK), str(path), "--device", "cuda:0",
+            [sys.executable, "-m", "kf.app.cli", "eval", str(TASK), str(path), "--device", "cuda:0",
              "--json"],
             capture_output=True, text=True, check=False,
         )  # fmt: skip

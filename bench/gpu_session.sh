@@ -16,7 +16,7 @@ if [ "$mode" = check ]; then
   timeout 330 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_adversarial_gpu.py \
     tests/test_cuda_objcache.py 2>&1 | tail -15
   echo "== kf eval (KernelBench-style load_inline candidate, warm build cache)"
-  timeout 120 $PY -m kf.cli eval examples/cuda_tasks/gelu_residual.py \
+  timeout 120 $PY -m kf.app.cli eval examples/cuda_tasks/gelu_residual.py \
     examples/cuda_candidates/gelu_residual_load_inline.py --device cuda:0 --json > "$out/eval_load_inline.json"
   echo "exit $?"
   $PY -c "import json,sys; r=json.load(open(sys.argv[1])); p=r.get('profile') or {}; print('correct', r.get('correct'), 'speedup', p.get('speedup'), 'flags', p.get('flags'))" "$out/eval_load_inline.json"

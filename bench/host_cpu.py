@@ -50,7 +50,7 @@ MODULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("object cache launchers", ("kf.cuda.objcache",)),
     ("build box Python", ("inline.load_inline(**json.loads",)),
     ("inductor compile workers", ("compile_worker", "torch._inductor", "triton")),
-    ("kf grader and agents", ("kf.cli", "kf.evaluation.grader")),
+    ("kf grader and agents", ("kf.app.cli", "kf.evaluation.grader")),
 )
 
 

@@ -25,7 +25,7 @@ profiles; queueing left out). Peak device memory per task is ``peak_device_mb`` 
 task's stage reports where they carry one (on a GPU: the most its stage's runners held at
 once, as they state it; docs/kernelbench.md); otherwise (older logs), on a GPU,
 the largest device-wide ``memory.used`` that ``nvidia-smi`` showed (sampled every
-``--sample-s``) during the task's span of device work (``kf.kernelbench.task_windows``):
+``--sample-s``) during the task's span of device work (``kf.app.kernelbench.task_windows``):
 that includes every runner's CUDA context and what the run's other runners still hold, so
 it is not the task's own footprint (``bench/kernelbench_memory.py`` measures that). On a
 CPU there is none. ``--table-only`` makes the table again from ``--out``'s log and the
@@ -52,11 +52,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kf.kernelbench import format_levels, rows_to_csv, task_windows
+from kf.app.kernelbench import format_levels, rows_to_csv, task_windows
+from kf.app.report import build_report
+from kf.app.task_select import SelectionError, select_loaded
 from kf.kernels.tasks import TaskError, load_tasks_skipping
 from kf.log import EventLog
-from kf.report import build_report
-from kf.task_select import SelectionError, select_loaded
 
 AS_CANDIDATE = '''
 
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             extra = []
         cmd = [
-            sys.executable, "-m", "kf.cli", "run", str(folder), "--budget", str(budget),
+            sys.executable, "-m", "kf.app.cli", "run", str(folder), "--budget", str(budget),
             "--seed", str(args.seed), "--device", args.device, "--max-in-flight", "1",
             "--timeout", str(args.timeout), "--db", str(db), "--json", *extra,
             *(["--unsafe-no-sandbox"] if args.unsafe_no_sandbox else []), *args.kf_args,

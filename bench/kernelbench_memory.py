@@ -172,7 +172,7 @@ def main() -> int:
             cand.write_text(task.read_text() + "\n\nclass ModelNew(Model):\n    pass\n")
             requests = Path(tmp) / "requests.jsonl"
             kf_mb, kf_s, kf_out, kf_rc, kf_procs = sampled(
-                [sys.executable, "-m", "kf.cli", "eval", str(task), str(cand), "--device",
+                [sys.executable, "-m", "kf.app.cli", "eval", str(task), str(cand), "--device",
                  "cuda:0", "--json", "--request-log", str(requests)],
                 args.timeout, env,
             )  # fmt: skip

@@ -58,7 +58,7 @@ def main() -> int:
             db = Path(tmp) / "run.db"
             task = seedless_scale_relu(Path(tmp) / "tasks")
             cmd = [
-                sys.executable, "-m", "kf.cli", "run", str(task), "--llm-url", server.url,
+                sys.executable, "-m", "kf.app.cli", "run", str(task), "--llm-url", server.url,
                 "--model", "scripted", "--budget", str(args.budget), "--init", str(conc),
                 "--llm-concurrency", str(conc), "--max-in-flight", str(args.max_in_flight),
                 "--db", str(db), "--json",
@@ -88,7 +88,7 @@ def main() -> int:
 
 
 def stats_lines(stats: dict[str, Any]) -> list[str]:
-    from kf.run_stats import format_run_stats
+    from kf.app.run_stats import format_run_stats
 
     return format_run_stats(stats)
 

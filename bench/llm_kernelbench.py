@@ -28,9 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kf.app.report import build_report, format_table
 from kf.events import decode_event
 from kf.log import EventLog
-from kf.report import build_report, format_table
 from tests.llm_server import ScriptedServer
 from tests.scripted_answers import GpuResponder
 
@@ -127,7 +127,7 @@ def main() -> int:
     t0 = time.monotonic()
     with ScriptedServer(responder=responder) as server:
         cmd = [
-            sys.executable, "-m", "kf.cli", "run", str(folder), "--device", args.device,
+            sys.executable, "-m", "kf.app.cli", "run", str(folder), "--device", args.device,
             "--llm-url", server.url, "--model", "scripted", "--budget", str(args.budget),
             "--init", str(args.init), "--max-in-flight", str(args.max_in_flight),
             "--timeout", str(args.stage_timeout), "--db", str(db),

@@ -108,7 +108,7 @@ def arm(sources: list[str], gpus: int, work: Path, task: Path, timeout_s: float)
     device = ",".join(f"cuda:{i}" for i in range(gpus))
     db = here / "run.db"
     argv = [
-        sys.executable, "-m", "kf.cli", "run", str(folder / "gelu_residual.py"),
+        sys.executable, "-m", "kf.app.cli", "run", str(folder / "gelu_residual.py"),
         "--device", device, "--budget", str(len(sources)), "--max-in-flight",
         str(len(sources)), "--json", "--db", str(db),
     ]  # fmt: skip

@@ -43,7 +43,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.report_only:
         sys.path.insert(0, str(ROOT))
-        from kf.report import build_report
+        from kf.app.report import build_report
 
         return table(build_report(args.db), args, wall=None)
     if args.db.exists():
@@ -54,7 +54,7 @@ def main() -> int:
         [
             sys.executable,
             "-m",
-            "kf.cli",
+            "kf.app.cli",
             "run",
             str(args.tasks),
             "--budget",

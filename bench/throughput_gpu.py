@@ -21,7 +21,7 @@ prints and writes to ``OUT/throughput_gpu.json``: candidates per minute (final v
 over the span from the first candidate's assignment to the last verdict), how each
 candidate ended, the median and spread of the ``load_inline`` build times (kf's own
 ``kf.cuda.inline: ... built in Xs`` lines in each compile report), the phases kf
-recorded per stage, the run summary (``kf.run_stats``) and the GPU's mean utilisation
+recorded per stage, the run summary (``kf.app.run_stats``) and the GPU's mean utilisation
 over the same span, and the host's CPU-seconds by kind of process over the whole run
 (bench/host_cpu.py: nvcc, the C++ compiler, boxed runners, inductor's workers, ...).
 
@@ -52,9 +52,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from host_cpu import HostCpu
 
+from kf.app.run_stats import run_stats
 from kf.events import decode_event
 from kf.log import EventLog
-from kf.run_stats import run_stats
 from tests.llm_server import ScriptedServer
 from tests.scripted_answers import user_text
 
@@ -432,7 +432,7 @@ def main() -> int:
     cpu = HostCpu(root=os.getpid())  # this process and below: kf run, its boxes, builds
     with ScriptedServer(responder=responder) as server, GpuSampler() as gpu, cpu:
         cmd = [
-            sys.executable, "-m", "kf.cli", "run", str(folder), "--device", args.device,
+            sys.executable, "-m", "kf.app.cli", "run", str(folder), "--device", args.device,
             "--llm-url", server.url, "--model", "scripted", "--budget", str(args.budget),
             "--init", str(args.init), "--max-in-flight", str(args.max_in_flight),
             "--tune-budget", "0", "--db", str(db), *args.extra.split(),

@@ -60,7 +60,7 @@ def _run(task: Path, cand: Path, device: str, transport: str, timeout: float) ->
     env.pop("KF_TENSOR_TRANSPORT", None)
     if transport == "bytes":
         env["KF_TENSOR_TRANSPORT"] = "bytes"
-    kf = [sys.executable, "-m", "kf.cli"]
+    kf = [sys.executable, "-m", "kf.app.cli"]
     start = time.monotonic()
     done = subprocess.run(
         [*kf, "eval", str(task), str(cand), "--device", device, "--json"],

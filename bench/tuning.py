@@ -54,7 +54,7 @@ def run_search(db: Path, budget: int, tune_budget: int, seed: int) -> float:
             )
         db.parent.mkdir(parents=True, exist_ok=True)
         db.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "kf.cli", "run", str(tasks), "--budget", str(budget)]
+        cmd = [sys.executable, "-m", "kf.app.cli", "run", str(tasks), "--budget", str(budget)]
         cmd += ["--tune-budget", str(tune_budget), "--seed", str(seed), "--db", str(db)]
         env = dict(os.environ, KF_LOG_LEVEL="WARNING")
         t0 = time.monotonic()

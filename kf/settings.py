@@ -314,7 +314,7 @@ class Settings:
         stages (its build's runner for its verification, that one for its profile;
         0: a fresh runner for every stage). Default 8; a GPU worker's pool, where it is
         not set (:attr:`kept_runners_set`), keeps as many as its idle runners
-        (:mod:`kf.orchestra`), so that its candidates in flight find theirs."""
+        (:mod:`kf.app.orchestra`), so that its candidates in flight find theirs."""
         count = self._number("KF_KEPT_RUNNERS")
         if count is not None and count < 0:
             raise SettingError(f"$KF_KEPT_RUNNERS={count} is negative")

@@ -52,7 +52,7 @@ T = TypeVar("T")
 #: seconds from the first signal until whatever is left is killed and the process exits
 GRACE_S = 4.0
 #: seconds without a connection to a NATS server kf did not start before a command gives
-#: up (``--bus-timeout``, :func:`kf.orchestra.watch_bus`); an embedded one is restarted
+#: up (``--bus-timeout``, :func:`kf.app.orchestra.watch_bus`); an embedded one is restarted
 BUS_LOST_S = 120.0
 
 _stopping = threading.Event()

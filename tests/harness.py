@@ -42,7 +42,7 @@ def seedless_scale_relu(folder: Path, rows: int = 64, cols: int = 256) -> Path:
 def run_kf(
     *args: str, timeout: float = 300, eval_threads: str | None = "1"
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m kf.cli ARGS`` from the repository root, quiet logs, no LLM API keys in
+    """``python -m kf.app.cli ARGS`` from the repository root, quiet logs, no LLM API keys in
     its environment (the tests' models are scripted), one evaluation thread unless
     ``eval_threads`` is None; output captured as text."""
     env = dict(os.environ, KF_LOG_LEVEL="WARNING")
@@ -56,8 +56,8 @@ def run_kf(
 def kf_cli(
     *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m kf.cli ARGS`` run by :func:`ran`."""
-    return ran([sys.executable, "-m", "kf.cli", *args], env=env, cwd=cwd, timeout=timeout)
+    """``python -m kf.app.cli ARGS`` run by :func:`ran`."""
+    return ran([sys.executable, "-m", "kf.app.cli", *args], env=env, cwd=cwd, timeout=timeout)
 
 
 def ran(
@@ -71,9 +71,9 @@ def ran(
 def kf_proc(
     *args: str, prefix: tuple[str, ...] = (), env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
-    """``python -m kf.cli ARGS`` started from the repository root (after ``prefix``, a
+    """``python -m kf.app.cli ARGS`` started from the repository root (after ``prefix``, a
     command it runs under) under ``env`` (None: this process's), its output piped."""
-    return piped([*prefix, sys.executable, "-m", "kf.cli", *args], env=env)
+    return piped([*prefix, sys.executable, "-m", "kf.app.cli", *args], env=env)
 
 
 def piped(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:

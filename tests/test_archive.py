@@ -432,8 +432,8 @@ def test_archive_forged_counters_change_no_decision_report_or_prompt() -> None:
     nothing of kf report (headline included), and the LLM mutator does not tell the model
     counters of a device the run does not trust (a trusted device's it does)."""
     from agents.llm_mutator import LlmMutator
+    from kf.app.report import build_report_from
     from kf.evaluation.grader.reports import CountersReport
-    from kf.report import build_report_from
     from kf.search_facts import CountersMeasured
 
     def counters(device: str) -> CountersMeasured:

@@ -282,7 +282,7 @@ def test_report_states_best_speedups_against_each_baseline() -> None:
     """`kf report` gives each task's best speed-up against eager, torch.compile and the
     better of the two, with fast_p and geomean against the better one; a task without a
     compiled time says why and counts against eager there."""
-    from kf.report import build_report_from, format_table
+    from kf.app.report import build_report_from, format_table
 
     with_compiled = ProfileReport(
         ok=True, runtime_ms=1.0, ref_runtime_ms=4.0, speedup=4.0, compiled_runtime_ms=2.0,

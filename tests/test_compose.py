@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from kf.agent import agent_types
-from kf.cli import build_parser
+from kf.app.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 

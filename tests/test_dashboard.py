@@ -25,10 +25,10 @@ import aiohttp
 import msgspec
 import pytest
 
-from kf.dashboard import RunView, start_dashboard
+from kf.app.dashboard import RunView, start_dashboard
+from kf.app.report import fold_archive
 from kf.events import Envelope, Record, decode_event
 from kf.log import EventLog
-from kf.report import fold_archive
 from tests.shared_runs import copy_log, search_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -367,7 +367,7 @@ async def test_report_html_is_self_contained(run_db: Path, tmp_path: Path) -> No
     """`kf report --html` writes one file that renders the same heatmap with no network."""
     out = tmp_path / "report.html"
     proc = subprocess.run(
-        [sys.executable, "-m", "kf.cli", "report", str(run_db), "--html", str(out)],
+        [sys.executable, "-m", "kf.app.cli", "report", str(run_db), "--html", str(out)],
         cwd=ROOT,
         env=kf_env(),
         capture_output=True,
@@ -413,7 +413,7 @@ def test_serve_rejects_a_missing_or_foreign_file(tmp_path: Path) -> None:
     foreign.write_text("not sqlite")
     for path in (tmp_path / "missing.db", foreign):
         proc = subprocess.run(
-            [sys.executable, "-m", "kf.cli", "serve", str(path), "--port", "0"],
+            [sys.executable, "-m", "kf.app.cli", "serve", str(path), "--port", "0"],
             cwd=ROOT,
             env=kf_env(),
             capture_output=True,
@@ -490,7 +490,7 @@ async def test_dashboard_refuses_a_foreign_host_header(log_copy: Path) -> None:
 
 def test_dashboard_host_allowed_names() -> None:
     """The Host allow-list: names with ports, IPv6 literals, trailing dots, case."""
-    from kf.dashboard import host_allowed
+    from kf.app.dashboard import host_allowed
 
     assert host_allowed("LOCALHOST.:8765", [])
     assert host_allowed("[::1]:8765", [])

@@ -330,7 +330,7 @@ def test_default_pool_takes_settings_made_after_it(monkeypatch: pytest.MonkeyPat
     try:
         first.start()
         assert (first.size, first.warm, first.max_kept) == (2, None, 8)
-        # as kf.orchestra's worker does (a GPU keeps as many candidate runners as idle ones)
+        # as kf.app.orchestra's worker does (a GPU keeps as many candidate runners as idle ones)
         sandbox.configure_default_pool(size=3, warm="cpu", kept=19)
         assert sandbox.default_pool() is first
         assert (first.size, first.warm, first.max_kept) == (3, "cpu", 19)

@@ -93,7 +93,7 @@ def test_run_on_an_unavailable_device_exits_two(
     """`kf run --device cuda:0` without a usable GPU says so, as kf eval does (no traceback)."""
     import torch
 
-    from kf.cli import main as kf_main
+    from kf.app.cli import main as kf_main
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")

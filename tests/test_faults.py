@@ -83,7 +83,7 @@ def stop(*procs: subprocess.Popen[str]) -> None:
 def check_counted_once(db: Path, budget: int) -> dict[str, Any]:
     """Every candidate ends exactly once in the report, and replay --check passes."""
     rep = subprocess.run(
-        [sys.executable, "-m", "kf.cli", "report", str(db), "--json"],
+        [sys.executable, "-m", "kf.app.cli", "report", str(db), "--json"],
         cwd=ROOT,
         env=ENV,
         capture_output=True,

@@ -56,10 +56,12 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         }
         wa, evil = creds.credential("worker", "wA"), creds.credential("worker", "evil")
         try:
-            main = proc(["kf.cli", *run_args(server.url, db, RUN, BUDGET, "--no-worker")], roles)
+            main = proc(
+                ["kf.app.cli", *run_args(server.url, db, RUN, BUDGET, "--no-worker")], roles
+            )
             worker = proc(
                 [
-                    "kf.cli",
+                    "kf.app.cli",
                     "worker",
                     "--nats",
                     server.url,
@@ -199,7 +201,7 @@ def lying_worker(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             # tuning ends unanswered if its device is counted lost
             extra = ("--tune-budget", "4", "--heartbeat-timeout", "30")
             args = run_args(server.url, db, LIAR_RUN, 4, *extra)
-            main = proc(["kf.cli", *args], {**logins, **trust})
+            main = proc(["kf.app.cli", *args], {**logins, **trust})
             liar = proc(
                 ["tests.evil_worker", server.url, LIAR_RUN, evil.user, evil.password, "evil"],
                 trust,
@@ -248,7 +250,7 @@ def test_forgery_lying_worker_needs_another_device_to_confirm(
     best = report["tasks"][0]["best_speedup"]
     assert best is None or best < 10.0
     check = subprocess.run(
-        [sys.executable, "-m", "kf.cli", "replay", str(db), "--check", "--json"],
+        [sys.executable, "-m", "kf.app.cli", "replay", str(db), "--check", "--json"],
         cwd=ROOT,
         env=ENV,
         capture_output=True,
@@ -315,8 +317,8 @@ def test_forgery_duplicate_profile_prints_one_progress_line() -> None:
     held for another device's measurement says so, not "failed"."""
     import io
 
+    from kf.app.orchestra import Progress
     from kf.evaluation.grader.reports import CompileReport, ProfileReport, VerifyReport
-    from kf.orchestra import Progress
     from kf.search_facts import CandidateCompiled, CandidateProfiled, CandidateVerified
     from tests.test_archive import announce, propose, rec, started
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from kf.kernelbench import format_levels, level_scores
-from kf.report import headline
+from kf.app.kernelbench import format_levels, level_scores
+from kf.app.report import headline
 
 
 def test_headline_leaves_out_degenerate_tasks() -> None:

@@ -25,7 +25,7 @@ def test_kinds_by_command_line() -> None:
     assert kind_of("python\0-m\0torch._inductor.compile_worker\0--pickler") == (
         "inductor compile workers"
     )
-    assert kind_of("/usr/bin/python3\0-m\0kf.cli\0run\0tasks") == "kf grader and agents"
+    assert kind_of("/usr/bin/python3\0-m\0kf.app.cli\0run\0tasks") == "kf grader and agents"
     assert kind_of("nats-server\0-p\0004222") == "nats-server"
     assert kind_of("/work/.venv/bin/python\0/work/.venv/bin/kf\0run\0t.py") == (
         "kf grader and agents"

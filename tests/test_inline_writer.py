@@ -151,7 +151,7 @@ def test_a_dead_writer_is_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_prewarm_starts_the_writer_in_the_background() -> None:
-    """A CUDA worker starts its writer as it starts (kf.orchestra.worker_plan): the call
+    """A CUDA worker starts its writer as it starts (kf.app.orchestra.worker_plan): the call
     returns at once, and the process is there before the first build asks for it."""
     writer = inline_writer.writer()
     writer.close()

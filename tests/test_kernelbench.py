@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from kf.app.task_select import SelectionError, select, select_loaded, task_id
 from kf.evaluation.grader.reports import CompileReport, ProfileReport, VerifyReport
-from kf.task_select import SelectionError, select, select_loaded, task_id
 
 ROOT = Path(__file__).resolve().parent.parent
 LEVEL1 = sorted(
@@ -196,7 +196,7 @@ def test_report_rows_and_fast_p_follow_kernelbench(kb_log: Path) -> None:
     """fast_p counts correct tasks with speed-up > p over ALL N tasks of a level (a wrong
     and a skipped task included); the geomean is over correct tasks; each against eager,
     torch.compile and the better of the two; rows carry KernelBench's field names."""
-    from kf.report import build_report
+    from kf.app.report import build_report
 
     kb = build_report(kb_log)["kernelbench"]
     rows = {r["problem_name"]: r for r in kb["rows"]}
@@ -256,8 +256,8 @@ def test_report_rows_and_fast_p_follow_kernelbench(kb_log: Path) -> None:
 def test_kf_report_csv_json_and_table(kb_log: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`kf report --csv` gives one row per task with KernelBench's columns; `--json` holds
     the same rows and the per-level scores; the table prints them per level."""
-    from kf.cli import main
-    from kf.kernelbench import CSV_COLUMNS
+    from kf.app.cli import main
+    from kf.app.kernelbench import CSV_COLUMNS
 
     assert main(["report", str(kb_log), "--csv"]) == 0
     lines = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
@@ -296,8 +296,8 @@ def test_task_windows_are_device_work_without_the_compile(kb_log: Path) -> None:
     """The span bench/kernelbench.py reads nvidia-smi's peak over runs from a task's first
     verification's start to its last stage's end: a run compiles every task's seeds at
     the start, and a span from there held the other tasks' device work too."""
+    from kf.app.kernelbench import task_windows
     from kf.events import decode_event
-    from kf.kernelbench import task_windows
     from kf.log import EventLog
 
     with EventLog(kb_log, readonly=True) as elog:
@@ -412,7 +412,7 @@ def test_bench_stops_at_its_wall_limit_and_resumes(tmp_path: Path) -> None:
 def test_export_states_every_baseline(kb_log: Path, tmp_path: Path) -> None:
     """`kf export` heads the module with the speed-up against eager, torch.compile and the
     better of the two; a task without a compiled time says so."""
-    from kf.cli import main
+    from kf.app.cli import main
 
     out = tmp_path / "mm.py"
     assert (

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 #: the application layer: the commands and the composition of processes, which may
 #: import agents
-APPLICATION = {"kf/cli.py", "kf/orchestra.py", "kf/report.py"}
+APPLICATION = {"kf/app/cli.py", "kf/app/orchestra.py", "kf/app/report.py"}
 RUNTIME = sorted(
     p
     for p in (ROOT / "kf").rglob("*.py")

@@ -92,7 +92,7 @@ def test_seedless_cut_off_answer_is_recorded_as_such(seedless_run: Any) -> None:
 def test_seedless_every_candidate_ends_with_an_outcome(seedless_run: Any) -> None:
     """No candidate is left waiting: each was profiled or failed with a cause."""
     db, report, _, _ = seedless_run
-    from kf.report import build_report
+    from kf.app.report import build_report
 
     (task,) = build_report(db)["tasks"]
     assert task["profiled"] + task["failed"] == task["candidates"]

@@ -24,8 +24,9 @@ import pytest
 from agents.archivist import Archivist
 from kf import bus
 from kf.agent import AgentContext
+from kf.app.cli import main as kf_main
+from kf.app.report import build_report, format_table
 from kf.bus import EmbeddedServer
-from kf.cli import main as kf_main
 from kf.events import Envelope, decode_event, encode_envelope, make_envelope
 from kf.log import (
     WRITER_FUNCTION,
@@ -36,7 +37,6 @@ from kf.log import (
     check_integrity,
 )
 from kf.replay import check, deciding_agent_types
-from kf.report import build_report, format_table
 from kf.runtime import Outbox
 from kf.search_facts import CandidateProfiled
 from tests.harness import pings, run_kf, wait_for
@@ -355,7 +355,7 @@ def test_archivist_second_process_on_one_log_is_refused(nats_url: str, db_path: 
     one line naming the holder; the first goes on."""
     args = ["agent", "archivist", "--nats", nats_url, "--run", "r", "--db", str(db_path)]
     first = subprocess.Popen(
-        [sys.executable, "-m", "kf.cli", *args], cwd=ROOT, env=ENV,
+        [sys.executable, "-m", "kf.app.cli", *args], cwd=ROOT, env=ENV,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     lock = db_path.with_name(db_path.name + ".lock")

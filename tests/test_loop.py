@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kf.cli import build_parser
+from kf.app.cli import build_parser
 from kf.events import decode_event
 from kf.kernels.tuning import tuning_config
 from kf.log import EventLog

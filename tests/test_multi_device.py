@@ -99,7 +99,7 @@ def test_multi_device_cuda_all_without_gpus_is_refused_by_run_and_worker() -> No
         assert proc.returncode == 2, proc.stderr
         assert "no CUDA devices" in proc.stderr
     helps = subprocess.run(
-        [sys.executable, "-m", "kf.cli", "worker", "--help"],
+        [sys.executable, "-m", "kf.app.cli", "worker", "--help"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -236,7 +236,7 @@ def test_multi_device_worker_failed_device_is_recorded_and_its_work_redispatched
     main = kf_proc(*run_args(server.url, db, run, 5, "--no-worker", "--max-in-flight", "4"))
     worker_log = (tmp_path / "worker.log").open("w")
     worker = subprocess.Popen(
-        [sys.executable, "-m", "kf.cli", "worker", "--device", "cpu,cpu", "--nats", server.url,
+        [sys.executable, "-m", "kf.app.cli", "worker", "--device", "cpu,cpu", "--nats", server.url,
          "--run", run, "--name", "wA", "--heartbeat", "0.5"],
         cwd=ROOT, env=dict(ENV, KF_DEVICE_FAULTS=f"{failing}@2"),
         stdout=subprocess.DEVNULL, stderr=worker_log, text=True,
@@ -289,13 +289,13 @@ def test_multi_device_gpu_all_expands_and_a_working_gpu_is_healthy() -> None:
 def _counted_once(db: Path) -> None:
     """Every candidate ended once (a GPU task's mutations may propose fewer than the
     budget), and replay --check passes."""
-    from kf.report import build_report
+    from kf.app.report import build_report
 
     task = build_report(db)["tasks"][0]
     assert task["candidates"] > 0
     assert task["profiled"] + task["failed"] == task["candidates"]
     chk = subprocess.run(
-        [sys.executable, "-m", "kf.cli", "replay", str(db), "--check"],
+        [sys.executable, "-m", "kf.app.cli", "replay", str(db), "--check"],
         cwd=ROOT, env=ENV, capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert chk.returncode == 0, chk.stdout + chk.stderr
@@ -304,7 +304,7 @@ def _counted_once(db: Path) -> None:
 def _gpu_run(tmp_path: Path, budget: int, **env: str) -> Path:
     db = tmp_path / "run.db"
     proc = subprocess.run(
-        [sys.executable, "-m", "kf.cli", "run", str(CUDA_TASK), "--device", "cuda:0,cuda:1",
+        [sys.executable, "-m", "kf.app.cli", "run", str(CUDA_TASK), "--device", "cuda:0,cuda:1",
          "--budget", str(budget), "--islands", "1", "--db", str(db), "--json"],
         cwd=ROOT, env=dict(ENV, **env), capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip

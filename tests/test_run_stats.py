@@ -1,11 +1,11 @@
-"""The run summary's figures from a log's envelopes (kf.run_stats)."""
+"""The run summary's figures from a log's envelopes (kf.app.run_stats)."""
 
 from __future__ import annotations
 
+from kf.app.run_stats import format_run_stats, run_stats
 from kf.evaluation.grader.reports import CompileReport
 from kf.events import Envelope, Event, make_envelope
 from kf.facts import DeviceAnnounced, DeviceHeartbeat, RunFinished
-from kf.run_stats import format_run_stats, run_stats
 from kf.search_facts import CandidateAssigned, CandidateCompiled
 
 

@@ -270,7 +270,7 @@ async def test_runtime_plugin_agent_receives_committed_events(
             [
                 sys.executable,
                 "-m",
-                "kf.cli",
+                "kf.app.cli",
                 "agent",
                 "echo",
                 "--nats",

@@ -176,7 +176,7 @@ def listener() -> Iterator[socket.socket]:
 @pytest.fixture
 def cleanup() -> Iterator[None]:
     """Whatever an escape left behind goes, even when an assertion failed."""
-    before = hashlib.sha256((ROOT / "kf/cli.py").read_bytes()).hexdigest()
+    before = hashlib.sha256((ROOT / "kf/app/cli.py").read_bytes()).hexdigest()
     try:
         yield
     finally:
@@ -185,7 +185,7 @@ def cleanup() -> Iterator[None]:
         (ROOT / "kf/_escaped.py").unlink(missing_ok=True)
         for path in (Path("/var/tmp/kf-escape-fill"), ROOT / "kf-escape-fill"):
             path.unlink(missing_ok=True)
-        assert hashlib.sha256((ROOT / "kf/cli.py").read_bytes()).hexdigest() == before
+        assert hashlib.sha256((ROOT / "kf/app/cli.py").read_bytes()).hexdigest() == before
 
 
 def _no_connection(sock: socket.socket) -> bool:

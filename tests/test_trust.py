@@ -231,7 +231,7 @@ def test_run_marks_a_degenerate_task_and_flags_its_speedups(tmp_path: Path) -> N
     table = run_kf("report", str(db))
     assert "DEGENERATE task" in table.stdout
     assert "degenerate, left out: degen" in table.stdout
-    from kf.dashboard import report_html
+    from kf.app.dashboard import report_html
 
     assert '"degenerate_tasks":["degen"]' in report_html(db)
     replay = run_kf("replay", str(db), "--check")

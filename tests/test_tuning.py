@@ -255,8 +255,8 @@ def test_a_lying_tuner_raises_no_speedup_and_export_runs_what_another_device_mea
     shape set (a 77x claim, as any result) and at another shape set (below the bound and in
     no cell, but what kf export dispatches to there). Without the trust list (old logs, or
     KF_TRUSTED_DEVICES=*) the liar's 3x at shape set 1 would have been taken."""
+    from kf.app.export import tuned_choices
     from kf.events import make_envelope
-    from kf.export import tuned_choices
     from kf.search_facts import CandidateConfirmed, ConfirmationRequested
 
     lie = {"device_id": "evil", "best_ms": 1e-6, "baseline_ms": 1.0}

@@ -71,7 +71,7 @@ def run_id_for(
     (``request.run_id`` if given). ``device`` is the run's target (the first device of
     ``--device``), ``conditions`` the measuring conditions asked for."""
     from kf import bus
-    from kf.orchestra import new_run_id
+    from kf.app.orchestra import new_run_id
 
     if not logged.exists:
         return (bus.valid_run_id(request.run_id) if request.run_id else new_run_id()), []

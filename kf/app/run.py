@@ -29,7 +29,7 @@ from kf.events import Envelope
 from kf.kernels.tasks import Task, TaskError
 
 if TYPE_CHECKING:
-    from kf.orchestra import RunOptions
+    from kf.app.orchestra import RunOptions
 
 __all__ = ["RunPlan", "RunResult", "prepare_run", "run", "search"]
 
@@ -93,7 +93,7 @@ def prepare_run(request: RunRequest) -> RunPlan:
         conditions = Conditions.of(logged.started.config) if logged.started else asked
         if not request.join:  # a joined deployment's workers check on their own devices
             if request.local_worker:
-                from kf.orchestra import prepare_worker
+                from kf.app.orchestra import prepare_worker
 
                 prepare_worker(request.device)
             checked = check_tasks(
@@ -172,7 +172,7 @@ def _load(request: RunRequest) -> tuple[list[Task], list[tuple[str, str]]]:
     tasks, skipped = load_tasks_skipping(request.tasks, shape_cap=request.shape_cap)
     if request.select is None:
         return tasks, skipped
-    from kf.task_select import SelectionError, select_loaded
+    from kf.app.task_select import SelectionError, select_loaded
 
     if not request.tasks.is_dir():
         raise TaskError(f"--tasks chooses tasks of a folder; {request.tasks} is a file")
@@ -199,10 +199,10 @@ def _options(
     run_id: str,
     logged: LoggedRun,
 ) -> RunOptions:
-    """The process's settings of the run (:class:`kf.orchestra.RunOptions`); the run's
+    """The process's settings of the run (:class:`kf.app.orchestra.RunOptions`); the run's
     config records them."""
+    from kf.app.orchestra import RunOptions
     from kf.devices import default_in_flight
-    from kf.orchestra import RunOptions
     from kf.settings import current
 
     local = devices if request.local_worker else []
@@ -244,7 +244,7 @@ def asked_conditions(request: RunRequest) -> Conditions:
 
 
 def _trusted_devices(request: RunRequest, devices: list[str]) -> list[str] | None:
-    """The run's own worker's device ids (as kf.orchestra names them), and
+    """The run's own worker's device ids (as kf.app.orchestra names them), and
     ``KF_TRUSTED_DEVICES`` (kf.auth.trusted_devices)."""
     from hardware_agents.cpu import host_id
     from kf.auth import trusted_devices
@@ -257,10 +257,10 @@ def _trusted_devices(request: RunRequest, devices: list[str]) -> list[str] | Non
 async def search(plan: RunPlan, *, out: TextIO = sys.stdout) -> RunResult:
     """Start (or resume) the planned run, record its task checks, follow it to its end
     with progress on ``out``, and report. The exceptions of
-    :func:`kf.orchestra.run_search` (``PartDied``, ``ConnectionError``, ``ValueError``)
+    :func:`kf.app.orchestra.run_search` (``PartDied``, ``ConnectionError``, ``ValueError``)
     reach the caller."""
-    from kf.orchestra import run_search
-    from kf.report import build_report_from
+    from kf.app.orchestra import run_search
+    from kf.app.report import build_report_from
 
     for line in plan.notes:
         print(line, file=out, flush=True)

@@ -70,7 +70,7 @@ class LlmClient:
 
     def __init__(self, settings: ClientSettings) -> None:
         # imported here, not with the module: every `kf` command imports this one (through
-        # kf.cli's parser), and openai's import is about a second of the commands that
+        # kf.app.cli's parser), and openai's import is about a second of the commands that
         # never call a model (report, replay, export, eval)
         import openai
 

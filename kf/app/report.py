@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kf.agent import AgentContext
+from kf.app.mutator_stats import format_mutator_stats, mutator_stats
+from kf.app.run_stats import format_run_stats, run_stats
 from kf.events import Envelope, decode_event
 from kf.fold import fold
 from kf.log import EventLog, check_integrity
-from kf.mutator_stats import format_mutator_stats, mutator_stats
-from kf.run_stats import format_run_stats, run_stats
 from kf.search_facts import CandidateProfiled, CandidateVerified, TaskChecks
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
     total_cells = len(state.tasks) * state.config.islands * CELLS_PER_ISLAND
     # the search's mutators (tuned candidates are counted per task, as tuned_candidates)
     mutators = sorted({c.mutator for c in state.candidates.values() if c.operator != "tune"})
-    from kf.kernelbench import kernelbench_section
+    from kf.app.kernelbench import kernelbench_section
 
     compared = mutator_stats(envelopes)  # a mixed population's kinds, side by side
     return {
@@ -143,7 +143,7 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
             and getattr(getattr(decode_event(e), "report", None), "sandbox", "")
             == "unsafe-no-sandbox"
         ),
-        # one row per task in KernelBench's terms, and scores per level (kf.kernelbench)
+        # one row per task in KernelBench's terms, and scores per level (kf.app.kernelbench)
         "kernelbench": kernelbench_section(tasks, envelopes),
     }
 
@@ -495,7 +495,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines += _check_lines(report)
     kb = report.get("kernelbench") or {}
     if any(r["level"] is not None for r in kb.get("rows", [])):
-        from kf.kernelbench import format_levels
+        from kf.app.kernelbench import format_levels
 
         lines += format_levels(kb)
     a = report["archive"]

@@ -1,7 +1,7 @@
 """A run's log as the dashboard reads it: opened read-only (:func:`open_log`, a clear
-error for anything else), folded into a :class:`~kf.dashboard.view.RunView` and followed
+error for anything else), folded into a :class:`~kf.app.dashboard.view.RunView` and followed
 as it grows (:class:`Feed`), with the hash chain's status (:func:`integrity_state`). The
-live app (:mod:`kf.dashboard.app`) and the static report (:mod:`kf.dashboard.page`) both
+live app (:mod:`kf.app.dashboard.app`) and the static report (:mod:`kf.app.dashboard.page`) both
 read a run through it.
 """
 
@@ -14,14 +14,14 @@ from pathlib import Path
 
 import structlog
 
-from kf.dashboard.view import RunView
+from kf.app.dashboard.view import RunView
 from kf.events import EventError, Record
 from kf.log import EventLog, Integrity, LogError, LogTooNew
 
 __all__ = ["DashboardError", "Feed", "integrity_state", "open_log"]
 
 _BATCH = 2000
-_log = structlog.get_logger("kf.dashboard")
+_log = structlog.get_logger("kf.app.dashboard")
 
 
 class DashboardError(RuntimeError):

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from kf.dashboard.feed import Feed, integrity_state, open_log
+from kf.app.dashboard.feed import Feed, integrity_state, open_log
 
 __all__ = ["live_page", "report_html", "write_report"]
 

@@ -43,8 +43,8 @@ from collections.abc import Iterable
 from pathlib import PurePath
 from typing import Any
 
+from kf.app.task_select import task_id
 from kf.events import Envelope, decode_event
-from kf.task_select import task_id
 
 __all__ = [
     "CSV_COLUMNS",

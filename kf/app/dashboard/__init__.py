@@ -4,7 +4,7 @@ afterwards (``kf report --html``), all from the committed log.
 
 from __future__ import annotations
 
-from kf.dashboard.app import (
+from kf.app.dashboard.app import (
     DashboardError,
     Feed,
     host_allowed,
@@ -12,8 +12,8 @@ from kf.dashboard.app import (
     open_log,
     start_dashboard,
 )
-from kf.dashboard.page import live_page, report_html, write_report
-from kf.dashboard.view import RunView
+from kf.app.dashboard.page import live_page, report_html, write_report
+from kf.app.dashboard.view import RunView
 
 __all__ = [
     "DashboardError",

@@ -1,7 +1,7 @@
 """``kf serve``: an aiohttp app over a run's log — JSON API, server-sent events, the page.
 
 The app opens the log read-only (WAL lets it read while the archivist writes), folds it
-into a :class:`~kf.dashboard.view.RunView`, then polls the file for newly committed
+into a :class:`~kf.app.dashboard.view.RunView`, then polls the file for newly committed
 events. Each time the head moves, every open ``/api/stream`` gets an SSE message and
 the page fetches the state again. The poller is a background task owned by the app's
 ``cleanup_ctx``; nothing runs after the app is cleaned up.
@@ -45,9 +45,9 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from kf.dashboard.feed import DashboardError, Feed, integrity_state, open_log
-from kf.dashboard.page import live_page
-from kf.dashboard.view import RunView
+from kf.app.dashboard.feed import DashboardError, Feed, integrity_state, open_log
+from kf.app.dashboard.page import live_page
+from kf.app.dashboard.view import RunView
 from kf.log import LogError
 
 __all__ = [
@@ -63,7 +63,7 @@ __all__ = [
 
 STATIC = Path(__file__).parent / "static"
 _KEEPALIVE_S = 15.0
-_log = structlog.get_logger("kf.dashboard")
+_log = structlog.get_logger("kf.app.dashboard")
 
 
 FEED_KEY = web.AppKey("kf_feed", Feed)

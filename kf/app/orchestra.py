@@ -367,7 +367,7 @@ async def run_search(
         await _record_start(rb.proposer, run_id, tasks, o, mutator)
         parts.start_agents(rb, run_id, o, slots, worker_types)
         if o.request.serve is not None and db.exists():
-            from kf.dashboard import start_dashboard
+            from kf.app.dashboard import start_dashboard
 
             url_, parts.stop_dashboard = await start_dashboard(
                 db, host=o.request.serve[0], port=o.request.serve[1]
@@ -460,7 +460,7 @@ class _Parts:
         self.agents.append(asyncio.create_task(work, name=name))
 
     def watched(self, rb: RunBus, o: RunOptions) -> list[asyncio.Task[None]]:
-        """The tasks whose end before the run's means a part died (kf.orchestra._first)."""
+        """The tasks whose end before the run's means a part died (kf.app.orchestra._first)."""
         watch = [*self.agents, *([self.archivist] if self.archivist else []), *rb.watched()]
         if rb.server is None:  # a server kf did not start: a bounded wait for it
             clients = list({id(c): c for c in (rb.proposer, rb.archivist, *rb.workers.values())

@@ -351,7 +351,7 @@ class RunView:
 
     def _headline(self, tasks: list[dict[str, Any]]) -> dict[str, Any]:
         """The best speed-up and the geomean over the tasks the audit did not mark
-        degenerate (kf.report.headline), and the degenerate tasks, shown on their own."""
+        degenerate (kf.app.report.headline), and the degenerate tasks, shown on their own."""
         from agents.archive import geomean
 
         kept = [t["best_speedup"] for t in tasks if t["best_speedup"] and not t["degenerate"]]

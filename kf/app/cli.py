@@ -119,7 +119,7 @@ def _guarded(
     ``(0, its result)``, else ``(code, None)``. ``usage`` are the exceptions that mean bad
     input or settings (2); with ``resume`` an ending that keeps the log says how to resume."""
     from kf import shutdown
-    from kf.orchestra import PartDied
+    from kf.app.orchestra import PartDied
 
     try:
         return EXIT_OK, shutdown.run(work, reap=_own(args))
@@ -148,7 +148,7 @@ def _guarded(
 async def _agent_main(args: argparse.Namespace) -> int:
     from kf import bus
     from kf.agent import Agent, AgentContext, load_agent_type, make_agent_id
-    from kf.orchestra import watch_bus
+    from kf.app.orchestra import watch_bus
     from kf.runtime import AgentRunner, supervise
 
     cls = load_agent_type(args.kind)
@@ -284,7 +284,7 @@ def _summary(snap: Any) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     """Evolve kernels for the given tasks on this machine (the work is :mod:`kf.app`'s)."""
     from kf.app import RunRefused, prepare_run, search
-    from kf.report import format_table
+    from kf.app.report import format_table
 
     request = _run_request(args)
     if isinstance(request, str):
@@ -398,8 +398,8 @@ def _stopped(verb: str, exc: BaseException, *, resume: bool = False) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     """Serve a run started elsewhere with this machine's device."""
     from kf.app import require_sandbox
+    from kf.app.orchestra import run_worker
     from kf.bus import valid_run_id
-    from kf.orchestra import run_worker
 
     refused = require_sandbox(args.unsafe_no_sandbox)
     if refused:
@@ -427,8 +427,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Print a run's results."""
+    from kf.app.report import build_report, format_table
     from kf.log import LogError
-    from kf.report import build_report, format_table
 
     try:
         report = build_report(args.db, ignore_integrity=args.ignore_integrity)
@@ -436,13 +436,13 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"kf report: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if args.csv:
-        from kf.kernelbench import rows_to_csv
+        from kf.app.kernelbench import rows_to_csv
 
         print(rows_to_csv(report["kernelbench"]["rows"]), end="")
     else:
         print(json.dumps(report, indent=2) if args.json else format_table(report))
     if args.html:
-        from kf.dashboard import write_report
+        from kf.app.dashboard import write_report
 
         out = write_report(args.db, args.html)
         print(f"kf report: wrote {out} (self-contained HTML)", file=sys.stderr)
@@ -451,8 +451,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve the dashboard of a run's log (live while the run writes it)."""
-    from kf.dashboard import DashboardError
-    from kf.dashboard.app import serve
+    from kf.app.dashboard import DashboardError
+    from kf.app.dashboard.app import serve
 
     async def go() -> None:
         stop = asyncio.Event()
@@ -477,8 +477,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Write the best kernel of a task as a module defining ``ModelNew``."""
     from agents.archive import best_candidate
+    from kf.app.report import best_baselines, fold_archive
     from kf.log import EventLog, LogError
-    from kf.report import best_baselines, fold_archive
 
     try:
         with EventLog(args.db, readonly=True) as elog:
@@ -517,7 +517,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             "# exported with --ignore-integrity: this kernel and its figures prove nothing\n"
         ) + header
         print(f"kf export: WARNING: {integrity.message()}", file=sys.stderr)
-    from kf.export import dispatch_module, tuned_choices
+    from kf.app.export import dispatch_module, tuned_choices
     from kf.kernels.params import family as param_family
 
     choices = tuned_choices(state, envelopes, task, param_family(best.source))
