@@ -200,7 +200,10 @@ class _Capture:
             return
         for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
-                self.errors[path] = f"its argument {i} is a {type(a).__name__}, not a tensor"
+                self.errors[path] = (
+                    f"its argument {i} is not a tensor ({type(a).__name__}); a task's "
+                    "inputs are tensors"
+                )
                 return
         outs = out if isinstance(out, tuple | list) else (out,)
         if not outs or not all(isinstance(o, torch.Tensor) for o in outs):

@@ -23,6 +23,7 @@ __all__ = [
     "MutationContext",
     "Prompt",
     "Section",
+    "dtype_line",
     "estimate_tokens",
     "fit_sections",
     "init_messages",
@@ -291,6 +292,30 @@ def _attempt_sections(title: str, attempts: Sequence[Attempt], drop: int) -> lis
     return out
 
 
+_HALF_NAMES = {
+    "bfloat16": ("torch.bfloat16", ".bfloat16()", "torch.bf16"),
+    "float16": ("torch.float16", "torch.half", ".half()"),
+}
+
+
+def dtype_line(reference: str) -> str:
+    """What the prompt says of the task's dtypes, read from the reference's text: the
+    half types it names (bf16 and fp16 kept as the model has them), or float32."""
+    found = [
+        name for name, spellings in _HALF_NAMES.items() if any(s in reference for s in spellings)
+    ]
+    if not found:
+        return "The reference's tensors are float32 unless its code says otherwise."
+    names = " and ".join(found)
+    return (
+        f"The reference uses {names} tensors: take the inputs in the dtypes the reference "
+        "gets, and return each output in the reference's output dtype (a "
+        f"{found[0]} output stays {found[0]}; an output of another dtype is rejected). "
+        "Accumulate sums and dot products in float32. Outputs are judged at atol=rtol=1e-2 "
+        "for half types, else within 3x eager's own error against a float64 run."
+    )
+
+
 def _opening(
     task: str,
     reference: str,
@@ -307,6 +332,7 @@ def _opening(
             text=f"# Task `{task}`: the PyTorch reference\n```python\n{reference}\n```",
             clip=True,
         ),
+        Section(name="dtypes", text=f"# Dtypes\n{dtype_line(reference)}"),
         Section(name="device", text=f"# Target device\n{_device_lines(device)}", drop=3),
     ]
     if language is not None:
