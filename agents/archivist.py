@@ -106,6 +106,11 @@ class Archivist:
         self._queue: asyncio.Queue[Msg | _Local] = asyncio.Queue()
         self._last_seen: dict[str, float] = {}  # device → monotonic time last heard
         self.heartbeat_timeout_s = float(ctx.options.get("heartbeat_timeout_s", 30.0))
+        # a device holding candidates that answers none of them for this long is lost, even
+        # while it heartbeats (issue 43, NX9); 0: never
+        self.assignment_timeout_s = float(ctx.options.get("assignment_timeout_s", 0.0) or 0.0)
+        self._given: dict[tuple[str, int], float] = {}  # (candidate, attempt) → when assigned
+        self._answered: dict[str, float] = {}  # device → when it last answered its work
         self._hosted: list[tuple[Agent[Any], Any]] = []
         self._busy = False  # waiting for another connection's write lock
         self.entitlements = Entitlements()
@@ -202,10 +207,17 @@ class Archivist:
                 self._busy = False
                 now = time.monotonic()
                 self._last_seen = dict.fromkeys(self._last_seen, now)
+                self._given = dict.fromkeys(self._given, now)
+                self._answered = dict.fromkeys(self._answered, now)
                 log.warning("log_busy_over", waited_s=round(now - started, 1))
             return committed
 
     def _track_device(self, env: Envelope) -> None:
+        if env.type == "search.candidate_assigned" or (
+            env.type.startswith("kernel.candidate_") and env.type != "kernel.candidate_proposed"
+        ):
+            self._track_work(env)
+            return
         if env.type in _DEVICE_ALIVE or env.type in _DEVICE_GONE:
             device = getattr(decode_event(env), "device_id", None)
             if device is None:
@@ -215,8 +227,55 @@ class Archivist:
             else:
                 self._last_seen.pop(device, None)
 
+    def _track_work(self, env: Envelope) -> None:
+        """When each attempt was given out, and when each device last answered its work
+        (a stage result: compiled, verified, rejected, profiled)."""
+        ev = decode_event(env)
+        device = getattr(ev, "device_id", None)
+        if not isinstance(device, str):
+            return
+        now = time.monotonic()
+        if env.type == "search.candidate_assigned":
+            self._given[(str(getattr(ev, "candidate_id", "")), int(getattr(ev, "attempt", 0)))] = (
+                now
+            )
+        else:
+            self._answered[device] = now
+
+    def _unanswered(self, now: float) -> list[DeviceLost]:
+        """Devices that hold candidates and have answered none of them for longer than the
+        assignment timeout: each is lost (its candidates go elsewhere), with the reason.
+        What a device holds is the archive's own fold (its candidates in flight there)."""
+        timeout = self.assignment_timeout_s
+        archive = next((st for a, st in self._hosted if a.kind == "archive"), None)
+        if timeout <= 0 or archive is None:
+            return []
+        held: dict[str, list[tuple[str, int]]] = {}
+        for c in getattr(archive, "candidates", {}).values():
+            if c.in_flight and c.device_id is not None:
+                held.setdefault(c.device_id, []).append((c.id, c.attempt))
+        lost: list[DeviceLost] = []
+        for device, work in sorted(held.items()):
+            given = min(self._given.setdefault(k, now) for k in work)
+            since = max(given, self._answered.get(device, given))
+            if now - since <= timeout:
+                continue
+            self._answered[device] = now  # once: the loss is committed before the next look
+            silent = round(now - since, 1)
+            first = min(work, key=lambda k: self._given[k])
+            reason = (
+                f"no answer to its {len(work)} assignment(s) (candidate {first[0][:12]} "
+                f"attempt {first[1]} the oldest) for {silent:g} s, past the assignment "
+                f"timeout of {timeout:g} s, while it still heartbeats: its work goes to "
+                "other devices"
+            )
+            log.warning("device_unanswering", device=device, silent_s=silent, held=len(work))
+            lost.append(DeviceLost(device_id=device, silent_s=silent, reason=reason))
+        return lost
+
     async def _watchdog(self, nc: Client | None = None) -> None:
-        """Record ``device.lost`` for a device silent longer than the heartbeat timeout.
+        """Record ``device.lost`` for a device silent longer than the heartbeat timeout, or
+        holding candidates it has answered none of for longer than the assignment timeout.
 
         The silence is an observation (wall clock, made here); what follows from it — the
         re-dispatch of that device's candidates — is the archive's decision. While the
@@ -237,7 +296,12 @@ class Archivist:
                 cut_off = False
                 for device in self._last_seen:
                     self._last_seen[device] = now
+                self._given = dict.fromkeys(self._given, now)
+                self._answered = dict.fromkeys(self._answered, now)
                 continue
+            for lost in self._unanswered(now):
+                env = make_envelope(lost, run_id=self.ctx.run_id, source=self.ctx.agent_id)
+                self._queue.put_nowait(_Local([env]))
             for device, seen in sorted(self._last_seen.items()):
                 if now - seen > timeout:
                     del self._last_seen[device]

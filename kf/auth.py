@@ -487,13 +487,14 @@ def shared_login_refusal(
     )
 
 
-def trusted_devices(local: Sequence[str]) -> list[str] | None:
+def trusted_devices(local: Sequence[str], given: Sequence[str] = ()) -> list[str] | None:
     """The devices whose results a run takes on their word (its ``confirm_trusted``): its
-    own local worker's and those named in ``KF_TRUSTED_DEVICES`` (comma-separated); any
-    other device's result that would enter the archive is measured again on another
-    device first (agents/archive.py). ``KF_TRUSTED_DEVICES=*`` trusts every device, as
-    kf did before (None: the run records no list)."""
+    own local worker's, those ``given`` (``kf run --trust``) and those named in
+    ``KF_TRUSTED_DEVICES`` (comma-separated); any other device's result that would enter
+    the archive is measured again on another device first (agents/archive.py). ``*``
+    trusts every device, as kf did before (None: the run records no list)."""
     named = [n.strip() for n in (current().get("KF_TRUSTED_DEVICES") or "").split(",")]
+    named += [n.strip() for n in given]
     if "*" in named:
         return None
     return sorted({*local, *(n for n in named if n)})

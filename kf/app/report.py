@@ -94,7 +94,7 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
     speedups: dict[str, float] = {}
     vs_best: dict[str, float] = {}
     profiles = _profiles(envelopes)
-    audits = _audits(envelopes)
+    audits = _audits(envelopes, state.config.confirm_trusted)
     filled = 0
     for name in state.tasks:
         entry = _task_entry(state, name, profiles, audits)
@@ -292,13 +292,17 @@ def _failures(state: Any, task: str) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def _audits(envelopes: Iterable[Envelope]) -> dict[str, Any]:
-    """Each task's audit (``kernel.task_audited``; the first one, as it is recorded once)."""
+def _audits(envelopes: Iterable[Envelope], trusted: list[str] | None = None) -> dict[str, Any]:
+    """Each task's audit (``kernel.task_audited``): the first from a device whose word the
+    run takes (``trusted``, its ``confirm_trusted``; None: every device's), so a device
+    the run does not trust can neither drop a task from the headline nor keep a degenerate
+    one in it (issue 43)."""
     out: dict[str, Any] = {}
     for env in envelopes:
         if env.type == "kernel.task_audited":
             ev = decode_event(env)
-            out.setdefault(ev.task, ev.audit)  # type: ignore[attr-defined]
+            if trusted is None or ev.device_id in trusted:  # type: ignore[attr-defined]
+                out.setdefault(ev.task, ev.audit)  # type: ignore[attr-defined]
     return out
 
 

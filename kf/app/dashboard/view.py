@@ -115,6 +115,7 @@ class RunView:
         self.last_time: float | None = None
         self.finished: str | None = None
         self.config: dict[str, Any] = {}
+        self._audited: set[str] = set()  # tasks whose counted audit was seen (kf.app.report)
         self.kf_version = ""
         self.type_counts: dict[str, int] = {}
         self.traces: dict[str, _Trace] = {}
@@ -156,8 +157,12 @@ class RunView:
             self.finished = ev.reason
         elif isinstance(ev, TaskSkipped):
             self.skipped[ev.task] = ev.reason
-        elif isinstance(ev, TaskAudited) and ev.audit.degenerate:
-            self.degenerate.setdefault(ev.task, ev.audit.reason)
+        elif isinstance(ev, TaskAudited) and ev.task not in self._audited:
+            trusted = self.config.get("confirm_trusted")  # as kf.app.report: the first trusted
+            if not isinstance(trusted, list) or ev.device_id in trusted:
+                self._audited.add(ev.task)
+                if ev.audit.degenerate:
+                    self.degenerate[ev.task] = ev.audit.reason
         elif isinstance(ev, MutationFailed):
             self.mutation_failures += 1
         elif isinstance(ev, CandidateProposed):
