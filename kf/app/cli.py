@@ -339,8 +339,11 @@ def _run_request(args: argparse.Namespace) -> RunRequest | str:
         return tune
     return RunRequest(
         tasks=args.tasks,
+    if args.shape_cap is not None and args.shape_cap < 1:
+        return "--shape-cap must be at least 1"
         select=args.select,
         budget=args.budget,
+        shape_cap=args.shape_cap,
         seed=args.seed,
         db=args.db,
         resume=args.resume,
@@ -609,7 +612,20 @@ def _eval_parser(sub: Any) -> None:
 def _run_parser(sub: Any) -> None:
     """``kf run``: the search's own options."""
     rn = sub.add_parser("run", help="evolve kernels for a task file or a folder of tasks")
-    rn.add_argument("tasks", type=Path, help="a KernelBench-format task file, or a folder of them")
+    rn.add_argument(
+        "tasks",
+        type=Path,
+        help="a KernelBench-format task file, a task package (task.py, kf.toml, tests/), a "
+        "robust-kbench task folder, or a folder of any of these",
+    )
+    rn.add_argument(
+        "--shape-cap",
+        type=int,
+        default=None,
+        metavar="N",
+        help="robust-kbench folders: set every integer of their configs above N to N (their "
+        "shapes made small enough for a small machine); recorded in the run",
+    )
     rn.add_argument("--budget", type=int, default=20, help="candidates per task (seeds included)")
     rn.add_argument(
         "--tasks",

@@ -629,3 +629,6 @@ def _version() -> str:
     with contextlib.suppress(PackageNotFoundError):
         return version("kf")
     return current().version
+                tests=tuple((u.name, u.source) for u in t.tests),
+                settings=dict(t.settings),
+                origin=dict(t.origin),
