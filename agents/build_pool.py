@@ -9,7 +9,7 @@ take every slot while another GPU's candidate waits to be built, and no slot sta
 idle while any device's candidate waits. A built candidate counts as the device's work
 until its verification rejects it or its timing ends (:meth:`BuildPool.consumed`).
 
-One pool per process and event loop (as the device gates are, :func:`kf.device_gate.gate_for`).
+One pool per process and event loop (as the device gates are, :func:`kf.devices.gate.gate_for`).
 With one device it behaves as the compiler's own concurrency limit did.
 """
 

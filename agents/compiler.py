@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 from agents.build_pool import build_pool
 from agents.evaluator import EvaluatorAgent, EvaluatorState
-from kf.device_gate import gate_for
-from kf.devices import runner_pool
+from kf.devices.gate import gate_for
 from kf.evaluation import CompileReport, GradingSession, compile_session
 from kf.evaluation.grader.baseline_settings import Conditions
+from kf.evaluation.grader.pools import runner_pool
 from kf.events import Event, Record
 from kf.facts import RunStarted
 from kf.kernels.tasks import Task

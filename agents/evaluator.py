@@ -1,7 +1,7 @@
 """What the compiler, verifier and profiler share: the run's tasks and candidate sources
 for their device, which candidates a stage takes (``claim``) and the outcome event it
 answers with (``outcome``); the gate that keeps timing alone on the device is
-:mod:`kf.device_gate`.
+:mod:`kf.devices.gate`.
 
 Each of the three is its own agent (its own kind, its own reactions); a worker process
 hosts them next to the device they serve. The blocking evaluation calls run in threads
@@ -21,9 +21,9 @@ from typing import Any, ClassVar, TypeVar
 import msgspec
 
 from kf.agent import Agent, AgentContext
-from kf.device_gate import Turns, gate_for
-from kf.devices import runner_pool
+from kf.devices.gate import Turns, gate_for
 from kf.evaluation.grader.baseline_settings import Conditions
+from kf.evaluation.grader.pools import runner_pool
 from kf.evaluation.grader.session import GradingSession
 from kf.evaluation.wire.tolerance import Tolerance
 from kf.events import Event, Record
@@ -158,7 +158,7 @@ class EvaluatorAgent(Agent[EvaluatorState]):
     async def timing_gate(
         self, peak_device_mb: float | None, *, shared: bool = True, yielding: bool = False
     ) -> AsyncIterator[dict[str, Callable[[], AbstractContextManager[object]]]]:
-        """The device gate for a stage that times (:mod:`kf.device_gate`): shared (from
+        """The device gate for a stage that times (:mod:`kf.devices.gate`): shared (from
         the start, or ``shared=False`` only where the stage asks), with the device alone
         for each timing; what it yields are the session's ``alone`` and ``sharing``.
         ``yielding``: its turns go after every other stage's (:class:`Turns`).
@@ -200,9 +200,9 @@ class EvaluatorAgent(Agent[EvaluatorState]):
 
     def device_down(self) -> bool:
         """Whether this agent's device failed in this process: it takes no more work."""
-        from kf import devices
+        from kf.devices import health
 
-        return devices.failure(self.device_id) is not None
+        return health.failure(self.device_id) is not None
 
     async def stage(self, call: Callable[[], Awaitable[_R]]) -> _R | list[Event]:
         """Run one stage; if it went wrong in a way the device can and a fresh process
@@ -228,15 +228,15 @@ class EvaluatorAgent(Agent[EvaluatorState]):
 
     async def _device_check(self, failed: bool, kind: str | None, text: str) -> list[Event] | None:
         from agents import build_pool
-        from kf import devices
+        from kf.devices import health
 
-        injected = devices.record_stage(self.device_id)
-        why = devices.failure(self.device_id) or injected
-        if why is None and failed and devices.looks_like_device_error(kind, text):
-            why = await asyncio.to_thread(devices.probe_health, self.device)
+        injected = health.record_stage(self.device_id)
+        why = health.failure(self.device_id) or injected
+        if why is None and failed and health.looks_like_device_error(kind, text):
+            why = await asyncio.to_thread(health.probe_health, self.device)
         if why is None:
             return None
-        if not devices.mark_failed(self.device_id, why):
+        if not health.mark_failed(self.device_id, why):
             return []
         self.ctx.log.error("device_failed", device=self.device_id, reason=why)
         build_pool.forget(self.device_id)

@@ -16,9 +16,9 @@ from contextlib import AbstractContextManager
 from agents.build_pool import consumed
 from agents.evaluator import EvaluatorAgent, EvaluatorState
 from kf.agent import AgentContext
-from kf.devices import runner_pool
 from kf.evaluation import ProfileReport
 from kf.evaluation.grader.policy import Incumbent, relative_noise, stated_profile
+from kf.evaluation.grader.pools import runner_pool
 from kf.evaluation.grader.profiling import await_baselined_reference
 from kf.events import Event, Record
 from kf.facts import RunStarted

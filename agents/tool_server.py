@@ -8,7 +8,7 @@ or the local worker of ``kf run``) therefore serves tool requests for its device
 :class:`BusTools` and gets the answer on ``kf.<run>.toolreply.<device>.<nonce>``, a
 subject only that device's worker may publish on (:mod:`kf.auth`). Compiling and checking
 share the device with the pipeline's builds and verifications; timing and counters wait
-for the device to themselves (the worker's :class:`~kf.device_gate.DeviceGate`).
+for the device to themselves (the worker's :class:`~kf.devices.gate.DeviceGate`).
 
 The server is not an agent: it records nothing (the mutator records every tool result as
 ``episode.tool_called``). A request carries the task's source; the task runs, like the
@@ -31,7 +31,7 @@ import msgspec
 import structlog
 
 from kf import bus
-from kf.device_gate import gate_for
+from kf.devices.gate import gate_for
 from kf.evaluation.grader.baseline_settings import BaselineSettingError, Conditions
 from kf.evaluation.wire.tolerance import Tolerance
 from kf.events import EventError, decode_envelope, decode_event

@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 from agents.evaluator import EvaluatorAgent, EvaluatorState
-from kf.device_gate import gate_for
+from kf.devices.gate import gate_for
 from kf.evaluation import profile_candidate
 from kf.evaluation.grader.task_check import run_task_check
 from kf.events import Event, Record

@@ -19,11 +19,11 @@ import msgspec
 from agents.build_pool import consumed
 from agents.evaluator import EvaluatorAgent, EvaluatorState
 from kf.agent import AgentContext
-from kf.device_gate import gate_for
-from kf.devices import runner_pool
+from kf.devices.gate import gate_for
 from kf.evaluation import GradingSession, VerifyReport, verify_session
 from kf.evaluation.grader.audit import audit_task
 from kf.evaluation.grader.baseline import compile_early
+from kf.evaluation.grader.pools import runner_pool
 from kf.evaluation.grader.sandbox import default_pool
 from kf.events import Event, Record, derived_id
 from kf.facts import RunStarted

@@ -4,7 +4,7 @@ Every device gets its hardware agent (:mod:`hardware_agents`: it only describes 
 device), a compiler, a verifier, a profiler and a tuner. A GPU gets the CUDA variants of
 the first two and a counter collector besides: :class:`CudaCompiler` builds on the host's
 cores, not on the GPU, so compiles neither wait for nor block the device gate that keeps
-timing alone on the GPU (:mod:`kf.device_gate`), and several run at once;
+timing alone on the GPU (:mod:`kf.devices.gate`), and several run at once;
 :class:`CudaVerifier` verifies two candidates at once.
 """
 

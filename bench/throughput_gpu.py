@@ -316,7 +316,7 @@ RUNNER_EVENTS = (
 
 
 class TurnLog:
-    """The device gate's ``device_turn`` lines (kf.device_gate): the exclusive holds by
+    """The device gate's ``device_turn`` lines (kf.devices.gate): the exclusive holds by
     label (count, seconds waited, seconds held), and what the waits waited on: the
     seconds of the turns that found each kind of shared holder, or another turn, ahead of
     them (a wait behind two counts for both)."""
@@ -475,7 +475,7 @@ def main() -> int:
         json.dumps(result["runner_events"]),
     )
     print(
-        "the device's exclusive turns (kf.device_gate's device_turn lines):",
+        "the device's exclusive turns (kf.devices.gate's device_turn lines):",
         json.dumps(result["device_turns"], indent=1),
     )
     print("phases:", json.dumps(result.get("phases_s"), indent=1))

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from hardware_agents.cpu import host_id
 from kf.agent import Agent, AgentContext
-from kf.device_gate import gate_for
+from kf.devices.gate import gate_for
 from kf.events import Event, Record
 from kf.facts import DeviceAnnounced, DeviceHeartbeat, DeviceLeft
 from kf.runtime import cancel_and_wait
@@ -81,7 +81,7 @@ class HardwareAgent(Agent[None]):
         self._announce(capabilities)
 
     async def _heartbeats(self) -> None:
-        from kf.devices import failure
+        from kf.devices.health import failure
 
         while True:
             await asyncio.sleep(self.heartbeat_s)
@@ -95,7 +95,7 @@ class HardwareAgent(Agent[None]):
         return None
 
     async def on_stop(self) -> None:
-        from kf.devices import failure
+        from kf.devices.health import failure
 
         for task in (self._measuring, self._beat):
             if task is not None:

@@ -12,7 +12,7 @@ import msgspec
 from hardware_agents.base import HardwareAgent
 from hardware_agents.cuda import probe_in_subprocess, take_early_probe
 from kf.agent import AgentContext
-from kf.devices import UtilisationSampler
+from kf.devices.smi import UtilisationSampler
 
 __all__ = ["CudaHardwareAgent"]
 

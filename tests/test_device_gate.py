@@ -1,5 +1,5 @@
 """The device gate's turns: a stage shares the device while it prepares and has it alone
-only while it times (kf.device_gate.Turns), from its grading thread."""
+only while it times (kf.devices.gate.Turns), from its grading thread."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kf.device_gate import DeviceGate, GateClosed, Turns
+from kf.devices.gate import DeviceGate, GateClosed, Turns
 
 
 def _state(gate: DeviceGate) -> tuple[int, bool]:
@@ -163,7 +163,7 @@ def test_a_turn_logs_what_it_waited_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """An exclusive hold ends with a ``device_turn`` log line: its label, its wait and
     hold, the shared holders by label when it asked, and whether it queued behind another
     exclusive hold; a shared hold leaves no count behind when it ends."""
-    from kf import device_gate
+    from kf.devices import gate as device_gate
 
     logs: list[dict[str, object]] = []
 

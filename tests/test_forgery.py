@@ -178,7 +178,7 @@ def lying_worker(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     running it, with absurd counters, and answers its tuning requests with a configuration
     "a million times faster" that it never timed (tests/evil_worker.py)."""
     from hardware_agents.cpu import host_id
-    from kf.devices import device_slots
+    from kf.devices.slots import device_slots
 
     local = device_slots(["cpu"], host_id())[0].device_id
     creds = RunCredentials.generate(LIAR_RUN, devices=[local, "evil"])

@@ -1,4 +1,4 @@
-"""A GPU's runner pool sized from its free memory (kf.devices.gpu_pool_size): a GPU
+"""A GPU's runner pool sized from its free memory (kf.evaluation.grader.pools.gpu_pool_size): a GPU
 worker keeps compile jobs + 4 warm runners, each holding a CUDA context; on a small GPU
 that many contexts would take the memory the tasks' tensors need. ``nvidia-smi`` here is
 a real executable on PATH that answers as the driver's would (no GPU on CI)."""
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kf.devices import free_device_memory, gpu_pool_size, kept_runners, runners_that_fit
+from kf.devices.smi import free_device_memory
+from kf.evaluation.grader.pools import gpu_pool_size, kept_runners, runners_that_fit
 
 MIB = 1 << 20
 
@@ -91,7 +92,7 @@ def test_the_utilisation_sampler_gives_the_mean_since_its_last_take(
     ``nvidia-smi`` it gives None."""
     import time
 
-    from kf.devices import UtilisationSampler
+    from kf.devices.smi import UtilisationSampler
 
     script = tmp_path / "nvidia-smi"
     answers = 'printf "10\\n20\\n[N/A]\\n30\\n"'  # then it waits, as -lms does
@@ -138,7 +139,7 @@ def test_a_run_keeps_a_gpus_pipeline_full_unless_told() -> None:
     """Without ``--max-in-flight`` a run keeps two candidates in flight per local CPU and
     24 per local GPU (what the H200's throughput runs used: two left its builds, checks
     and timings mostly idle), two with no local worker."""
-    from kf.devices import default_in_flight
+    from kf.devices.slots import default_in_flight
 
     assert default_in_flight(["cpu"]) == 2
     assert default_in_flight(["cuda:0"]) == 24

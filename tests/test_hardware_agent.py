@@ -14,7 +14,7 @@ from hardware_agents.base import HardwareAgent
 from kf import bus
 from kf.agent import AgentContext
 from kf.bus import EmbeddedServer
-from kf.device_gate import gate_for
+from kf.devices.gate import gate_for
 from kf.events import decode_event
 from kf.log import EventLog
 from kf.runtime import AgentRunner

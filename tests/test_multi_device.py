@@ -18,15 +18,9 @@ import pytest
 
 from agents.build_pool import BuildPool
 from kf.bus import EmbeddedServer
-from kf.device_names import cuda_device_count
-from kf.devices import (
-    DeviceError,
-    device_slots,
-    looks_like_device_error,
-    parse_devices,
-    primary_device,
-    probe_health,
-)
+from kf.devices.health import looks_like_device_error, probe_health
+from kf.devices.names import cuda_device_count
+from kf.devices.slots import DeviceError, device_slots, parse_devices, primary_device
 from kf.events import decode_event
 from tests.harness import kf_cli
 from tests.test_faults import (

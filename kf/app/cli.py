@@ -646,7 +646,7 @@ def _run_parser(sub: Any) -> None:
         action="store_true",
         help="continue the run in --db as it was started, even if the settings given differ",
     )
-    from kf.devices import DEVICE_HELP
+    from kf.devices.slots import DEVICE_HELP
 
     rn.add_argument("--device", default="cpu", help=DEVICE_HELP)
     rn.add_argument("--islands", type=int, default=2)
@@ -718,7 +718,7 @@ def _run_deployment_options(rn: argparse.ArgumentParser) -> None:
 def _worker_parser(sub: Any) -> None:
     """``kf worker``."""
     w = sub.add_parser("worker", help="serve a run from this machine's device")
-    from kf.devices import DEVICE_HELP
+    from kf.devices.slots import DEVICE_HELP
     from kf.evaluation.wire.tolerance import add_options as add_check_options
 
     w.add_argument("--device", default="cpu", help=DEVICE_HELP)

@@ -23,7 +23,7 @@ from kf import bus
 from kf.agent import Agent, AgentContext, make_agent_id
 from kf.app.request import RunRequest
 from kf.auth import RunBus
-from kf.devices import DeviceSlot
+from kf.devices.slots import DeviceSlot
 from kf.events import Envelope, Event, Record, decode_event, derived_id, make_envelope
 from kf.facts import RunFinished, RunStarted, TaskSpec
 from kf.fold import fold
@@ -76,7 +76,7 @@ def worker_agents(device: str = "cpu", *, devices: int = 1) -> list[type[Agent[A
     once on the host's cores while the GPU verifies (two at once) and times others; the
     runner pool keeps warm runners for all of those (``$KF_EVAL_POOL`` overrides). With
     ``devices`` GPUs, each GPU gets its own pool of runners warmed for it
-    (:func:`kf.devices.configure_runner_pools`, sized by the caller) and the compilers
+    (:func:`kf.evaluation.grader.pools.configure_runner_pools`, sized by the caller) and the compilers
     share the host's build slots (:mod:`agents.build_pool`).
     """
     from agents.worker import compile_concurrency, device_agents
@@ -88,7 +88,7 @@ def worker_agents(device: str = "cpu", *, devices: int = 1) -> list[type[Agent[A
         size = settings.eval_pool
         # idle runners make their CUDA context and load the op tracer before a stage
         # needs them; `kf run` checked its tasks first, which may have made the pool
-        from kf.devices import gpu_pool_size, kept_runners
+        from kf.evaluation.grader.pools import gpu_pool_size, kept_runners
 
         pool_size = gpu_pool_size(device, compile_concurrency(settings) + 4)
         configure_default_pool(
@@ -126,8 +126,8 @@ def prepare_worker(device: str) -> None:
     for: on a GPU, the device's description (``kf run`` does this while it checks its
     tasks, so the GPU is announced, and builds for it start, as soon as the run starts).
     Raises :class:`kf.evaluation.DeviceError` for a device this machine lacks. ``device``
-    may be a list (:func:`kf.devices.parse_devices`): every GPU of it is described."""
-    from kf.devices import parse_devices
+    may be a list (:func:`kf.devices.slots.parse_devices`): every GPU of it is described."""
+    from kf.devices.slots import parse_devices
 
     for one in parse_devices(device):  # "cuda" → "cuda:0", as the worker will name it
         if one.startswith("cuda"):
@@ -139,10 +139,11 @@ def prepare_worker(device: str) -> None:
 def worker_plan(
     devices: list[str], name: str | None = None
 ) -> tuple[list[DeviceSlot], list[type[Agent[Any]]]]:
-    """The device slots a worker serves (ids as :func:`kf.devices.device_slots` makes
+    """The device slots a worker serves (ids as :func:`kf.devices.slots.device_slots` makes
     them) and the agent types each slot gets; sets up the runner pools for them."""
     from hardware_agents.cpu import host_id
-    from kf.devices import configure_runner_pools, device_slots
+    from kf.devices.slots import device_slots
+    from kf.evaluation.grader.pools import configure_runner_pools
 
     slots = device_slots(devices, host_id(), name)
     agents = worker_agents(devices[0], devices=len(devices))
@@ -186,7 +187,7 @@ async def run_worker(
     from dataclasses import replace
 
     from kf.auth import password_env, worker_user
-    from kf.devices import parse_devices
+    from kf.devices.slots import parse_devices
 
     devices = parse_devices(device)  # a DeviceError (a ValueError) says what is available
     options = dict(options or {})

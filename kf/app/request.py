@@ -40,7 +40,7 @@ class RunRequest:
     resume: bool = False  # continue the log's run even if these settings differ
     device: str = "cpu"  # --device: one device, a list or cuda:all
     islands: int = 2
-    max_in_flight: int | None = None  # default: kf.devices.default_in_flight
+    max_in_flight: int | None = None  # default: kf.devices.slots.default_in_flight
     timeout_s: float = 180.0
     build_timeout_s: float | None = None
     tune_budget: int = 12

@@ -75,7 +75,7 @@ def prepare_run(request: RunRequest) -> RunPlan:
     """Everything before the run starts (see the module doc). Raises :class:`RunRefused`
     (bad input or settings, one line); ``KeyboardInterrupt`` while the tasks are checked
     reaches the caller, with no run started."""
-    from kf.devices import DeviceError, parse_devices, primary_device
+    from kf.devices.slots import DeviceError, parse_devices, primary_device
 
     refuse_early(request)
     try:
@@ -202,7 +202,7 @@ def _options(
     """The process's settings of the run (:class:`kf.app.orchestra.RunOptions`); the run's
     config records them."""
     from kf.app.orchestra import RunOptions
-    from kf.devices import default_in_flight
+    from kf.devices.slots import default_in_flight
     from kf.settings import current
 
     local = devices if request.local_worker else []
@@ -248,7 +248,7 @@ def _trusted_devices(request: RunRequest, devices: list[str]) -> list[str] | Non
     ``KF_TRUSTED_DEVICES`` (kf.auth.trusted_devices)."""
     from hardware_agents.cpu import host_id
     from kf.auth import trusted_devices
-    from kf.devices import device_slots
+    from kf.devices.slots import device_slots
 
     local = [] if request.join or not request.local_worker else devices
     return trusted_devices([s.device_id for s in device_slots(local, host_id())] if local else [])

@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kf.device_names import DeviceError, parse_device
+    from kf.devices.names import DeviceError, parse_device
     from kf.evaluation.grader.compiling import compile_candidate, compile_session
     from kf.evaluation.grader.pipeline import evaluate
     from kf.evaluation.grader.profiling import Timing, profile_candidate, profile_session
@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 _WHERE = {
     "compile_candidate": "kf.evaluation.grader.compiling",
     "compile_session": "kf.evaluation.grader.compiling",
-    "DeviceError": "kf.device_names",
-    "parse_device": "kf.device_names",
+    "DeviceError": "kf.devices.names",
+    "parse_device": "kf.devices.names",
     "evaluate": "kf.evaluation.grader.pipeline",
     "Timing": "kf.evaluation.grader.profiling",
     "profile_candidate": "kf.evaluation.grader.profiling",

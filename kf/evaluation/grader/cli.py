@@ -14,7 +14,7 @@ from pathlib import Path
 
 import structlog
 
-from kf.device_names import DeviceError, parse_device
+from kf.devices.names import DeviceError, parse_device
 from kf.evaluation.grader.baseline_settings import BaselineSettingError
 from kf.evaluation.grader.box import SandboxUnavailable, require
 from kf.evaluation.grader.pipeline import evaluate

@@ -58,7 +58,7 @@ def arch_of(device: str) -> str | None:
     """The architecture a runner on ``device`` reports (:func:`kf.cuda.inline._environment`):
     ``$TORCH_CUDA_ARCH_LIST`` where set, else the GPU's compute capability as
     ``nvidia-smi`` gives it (the worker makes no CUDA context); None where neither says."""
-    from kf.devices import smi_query
+    from kf.devices.smi import smi_query
 
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if arch is not None:

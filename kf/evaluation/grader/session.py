@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import structlog
 
-from kf.devices import parse_device
+from kf.devices.names import parse_device
 from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.grader.grading import (
     AnyReport,
@@ -94,11 +94,11 @@ class GradingSession:
     conditions: Conditions | None = None
     #: the grading process's settings (its transports, limits, caches); None: read now
     settings: Settings | None = None
-    #: what gives a timing the device to itself (a worker's :meth:`kf.device_gate.Turns.alone`);
+    #: what gives a timing the device to itself (a worker's :meth:`kf.devices.gate.Turns.alone`);
     #: None: this process's lock of the device (``kf eval``, a library call)
     alone: Callable[[], AbstractContextManager[object]] | None = None
     #: what gives work that runs on the device a share of it, for a stage that starts
-    #: holding none (:meth:`kf.device_gate.Turns.sharing`); None: the caller's hold covers it
+    #: holding none (:meth:`kf.devices.gate.Turns.sharing`); None: the caller's hold covers it
     sharing: Callable[[], AbstractContextManager[object]] | None = None
     #: names the one candidate (and attempt) whose stages may hand their runner on: the
     #: build's runner then verifies it, and the verification's profiles it (None: every

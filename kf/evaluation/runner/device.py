@@ -1,7 +1,7 @@
 """Device backends: what differs between timing on a CPU and on a GPU.
 
 The grader side only parses and validates the device string
-(:func:`kf.device_names.parse_device`); the runner builds a :class:`Backend` after torch is
+(:func:`kf.devices.names.parse_device`); the runner builds a :class:`Backend` after torch is
 imported. The CUDA backend
 synchronises the whole device, flushes L2 between trials by overwriting a buffer twice
 its size, and times with CUDA events bound before any candidate is loaded; the CPU
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kf.device_names import DeviceError, parse_device
+from kf.devices.names import DeviceError, parse_device
 
 __all__ = [
     "Backend",
@@ -200,7 +200,7 @@ class CUDABackend(Backend):
 
 
 def make_backend(device: str, clock_ns: Callable[[], int]) -> Backend:
-    """The backend for a canonical device name (see :func:`kf.device_names.parse_device`)."""
+    """The backend for a canonical device name (see :func:`kf.devices.names.parse_device`)."""
     canonical = parse_device(device)
     if canonical == "cpu":
         return CPUBackend(clock_ns)

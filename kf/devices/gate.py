@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 import structlog
 
-log = structlog.get_logger("kf.device_gate")
+log = structlog.get_logger("kf.devices.gate")
 
 __all__ = ["DeviceGate", "GateClosed", "Turns", "gate_for"]
 
