@@ -2,9 +2,12 @@
 
 Before it verifies a task's first candidate, it audits the task (is its reference output
 input-independent? :mod:`kf.evaluation.grader.audit`) and records ``kernel.task_audited`` under
-an id derived from the run and the task, so the log holds one audit per task however
-many workers ran it. After a task's first correct candidate it compiles the task's
-``torch.compile`` baseline for the profiles to come (:meth:`Verifier._verify`).
+an id derived from the run, the task and its device, so the log holds one audit per task
+and device. Another device's audit spares it its own only when the run takes that
+device's word (its ``confirm_trusted``, issue 43): an untrusted device's audit, a lie
+or not, neither stops a trusted device's audit nor decides the report (kf.app.report).
+After a task's first correct candidate it compiles the task's ``torch.compile`` baseline
+for the profiles to come (:meth:`Verifier._verify`).
 """
 
 from __future__ import annotations
@@ -53,15 +56,23 @@ class Verifier(EvaluatorAgent):
         #: seconds a baseline compiled as the run started took, for the task's first
         #: correct verification to report (kf report counts them)
         self._compiled_at_start: dict[str, float] = {}
+        self._trusted: list[str] | None = None  # the run's confirm_trusted
 
     def evolve(self, state: EvaluatorState, rec: Record) -> EvaluatorState:
         state = super().evolve(state, rec)
-        if isinstance(rec.event, TaskAudited):
-            self._audited.add(rec.event.task)
+        ev = rec.event
+        if isinstance(ev, RunStarted):
+            trusted = ev.config.get("confirm_trusted")
+            self._trusted = [str(d) for d in trusted] if isinstance(trusted, list) else None
+        elif isinstance(ev, TaskAudited) and (
+            self._trusted is None or ev.device_id in (*self._trusted, self.device_id)
+        ):
+            self._audited.add(ev.task)
         return state
 
     async def _audit(self, state: EvaluatorState, task: Task) -> None:
-        """Audit ``task`` once (see the module doc); the event id makes it once per run."""
+        """Audit ``task`` once (see the module doc); the event id makes it once per run and
+        device."""
         if task.name in self._audited:
             return
         self._audited.add(task.name)
@@ -75,7 +86,8 @@ class Verifier(EvaluatorAgent):
             conditions=state.conditions,
         )
         ev = TaskAudited(task=task.name, device_id=self.device_id, audit=audit)
-        self.emit(ev, event_id=derived_id("kernel.task_audited", self.ctx.run_id, task.name))
+        audit_id = derived_id("kernel.task_audited", self.ctx.run_id, task.name, self.device_id)
+        self.emit(ev, event_id=audit_id)
 
     def _verify(self, task: Task, make: Callable[[], GradingSession]) -> VerifyReport:
         """Verify; after the first correct candidate of a task, compile the task's

@@ -6,10 +6,12 @@ without running anything, that the candidate compiled, is correct and is 77 time
 than the reference, with absurd hardware counters besides; and it answers every tuning
 request the archive sends it, at once and without timing anything, with a configuration
 of the kernel's space that no candidate has yet, "a million times faster" than the
-kernel's own (four trials, so it spends its tuning budget). Every message is entitled (its
-own device, its own assignments and requests): only a measurement that does not rely on it
-can catch the lie (agents/archive.py, ``ConfirmationRequested``). It runs until killed and
-prints one line per lie.
+kernel's own (four trials, so it spends its tuning budget). With its first assignment of a
+task it audits that task, at once, as degenerate (outputs independent of inputs), under
+the id an honest verifier of kf before issue 43 gave every device's audit of the task.
+Every message is entitled (its own device, its own assignments and requests): only a
+measurement that does not rely on it can catch the lie (agents/archive.py,
+``ConfirmationRequested``). It runs until killed and prints one line per lie.
 """
 
 from __future__ import annotations
@@ -21,15 +23,17 @@ from typing import Any
 import msgspec
 import nats
 
-from kf import bus, params
+from kf import bus
 from kf.evaluation.grader.reports import (
     CompileReport,
     CountersReport,
     ProfileReport,
+    TaskAudit,
     VerifyReport,
 )
-from kf.events import Event, decode_envelope, decode_event, make_envelope
+from kf.events import Event, decode_envelope, decode_event, derived_id, make_envelope
 from kf.facts import DeviceAnnounced, DeviceHeartbeat
+from kf.kernels import params
 from kf.llm_facts import ConfigTuned, TuningTrial
 from kf.runtime import fetch_range
 from kf.search_facts import (
@@ -39,6 +43,7 @@ from kf.search_facts import (
     CandidateProposed,
     CandidateVerified,
     CountersMeasured,
+    TaskAudited,
     TuningRequested,
 )
 
@@ -93,8 +98,10 @@ async def main(url: str, run: str, user: str, password: str, me: str) -> None:
     assigned: asyncio.Queue[CandidateAssigned | TuningRequested] = asyncio.Queue()
     sources: dict[str, str] = {}  # every proposed candidate's source, by id
 
-    async def send(*events: Event) -> None:
-        envs = [make_envelope(ev, run_id=run, source=f"evil@{me}") for ev in events]
+    async def send(*events: Event, event_id: str | None = None) -> None:
+        envs = [
+            make_envelope(ev, run_id=run, source=f"evil@{me}", event_id=event_id) for ev in events
+        ]
         while True:  # until the run's archivist is there to answer
             try:
                 await nc.request(intake, msgspec.msgpack.encode(envs), timeout=5)
@@ -135,8 +142,15 @@ async def main(url: str, run: str, user: str, password: str, me: str) -> None:
                 return
 
     beating = asyncio.create_task(beat())
+    audited: set[str] = set()
     while True:
         ev = await assigned.get()
+        if isinstance(ev, CandidateAssigned) and ev.task not in audited:
+            audited.add(ev.task)
+            lie = TaskAudit(degenerate=True, reason="lied: nothing was run")
+            squat = derived_id("kernel.task_audited", run, ev.task)
+            await send(TaskAudited(task=ev.task, device_id=me, audit=lie), event_id=squat)
+            print(f"lied about auditing {ev.task}", flush=True)
         if isinstance(ev, TuningRequested):
             # every proposal in the log, not only those seen since it subscribed: a lie in
             # a configuration the run already measured is skipped by the archive

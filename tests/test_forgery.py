@@ -260,6 +260,24 @@ def test_forgery_lying_worker_needs_another_device_to_confirm(
     assert check.returncode == 0 and json.loads(check.stdout)["check"]["ok"], check.stdout
 
 
+def test_forgery_lying_worker_audit_does_not_decide_the_report(
+    lying_worker: dict[str, Any],
+) -> None:
+    """The lying worker's audit of a task it was given (degenerate, at once, under the id
+    every device's audit once shared) is committed as its word, but the report and the
+    run's own verifier go by the trusted device's audit: the task stays in the headline."""
+    assert "lied about auditing" in lying_worker["lies"]
+    db = lying_worker["db"]
+    audits = of_type(db, "kernel.task_audited")
+    by = {a.device_id: a for a in audits}
+    assert by["evil"].audit.degenerate, audits
+    assert lying_worker["local"] in by and not by[lying_worker["local"]].audit.degenerate
+    report = json.loads(lying_worker["out"])
+    task = report["tasks"][0]
+    assert task["degenerate"] is False and task["audit"]["degenerate"] is False
+    assert report["headline_tasks"] == 1
+
+
 def _lies_proposed_first(db: Any) -> list[bool]:
     """For each of the liar's tuning answers, whether a candidate with its configuration
     had been proposed before the answer was committed."""

@@ -365,6 +365,8 @@ def _run_request(args: argparse.Namespace) -> RunRequest | str:
         local_worker=not args.no_worker,
         heartbeat_s=args.heartbeat,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        assignment_timeout_s=args.assignment_timeout,
+        trust=tuple(args.trust),
         nats_url=args.nats,
         bus_options=_bus_options(args, args.nats, "kf-run") if args.nats else None,
         allow_shared_token=args.allow_shared_token,
@@ -711,6 +713,26 @@ def _run_deployment_options(rn: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         help="seconds of silence before the archivist declares a device lost and re-dispatches",
+    )
+    rn.add_argument(
+        "--assignment-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds a device may hold candidates without answering any (while it "
+        "heartbeats) before it is declared lost and they go to other devices; default: "
+        "the longer of one build's and one stage's limit, plus 120; 0: never",
+    )
+    rn.add_argument(
+        "--trust",
+        action="append",
+        default=[],
+        metavar="DEVICE",
+        help="take this remote device's results on its word (its id as the run prints it: "
+        "a one-device `kf worker --name W` is W; repeatable; '*': every device): without "
+        "it, a result "
+        "from a device other than this run's own that would enter the archive is measured "
+        "again on another device first, and stays unconfirmed if none can",
     )
     _add_nats_options(rn, required=False)
 

@@ -258,8 +258,10 @@ class Progress:
         self.state = self.agent.initial_state()
 
     def feed(self, rec: Record) -> None:
+        from kf.facts import DeviceLost
         from kf.search_facts import (
             CandidateCompiled,
+            CandidateConfirmed,
             CandidateProfiled,
             CandidateRejected,
             CandidateUnroutable,
@@ -275,6 +277,17 @@ class Progress:
             self.finished = ev
         elif isinstance(ev, TaskSkipped):
             print(f"  {ev.task}: skipped — {ev.reason}", file=self.out, flush=True)
+            self._held_note(ev.task)
+        elif isinstance(ev, CandidateConfirmed) and not ev.accepted and not ev.confirmed_by:
+            print(
+                f"  {ev.task}: held unconfirmed — {ev.claimed_speedup:.2f}× claimed by "
+                f"{ev.claimed_by}, a device this run does not trust, and no other device "
+                f"could measure it again; to take its word, run with --trust {ev.claimed_by}",
+                file=self.out,
+                flush=True,
+            )
+        elif isinstance(ev, DeviceLost):
+            print(f"  device {ev.device_id} lost: {ev.reason}", file=self.out, flush=True)
         elif isinstance(ev, MutationFailed):
             self.mutation_failures += 1
             self._line(ev)
@@ -286,6 +299,24 @@ class Progress:
             if not isinstance(ev, CandidateUnroutable) and self._status(ev.candidate_id) == before:
                 return  # a result that changed nothing (a duplicate, a forged or late one)
             self._line(ev)
+
+    def _held_note(self, task: str) -> None:
+        """After a skip: the task's results held unconfirmed (not failed), and how to
+        take their device's word."""
+        held = [
+            c
+            for c in self.state.candidates.values()
+            if c.task == task and any(f.startswith("unconfirmed") for f in c.flags)
+        ]
+        if held:
+            by = sorted({c.claimed_by or "" for c in held})
+            print(
+                f"  {task}: {len(held)} result(s) held unconfirmed, not failed: only "
+                f"{', '.join(by)} measured them, and this run does not take its word; "
+                f"kf run --trust {by[0]} does (docs/authorization.md)",
+                file=self.out,
+                flush=True,
+            )
 
     def _status(self, candidate_id: str | None) -> tuple[str, int, bool] | None:
         c = self.state.candidates.get(candidate_id or "")
@@ -299,7 +330,10 @@ class Progress:
         if c is None:
             what = f"mutation failed: {getattr(ev, 'reason', '')}"
         elif c.confirming:  # agents/archive.py: measured again on another device first
-            what = f"held     {c.claimed_speedup or 0:.2f}× claimed by {c.claimed_by}, re-measuring"
+            what = (
+                f"held     {c.claimed_speedup or 0:.2f}× claimed by {c.claimed_by}, which this "
+                f"run does not trust (--trust {c.claimed_by}): measuring again elsewhere"
+            )
         elif c.status == "profiled":
             what = f"correct  {c.speedup:6.2f}×  ({c.runtime_ms:.3f} ms vs eager {c.ref_ms:.3f} ms)"
         else:
@@ -412,7 +446,10 @@ class _Parts:
         ctx = AgentContext(
             run_id=run_id,
             agent_id=make_agent_id("archivist"),
-            options={"heartbeat_timeout_s": o.request.heartbeat_timeout_s},
+            options={
+                "heartbeat_timeout_s": o.request.heartbeat_timeout_s,
+                "assignment_timeout_s": o.request.assignment_deadline_s(),
+            },
         )
         hosted = [ArchiveAgent, *llm_roles(bool(o.request.llm_url))[0]]
         arch = Archivist(ctx, db=db, hosted=hosted, nc=rb.archivist)

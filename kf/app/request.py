@@ -56,7 +56,22 @@ class RunRequest:
     local_worker: bool = True  # not --no-worker
     heartbeat_s: float = 10.0
     heartbeat_timeout_s: float = 30.0
+    # --assignment-timeout: a device answering none of its candidates for this long is lost
+    # (None: the longest an honest device may take, assignment_deadline_s; 0: never)
+    assignment_timeout_s: float | None = None
+    trust: tuple[str, ...] = ()  # --trust: remote devices whose results are taken as given
     nats_url: str | None = None
     bus_options: Any = None
     allow_shared_token: bool = False
     bus_timeout_s: float = BUS_LOST_S
+
+    def assignment_deadline_s(self) -> float:
+        """How long a device may hold candidates without answering any before it is lost
+        (``--assignment-timeout``; 0: never). Unless told: the longest an honest device
+        can go without an answer, one build's limit or one stage's, whichever is longer,
+        and two minutes for a fresh worker's first imports (issue 43, NX9)."""
+        if self.assignment_timeout_s is not None:
+            return max(0.0, self.assignment_timeout_s)
+        from kf.buildlimits import build_timeout_s
+
+        return max(build_timeout_s(self.build_timeout_s), self.timeout_s) + 120.0

@@ -244,14 +244,15 @@ def asked_conditions(request: RunRequest) -> Conditions:
 
 
 def _trusted_devices(request: RunRequest, devices: list[str]) -> list[str] | None:
-    """The run's own worker's device ids (as kf.app.orchestra names them), and
-    ``KF_TRUSTED_DEVICES`` (kf.auth.trusted_devices)."""
+    """The run's own worker's device ids (as kf.app.orchestra names them), those given
+    with ``--trust`` and those of ``KF_TRUSTED_DEVICES`` (kf.auth.trusted_devices)."""
     from hardware_agents.cpu import host_id
     from kf.auth import trusted_devices
     from kf.devices.slots import device_slots
 
     local = [] if request.join or not request.local_worker else devices
-    return trusted_devices([s.device_id for s in device_slots(local, host_id())] if local else [])
+    own = [s.device_id for s in device_slots(local, host_id())] if local else []
+    return trusted_devices(own, request.trust)
 
 
 async def search(plan: RunPlan, *, out: TextIO = sys.stdout) -> RunResult:
