@@ -55,7 +55,8 @@ sys.path.insert(0, str(ROOT))
 from kf.app.kernelbench import format_levels, rows_to_csv, task_windows
 from kf.app.report import build_report
 from kf.app.task_select import SelectionError, select_loaded
-from kf.kernels.tasks import TaskError, load_tasks_skipping
+from kf.kernels.task_folders import load_tasks_skipping
+from kf.kernels.tasks import TaskError
 from kf.log import EventLog
 
 AS_CANDIDATE = '''

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from kf.kernels.robust_kbench import load_folder
-from kf.kernels.tasks import TaskError, load_tasks_skipping
+from kf.kernels.task_folders import load_tasks_skipping
+from kf.kernels.tasks import TaskError
 from tests.harness import ROOT, logged, replay_check, run_kf, scripted_llm_run
 from tests.llm_server import user_text
 

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from kf.kernels.task_folders import load_tasks_skipping
 from kf.kernels.task_packages import load_package
-from kf.kernels.tasks import TaskError, import_source, load_tasks_skipping
+from kf.kernels.tasks import TaskError, import_source
 from tests.harness import ROOT, logged, replay_check, run_kf
 
 PACKAGE = ROOT / "tests/fixtures/packages/double_rows"

@@ -10,7 +10,8 @@ import pytest
 
 from kf.evaluation.grader.sandbox import RunnerPool
 from kf.evaluation.grader.task_check import run_task_check
-from kf.kernels.tasks import Task, TaskError, import_source, load_task, load_tasks
+from kf.kernels.task_folders import load_tasks
+from kf.kernels.tasks import Task, TaskError, import_source, load_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
 

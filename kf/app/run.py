@@ -167,7 +167,7 @@ def require_sandbox(unsafe: bool) -> str | None:
 def _load(request: RunRequest) -> tuple[list[Task], list[tuple[str, str]]]:
     """The tasks asked for; in a folder, a file that does not load is skipped with its
     reason and the others run."""
-    from kf.kernels.tasks import load_tasks_skipping
+    from kf.kernels.task_folders import load_tasks_skipping
 
     tasks, skipped = load_tasks_skipping(request.tasks, shape_cap=request.shape_cap)
     if request.select is None:
