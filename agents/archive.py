@@ -26,7 +26,6 @@ import msgspec
 from agents import archive_tuning
 from agents.tuned import TUNER_LABEL
 from kf.agent import PlanningAgent
-from kf.evaluation.grader.reports import ProfileReport, is_suspect
 from kf.events import Event, Record
 from kf.facts import (
     DeviceAnnounced,
@@ -40,6 +39,7 @@ from kf.kernels.backends import backend_of, device_kind, language_of, languages_
 from kf.kernels.behaviour import describe
 from kf.kernels.params import family as param_family
 from kf.llm_facts import ConfigTuned, LlmBudgetExhausted
+from kf.reports import ProfileReport, is_suspect
 from kf.search_facts import (
     CandidateAssigned,
     CandidateCompiled,

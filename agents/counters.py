@@ -29,10 +29,10 @@ from agents.evaluator import EvaluatorAgent, EvaluatorState
 from kf.agent import AgentContext
 from kf.cuda.ncu import find_ncu
 from kf.evaluation.grader.counters import counters_session
-from kf.evaluation.grader.reports import CountersReport, is_suspect
 from kf.events import Event, Record
 from kf.facts import RunStarted
 from kf.kernels.tasks import Task
+from kf.reports import CountersReport, is_suspect
 from kf.search_facts import CandidateProfiled, CandidateProposed, CountersMeasured
 from kf.settings import current
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kf.evaluation.grader.audit import TaskAudit
-from kf.evaluation.grader.reports import CompileReport, CountersReport, ProfileReport, VerifyReport
 from kf.events import Decision, Observation, Record, event
 from kf.kernels.tasks import TaskInfo
+from kf.reports import CompileReport, CountersReport, ProfileReport, TaskAudit, VerifyReport
 
 __all__ = [
     "CandidateAssigned",

@@ -24,17 +24,17 @@ import msgspec
 import nats
 
 from kf import bus
-from kf.evaluation.grader.reports import (
+from kf.events import Event, decode_envelope, decode_event, derived_id, make_envelope
+from kf.facts import DeviceAnnounced, DeviceHeartbeat
+from kf.kernels import params
+from kf.llm_facts import ConfigTuned, TuningTrial
+from kf.reports import (
     CompileReport,
     CountersReport,
     ProfileReport,
     TaskAudit,
     VerifyReport,
 )
-from kf.events import Event, decode_envelope, decode_event, derived_id, make_envelope
-from kf.facts import DeviceAnnounced, DeviceHeartbeat
-from kf.kernels import params
-from kf.llm_facts import ConfigTuned, TuningTrial
 from kf.runtime import fetch_range
 from kf.search_facts import (
     CandidateAssigned,

@@ -26,10 +26,10 @@ import msgspec
 import nats
 
 from kf import bus
-from kf.evaluation.grader.reports import ProfileReport, TaskAudit
 from kf.events import Envelope, decode_envelope, decode_event, encode_envelope, make_envelope
 from kf.facts import ReactionFailed, RunFinished
 from kf.llm_facts import ConfigTuned
+from kf.reports import ProfileReport, TaskAudit
 from kf.runtime import fetch_range
 from kf.search_facts import CandidateAssigned, CandidateProfiled, TaskAudited
 

@@ -7,7 +7,7 @@ import pytest
 
 from agents.archive import best_candidate
 from kf.evaluation.grader.policy import relative_noise, within_noise
-from kf.evaluation.grader.reports import CompileReport, ProfileReport, VerifyReport
+from kf.reports import CompileReport, ProfileReport, VerifyReport
 from kf.search_facts import (
     CandidateCompiled,
     CandidateProfiled,

@@ -8,10 +8,10 @@ from typing import Any
 from agents.archive import ArchiveAgent, cell_key
 from agents.mutator import OFFLINE_MUTATOR, OfflineMutator
 from kf.agent import AgentContext
-from kf.evaluation.grader.reports import CompileReport, ProfileReport, VerifyReport
 from kf.events import Event, Record, make_envelope
 from kf.facts import DeviceAnnounced, DeviceLost, RunFinished, RunStarted, TaskSpec
 from kf.kernels.params import parse
+from kf.reports import CompileReport, ProfileReport, VerifyReport
 from kf.search_facts import (
     CandidateAssigned,
     CandidateCompiled,
@@ -433,7 +433,7 @@ def test_archive_forged_counters_change_no_decision_report_or_prompt() -> None:
     counters of a device the run does not trust (a trusted device's it does)."""
     from agents.llm_mutator import LlmMutator
     from kf.app.report import build_report_from
-    from kf.evaluation.grader.reports import CountersReport
+    from kf.reports import CountersReport
     from kf.search_facts import CountersMeasured
 
     def counters(device: str) -> CountersMeasured:

@@ -6,9 +6,9 @@ from typing import Any
 
 from agents.archive import ArchiveAgent
 from kf.agent import AgentContext
-from kf.evaluation.grader.reports import CompileReport
 from kf.events import Event
 from kf.facts import DeviceAnnounced, RunStarted, TaskSpec
+from kf.reports import CompileReport
 from kf.search_facts import (
     CandidateAssigned,
     CandidateCompiled,

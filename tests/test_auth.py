@@ -18,10 +18,10 @@ from nats.errors import TimeoutError as NatsTimeout
 from kf import bus
 from kf.auth import Entitlements, RunBus, deployment_config, password_env
 from kf.bus import EmbeddedServer
-from kf.evaluation.grader.reports import CountersReport, ProfileReport, TaskAudit
 from kf.events import Envelope, Event, decode_event, make_envelope
 from kf.facts import DeviceHeartbeat, DeviceLost, ReactionFailed, RunFinished
 from kf.llm_facts import ConfigTuned
+from kf.reports import CountersReport, ProfileReport, TaskAudit
 from kf.search_facts import (
     CandidateAssigned,
     CandidateProfiled,

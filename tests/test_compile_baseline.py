@@ -221,9 +221,9 @@ def _run_envelopes(
     ``early``: per task, the seconds its verification spent compiling the baseline."""
     from agents.archive import ArchiveAgent
     from kf.agent import AgentContext
-    from kf.evaluation.grader.reports import CompileReport, VerifyReport
     from kf.events import Event, Record, make_envelope
     from kf.facts import DeviceAnnounced, RunStarted, TaskSpec
+    from kf.reports import CompileReport, VerifyReport
     from kf.search_facts import (
         CandidateCompiled,
         CandidateProfiled,

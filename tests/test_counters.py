@@ -249,7 +249,7 @@ def _paced_collector(
     (candidate, task, speed-up), each a new best; its measurement only counts a turn of
     ``held_s`` (ncu's own run is the GPU tests')."""
     from agents import counters as counters_agent
-    from kf.evaluation.grader.reports import CountersReport
+    from kf.reports import CountersReport
 
     monkeypatch.setenv("KF_COUNTERS_SHARE", share)
     monkeypatch.setattr(counters_agent, "find_ncu", lambda *a: "/usr/bin/ncu")

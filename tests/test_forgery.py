@@ -336,7 +336,7 @@ def test_forgery_duplicate_profile_prints_one_progress_line() -> None:
     import io
 
     from kf.app.orchestra import Progress
-    from kf.evaluation.grader.reports import CompileReport, ProfileReport, VerifyReport
+    from kf.reports import CompileReport, ProfileReport, VerifyReport
     from kf.search_facts import CandidateCompiled, CandidateProfiled, CandidateVerified
     from tests.test_archive import announce, propose, rec, started
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kf.app.task_select import SelectionError, select, select_loaded, task_id
-from kf.evaluation.grader.reports import CompileReport, ProfileReport, VerifyReport
+from kf.reports import CompileReport, ProfileReport, VerifyReport
 
 ROOT = Path(__file__).resolve().parent.parent
 LEVEL1 = sorted(

@@ -6,10 +6,10 @@ from typing import Any
 
 from agents.prompt_evolver import PromptEvolver
 from kf.agent import AgentContext
-from kf.evaluation.grader.reports import ProfileReport, VerifyReport
 from kf.events import Event, Record, make_envelope
 from kf.facts import RunStarted
 from kf.llm_facts import LlmBudgetExhausted, PromptChosen, PromptRewriteRequested, PromptRewritten
+from kf.reports import ProfileReport, VerifyReport
 from kf.search_facts import CandidateProfiled, CandidateProposed, CandidateRejected, ParentSelected
 
 

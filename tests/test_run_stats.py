@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from kf.app.run_stats import format_run_stats, run_stats
-from kf.evaluation.grader.reports import CompileReport
 from kf.events import Envelope, Event, make_envelope
 from kf.facts import DeviceAnnounced, DeviceHeartbeat, RunFinished
+from kf.reports import CompileReport
 from kf.search_facts import CandidateAssigned, CandidateCompiled
 
 

@@ -78,7 +78,7 @@ def test_static_checks_unparsable_source_yields_nothing() -> None:
 
 def test_static_checks_codes_are_documented() -> None:
     """Every code the checks emit is listed in CODES and explained by kf eval."""
-    from kf.evaluation.grader.reports import FLAG_REASONS
+    from kf.reports import FLAG_REASONS
 
     assert set(CODES) <= set(FLAG_REASONS)
 

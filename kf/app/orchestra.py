@@ -76,8 +76,8 @@ def worker_agents(device: str = "cpu", *, devices: int = 1) -> list[type[Agent[A
     once on the host's cores while the GPU verifies (two at once) and times others; the
     runner pool keeps warm runners for all of those (``$KF_EVAL_POOL`` overrides). With
     ``devices`` GPUs, each GPU gets its own pool of runners warmed for it
-    (:func:`kf.evaluation.grader.pools.configure_runner_pools`, sized by the caller) and the compilers
-    share the host's build slots (:mod:`agents.build_pool`).
+    (:func:`kf.evaluation.grader.pools.configure_runner_pools`, sized by the caller) and
+    the compilers share the host's build slots (:mod:`agents.build_pool`).
     """
     from agents.worker import compile_concurrency, device_agents
 

@@ -18,7 +18,10 @@ if TYPE_CHECKING:
     from kf.evaluation.grader.compiling import compile_candidate, compile_session
     from kf.evaluation.grader.pipeline import evaluate
     from kf.evaluation.grader.profiling import Timing, profile_candidate, profile_session
-    from kf.evaluation.grader.reports import (
+    from kf.evaluation.grader.sandbox import Limits, RunnerPool, default_pool
+    from kf.evaluation.grader.session import GradingSession
+    from kf.evaluation.grader.verifying import verify_candidate, verify_session
+    from kf.reports import (
         FAILURE_KINDS,
         CompileReport,
         EvalResult,
@@ -26,9 +29,6 @@ if TYPE_CHECKING:
         TrialEvidence,
         VerifyReport,
     )
-    from kf.evaluation.grader.sandbox import Limits, RunnerPool, default_pool
-    from kf.evaluation.grader.session import GradingSession
-    from kf.evaluation.grader.verifying import verify_candidate, verify_session
 
 #: each public name and the module that defines it
 _WHERE = {
@@ -40,12 +40,12 @@ _WHERE = {
     "Timing": "kf.evaluation.grader.profiling",
     "profile_candidate": "kf.evaluation.grader.profiling",
     "profile_session": "kf.evaluation.grader.profiling",
-    "FAILURE_KINDS": "kf.evaluation.grader.reports",
-    "CompileReport": "kf.evaluation.grader.reports",
-    "EvalResult": "kf.evaluation.grader.reports",
-    "ProfileReport": "kf.evaluation.grader.reports",
-    "TrialEvidence": "kf.evaluation.grader.reports",
-    "VerifyReport": "kf.evaluation.grader.reports",
+    "FAILURE_KINDS": "kf.reports",
+    "CompileReport": "kf.reports",
+    "EvalResult": "kf.reports",
+    "ProfileReport": "kf.reports",
+    "TrialEvidence": "kf.reports",
+    "VerifyReport": "kf.reports",
     "Limits": "kf.evaluation.grader.sandbox",
     "RunnerPool": "kf.evaluation.grader.sandbox",
     "default_pool": "kf.evaluation.grader.sandbox",

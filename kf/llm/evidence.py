@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from kf.evaluation.grader.reports import CompileReport, ProfileReport, VerifyReport
+from kf.reports import CompileReport, ProfileReport, VerifyReport
 
 __all__ = ["compile_outcome", "profile_outcome", "trim_error", "verify_outcome"]
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from kf.evaluation.grader.reports import TaskAudit
 from kf.evaluation.wire.protocol import Audit
+from kf.reports import TaskAudit
 
 if TYPE_CHECKING:
     from kf.evaluation.grader.session import GradingSession

@@ -18,10 +18,10 @@ from kf.devices.names import DeviceError, parse_device
 from kf.evaluation.grader.baseline_settings import BaselineSettingError
 from kf.evaluation.grader.box import SandboxUnavailable, require
 from kf.evaluation.grader.pipeline import evaluate
-from kf.evaluation.grader.reports import FLAG_REASONS, EvalResult, ProfileReport
 from kf.evaluation.grader.sandbox import RunnerStartError, configure_default_pool
 from kf.evaluation.wire.tolerance import describe, tolerance_from_args
 from kf.kernels.tasks import TaskError, load_task
+from kf.reports import FLAG_REASONS, EvalResult, ProfileReport
 from kf.settings import apply, current
 
 __all__ = ["main"]

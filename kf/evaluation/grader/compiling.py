@@ -12,12 +12,12 @@ import msgspec
 
 from kf.evaluation.grader import box
 from kf.evaluation.grader.grading import CandidateFailed, build_niceness, log, truncate
-from kf.evaluation.grader.reports import CompileReport
 from kf.evaluation.grader.sandbox import Limits, RunnerPool
 from kf.evaluation.grader.session import GradingSession, Stage
 from kf.evaluation.wire.protocol import LoadCandidate
 from kf.kernels.static_checks import check_source
 from kf.kernels.tasks import Task
+from kf.reports import CompileReport
 
 
 def compile_candidate(

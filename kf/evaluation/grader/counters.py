@@ -11,11 +11,11 @@ from kf.cuda import ncu
 from kf.evaluation.grader import box
 from kf.evaluation.grader.baseline import holds_no_baseline
 from kf.evaluation.grader.grading import CandidateFailed
-from kf.evaluation.grader.reports import CountersReport
 from kf.evaluation.grader.sandbox import Limits, RunnerError, RunnerHandle, RunnerPool
 from kf.evaluation.grader.session import GradingSession, Stage
 from kf.evaluation.wire.protocol import Counters
 from kf.kernels.tasks import Task
+from kf.reports import CountersReport
 
 #: how long the counters of one candidate may take by default (ncu replays each kernel)
 COUNTERS_TIMEOUT_S = 300.0

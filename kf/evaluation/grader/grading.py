@@ -16,18 +16,18 @@ import structlog
 
 from kf.evaluation.grader import box
 from kf.evaluation.grader.baseline_settings import Conditions
-from kf.evaluation.grader.reports import (
+from kf.evaluation.grader.sandbox import REQUESTS, Limits, RunnerError, RunnerHandle
+from kf.evaluation.wire import shared_memory
+from kf.evaluation.wire.protocol import Setup, Trim, Verdict
+from kf.kernels.tasks import Task
+from kf.reports import (
     CompileReport,
     CountersReport,
+    Float64Rule,
     ProfileReport,
     TrialEvidence,
     VerifyReport,
 )
-from kf.evaluation.grader.sandbox import REQUESTS, Limits, RunnerError, RunnerHandle
-from kf.evaluation.wire import shared_memory
-from kf.evaluation.wire.protocol import Setup, Trim, Verdict
-from kf.evaluation.wire.verdict import Float64Rule
-from kf.kernels.tasks import Task
 from kf.settings import Settings
 
 log = structlog.get_logger("kf.evaluation")

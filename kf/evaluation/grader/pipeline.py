@@ -24,12 +24,12 @@ from kf.evaluation.grader.audit import audit_task
 from kf.evaluation.grader.compiling import compile_session
 from kf.evaluation.grader.counters import COUNTERS_TIMEOUT_S, counters_session
 from kf.evaluation.grader.policy import stated_profile
-from kf.evaluation.grader.reports import EvalResult
 from kf.evaluation.grader.sandbox import Limits, RunnerPool
 from kf.evaluation.grader.session import GradingSession
 from kf.evaluation.grader.verifying import verify_session
 from kf.evaluation.wire.tolerance import Tolerance
 from kf.kernels.tasks import Task
+from kf.reports import EvalResult
 
 
 def evaluate(

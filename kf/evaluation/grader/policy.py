@@ -37,9 +37,9 @@ import msgspec
 
 from kf.evaluation.grader.pairing import paired_times
 from kf.evaluation.grader.profiling import profile_candidate
-from kf.evaluation.grader.reports import ProfileReport
 from kf.evaluation.grader.verifying import reverify_fast
 from kf.kernels.tasks import Task
+from kf.reports import ProfileReport
 
 __all__ = [
     "EAGER_HISTORY",

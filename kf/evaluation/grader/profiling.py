@@ -39,7 +39,6 @@ from kf.evaluation.grader.measuring import (
     round_trip_ns,
     turn,
 )
-from kf.evaluation.grader.reports import ProfileReport
 from kf.evaluation.grader.sandbox import (
     Limits,
     RunnerCrashed,
@@ -59,6 +58,7 @@ from kf.evaluation.grader.timing_checks import (
 from kf.evaluation.wire.protocol import BaselineCompiled, SetUp, Time
 from kf.evaluation.wire.tolerance import Tolerance
 from kf.kernels.tasks import Task
+from kf.reports import ProfileReport
 
 #: seconds a profile waits for its task's reference runner that holds the compiled
 #: baseline, when another stage (a verification, about a second) has it leased, before

@@ -38,7 +38,6 @@ from kf.evaluation.grader.grading import (
     trim_reference,
     with_sandbox_marks,
 )
-from kf.evaluation.grader.reports import FAILURE_KINDS
 from kf.evaluation.grader.sandbox import (
     Limits,
     RunnerCrashed,
@@ -65,6 +64,7 @@ from kf.evaluation.wire.protocol import (
 )
 from kf.evaluation.wire.tolerance import Tolerance, resolve
 from kf.kernels.tasks import Task, TaskError
+from kf.reports import FAILURE_KINDS
 from kf.settings import Settings, current
 
 __all__ = ["GradingSession", "Stage"]

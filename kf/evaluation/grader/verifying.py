@@ -23,12 +23,12 @@ from kf.evaluation.grader.grading import (
     trial_evidence,
     trim_reference,
 )
-from kf.evaluation.grader.reports import ProfileReport, TrialEvidence, VerifyReport
 from kf.evaluation.grader.sandbox import Limits, RunnerHandle, RunnerPool
 from kf.evaluation.grader.session import GradingSession, Stage
 from kf.evaluation.wire.protocol import MakeInputs, Run, UserTests
 from kf.evaluation.wire.tolerance import Tolerance, for_dtype, resolve, rule_of
 from kf.kernels.tasks import Task
+from kf.reports import ProfileReport, TrialEvidence, VerifyReport
 
 #: the most of a task's own get_extra_inputs() sets the generalisation gate runs
 MAX_EXTRA_SETS = 32

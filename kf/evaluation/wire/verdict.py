@@ -6,21 +6,9 @@ in float64, both errors against that float64 run (:mod:`kf.evaluation.runner.flo
 
 from __future__ import annotations
 
-import msgspec
+from kf.reports import Float64Rule
 
-__all__ = ["Float64Rule", "Verdict"]
-
-
-class Float64Rule(msgspec.Struct, frozen=True, kw_only=True):
-    """Which rule decided a comparison and what the float64 run found (the fields of
-    :class:`Verdict` that a trial's evidence keeps, as described there)."""
-
-    rule: str = ""
-    rmse_fp64: float | None = None
-    eager_rmse_fp64: float | None = None
-    max_err_fp64: float | None = None
-    eager_max_err_fp64: float | None = None
-    fp64_skipped: str = ""
+__all__ = ["Verdict"]
 
 
 class Verdict(Float64Rule, frozen=True, kw_only=True):

@@ -1,4 +1,5 @@
-"""What each evaluation stage found, as msgspec structs that kf's events can embed.
+"""What each evaluation stage found, as msgspec structs that kf's events can embed (the grader
+ makes them; :mod:`kf.search_facts` carries them).
 
 Schema rules: every field after the first few has a default, so fields can be added
 later without breaking old logs; a field's type never changes.
@@ -10,8 +11,6 @@ from typing import Any, Literal
 
 import msgspec
 
-from kf.evaluation.wire.verdict import Float64Rule
-
 __all__ = [
     "FAILURE_KINDS",
     "FLAG_REASONS",
@@ -20,6 +19,7 @@ __all__ = [
     "CountersReport",
     "EvalResult",
     "FailureKind",
+    "Float64Rule",
     "ProfileReport",
     "TaskAudit",
     "TrialEvidence",
@@ -115,6 +115,19 @@ class CompileReport(msgspec.Struct, frozen=True, kw_only=True):
     warnings: tuple[str, ...] = ()  # static checks and runtime findings, "code: detail"
     phases: dict[str, float] = {}  # seconds per runner request op (see above)
     sandbox: str = ""  # "bwrap" or "unsafe-no-sandbox" (see above); "" in older logs
+
+
+class Float64Rule(msgspec.Struct, frozen=True, kw_only=True):
+    """Which rule decided a comparison and what the float64 run found (the fields of
+    :class:`kf.evaluation.wire.verdict.Verdict` that a trial's evidence keeps, as described
+    there)."""
+
+    rule: str = ""
+    rmse_fp64: float | None = None
+    eager_rmse_fp64: float | None = None
+    max_err_fp64: float | None = None
+    eager_max_err_fp64: float | None = None
+    fp64_skipped: str = ""
 
 
 class TrialEvidence(Float64Rule, frozen=True, kw_only=True):
