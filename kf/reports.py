@@ -1,5 +1,5 @@
 """What each evaluation stage found, as msgspec structs that kf's events can embed (the grader
- makes them; :mod:`kf.search_facts` carries them).
+makes them; :mod:`kf.search_facts` carries them).
 
 Schema rules: every field after the first few has a default, so fields can be added
 later without breaking old logs; a field's type never changes.
