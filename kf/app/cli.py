@@ -337,13 +337,13 @@ def _run_request(args: argparse.Namespace) -> RunRequest | str:
     tune = tuning_config(args)
     if isinstance(tune, str):
         return tune
-    return RunRequest(
-        tasks=args.tasks,
     if args.shape_cap is not None and args.shape_cap < 1:
         return "--shape-cap must be at least 1"
+    return RunRequest(
+        tasks=args.tasks,
+        shape_cap=args.shape_cap,
         select=args.select,
         budget=args.budget,
-        shape_cap=args.shape_cap,
         seed=args.seed,
         db=args.db,
         resume=args.resume,

@@ -638,6 +638,9 @@ def _started(run_id: str, tasks: list[Task], o: RunOptions, mutator: str) -> Run
                 sha256=t.sha256,
                 path=t.path,
                 seeds=tuple((s.name, s.source) for s in t.seeds),
+                tests=tuple((u.name, u.source) for u in t.tests),
+                settings=dict(t.settings),
+                origin=dict(t.origin),
             )
             for t in tasks
         ),
@@ -667,6 +670,3 @@ def _version() -> str:
     with contextlib.suppress(PackageNotFoundError):
         return version("kf")
     return current().version
-                tests=tuple((u.name, u.source) for u in t.tests),
-                settings=dict(t.settings),
-                origin=dict(t.origin),
