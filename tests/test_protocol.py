@@ -183,6 +183,38 @@ def test_protocol_foreign_message_to_a_runner_and_garbage_are_clear_errors() -> 
     assert not isinstance(caught.value, p.ForeignMessage)
 
 
+def _nested(depth: int) -> object:
+    value: object = "x"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("depth", [33, 600, 100_000])
+def test_protocol_deeply_nested_build_request_is_a_foreign_message(depth: int) -> None:
+    """A build request whose free-form arguments nest deeper than the protocol's bound
+    (33 levels, 600, or 100,000: deeper than the decoder itself can go) is one
+    ForeignMessage saying so, never a RecursionError, here or later in the grader; 32
+    levels still decode."""
+    env = {"torch": "2", "python": "3.11"}
+    if depth < 1000:
+        data = msgspec.msgpack.encode(
+            {"op": "build_inline", "arguments": {"name": "x", "cpp_sources": _nested(depth)},
+             "environment": env}
+        )  # fmt: skip
+    else:  # deeper than an encoder goes: the bytes as a forger would write them
+        data = (
+            b"\x83\xa2op\xacbuild_inline\xa9arguments\x81\xa4name"
+            + b"\x91" * depth
+            + b"\xa1x\xabenvironment\x80"
+        )
+    with pytest.raises(p.ForeignMessage, match="nested more than 32 levels deep") as caught:
+        p.decode_from_runner(data)
+    assert len(str(caught.value).splitlines()) == 1 and len(str(caught.value)) < 300
+    ok = {"op": "build_inline", "arguments": {"name": "x", "v": _nested(31)}, "environment": {}}
+    assert isinstance(p.decode_from_runner(msgspec.msgpack.encode(ok)), p.BuildInline)
+
+
 def test_protocol_forged_descriptor_is_refused_before_anything_is_passed_on() -> None:
     """A payload naming a descriptor its message did not bring (here fd 0 of the
     receiver's own) is refused where it arrives, so the receiver never forwards a
@@ -230,6 +262,8 @@ def test_protocol_payload_descriptors_attach_in_field_order() -> None:
         ("garble_reply", "crash", "garbled reply during import and construction of ModelNew"),
         ("borrow_descriptor", "crash", "names no descriptor"),
         ("huge_message", "tampering", "announced 17179869184 bytes, over the 1024 MiB"),
+        ("deep_build", "tampering", "nested more than 32 levels deep"),
+        ("deep_load_inline", "compile_error", "its arguments nest more than 32 levels deep"),
     ],
 )
 def test_protocol_runner_writing_garbage_gets_a_clear_verdict(

@@ -228,7 +228,14 @@ def remote_inline_build(
     read-only shared cache (kf.evaluation.grader.builds.build_inline)."""
     from kf.native import NativeCompileError
 
-    send(encode(p.BuildInline(arguments=arguments, environment=environment)))
+    request = p.BuildInline(arguments=arguments, environment=environment)
+    if p.nesting_problem(request):  # the grader would take it for a forged message
+        raise NativeCompileError(
+            f"load_inline: its arguments nest more than {p.MAX_NESTING} levels deep; give "
+            "sources and flags as strings or lists of strings",
+            "",
+        )
+    send(encode(request))
     reply = _built(decode(recv()))
     log = reply.log
     if log:  # the build's own report (kf.cuda.objcache verdicts) for the compile log

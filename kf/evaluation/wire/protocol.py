@@ -36,7 +36,7 @@ __all__ = [
     "Reply", "Request", "Run", "SetUp", "Settle", "Setup", "TaskLoaded", "Time", "TimeInputs",
     "Timed", "ToGrader", "ToRunner", "Trim", "Trimmed", "UserTests", "UserTestsRan",
     "Verdict", "decode_from_grader",
-    "decode_from_runner", "encode", "reply_type",
+    "decode_from_runner", "encode", "nesting_problem", "reply_type",
 ]  # fmt: skip
 
 #: A payload of tensors: ``torch.save`` bytes or a CUDA IPC handle (bytes), ``torch.save``
@@ -89,6 +89,7 @@ class Reply(Message, frozen=True, kw_only=True):
 
 
 _R = TypeVar("_R", bound=Reply)
+_M = TypeVar("_M", bound=Message)
 
 
 class Request(Message, Generic[_R], frozen=True, kw_only=True):
@@ -167,9 +168,16 @@ class Checked(Reply, frozen=True, kw_only=True, tag="checked"):
 
 
 class Timed(Reply, frozen=True, kw_only=True, tag="timed"):
-    """One sample per call, in nanoseconds of the runner's clock."""
+    """One sample per call, in nanoseconds of the runner's clock; with ``graph`` asked,
+    one per replay of the graph, per call. ``method``: ``events`` or ``graph-N``;
+    ``state_found``: device state a call had left and the reset before a sample undid
+    (kf.evaluation.runner.device_state; "": none); ``graph_error``: why no graph was
+    timed (the samples are then empty)."""
 
     samples_ns: list[int]
+    method: str = "events"
+    state_found: str = ""
+    graph_error: str = ""
 
 
 class InputsTimed(Reply, frozen=True, kw_only=True, tag="inputs_timed"):
@@ -322,6 +330,8 @@ class Time(Request[Timed], frozen=True, kw_only=True, tag="time"):
     n: int
     compiled: bool = False
     empty: bool = False
+    #: > 0: ``graph`` calls captured in one CUDA graph, replayed ``n`` times (a GPU's)
+    graph: int = 0
 
 
 class TimeInputs(Request[InputsTimed], frozen=True, kw_only=True, tag="time_inputs"):
@@ -456,21 +466,64 @@ def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_from_grader(data: bytes) -> ToRunner:
-    """A message the grader sent a runner; :class:`ProtocolError` if it is not one."""
+#: how deep lists and maps may nest in a message's free-form fields (a build's
+#: ``load_inline`` arguments: strings, lists of strings, a map of them); deeper is refused
+#: where it is decoded, before any code walks it with Python's recursion
+MAX_NESTING = 32
+_FREE_FORM: dict[type[Message], tuple[str, ...]] = {BuildInline: ("arguments", "environment")}
+
+
+def _nested_deeper(value: object, limit: int) -> bool:
+    """Whether lists, tuples and maps nest more than ``limit`` levels in ``value``
+    (level by level, without recursion)."""
+    level, depth = [value], 0
+    while level:
+        containers = [v for v in level if isinstance(v, list | tuple | dict)]
+        if not containers:
+            return False
+        depth += 1
+        if depth > limit:
+            return True
+        level = [x for c in containers for x in ([*c, *c.values()] if isinstance(c, dict) else c)]
+    return False
+
+
+def nesting_problem(message: Message) -> str | None:
+    """Which of ``message``'s free-form fields nests more than :data:`MAX_NESTING` levels
+    deep, said in a phrase (None: none does); such a message is refused where it is
+    decoded, so a runner refuses to send it."""
+    for name in _FREE_FORM.get(type(message), ()):
+        if _nested_deeper(getattr(message, name), MAX_NESTING):
+            return f"`$.{name}` nested more than {MAX_NESTING} levels deep"
+    return None
+
+
+def _bounded(message: _M, direction: str) -> _M:
+    problem = nesting_problem(message)
+    if problem:
+        raise ForeignMessage(f"not a message {direction}: {problem}")
+    return message
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[_M], data: bytes, direction: str) -> _M:
     try:
-        return _to_runner.decode(data)
+        return _bounded(decoder.decode(data), direction)
     except msgspec.ValidationError as exc:
-        raise ForeignMessage(f"not a message from kf's grader to a runner: {exc}") from exc
+        raise ForeignMessage(f"not a message {direction}: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"not MessagePack: {exc}") from exc
+    except RecursionError:  # deeper than the decoder goes: far past the bound
+        raise ForeignMessage(
+            f"not a message {direction}: nested more than {MAX_NESTING} levels deep"
+        ) from None
+
+
+def decode_from_grader(data: bytes) -> ToRunner:
+    """A message the grader sent a runner; :class:`ProtocolError` if it is not one."""
+    return _decode(_to_runner, data, "from kf's grader to a runner")
 
 
 def decode_from_runner(data: bytes) -> ToGrader:
-    """A message a runner sent the grader; :class:`ProtocolError` if it is not one."""
-    try:
-        return _to_grader.decode(data)
-    except msgspec.ValidationError as exc:
-        raise ForeignMessage(f"not a message from a kf runner to its grader: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"not MessagePack: {exc}") from exc
+    """A message a runner sent the grader; :class:`ProtocolError` if it is not one (a
+    build's arguments nested more than :data:`MAX_NESTING` levels deep included)."""
+    return _decode(_to_grader, data, "from a kf runner to its grader")
