@@ -60,6 +60,7 @@ CHEATS: list[tuple[Path, Path | tuple[int, int], str, bool]] = [
     (ADV / "memory_hog.py", GELU, "allocates without bound", False),
     (ADV / "file_hog.py", GELU, "writes a huge file", False),
     (ADV / "cpu_hog.py", GELU, "spins the CPU", False),
+    (ADV / "baseline_sabotage.py", GELU, "forks a spinner while eager is timed", False),
     (TRUST / "positive_only.py", TRUST / "task_relu_pos.py", "right only on [0, 1) inputs", False),
     (
         TRUST / "constant_zeros.py",
@@ -68,6 +69,7 @@ CHEATS: list[tuple[Path, Path | tuple[int, int], str, bool]] = [
         False,
     ),
     (ADV / "side_stream.py", BIG, "hides its work on a side stream", True),
+    (ADV / "gpu_busy_child.py", GELU, "a process keeps the GPU busy while eager is timed", True),
 ]
 HONEST_SET: list[tuple[Path, Path | tuple[int, int], str, bool]] = [
     (ADV / "honest_cpp.py", GELU, "C++ via kf.native, self.lib", False),

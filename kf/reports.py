@@ -73,6 +73,10 @@ FLAG_REASONS: dict[str, str] = {
     "eager_outlier": "eager was unusually slow this session: speed-up against earlier median",
     "unsandboxed": "outside the box a candidate can read kf's secrets and files and forge results",
     "degenerate_task": "the task's outputs do not depend on its inputs: a constant passes it",
+    "busy_child": "a process the candidate started ran while another runner was timed "
+    "(its baseline, say): kf stopped it, so the timing is fair",
+    "gpu_child_killed": "a process the candidate started held a GPU while another runner was "
+    "timed: kf killed it",
     # static checks (kf.kernels.static_checks)
     "no_custom_kernel": "no native kernel is built or loaded",
     "kernel_never_called": "a kernel is built but forward never calls it",
@@ -83,7 +87,13 @@ FLAG_REASONS: dict[str, str] = {
 }
 # Flags that make a timing untrustworthy: such a candidate never becomes an elite.
 SUSPECT_FLAGS = frozenset(
-    {"timer_disagreement", "output_changed_after_timing", "cache_suspected", "tampering"}
+    {
+        "timer_disagreement",
+        "output_changed_after_timing",
+        "cache_suspected",
+        "tampering",
+        "gpu_child_killed",
+    }
 )
 
 

@@ -4,6 +4,7 @@ alternately, with the cross-checks of the timing.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -55,7 +56,7 @@ from kf.evaluation.grader.timing_checks import (
     timer_disagreement,
     timing_stats,
 )
-from kf.evaluation.wire.protocol import BaselineCompiled, SetUp, Time
+from kf.evaluation.wire.protocol import BaselineCompiled, Settle, SetUp, Time
 from kf.evaluation.wire.tolerance import Tolerance
 from kf.kernels.tasks import Task
 from kf.reports import ProfileReport
@@ -257,7 +258,9 @@ class _Timed:
     def __call__(self, is_candidate: bool, n: int) -> list[float]:
         """Samples of ``n`` calls of the candidate or of eager, in ms."""
         call = self.stage.candidate if is_candidate else self.stage.reference
-        with turn(call, self.turns):
+        # the candidate's box is quiet while eager is timed (issue 43, NK2)
+        quiet = contextlib.nullcontext() if is_candidate else self.stage.candidate_quiet()
+        with quiet, turn(call, self.turns):
             t0 = time.perf_counter_ns()
             reply = call(Time(n=n), what=f"timing {n} calls")
             samples = [ns / 1e6 for ns in reply.samples_ns]
@@ -271,8 +274,12 @@ class _Timed:
         if not self.compiled_on:
             return []
         stage, ref = self.stage, self.ref
+
+        def settle(message: Settle) -> object:
+            return ref.request(message, stage.deadline.left())
+
         try:
-            with turn(lambda m: ref.request(m, stage.deadline.left()), self.turns, compiled=True):
+            with stage.candidate_quiet(), turn(settle, self.turns, compiled=True):
                 reply = ref.request(
                     Time(n=n, compiled=True), stage.deadline.left(), what=f"timing {n} compiled"
                 )

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
@@ -31,7 +32,7 @@ from typing import Any, NamedTuple, TypeVar
 import msgspec
 
 from kf.capture import while_wanted
-from kf.evaluation.grader import box, spawn
+from kf.evaluation.grader import box, box_quiet, spawn
 from kf.evaluation.grader.runner_socket import (
     MessageStalled,
     MessageTooLarge,
@@ -51,6 +52,7 @@ __all__ = [
     "RunnerHandle",
     "RunnerStartError",
     "RunnerTimeout",
+    "quiet_others",
 ]
 
 _LOG_TAIL = 4000
@@ -188,6 +190,15 @@ class RunnerHandle:
         self.kept_s = 0.0
         self._ready_lock = threading.Lock()
         self.spawned_at = time.monotonic()
+        #: the box's processes once it said it was ready, before any candidate code ran
+        self._own: frozenset[int] | None = None
+        #: :meth:`quiet`'s holds: the box is stopped while there is one
+        self._holds = 0
+        self._quiet_lock = threading.Lock()
+        self._stopped_since: float | None = None
+        self._stopped_s = 0.0
+        #: why kf killed the runner itself (said in the error of the request it broke)
+        self.killed_why: str | None = None
 
     @property
     def pid(self) -> int:
@@ -246,12 +257,24 @@ class RunnerHandle:
         with contextlib.suppress(OSError):
             self.conn.send_bytes(encode(reply))
 
+    def _poll(self, left_s: float) -> bool:
+        """Whether a message came within ``left_s`` seconds, not counting the seconds the
+        box was stopped meanwhile (:meth:`quiet`: another runner was timed)."""
+        end = time.monotonic() + left_s
+        mark = self.stopped_s()
+        while True:
+            try:
+                if self.conn.poll(max(0.0, end - time.monotonic())):
+                    return True
+            except OSError:
+                return True
+            stopped = self.stopped_s()
+            if stopped <= mark:
+                return False
+            end, mark = end + stopped - mark, stopped
+
     def _receive_one(self, left_s: float, timeout_s: float, what: str) -> protocol.ToGrader:
-        try:
-            has_reply = self.conn.poll(left_s)
-        except OSError:
-            has_reply = True
-        if not has_reply:
+        if not self._poll(left_s):
             tail = self.log_tail()
             self.kill()
             raise RunnerTimeout(f"no answer after {timeout_s:.1f}s during {what}", tail)
@@ -273,6 +296,8 @@ class RunnerHandle:
                 why = f"process killed by {name} during {what}"
             else:
                 why = f"process exited with status {returncode} during {what}"
+            if self.killed_why:
+                why = f"{why}: {self.killed_why}"
             raise RunnerCrashed(why, tail, returncode) from exc
         except MessageStalled as exc:
             tail = self.log_tail()
@@ -323,6 +348,8 @@ class RunnerHandle:
             if not isinstance(reply, protocol.Ready):
                 self.kill()
                 raise RunnerCrashed(f"unexpected start-up message {reply!r}", self.log_tail(), None)
+            if self.sandbox == box.MODE_BWRAP:
+                self._own = frozenset(box_quiet.box_processes(self.proc.pid))
             self.ready = True
 
     def poll_ready(self) -> bool:
@@ -353,6 +380,14 @@ class RunnerHandle:
 
     def _request(self, message: protocol.Request[_R], timeout_s: float, what: str | None) -> _R:
         self.wait_ready()
+        if isinstance(message, protocol.LoadCandidate):
+            with _candidates_lock:  # from now on its box is quiet while others are timed
+                _candidates.add(self)
+        with quiet_others(self) if isinstance(message, _TIMED) else contextlib.nullcontext():
+            return self._exchange(message, timeout_s, what)
+
+    def _exchange(self, message: protocol.Request[_R], timeout_s: float, what: str | None) -> _R:
+        """Send ``message`` and receive its reply (:meth:`request`)."""
         # an empty call (the timing loop's own cost) is told apart in the request log
         op = "time_empty" if isinstance(message, protocol.Time) and message.empty else message.op
         what = what or op
@@ -369,7 +404,9 @@ class RunnerHandle:
             returncode = self._wait_exit()
             tail = self.log_tail()
             self.kill()
-            raise RunnerCrashed(f"process gone before {what}", tail, returncode) from exc
+            why = f"process gone before {what}"
+            why += f": {self.killed_why}" if self.killed_why else ""
+            raise RunnerCrashed(why, tail, returncode) from exc
         reply = self._receive(timeout_s, what)
         ended = time.monotonic()
         answer = reply if isinstance(reply, protocol.Reply) else None
@@ -413,11 +450,78 @@ class RunnerHandle:
         except subprocess.TimeoutExpired:
             return None
 
+    def stopped_s(self) -> float:
+        """Seconds the box has been stopped so far (:meth:`quiet`)."""
+        with self._quiet_lock:
+            since = self._stopped_since
+            return self._stopped_s + (time.monotonic() - since if since is not None else 0.0)
+
+    def quiet(self) -> None:
+        """Hold the box quiet: every process in it stopped, and a process the candidate
+        started that holds a GPU killed (:mod:`kf.evaluation.grader.box_quiet`), until
+        each hold is given back (:meth:`unquiet`). A box that cannot be stopped is killed;
+        its request then fails saying why. An unboxed runner is left as it is (its
+        processes may leave its process tree: that mode is marked unsafe)."""
+        with self._quiet_lock:
+            self._holds += 1
+            if self._holds > 1 or self.closed or self.sandbox != box.MODE_BWRAP:
+                return
+            try:
+                found = box_quiet.stop(self.proc.pid, self._own)
+            except box_quiet.StopFailed as exc:
+                self.killed_why = (
+                    f"its box could not be stopped while another runner was timed ({exc})"
+                )
+            else:
+                self._stopped_since = time.monotonic()
+                self._found(found)
+                return
+        self.kill()
+
+    def _found(self, found: box_quiet.Stopped) -> None:
+        """Say in the runner's findings (its candidate's flags) what :meth:`quiet` found
+        of the processes the candidate started."""
+        said = []
+        if found.busy:
+            said.append(
+                f"{_BUSY_CHILD}: a process it started was running while another runner was "
+                "timed (its baseline, say); kf stopped it"
+            )
+        if found.killed:
+            said.append(
+                f"{_GPU_CHILD_KILLED}: a process it started held a GPU while another runner "
+                "was timed; kf killed it"
+            )
+        self.findings.extend(f for f in said if f not in self.findings)
+
+    def unquiet(self) -> None:
+        """Give back one :meth:`quiet` hold; the box runs again when none is left."""
+        with self._quiet_lock:
+            self._holds = max(0, self._holds - 1)
+            since = self._stopped_since
+            if self._holds or since is None:
+                return
+            self._stopped_since = None
+            self._stopped_s += time.monotonic() - since
+            if not self.closed:
+                box_quiet.resume(self.proc.pid)
+
+    @contextlib.contextmanager
+    def quieted(self) -> Iterator[None]:
+        """The box held quiet inside the block (:meth:`quiet`)."""
+        self.quiet()
+        try:
+            yield
+        finally:
+            self.unquiet()
+
     def kill(self) -> None:
         """Kill the runner's whole process group and remove its scratch directory."""
         if self.closed:
             return
         self.closed = True
+        with _candidates_lock:
+            _candidates.discard(self)
         if self.sandbox == box.MODE_BWRAP and self.proc.poll() is None:
             # (not reaped yet: its pid is still bwrap's) bwrap's init in the box first: the
             # kernel then kills everything in the box's PID namespace, and bwrap exits
@@ -441,3 +545,32 @@ class RunnerHandle:
         with contextlib.suppress(OSError):
             self.fd_sock.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+#: the flags of a candidate whose processes :meth:`RunnerHandle.quiet` found running, or
+#: holding a GPU (then killed)
+_BUSY_CHILD = "busy_child"
+_GPU_CHILD_KILLED = "gpu_child_killed"
+#: the requests that time something: every other candidate's box is quiet meanwhile
+_TIMED = (protocol.Time, protocol.Batch, protocol.TimeInputs, protocol.Counters)
+#: the runners a candidate was loaded in, alive
+_candidates: weakref.WeakSet[RunnerHandle] = weakref.WeakSet()
+_candidates_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def quiet_others(*mine: RunnerHandle | None) -> Iterator[None]:
+    """Every runner a candidate was loaded in, but ``mine``, held quiet inside the block
+    (:meth:`RunnerHandle.quiet`): nothing a candidate started runs while another runner is
+    timed (issue 43, NK2). Holds are counted: a box already quiet costs nothing more."""
+    with _candidates_lock:
+        others = [h for h in _candidates if h not in mine and not h.closed]
+    held: list[RunnerHandle] = []
+    try:
+        for handle in others:
+            handle.quiet()
+            held.append(handle)
+        yield
+    finally:
+        for handle in held:
+            handle.unquiet()

@@ -36,6 +36,7 @@ from kf.evaluation.grader.runner_handle import (
     RunnerHandle,
     RunnerStartError,
     RunnerTimeout,
+    quiet_others,
 )
 from kf.evaluation.grader.spawn import Limits, default_threads, network_namespace_available
 from kf.settings import current
@@ -55,6 +56,7 @@ __all__ = [
     "default_pool",
     "default_threads",
     "network_namespace_available",
+    "quiet_others",
 ]
 
 log = structlog.get_logger("kf.evaluation.grader.sandbox")
@@ -212,6 +214,7 @@ class RunnerPool:
         if found is None:
             return None
         handle, since = found
+        handle.unquiet()  # stopped while kept
         if self._closed or handle.proc.poll() is not None:
             self.release(handle)
             return None
@@ -225,6 +228,9 @@ class RunnerPool:
         killed instead: the stages take candidates about in the order they came (a
         profile queue on a GPU), so the oldest kept are the next to be taken."""
         evicted: list[RunnerHandle] = []
+        # stopped while kept, spinner children and all: nothing of a candidate runs while
+        # it waits for its next stage (before it is kept: a stage may take it at once)
+        handle.quiet()
         now = time.monotonic()
         with self._lock:
             self._leased.discard(handle)

@@ -47,6 +47,7 @@ from kf.evaluation.grader.sandbox import (
     RunnerPool,
     RunnerTimeout,
     default_pool,
+    quiet_others,
 )
 from kf.evaluation.wire.protocol import (
     Check,
@@ -178,9 +179,10 @@ class Stage:
     def alone(self) -> Iterator[None]:
         """The device to this stage alone (:meth:`GradingSession.exclusively`); the seconds
         it waited for that turn and held it are its phases ``turn_wait`` and
-        ``turn_held`` (the timing turn, which every other stage on the device waits on)."""
+        ``turn_held`` (the timing turn, which every other stage on the device waits on).
+        Every other candidate's box is quiet meanwhile (:func:`quiet_others`)."""
         asked = time.monotonic()
-        with self.session.exclusively():
+        with self.session.exclusively(), quiet_others(self._cand):
             got = time.monotonic()
             self._own["turn_wait"] = self._own.get("turn_wait", 0.0) + got - asked
             try:
@@ -202,6 +204,13 @@ class Stage:
         if self._cand is None:
             raise RuntimeError("the stage has leased no candidate runner yet")
         return self._cand
+
+    def candidate_quiet(self) -> AbstractContextManager[None]:
+        """The candidate runner's box held quiet inside the block, for a timing of the
+        reference runner (:meth:`RunnerHandle.quiet`; a request that times quiets every
+        candidate but its own runner anyway: held here, stopping it is not in the wall
+        clock around that request)."""
+        return self._cand.quieted() if self._cand is not None else contextlib.nullcontext()
 
     def restart_clock(self) -> None:
         """A fresh deadline (after work with a time limit of its own)."""
