@@ -201,6 +201,11 @@ class ArchiveState(msgspec.Struct, kw_only=True):
     # "task|device" (version 3) or "task|device|candidate" (version 4) → request
     tuning: dict[str, archive_tuning.Tuning] = {}
 
+    def best(self, task: str) -> Cand | None:
+        """The fastest profiled candidate of ``task`` (:func:`best_candidate`): the archive
+        tuning reads it here, so that it need not import this module."""
+        return best_candidate(self, task)
+
     def summary(self) -> str:
         """A few lines per task: progress, best kernel, filled cells."""
         lines = [f"run {self.run_id} seed {self.seed} finished={self.finished}"]

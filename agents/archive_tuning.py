@@ -137,12 +137,10 @@ def _fits(state: Any, c: Any, device_id: str) -> bool:
 
 def _request_best(state: Any, t: Any, plan: list[Event]) -> None:
     """Version 3: the task's best kernel, once per live device, with the whole budget."""
-    from agents.archive import best_candidate
-
     cfg = state.config
     if not _search_done(state, t):
         return
-    best = best_candidate(state, t.name)
+    best = state.best(t.name)
     if best is None or not _tunable(best.source):
         return
     for device_id in sorted(state.devices):

@@ -1,8 +1,14 @@
 """The layer rules, held by a test, reading every import of a module (a function's body
 included):
 
-- the runtime (every module of ``kf`` but the application layer: cli, app, orchestra,
-  report, dashboard) imports no agent (``agents`` or ``hardware_agents``);
+- **the layers by package** (:data:`LAYERS`, issue 46): each package of kf, ``agents`` and
+  ``hardware_agents`` imports only itself and the packages listed for it, and the layers
+  form a stack (no two may import each other, however indirectly). ``kf.kernels`` (what kf
+  reads from a source) imports nothing else of kf; kf's own modules (the runtime, the event
+  vocabulary, the build API) only ``kf.kernels``; the application, ``kf.app``, alone
+  imports the agents;
+- the runtime (every module of ``kf`` but the application layer, ``kf/app/``) imports no
+  agent (``agents`` or ``hardware_agents``);
 - device agents (``hardware_agents``) only describe devices: they import nothing of
   ``agents``;
 - ``KF_*`` environment variables are read in one place, :mod:`kf.settings`, and no module
@@ -16,15 +22,35 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_rules import Import, all_imports, cycles, modules_of
+
 ROOT = Path(__file__).resolve().parent.parent
-#: the application layer: the commands and the composition of processes, which may
-#: import agents
-APPLICATION = {"kf/app/cli.py", "kf/app/orchestra.py", "kf/app/report.py"}
-RUNTIME = sorted(
-    p
-    for p in (ROOT / "kf").rglob("*.py")
-    if str(p.relative_to(ROOT)) not in APPLICATION and not {"dashboard", "app"} & set(p.parts)
-)
+
+_WING = {"kf", "kf.kernels", "kf.devices", "kf.cuda", "kf.evaluation.wire"}
+#: each layer and the layers it may import besides itself; a module belongs to the longest
+#: name here that is its own or a package above it (``kf`` holds kf's own modules: the
+#: runtime, the event vocabulary and the build API ``kf.native``)
+LAYERS: dict[str, set[str]] = {
+    "kf.kernels": set(),
+    "kf": {"kf.kernels"},
+    "kf.devices": {"kf", "kf.kernels"},
+    "kf.cuda": {"kf", "kf.kernels"},
+    "kf.evaluation.wire": {"kf", "kf.kernels"},
+    "kf.evaluation.runner": _WING,
+    "kf.evaluation.grader": _WING,
+    "kf.evaluation": {*_WING, "kf.evaluation.grader"},  # the package's lazy names
+    "kf.llm": {*_WING, "kf.evaluation", "kf.evaluation.grader"},
+    "hardware_agents": {*_WING, "kf.evaluation", "kf.evaluation.grader"},
+    "agents": {*_WING, "kf.evaluation", "kf.evaluation.grader", "kf.llm", "hardware_agents"},
+    # the application may also run the runner's comparisons in its own process, on code
+    # it trusts (a model check)
+    "kf.app": {
+        *_WING, "kf.evaluation", "kf.evaluation.grader", "kf.evaluation.runner", "kf.llm",
+        "hardware_agents", "agents",
+    },
+}  # fmt: skip
+
+RUNTIME = sorted(p for p in (ROOT / "kf").rglob("*.py") if "app" not in p.parts)
 HARDWARE = sorted((ROOT / "hardware_agents").glob("*.py"))
 EVERY = sorted([*(ROOT / "kf").rglob("*.py"), *(ROOT / "agents").glob("*.py"), *HARDWARE])
 SETTINGS = ROOT / "kf" / "settings.py"
@@ -46,6 +72,82 @@ def _package(name: str) -> str:
 
 def _rel(path: Path) -> str:
     return str(path.relative_to(ROOT))
+
+
+def layer_of(module: str) -> str | None:
+    """The layer a module belongs to (None: none of :data:`LAYERS`)."""
+    owners = [n for n in LAYERS if module == n or module.startswith(n + ".")]
+    return max(owners, key=len, default=None)
+
+
+def uphill(imports: list[Import], layers: dict[str, set[str]]) -> list[str]:
+    """Each import (``TYPE_CHECKING`` and function bodies included) from a layer into one
+    it may not import."""
+    out = []
+    for i in imports:
+        a, b = layer_of(i.importer), layer_of(i.module)
+        if a != b and (a is None or b not in layers[a]):
+            out.append(f"{i.importer} ({a}, line {i.line}) imports {i.module} ({b})")
+    return sorted(out)
+
+
+MODULES = modules_of(ROOT)
+IMPORTS = all_imports(MODULES)
+
+
+def test_every_module_has_a_layer() -> None:
+    """Each module of kf, agents and hardware_agents belongs to a layer of the stack."""
+    assert [m for m in MODULES if layer_of(m) is None] == []
+    assert {layer_of(m) for m in MODULES} == set(LAYERS)  # and no layer is empty
+
+
+def test_no_import_runs_uphill() -> None:
+    """Each layer imports only itself and the layers below it."""
+    assert uphill(IMPORTS, LAYERS) == []
+
+
+def test_the_layers_form_a_stack() -> None:
+    """No two layers may import each other, directly or through others."""
+    assert cycles({layer: set(below) for layer, below in LAYERS.items()}) == []
+    assert all(below <= set(LAYERS) for below in LAYERS.values())
+
+
+def test_an_uphill_import_fails_the_layer_check(tmp_path: Path) -> None:
+    """On a made-up tree, the check names each import into a layer above: source know-how
+    reading kf's settings, the runtime reaching the application inside a function, devices
+    reaching the grader's pools under TYPE_CHECKING, an agent importing the application;
+    and a stack whose two layers import each other is caught."""
+    files = {
+        "kf/__init__.py": "",
+        "kf/settings.py": "",
+        "kf/kernels/__init__.py": "",
+        "kf/kernels/tasks.py": "from kf.settings import current\n",
+        "kf/shutdown.py": "def f():\n    from kf.app import cli\n",
+        "kf/app/__init__.py": "",
+        "kf/app/cli.py": "import agents.archive\nfrom kf.kernels import tasks\n",
+        "kf/devices/__init__.py": "",
+        "kf/devices/slots.py": (
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from kf.evaluation.grader.pools import runner_pool\n"
+        ),
+        "kf/evaluation/__init__.py": "",
+        "kf/evaluation/grader/__init__.py": "",
+        "kf/evaluation/grader/pools.py": "from kf.devices import slots\n",
+        "agents/__init__.py": "",
+        "agents/archive.py": "from kf.app.cli import main\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    imports = all_imports(modules_of(tmp_path))
+    assert uphill(imports, LAYERS) == [
+        "agents.archive (agents, line 1) imports kf.app.cli (kf.app)",
+        "kf.devices.slots (kf.devices, line 3) imports kf.evaluation.grader.pools "
+        "(kf.evaluation.grader)",
+        "kf.kernels.tasks (kf.kernels, line 1) imports kf.settings (kf)",
+        "kf.shutdown (kf, line 2) imports kf.app.cli (kf.app)",
+    ]
+    assert cycles({**LAYERS, "kf": {"kf.kernels", "kf.app"}}) != []
 
 
 @pytest.mark.parametrize("path", RUNTIME, ids=_rel)
