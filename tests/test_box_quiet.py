@@ -9,6 +9,7 @@ processes' state as /proc shows it while the reference runner times, never a tim
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -104,15 +105,23 @@ def test_box_quiet_spinner_forked_at_import_is_stopped_while_the_baseline_is_tim
 ) -> None:
     """A candidate that forks a spinning process at import is profiled; while eager and
     the empty call are timed in the reference runner, every thread of every process in
-    the candidate's box, the spinner's included, is stopped (T) or gone. (The compiled
+    the candidate's box, the spinner's included, is stopped (T) or gone, and the profile
+    says ``busy_child``; the same candidate without its spinner has no flag. (The compiled
     reference is timed by the same request, ``Time(compiled=True)``: the GPU test below
     times it too; on this CPU its compile alone takes a minute and a half.)"""
     pool = RunnerPool(size=0, threads=1)
     try:
         session = GradingSession(TASK, SABOTEUR, pool=pool, timeout_s=90)
         report = profile_session(session, QUICK, compile_baseline=False)
+        seen = len(watched)
+        # the same candidate without its spinner: the runner's own processes (its file
+        # maker among them) are not the candidate's
+        plain = dataclasses.replace(session, source=SABOTEUR.replace("os.fork() == 0", "False"))
+        honest = profile_session(plain, QUICK, compile_baseline=False)
     finally:
         pool.close()
+    assert honest.ok and honest.flags == (), (honest.error, honest.flags)
+    del watched[seen:]
     assert report.ok, report.error
     assert watched, "no timing of the reference was seen"
     assert any(name == SPINNER_NAME for states in watched for name, _ in states), watched

@@ -190,7 +190,7 @@ class RunnerHandle:
         self.kept_s = 0.0
         self._ready_lock = threading.Lock()
         self.spawned_at = time.monotonic()
-        #: the box's processes once it said it was ready, before any candidate code ran
+        #: the box's processes just before its first candidate was loaded (None: none yet)
         self._own: frozenset[int] | None = None
         #: :meth:`quiet`'s holds: the box is stopped while there is one
         self._holds = 0
@@ -348,8 +348,6 @@ class RunnerHandle:
             if not isinstance(reply, protocol.Ready):
                 self.kill()
                 raise RunnerCrashed(f"unexpected start-up message {reply!r}", self.log_tail(), None)
-            if self.sandbox == box.MODE_BWRAP:
-                self._own = frozenset(box_quiet.box_processes(self.proc.pid))
             self.ready = True
 
     def poll_ready(self) -> bool:
@@ -380,8 +378,11 @@ class RunnerHandle:
 
     def _request(self, message: protocol.Request[_R], timeout_s: float, what: str | None) -> _R:
         self.wait_ready()
-        if isinstance(message, protocol.LoadCandidate):
-            with _candidates_lock:  # from now on its box is quiet while others are timed
+        if isinstance(message, protocol.LoadCandidate) and self._own is None:
+            # the box's own processes (the runner, its file maker), before any candidate
+            # code runs in it; from now on it is quiet while others are timed
+            self._own = frozenset(box_quiet.box_processes(self.proc.pid))
+            with _candidates_lock:
                 _candidates.add(self)
         with quiet_others(self) if isinstance(message, _TIMED) else contextlib.nullcontext():
             return self._exchange(message, timeout_s, what)
