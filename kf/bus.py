@@ -460,13 +460,74 @@ class BusOptions:
         return replace(self, token=None, user=user, password=password)
 
 
+WAITING_SAID_AFTER_S = 2.0  # an outage shorter than this (a restart) is not said
+WAITING_REMINDER_S = 60.0
+
+
+@dataclass
+class Waiting:
+    """This process's clients of one server that stopped answering: the outage is said
+    once (``nats_waiting``), then every :data:`WAITING_REMINDER_S`, and its end once
+    (``nats_back``); the clients' retries (``errors``) are counted, not each logged."""
+
+    url: str
+    since: float | None = None
+    said_at: float | None = None
+    errors: int = 0
+    last_error: str = ""
+
+    def lost(self, at: float) -> None:
+        if self.since is None or at < self.since:
+            self.since = at
+
+    def failed(self, exc: Exception, now: float) -> None:
+        self.lost(now)
+        self.errors += 1
+        self.last_error = repr(exc)[:200]
+        assert self.since is not None
+        waited = now - self.since
+        if waited < WAITING_SAID_AFTER_S:
+            return
+        if self.said_at is None or now - self.said_at >= WAITING_REMINDER_S:
+            still = "still " if self.said_at is not None else ""
+            self.said_at = now
+            log.warning(
+                "nats_waiting",
+                note=f"{still}waiting for the NATS server at {self.url} (no answer for "
+                f"{waited:.0f} s)",
+                error=self.last_error,
+            )
+
+    def back(self, now: float) -> None:
+        if self.since is not None and self.said_at is not None:
+            after = now - self.since
+            note = f"the NATS server at {self.url} answers again (after {after:.0f} s)"
+            log.warning("nats_back", note=note)
+        self.since = self.said_at = None
+
+
+_waiting: dict[str, Waiting] = {}
+#: errors that mean the server did not answer (while the client may still count as connected)
+_LOST = (nats.errors.StaleConnectionError, nats.errors.UnexpectedEOF, OSError, TimeoutError,
+         nats.errors.TimeoutError, nats.errors.NoServersError)  # fmt: skip
+
+
+def waiting_for(url: str) -> Waiting:
+    """The outage record this process keeps for the server at ``url`` (shared by all its
+    clients of that server)."""
+    key = redact(url)
+    return _waiting.setdefault(key, Waiting(key))
+
+
 async def connect(
     opts: BusOptions,
     *,
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
     connect_timeout_s: float = 10.0,
+    ping_interval_s: float = 5.0,
 ) -> Client:
-    """Connect with reconnection forever (agents outlive a restarting server)."""
+    """Connect with reconnection forever (agents outlive a restarting server). A server
+    that stops answering is said once, not once per retry (:class:`Waiting`)."""
     kwargs: dict[str, Any] = {
         "servers": [opts.url],
         "name": opts.name,
@@ -474,7 +535,7 @@ async def connect(
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.25,
         "connect_timeout": 2,
-        "ping_interval": 5,
+        "ping_interval": ping_interval_s,
         "max_outstanding_pings": 3,
         "pending_size": 64 * 1024 * 1024,
     }
@@ -489,15 +550,21 @@ async def connect(
             ctx.load_cert_chain(opts.tls_cert, opts.tls_key)
         kwargs["tls"] = ctx
 
+    waiting = waiting_for(opts.url)
+    loop = asyncio.get_running_loop()
+
     async def _disconnected() -> None:
         log.info("nats_disconnected", url=redact(opts.url))
+        waiting.lost(loop.time())
 
     async def _reconnected() -> None:
         log.info("nats_reconnected", url=redact(opts.url))
+        waiting.back(loop.time())
         if on_reconnect is not None:
             await on_reconnect()
 
     last_error: list[Exception] = []
+    made: list[Client] = []
     connecting = [True]
     refused = asyncio.Event()
 
@@ -509,7 +576,11 @@ async def connect(
                 refused.set()
             return
         last_error[:] = [exc]
-        log.warning("nats_error", error=repr(exc))
+        client = made[0] if made else None
+        if client is not None and client.is_connected and not isinstance(exc, _LOST):
+            log.warning("nats_error", error=repr(exc))  # the server answered: say what
+        else:  # no answer: one line for the outage, not one a retry
+            waiting.failed(exc, loop.time())
 
     kwargs.update(disconnected_cb=_disconnected, reconnected_cb=_reconnected, error_cb=_error)
     try:
@@ -526,6 +597,7 @@ async def connect(
             "running and are the credentials right?"
         ) from None
     connecting[0] = False
+    made.append(nc)
     return nc
 
 
