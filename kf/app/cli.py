@@ -120,15 +120,17 @@ def _guarded(
     input or settings (2); with ``resume`` an ending that keeps the log says how to resume."""
     from kf import shutdown
     from kf.app.orchestra import PartDied
+    from kf.log import LogFull
 
+    ended: BaseException
     try:
         return EXIT_OK, shutdown.run(work, reap=_own(args))
     except (KeyboardInterrupt, shutdown.Terminated) as exc:
         return _stopped(verb, exc, resume=resume), None
     except PartDied as exc:  # the embedded nats-server, an agent past its restarts, the bus
-        why = str(exc)
+        why, ended = str(exc), exc
     except ExceptionGroup as group:  # the same, from a task group
-        first = group.exceptions[0]
+        ended = first = group.exceptions[0]
         why = str(first) if isinstance(first, PartDied) else f"a part gave up: {first!r}"
     except usage as exc:
         print(f"kf {verb}: {exc}", file=sys.stderr)
@@ -137,7 +139,7 @@ def _guarded(
         print(f"kf {verb}: {exc}", file=sys.stderr)
         return EXIT_FAILED, None
     print(f"kf {verb}: {why}", file=sys.stderr)
-    if resume:
+    if resume and not isinstance(ended.__cause__, LogFull):  # that line says how already
         print(RESUME_HINT, file=sys.stderr)
     return EXIT_PART_DIED, None
 

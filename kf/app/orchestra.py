@@ -399,7 +399,12 @@ async def run_search(
     try:
         if not o.request.join:
             await parts.start_archivist(rb, run_id, db, o)
-        await _record_start(rb.proposer, run_id, tasks, o, mutator)
+        # the start is committed by the archivist: if it gives up (a full disk), say so
+        # instead of waiting for ever
+        await _first(
+            _record_start(rb.proposer, run_id, tasks, o, mutator),
+            [*([parts.archivist] if parts.archivist else []), *rb.watched()],
+        )
         parts.start_agents(rb, run_id, o, slots, worker_types)
         if o.request.serve is not None and db.exists():
             from kf.app.dashboard import start_dashboard
