@@ -70,6 +70,9 @@ CHEATS: list[tuple[Path, Path | tuple[int, int], str, bool]] = [
     ),
     (ADV / "side_stream.py", BIG, "hides its work on a side stream", True),
     (ADV / "gpu_busy_child.py", GELU, "a process keeps the GPU busy while eager is timed", True),
+    # timings that hold (issue 47): the state is reset before each timed call, and said
+    (ADV / "persisting_l2.py", GELU, "keeps its input persisting in L2 across calls", True),
+    (ADV / "graph_aware.py", GELU, "does less while captured in a CUDA graph", True),
 ]
 HONEST_SET: list[tuple[Path, Path | tuple[int, int], str, bool]] = [
     (ADV / "honest_cpp.py", GELU, "C++ via kf.native, self.lib", False),

@@ -77,6 +77,12 @@ FLAG_REASONS: dict[str, str] = {
     "(its baseline, say): kf stopped it, so the timing is fair",
     "gpu_child_killed": "a process the candidate started held a GPU while another runner was "
     "timed: kf killed it",
+    # timings that hold (issue 47: kf.evaluation.grader.graph_figures, clock_watch)
+    "clocks_dropped": "the GPU's clocks dropped during a timing, and again when it was retimed",
+    "device_state_left": "a call left persisting-L2 state for the next: reset before each timed "
+    "call, so the figure does not gain from it",
+    "graph_mismatch": "captured in a CUDA graph, the call computed something else: the graph's "
+    "figure is not used",
     # static checks (kf.kernels.static_checks)
     "no_custom_kernel": "no native kernel is built or loaded",
     "kernel_never_called": "a kernel is built but forward never calls it",
@@ -246,6 +252,25 @@ class ProfileReport(msgspec.Struct, frozen=True, kw_only=True):
     empty_call_ms: float | None = None
     # as VerifyReport's: the most device memory the profile's runners held at once (MB)
     peak_device_mb: float | None = None
+    # issue 47, timings that hold (kf.evaluation.grader.graph_figures): which method gave
+    # runtime_ms, the reference's figures and the speed-ups: "events" (one call between
+    # CUDA events, or the CPU clock) or "graph-N" (N calls in one CUDA graph, per call)
+    method: str = "events"
+    graph_calls: int = 0  # N of the graph's figures (0: not timed in a graph)
+    graph_error: str = ""  # why a side has no graph figure ("side: why; ...")
+    graph_runtime_ms: float | None = None
+    graph_ref_runtime_ms: float | None = None
+    graph_compiled_runtime_ms: float | None = None
+    # the per-call figures, kept here when the graph's are the headline
+    events_runtime_ms: float | None = None
+    events_ref_runtime_ms: float | None = None
+    events_speedup: float | None = None
+    # the GPU's clocks around every timing request (kf.evaluation.grader.clock_watch):
+    # sm_mhz, mem_mhz, temp_c as [min, max], readings, read_by, retimed, kept_dropped;
+    # {} off a GPU, where nothing answered, and in older logs
+    clocks: dict[str, Any] = {}
+    # device state a timed call had left, reset before the next (persisting L2; "": none)
+    device_state_found: str = ""
 
 
 class CountersReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -71,6 +71,9 @@ def test_honest_candidate_passes_every_stage(pool: RunnerPool) -> None:
     # the timing turn: waited for (nothing else held the device here) and held while timing
     assert profiled.phases["turn_held"] >= profiled.phases["time"] > 0
     assert 0 <= profiled.phases["turn_wait"] < profiled.phases["turn_held"]
+    # a CPU's figure is one call per sample (issue 47): no graph, no clocks, no state left
+    assert profiled.method == "events" and profiled.graph_calls == 0
+    assert profiled.clocks == {} and profiled.device_state_found == ""
 
 
 @pytest.mark.parametrize(

@@ -196,6 +196,8 @@ class RunView:
             tr.events.append(meta)
             speedup = ev.report.speedup if ev.report.ok else None
             self._evaluated(ev.candidate_id, ev.task, t, rec.seq, ok=ev.report.ok, speedup=speedup)
+            if ev.report.ok:  # the latency beside the speed-up (issue 47)
+                self.evaluations[-1]["runtime_ms"] = ev.report.runtime_ms
         elif isinstance(ev, EliteAdmitted):
             tr = self._trace(ev.candidate_id)
             tr.elite.append({**meta, **_builtins(ev)})
@@ -325,6 +327,7 @@ class RunView:
                         "parallelism": p,
                         "candidate_id": cid,
                         "speedup": cand.speedup if cand is not None else None,
+                        "runtime_ms": cand.runtime_ms if cand is not None else None,
                         "operator": cand.operator if cand is not None else "",
                     }
                 )
@@ -337,6 +340,7 @@ class RunView:
                     "correct": t.correct,
                     "failed": t.failed,
                     "best_speedup": best.speedup if best is not None else None,
+                    "best_ms": best.runtime_ms if best is not None else None,
                     "best_candidate_id": best.id if best is not None else None,
                     "cells": cells,
                     "degenerate": self.degenerate.get(name),
@@ -457,6 +461,7 @@ class RunView:
             "status": c.status,
             "failure": c.failure,
             "speedup": c.speedup,
+            "runtime_ms": c.runtime_ms,
             "cell": list(c.cell) if c.cell is not None else None,
         }
 

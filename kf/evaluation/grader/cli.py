@@ -118,9 +118,11 @@ def _human(result: EvalResult) -> str:
         if p.ok:
             lines.append(
                 f"profile: {p.runtime_ms:.4f} ms ± {p.runtime_ci95_ms:.4f} (n={p.trials}), "
-                f"eager {p.ref_runtime_ms:.4f} ms, speedup {p.speedup:.2f}×"
+                f"eager {p.ref_runtime_ms:.4f} ms, speedup {p.speedup:.2f}× "
+                f"[{p.method}]"
             )
             lines.append(_compiled_line(p))
+            lines += _hold_lines(p)
         else:
             lines.append(f"profile: FAILED ({p.failure_kind}): {p.error}")
     k = result.counters
@@ -143,6 +145,28 @@ def _human(result: EvalResult) -> str:
             why = FLAG_REASONS.get(code, "")
             lines.append(f"  - {flag}" + (f"  [{why}]" if why else ""))
     return "\n".join(lines)
+
+
+def _hold_lines(p: ProfileReport) -> list[str]:
+    """The other method's figures beside the headline's, and the clocks they ran at
+    (issue 47: kf.evaluation.grader.graph_figures, clock_watch)."""
+    lines = []
+    if p.method != "events" and p.events_runtime_ms is not None:
+        lines.append(
+            f"  one call between events: {p.events_runtime_ms:.4f} ms, eager "
+            f"{p.events_ref_runtime_ms or 0.0:.4f} ms, speedup {p.events_speedup or 0.0:.2f}×"
+        )
+    elif p.graph_calls:
+        got = f"{p.graph_runtime_ms:.4f} ms" if p.graph_runtime_ms is not None else "none"
+        lines.append(f"  {p.graph_calls} calls in a CUDA graph: {got} ({p.graph_error or 'ok'})")
+    c = p.clocks
+    if c:
+        lines.append(
+            f"  clocks: SM {c['sm_mhz'][0]}-{c['sm_mhz'][1]} MHz, memory "
+            f"{c['mem_mhz'][0]}-{c['mem_mhz'][1]} MHz, {c['temp_c'][0]}-{c['temp_c'][1]} °C "
+            f"({c['readings']} readings, {c['read_by']}; {c['retimed']} timing(s) retimed)"
+        )
+    return lines
 
 
 def _compiled_line(p: ProfileReport) -> str:

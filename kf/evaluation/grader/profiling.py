@@ -21,6 +21,7 @@ from kf.evaluation.grader.baseline import (
     compile_reference,
     has_baseline,
 )
+from kf.evaluation.grader.clock_watch import ClockWatch
 from kf.evaluation.grader.grading import (
     CACHE_SUSPECTED,
     FRESH_SETS,
@@ -30,6 +31,7 @@ from kf.evaluation.grader.grading import (
     log,
     seed_trials,
 )
+from kf.evaluation.grader.graph_figures import graph_timing, with_hold
 from kf.evaluation.grader.measuring import (
     batch_check,
     cache_again,
@@ -200,6 +202,7 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
                         f"{OUTPUT_CHANGED}: the timed inputs' output is wrong after timing"
                     )
                 fresh = _fresh_after_timing(stage, ref, samples.candidate["median"], checks.empty)
+                graph = graph_timing(timed, samples.candidate["median"])
             if fresh.problem is not None:
                 why = f"wrong output on fresh inputs after timing: {fresh.problem[1]}"
                 return _failed(stage, "stale_output", why, start, flags)
@@ -211,6 +214,8 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
             log.info("candidate_profile_failed", task=task.name, kind=exc.kind)
             return _failed(stage, exc.kind, exc.error, start)
     report = _report(timed, samples, checks, fresh.runtime_ms, setup, cand.threads, start)
+    found = timed.state_found or (graph.state_found if graph is not None else "")
+    report = with_hold(report, graph, timed.clocks, found)
     log.info(
         "candidate_profiled",
         task=task.name,
@@ -254,6 +259,10 @@ class _Timed:
         # after its turn and allocates them again, untimed, before its next one;
         # requests of their own, outside the wall clock around the timed ones
         self.turns = _takes_turns(stage.device)
+        # the GPU's clocks read around every timing request, retimed when they dropped,
+        # and device state the candidate's calls left (issue 47: graph_figures)
+        self.clocks = ClockWatch.for_device(stage.device)
+        self.state_found = ""
 
     def __call__(self, is_candidate: bool, n: int) -> list[float]:
         """Samples of ``n`` calls of the candidate or of eager, in ms."""
@@ -262,9 +271,10 @@ class _Timed:
         quiet = contextlib.nullcontext() if is_candidate else self.stage.candidate_quiet()
         with quiet, turn(call, self.turns):
             t0 = time.perf_counter_ns()
-            reply = call(Time(n=n), what=f"timing {n} calls")
+            reply = self.clocks.timed(lambda: call(Time(n=n), what=f"timing {n} calls"))
             samples = [ns / 1e6 for ns in reply.samples_ns]
             if is_candidate:
+                self.state_found = reply.state_found or self.state_found
                 spent = max(0, time.perf_counter_ns() - t0 - self.rtt_ns) / 1e6
                 self.batches.append((len(samples), spent, sum(samples)))
         return samples
@@ -280,8 +290,10 @@ class _Timed:
 
         try:
             with stage.candidate_quiet(), turn(settle, self.turns, compiled=True):
-                reply = ref.request(
-                    Time(n=n, compiled=True), stage.deadline.left(), what=f"timing {n} compiled"
+                reply = self.clocks.timed(
+                    lambda: ref.request(
+                        Time(n=n, compiled=True), stage.deadline.left(), what=f"timing {n} compiled"
+                    )
                 )
         except (RunnerTimeout, RunnerCrashed) as exc:
             why = f"the compiled reference lost its runner while timed: {exc}"

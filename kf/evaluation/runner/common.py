@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from kf.evaluation.runner.baselines import apply_tf32
+from kf.evaluation.runner.graph_timing import time_in_graph
 from kf.evaluation.runner.guard import Watch
 from kf.evaluation.runner.transport import Exports, is_ipc, pack, unpack
 from kf.evaluation.wire import file_maker, shared_memory
@@ -442,11 +443,13 @@ class RunnerBase:
         torch = self.torch
         inputs, backend = self.inputs, self.backend
         model = self._timed_model(msg.compiled, msg.empty)
+        if msg.graph > 0 and backend.name == "cuda":
+            return time_in_graph(torch, backend, model, inputs, msg)
         samples: list[int] = []
         try:
             with torch.no_grad():
                 for _ in range(msg.n):
-                    backend.flush_cache()
+                    backend.flush_cache()  # resets the device state a call left first
                     samples.append(backend.time_call_ns(lambda: model(*inputs)))
         except BaseException as exc:
             raise RequestFailure(
@@ -454,7 +457,8 @@ class RunnerBase:
                 f"forward raised {describe_exception(exc)} while timing",
                 traceback_tail(),
             ) from exc
-        return p.Timed(samples_ns=samples)
+        found, backend.found = backend.found, ""
+        return p.Timed(samples_ns=samples, state_found=found)
 
     def op_time_inputs(self, msg: p.TimeInputs) -> p.InputsTimed:
         """One timed call on each of several fresh input sets (a cache would miss here)."""

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kf.devices.names import DeviceError, parse_device
+from kf.evaluation.runner.device_state import DeviceState
 
 __all__ = [
     "Backend",
@@ -86,6 +87,9 @@ class Backend:
 
     def __init__(self, clock_ns: Callable[[], int]) -> None:
         self.clock_ns = clock_ns
+        #: device state a call left that :meth:`flush_cache` reset since the last
+        #: timing reply ("": none found)
+        self.found = ""
         #: the torch device tensors are made on and moved to
         self.device: Any = "cpu"
 
@@ -104,6 +108,19 @@ class Backend:
             "time.perf_counter_ns bound at runner start-up before candidate import; "
             "one forward call per sample"
         )
+
+    def reset_device_state(self) -> str:
+        """Undo device state a candidate's call could leave for its next timed call
+        (nothing on a CPU); what was found set, for the timing's record."""
+        return ""
+
+    def capture(self, fn: Callable[[], Any], calls: int) -> Any:
+        """``calls`` calls of ``fn`` in one CUDA graph: a GPU's alone."""
+        raise NotImplementedError("N calls in one CUDA graph need a GPU")
+
+    def time_graph_ns(self, graph: Any, calls: int, replays: int) -> list[int]:
+        """Per-call ns of each replay of a captured graph: a GPU's alone."""
+        raise NotImplementedError("N calls in one CUDA graph need a GPU")
 
     def time_call_ns(self, fn: Callable[[], Any]) -> int:
         """Time one call of ``fn`` in nanoseconds, synchronised on both sides."""
@@ -164,19 +181,59 @@ class CUDABackend(Backend):
         self._zero = self._flush.zero_
         self._module = torch.nn.Module
         self._tensor = torch.Tensor
+        self._graphs = _GraphTools(torch)
+        #: persisting-L2 state reset before every sample (None: the driver would not
+        #: say, and ``state_error`` says why; the timing records it)
+        self.state: DeviceState | None = None
+        self.state_error = ""
+        try:
+            self.state = DeviceState(int(torch.cuda.current_stream(self.device).cuda_stream))
+        except (OSError, AttributeError) as exc:
+            self.state_error = f"device state not reset: {exc}"
 
     def synchronize(self) -> None:
         """Wait for all work on the device, every stream (``torch.cuda.synchronize``)."""
         self._sync(self.device)
 
     def flush_cache(self) -> None:
-        """Overwrite a buffer twice L2's size, evicting what the last trial left cached."""
+        """Reset the device state a call could leave (:meth:`reset_device_state`; what
+        was found is kept in ``found`` for the timing's reply), then overwrite a buffer
+        twice L2's size, evicting what the last trial left cached."""
+        found = self.reset_device_state()
+        if found:
+            self.found = found
         self._zero()
 
     def to_device(self, value: Any) -> Any:
         if isinstance(value, self._tensor | self._module):
             return value.to(self.device)
         return value
+
+    def reset_device_state(self) -> str:
+        """The persisting-L2 set-aside, lines and timing stream's window reset
+        (:class:`~kf.evaluation.runner.device_state.DeviceState`)."""
+        return self.state.reset() if self.state is not None else ""
+
+    def capture(self, fn: Callable[[], Any], calls: int) -> Any:
+        """``calls`` calls of ``fn`` captured in one CUDA graph, after a warm-up on a side
+        stream as torch.cuda.graphs asks."""
+        return self._graphs.capture(fn, calls)
+
+    def time_graph_ns(self, graph: Any, calls: int, replays: int) -> list[int]:
+        """``graph`` (of ``calls`` calls: :meth:`capture`) replayed ``replays`` times
+        between the bound events, each replay after the state reset and the L2 flush:
+        the calls run back to back, with no idle gap and no launch between them.
+        Per-call ns of each replay."""
+        samples = []
+        for _ in range(replays):
+            self.flush_cache()
+            self._record(self._start)
+            graph.replay()
+            self._record(self._end)
+            self._event_sync(self._end)
+            samples.append(int(self._elapsed_ms(self._start, self._end) * 1e6 / calls))
+        self._sync(self.device)
+        return samples
 
     def describe_timer(self) -> str:
         return (
@@ -197,6 +254,30 @@ class CUDABackend(Backend):
         self._event_sync(self._end)
         self._sync(self.device)
         return int(self._elapsed_ms(self._start, self._end) * 1e6)
+
+
+class _GraphTools:
+    """torch's CUDA-graph pieces, bound before any candidate code is imported."""
+
+    def __init__(self, torch: Any) -> None:
+        self.graph, self.capturing = torch.cuda.CUDAGraph, torch.cuda.graph
+        self.stream, self.current = torch.cuda.Stream, torch.cuda.current_stream
+        self.on, self.sync = torch.cuda.stream, torch.cuda.synchronize
+
+    def capture(self, fn: Callable[[], Any], calls: int) -> Any:
+        side, here = self.stream(), self.current()
+        side.wait_stream(here)
+        with self.on(side):
+            for _ in range(2):
+                fn()
+        here.wait_stream(side)
+        self.sync()
+        graph = self.graph()
+        with self.capturing(graph):
+            for _ in range(calls):
+                fn()
+        self.sync()
+        return graph
 
 
 def make_backend(device: str, clock_ns: Callable[[], int]) -> Backend:

@@ -24,7 +24,13 @@ RUNNER_MODULES = (
     "kf.evaluation.runner.guard",
     "kf.evaluation.runner.reference",
     "kf.evaluation.runner.candidate",
+    "kf.evaluation.runner.device_state",
+    "kf.evaluation.runner.graph_timing",
 )
+
+#: the timing backend's helper objects whose callables the guard checks with its own
+#: (kf.evaluation.runner.device: the persisting-L2 reset, the CUDA-graph tools)
+HELPERS = ("state", "_graphs")
 
 _NETWORK_EVENTS = frozenset(
     {
@@ -179,7 +185,15 @@ class Integrity:
 
     @staticmethod
     def _callables(obj: Any) -> dict[str, int]:
-        return {k: id(v) for k, v in vars(obj).items() if callable(v)}
+        """The backend's bound callables, and its helpers' (the device-state reset and
+        the graph tools: ``HELPERS``), by name."""
+        out = {k: id(v) for k, v in vars(obj).items() if callable(v)}
+        for name in HELPERS:
+            helper = vars(obj).get(name)
+            if helper is not None:
+                out[f"{name}:"] = id(helper)
+                out.update({f"{name}.{k}": id(v) for k, v in vars(helper).items() if callable(v)})
+        return out
 
     @staticmethod
     def _take(runner: RunnerBase) -> dict[str, tuple[Any, Any]]:
@@ -192,6 +206,8 @@ class Integrity:
         owners += [sys.modules[m] for m in RUNNER_MODULES if m in sys.modules]
         owners += [c for c in type(runner).__mro__ if c is not object]
         owners += [c for c in type(runner.backend).__mro__ if c is not object]
+        helpers = [vars(runner.backend).get(name) for name in HELPERS]
+        owners += [type(h) for h in helpers if h is not None]
         for owner in owners:
             snap.update(_functions(owner))
         # and each method as the runner resolves it: a method set on the runner's class

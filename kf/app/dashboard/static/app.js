@@ -206,7 +206,7 @@
           t.task,
           el("span", {
             class: "hint",
-            text: ` · ${t.proposed} candidates, ${t.correct} correct, ${t.failed} failed, best ${fmtX(t.best_speedup)}, ${t.cells.length} elite cells`
+            text: ` · ${t.proposed} candidates, ${t.correct} correct, ${t.failed} failed, best ${fmtX(t.best_speedup)} (${fmtMs(t.best_ms)}), ${t.cells.length} elite cells`
               + (t.degenerate ? ` · DEGENERATE task (${t.degenerate}): left out of the headline` : ""),
           }),
         ),
@@ -245,7 +245,7 @@
               });
               const what = `${a.dims.memory[m]} memory · ${a.dims.compute[c]} compute · ${a.dims.parallelism[p]}`;
               if (cell) {
-                r.append(title(`${what}\n${short(cell.candidate_id)} · ${fmtX(cell.speedup)} · ${cell.operator}\nclick for details`));
+                r.append(title(`${what}\n${short(cell.candidate_id)} · ${fmtX(cell.speedup)} · ${fmtMs(cell.runtime_ms)} · ${cell.operator}\nclick for details`));
                 r.addEventListener("click", () => openCandidate(cell.candidate_id));
                 if (cell.candidate_id === openId) r.classList.add("selected");
               } else {
@@ -339,7 +339,7 @@
       const step = [];
       for (const e of ok) if (e.speedup > best) { best = e.speedup; step.push([index.get(e.seq), best]); }
       series.push({ name: task + " best", kind: "step", colour: col, points: step });
-      series.push({ name: task, kind: "dots", colour: col, legend: false, points: ok.map((e) => [index.get(e.seq), e.speedup, `${task} · ${short(e.candidate_id)} · ${fmtX(e.speedup)}`, e.candidate_id]) });
+      series.push({ name: task, kind: "dots", colour: col, legend: false, points: ok.map((e) => [index.get(e.seq), e.speedup, `${task} · ${short(e.candidate_id)} · ${fmtX(e.speedup)} · ${fmtMs(e.runtime_ms)}`, e.candidate_id]) });
       if (bad.length) series.push({ name: task + " failed", kind: "dots", failed: true, colour: "#c0392b", legend: false, points: bad.map((e) => [index.get(e.seq), 1, `${task} · ${short(e.candidate_id)} · failed: ${e.failure || "?"}`, e.candidate_id]) });
     }
     chart(document.getElementById("chart-candidates"), series, { xlabel: "evaluated candidate (log order); × = failed", fmtX: (x) => "#" + Math.round(x), empty: "no candidate evaluated yet" });
@@ -438,13 +438,14 @@
         el("td", { text: String(c.island) }),
         el("td", { text: c.status === "failed" ? "failed: " + (c.failure || "?") : c.status }),
         el("td", { class: "num", text: fmtX(c.speedup) }),
+        el("td", { class: "num", text: fmtMs(c.runtime_ms) }),
         el("td", { class: "mono", text: c.cell ? c.cell.join(".") : "—" })));
     if (!rows.length) {
       box.replaceChildren(el("p", { class: "empty", text: "no candidate yet" }));
       return;
     }
     box.replaceChildren(el("table", { class: "list" },
-      el("thead", {}, el("tr", {}, ...["id", "task", "operator", "island", "status", "speedup", "cell m.c.p"].map((h) => el("th", { text: h })))),
+      el("thead", {}, el("tr", {}, ...["id", "task", "operator", "island", "status", "speedup", "latency", "cell m.c.p"].map((h) => el("th", { text: h })))),
       el("tbody", {}, rows)));
   }
 
