@@ -433,9 +433,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """Print a run's results."""
+    """Print a run's results (or a ``kf check-model`` JSON's)."""
+    from kf.app.check_model import format_check, is_check
     from kf.app.report import build_report, format_table
     from kf.log import LogError
+
+    if is_check(args.db):
+        check = json.loads(args.db.read_text())
+        print(json.dumps(check, indent=2) if args.json else format_check(check))
+        return EXIT_OK
 
     try:
         report = build_report(args.db, ignore_integrity=args.ignore_integrity)
@@ -483,12 +489,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Write the best kernel of a task as a module defining ``ModelNew``."""
+    if args.model is not None:  # a patch for the user's model (issue 45)
+        from kf.app.model_patch import cmd_export_model
+
+        return cmd_export_model(args)
+    if len(args.db) > 1:
+        print("kf export: one run at a time; several only with --model", file=sys.stderr)
+        return EXIT_USAGE
     from agents.archive import best_candidate
     from kf.app.report import best_baselines, fold_archive
     from kf.log import EventLog, LogError
 
     try:
-        with EventLog(args.db, readonly=True) as elog:
+        with EventLog(args.db[0], readonly=True) as elog:
             state = fold_archive(elog, ignore_integrity=args.ignore_integrity)
             integrity = elog.verify()
             envelopes = list(elog.read())
@@ -556,9 +569,11 @@ def build_parser() -> argparse.ArgumentParser:
         add(sub)
     for add in (_report_parser, _export_parser, _serve_parser):
         add(sub)
+    from kf.app.check_model import add_parser as _check_model_parser
     from kf.app.extract import add_parser as _extract_parser
 
     _extract_parser(sub)
+    _check_model_parser(sub)
     return p
 
 
@@ -785,8 +800,23 @@ def _report_parser(sub: Any) -> None:
 def _export_parser(sub: Any) -> None:
     """``kf export``."""
     ex = sub.add_parser("export", help="write a task's best kernel as a drop-in module")
-    ex.add_argument("db", type=Path)
+    ex.add_argument("db", type=Path, nargs="+", help="a run's log (several with --model)")
     ex.add_argument("-o", "--output", type=Path, required=True)
+    ex.add_argument(
+        "--model",
+        type=Path,
+        metavar="MANIFEST",
+        help="kf extract's manifest.json: write a patch with apply(model) that swaps the "
+        "runs' verified kernels into your model (kf check-model checks it)",
+    )
+    ex.add_argument(
+        "--min-speedup",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="with --model: a kernel enters the patch only above this verified speed-up over "
+        "eager at its shapes (default 1.0)",
+    )
     ex.add_argument("--task", help="which task (default: the only one)")
     ex.add_argument(
         "--ignore-integrity",
