@@ -16,6 +16,7 @@ the task and the selection number, so no choice depends on anything but the log.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import random
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from kf.facts import (
 )
 from kf.kernels.backends import backend_of, device_kind, language_of, languages_for
 from kf.kernels.behaviour import describe
+from kf.kernels.normal_form import digest as normal_digest
 from kf.kernels.params import family as param_family
 from kf.llm_facts import ConfigTuned, LlmBudgetExhausted
 from kf.reports import ProfileReport, is_suspect
@@ -44,6 +46,7 @@ from kf.search_facts import (
     CandidateAssigned,
     CandidateCompiled,
     CandidateConfirmed,
+    CandidateDuplicate,
     CandidateProfiled,
     CandidateProposed,
     CandidateRejected,
@@ -86,6 +89,8 @@ class SearchConfig(msgspec.Struct, frozen=True, kw_only=True):
     # spent, and the tuners' best configurations become candidates (agents/archive_tuning.py)
     # 4: every elite of the task is tuned, best first, within its tune_budget per device
     tune_budget: int = 0  # configurations per task and device (0: no tuning)
+    # 5: a candidate whose source is an earlier one's up to comments and spacing (same
+    # configuration, shape set and device) is a duplicate: recorded, never run again
     # Issue 34: a result from a device not in this list that would enter the archive (an
     # elite, or a speed-up above confirm_above) is measured again on another device first
     # (ConfirmationRequested / CandidateConfirmed). None (logs without the key, or
@@ -112,7 +117,7 @@ class Cand(msgspec.Struct, kw_only=True):
     config: dict[str, Any] = {}
     parent_id: str | None = None
     selection: int | None = None
-    status: str = "proposed"  # compiled | correct | profiled | failed
+    status: str = "proposed"  # compiled | correct | profiled | failed | duplicate
     failure: str | None = None
     error: str | None = None
     speedup: float | None = None
@@ -139,7 +144,7 @@ class Cand(msgspec.Struct, kw_only=True):
     @property
     def in_flight(self) -> bool:
         """Not yet finished (profiled or failed)."""
-        return self.status not in ("profiled", "failed")
+        return self.status not in ("profiled", "failed", "duplicate")
 
 
 def cell_key(island: int, cell: Sequence[int]) -> str:
@@ -174,6 +179,7 @@ class TaskArchive(msgspec.Struct, kw_only=True):
     correct: int = 0
     profiled: int = 0
     failed: int = 0
+    duplicates: int = 0  # proposed candidates found the same as an earlier one, never run
     pending: list[int] = []  # selections not yet answered by a proposal or failure
     elites: dict[str, str] = {}  # cell_key → candidate id
     skipped: str | None = None
@@ -200,6 +206,9 @@ class ArchiveState(msgspec.Struct, kw_only=True):
     plan: tuple[str, list[Event]] = ("", [])  # decisions planned by the last folded event
     # "task|device" (version 3) or "task|device|candidate" (version 4) → request
     tuning: dict[str, archive_tuning.Tuning] = {}
+    # search version 5: a candidate's normal-form key (:func:`dedup_key`) → the candidate
+    # judged (or being judged) under it
+    normal: dict[str, str] = {}
 
     def best(self, task: str) -> Cand | None:
         """The fastest profiled candidate of ``task`` (:func:`best_candidate`): the archive
@@ -216,7 +225,9 @@ class ArchiveState(msgspec.Struct, kw_only=True):
             )
             lines.append(
                 f"  {name}: proposed {t.proposed}, compiled {t.compiled}, correct {t.correct}, "
-                f"failed {t.failed}, {len(t.elites)} elite cells, {best_s}"
+                f"failed {t.failed}, "
+                + (f"duplicates {t.duplicates}, " if t.duplicates else "")
+                + f"{len(t.elites)} elite cells, {best_s}"
                 + (f", skipped: {t.skipped}" if t.skipped else "")
             )
         return "\n".join(lines)
@@ -256,7 +267,7 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
         if isinstance(ev, RunStarted):
             self._start(state, ev, plan)
         elif isinstance(ev, CandidateProposed):
-            self._proposed(state, ev, rec.event_id)
+            self._proposed(state, ev, rec.event_id, plan)
         elif isinstance(ev, MutationFailed) and ev.mutator == TUNER_LABEL:
             archive_tuning.proposed(state, ev.task, "", -1)
         elif isinstance(ev, MutationFailed):
@@ -453,7 +464,9 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
             f"(they run: {', '.join(served) or 'nothing announced'})"
         )
 
-    def _proposed(self, state: ArchiveState, ev: CandidateProposed, event_id: str) -> None:
+    def _proposed(
+        self, state: ArchiveState, ev: CandidateProposed, event_id: str, plan: list[Event]
+    ) -> None:
         t = state.tasks.get(ev.task)
         if t is None or ev.candidate_id in state.candidates:
             return
@@ -477,11 +490,39 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
         )
         if ev.tuned_on:
             archive_tuning.proposed(state, ev.task, ev.tuned_on, ev.shape_index, ev.parent_id or "")
-        state.queue.append(ev.candidate_id)
         state.event_candidate[event_id] = ev.candidate_id
         t.proposed += 1
         if ev.selection is not None and ev.selection in t.pending:
             t.pending.remove(ev.selection)
+        if state.config.search_version >= 5 and self._duplicate(state, ev, plan):
+            return
+        state.queue.append(ev.candidate_id)
+
+    def _duplicate(self, state: ArchiveState, ev: CandidateProposed, plan: list[Event]) -> bool:
+        """Whether ``ev``'s candidate is an earlier one's over again (search version 5):
+        then it is recorded as such, counted, and never queued. An earlier candidate that
+        failed for want of a device (lost, unroutable, an agent's error) was never judged:
+        the new one takes its place."""
+        if ev.operator == "tune":
+            return False
+        key, digest = dedup_key(ev)
+        first = state.candidates.get(state.normal.get(key, ""))
+        if first is None or first.id == ev.candidate_id or _unjudged(first):
+            state.normal[key] = ev.candidate_id
+            return False
+        c = state.candidates[ev.candidate_id]
+        c.status, c.failure = "duplicate", f"duplicate of {first.id}"
+        state.tasks[c.task].duplicates += 1
+        plan.append(
+            CandidateDuplicate(
+                candidate_id=c.id,
+                task=c.task,
+                duplicate_of=first.id,
+                digest=digest,
+                duplicate_status=first.status,
+            )
+        )
+        return True
 
     def _fail(self, state: ArchiveState, c: Cand, kind: str, error: str | None) -> None:
         c.status = "failed"
@@ -851,6 +892,23 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
                 continue
             best = max(members, key=lambda c: (c.speedup or 0.0, c.id))
             self._admit(state, t, best, (src + 1) % cfg.islands, plan, migrated_from=src)
+
+
+def dedup_key(ev: CandidateProposed) -> tuple[str, str]:
+    """The key two candidates of a task share when they compile to the same code and run
+    the same way (task, device, shape set, configuration, normal-form digest), and the
+    digest."""
+    digest = normal_digest(ev.source)
+    config = json.dumps(ev.config, sort_keys=True, default=str)
+    return f"{ev.task}|{ev.device}|{ev.shape_index}|{ev.tuned_on}|{config}|{digest}", digest
+
+
+def _unjudged(c: Cand) -> bool:
+    """A candidate that failed before any stage could judge its code."""
+    failure = c.failure or ""
+    return c.status == "failed" and (
+        failure in ("device_lost", "unroutable") or failure.startswith("agent_error")
+    )
 
 
 def _selection_rng(seed: int, task: str, n: object) -> random.Random:

@@ -66,6 +66,7 @@ from kf.llm_facts import (
 )
 from kf.search_facts import (
     CandidateCompiled,
+    CandidateDuplicate,
     CandidateProfiled,
     CandidateProposed,
     CandidateRejected,
@@ -143,6 +144,27 @@ def _params(source: str) -> tuple[params.ParamSpace, params.Config] | None:
         return None
 
 
+def _child_failed(state: LlmMutatorState, c: CandInfo) -> None:
+    """Remember ``c``'s failure among its parent's children's last three."""
+    if c.parent_id is not None and c.failure:
+        fails = state.child_failures.setdefault(c.parent_id, [])
+        fails.append(c.failure)
+        del fails[:-3]
+
+
+def _duplicate(state: LlmMutatorState, ev: CandidateDuplicate) -> None:
+    """A candidate the archive found the same as an earlier one: a failure of its parent's
+    child, so the next prompt says that this change changed nothing."""
+    c = state.cands.get(ev.candidate_id)
+    if c is not None:
+        c.failure = (
+            f"duplicate: the same code as {ev.duplicate_of[:12]} once comments and spacing "
+            "are set aside; change what the kernel does"
+        )
+        c.outcome = f"never ran: {c.failure}"
+        _child_failed(state, c)
+
+
 def _digest(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()
 
@@ -164,6 +186,7 @@ class LlmMutator(Agent[LlmMutatorState]):
         CandidateRejected,
         CandidateProfiled,
         CandidateUnroutable,
+        CandidateDuplicate,
         CountersMeasured,
         EliteAdmitted,
         LlmCalled,
@@ -262,6 +285,8 @@ class LlmMutator(Agent[LlmMutatorState]):
             if c is not None:
                 c.failure = f"unroutable: {ev.reason}"
                 c.outcome = f"never ran: {ev.reason}"
+        elif isinstance(ev, CandidateDuplicate):
+            _duplicate(state, ev)
         elif isinstance(ev, CountersMeasured):
             c = state.cands.get(ev.candidate_id)
             # the model is told only the counters of a device the run trusts (issue 34: a
@@ -282,10 +307,7 @@ class LlmMutator(Agent[LlmMutatorState]):
                     if isinstance(ev, CandidateCompiled)
                     else verify_outcome(ev.report)
                 )
-                if c.parent_id is not None:
-                    fails = state.child_failures.setdefault(c.parent_id, [])
-                    fails.append(c.failure)
-                    del fails[:-3]
+                _child_failed(state, c)
         elif isinstance(ev, CandidateProfiled):
             c = state.cands.get(ev.candidate_id)
             if c is not None:

@@ -42,6 +42,7 @@ from kf.llm_facts import (
 )
 from kf.search_facts import (
     CandidateCompiled,
+    CandidateDuplicate,
     CandidateProfiled,
     CandidateProposed,
     CandidateRejected,
@@ -151,6 +152,7 @@ class PromptEvolver(PlanningAgent[EvolverState]):
         CandidateRejected,
         CandidateProfiled,
         CandidateUnroutable,
+        CandidateDuplicate,
         PromptRewritten,
         PromptRewriteFailed,
         LlmBudgetExhausted,
@@ -182,7 +184,7 @@ class PromptEvolver(PlanningAgent[EvolverState]):
             pid = state.selection_prompt.pop(f"{ev.task}:{ev.selection}", None)
             if pid is not None:
                 self._finish(state, pid, 0.0, ev.task, plan)
-        elif isinstance(ev, CandidateUnroutable):
+        elif isinstance(ev, (CandidateUnroutable, CandidateDuplicate)):
             pid = state.candidate_prompt.pop(ev.candidate_id, None)
             if pid is not None:
                 self._finish(state, pid, 0.0, ev.task, plan)

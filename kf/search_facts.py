@@ -14,6 +14,7 @@ __all__ = [
     "CandidateAssigned",
     "CandidateCompiled",
     "CandidateConfirmed",
+    "CandidateDuplicate",
     "CandidateProfiled",
     "CandidateProposed",
     "CandidateRejected",
@@ -138,6 +139,20 @@ class CandidateUnroutable(Decision, frozen=True, kw_only=True):
     task: str
     backend: str
     reason: str
+
+
+@event("search.candidate_duplicate")
+class CandidateDuplicate(Decision, frozen=True, kw_only=True):
+    """The archive found a proposed candidate's source the same as an earlier candidate's
+    of its task once comments and spacing are set aside (:mod:`kf.kernels.normal_form`),
+    with the same configuration, shape set and device: it is not built, verified or timed
+    again, and takes no part in the search (search version 5)."""
+
+    candidate_id: str
+    task: str
+    duplicate_of: str
+    digest: str = ""  # kf.kernels.normal_form.digest of both sources
+    duplicate_status: str = ""  # what had become of duplicate_of when this was proposed
 
 
 @event("kernel.generalisation_failed")

@@ -165,6 +165,7 @@ def _task_entry(
         "correct": t.correct,
         "profiled": t.profiled,
         "failed": t.failed,
+        "duplicates": t.duplicates,  # the same code as an earlier candidate: never run
         "best_speedup": best.speedup if best else None,
         "best_candidate_id": best.id if best else None,
         "best_config": best.config if best else None,
