@@ -12,6 +12,8 @@
 #                                      # log kept as OUT/throughput.db and replayed (--check)
 #   bench/gpu_check.sh OUT box         # the box's probe and its process-limit mode
 #   bench/gpu_check.sh OUT phases      # bench/build_phases.py: one build at a time, alone
+#   bench/gpu_check.sh OUT extract     # bench/extract_gpu.py: the bf16 decoder block's tasks
+#   bench/gpu_check.sh OUT model       # bench/model_gpu.py: extract, run, patch, check the block
 #   bench/gpu_check.sh OUT venv        # the carried wheels and kf into the image's own python,
 #                                      # so tests' subprocesses (which set their own PYTHONPATH)
 #                                      # import everything
@@ -121,6 +123,22 @@ for what in "$@"; do
       step phases "${BP_LIMIT:-200}" python3 bench/build_phases.py --out "$out/bp"
       cp "$out/bp/"*.json "$out/" 2>/dev/null
       rm -rf "$out/bp"
+      ;;
+    extract)
+      # bench/extract_gpu.py: kf extract on the bf16 decoder block (hidden 4096, seq 2048
+      # and 1024), coverage by <= 6 tasks, each task run end to end (scripted answers)
+      step extract "${EX_LIMIT:-420}" python3 bench/extract_gpu.py --out "$out/ex" --device cuda:0 \
+        --top 6 --budget "${EX_BUDGET:-2}"
+      cp "$out/ex/extract_gpu.json" "$out/" 2>/dev/null
+      rm -rf "$out/ex"
+      ;;
+    model)
+      # bench/model_gpu.py: extract, run, export --model, check-model on the bf16 block;
+      # MODEL_ARGS (e.g. --min-speedup 0) passes on
+      step model "${MODEL_LIMIT:-540}" python3 bench/model_gpu.py --out "$out/mg" --device cuda:0 \
+        ${MODEL_ARGS:-}
+      cp "$out/mg/check.json" "$out/mg/model_gpu.json" "$out/" 2>/dev/null
+      rm -rf "$out/mg"
       ;;
     *) echo "unknown step $what" >&2 ;;
   esac
