@@ -178,3 +178,38 @@ def test_box_quiet_gpu_child_is_gone_while_the_baseline_is_timed(
     running = [s for states in watched for s in states if s[1] not in ("T", "t", "Z", "X")]
     assert running == [], running
     assert any(f.startswith("gpu_child_killed") for f in report.flags), report.flags
+
+
+#: an honest candidate that compiles its forward with torch.compile (inductor's compile
+#: workers are processes the candidate started, and must not be taken for a saboteur)
+COMPILED = """
+import torch
+from torch import nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(0.1 * torch.randn(hidden))
+        self.fn = torch.compile(lambda x, b: torch.nn.functional.gelu(x + b))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x, self.bias)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@needs_box
+def test_box_quiet_gpu_torch_compile_candidate_is_not_taken_for_a_saboteur() -> None:
+    """On a GPU: a candidate whose forward is ``torch.compile``d (inductor's compile
+    workers run beside it) profiles correctly and is neither killed nor flagged
+    ``gpu_child_killed`` when its box is quiet while eager is timed."""
+    pool = RunnerPool(size=0, threads=1, warm="cuda:0")
+    try:
+        session = GradingSession(TASK, COMPILED, device="cuda:0", pool=pool, timeout_s=300)
+        report = profile_session(session, QUICK, compile_baseline=False)
+    finally:
+        pool.close()
+    assert report.ok, report.error
+    assert not any(f.startswith("gpu_child_killed") for f in report.flags), report.flags
