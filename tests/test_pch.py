@@ -5,6 +5,7 @@ machine, once for the module) and really used."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -126,8 +127,9 @@ def test_torch_headers_in_cuda_sources_are_noticed() -> None:
 
 
 def test_the_grader_publishes_only_the_header_and_links_torchs_own(tmp_path: Path) -> None:
-    """A build box's made folder is published as its .gch alone: the link beside it is the
-    grader's own, to PyTorch's header, whatever the box left there."""
+    """A header made by the grader's step is published as its .gch alone, and only while
+    it is the file the step hashed: the link beside it is the grader's own, to PyTorch's
+    header, whatever the box left there."""
     from kf.evaluation.grader import builds
 
     made = tmp_path / "work" / "pch" / "k"
@@ -136,7 +138,10 @@ def test_the_grader_publishes_only_the_header_and_links_torchs_own(tmp_path: Pat
     (made / pch.MARK).write_text("ok")
     (made / pch.HEADER).symlink_to("/etc/passwd")
     shared = tmp_path / "cache" / "pch" / "k"
-    builds._publish_pch(made, shared)
+    builds._publish_pch(made, shared, hashlib.sha256(b"another header").hexdigest())
+    assert not shared.exists()  # not the file its step hashed: nothing published
+    (made / pch.GCH).write_bytes(b"not really a header")
+    builds._publish_pch(made, shared, hashlib.sha256(b"not really a header").hexdigest())
     assert pch.usable(shared)
     link = Path(os.readlink(shared / pch.HEADER))
     assert link.name == "extension.h" and link.parent.name == "torch"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import stat
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -53,48 +52,51 @@ def test_no_prewarm_without_an_architecture_or_a_box(
 def test_a_build_waits_for_the_header_another_build_is_making(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Of two builds of one header key, the first makes the header (``KF_PCH_MAKE``) and
-    the second waits for it and reads the published one, not making its own; with no
-    wait, the second builds without it as before."""
+    """Of builds of one header key, the first has the grader's own step make the header
+    and a second waits for it and reads the published one; with no wait, one builds
+    without it as before; no build box is ever given a folder to make one in."""
     from kf.cuda import pch as pch_mod
 
-    published = threading.Event()
-    monkeypatch.setattr(pch_mod, "usable", _usable_after(published))
-    monkeypatch.setattr(builds, "_publish_pch", lambda made, shared: published.set())
+    published, making, release = threading.Event(), threading.Event(), threading.Event()
+    steps: list[Path] = []
+
+    def make(arguments: Any, env: Any, shared: Path, limit_s: float) -> None:
+        steps.append(shared)
+        making.set()
+        assert release.wait(30)
+        published.set()
+
+    monkeypatch.setattr(pch_mod, "usable", lambda folder: published.is_set())
+    monkeypatch.setattr(builds, "_make_pch", make)
     monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("KF_PCH", "all")
     args: dict[str, Any] = {"name": "x", "cpp_sources": "", "with_cuda": False}
     env = builds.toolchain(None)
     seen: dict[str, Any] = {}
-    making = threading.Event()
 
-    def maker() -> None:
-        with builds._pch_folders(args, env, tmp_path / "a", 60.0) as box_env:
-            seen["maker"] = box_env
-            making.set()
-            time.sleep(1.0)  # making it; _publish_pch runs on the way out
+    def build(name: str, wait_s: float) -> None:
+        with builds._pch_folders(args, env, wait_s) as box_env:
+            seen[name] = (box_env, published.is_set())
 
-    first = threading.Thread(target=maker)
+    first = threading.Thread(target=build, args=("maker", 60.0))
     first.start()
     assert making.wait(30)
-    with builds._pch_folders(args, env, tmp_path / "b", 0.0) as box_env:
-        assert "KF_PCH_MAKE" not in box_env  # no wait: without the header, as before
-    with builds._pch_folders(args, env, tmp_path / "c", 60.0) as box_env:
-        seen["waiter"] = box_env
-        assert published.is_set()  # it waited for the maker's header
+    build("impatient", 0.0)  # no wait: without the header, as before
+    waiter = threading.Thread(target=build, args=("waiter", 60.0))
+    waiter.start()
+    pause = threading.Event()
+    for _ in range(3000):  # until the waiter waits on the maker's step
+        if builds._pch_done._waiters:  # type: ignore[attr-defined]
+            break
+        pause.wait(0.01)
+    release.set()
     first.join(30)
-    assert "KF_PCH_MAKE" in seen["maker"] and "KF_PCH_MAKE" not in seen["waiter"]
-    assert seen["waiter"]["KF_PCH_DIR"] == seen["maker"]["KF_PCH_DIR"]
-
-
-def _usable_after(published: threading.Event) -> Any:
-    """``pch.usable`` as the builds see it here: the shared folder once published, and
-    the maker's own folder always (it made the header)."""
-
-    def usable(folder: Path) -> bool:
-        return published.is_set() or "/a/" in f"{folder}/"
-
-    return usable
+    waiter.join(30)
+    assert len(steps) == 1 and seen["impatient"][1] is False
+    assert seen["waiter"][1] is True  # it waited for the maker's header
+    dirs = {box_env["KF_PCH_DIR"] for box_env, _ in seen.values()}
+    assert dirs == {str(steps[0])}
+    assert not any("KF_PCH_MAKE" in box_env for box_env, _ in seen.values())
 
 
 def _cuda_build_possible() -> bool:

@@ -56,7 +56,9 @@ __all__ = [
     "cache_key",
     "cache_root",
     "install",
+    "literal_arguments",
     "load_inline",
+    "pch_arguments",
     "pch_key",
     "pch_wanted",
     "pytorch_load_inline",
@@ -188,23 +190,94 @@ def _languages(arguments: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-#: ``load_inline`` arguments that reach ``main.cpp``'s compile command (not its text)
-_PCH_ARGUMENTS = ("extra_cflags", "extra_include_paths", "with_cuda", "with_sycl")
+#: what of a ``load_inline`` call the precompiled header does not depend on: the texts
+#: of ``main.cpp`` (its sources and bindings) and the name (``TORCH_EXTENSION_NAME``,
+#: which PyTorch's headers do not use); every other argument that reaches ``main.cpp``
+#: is in its key, including any a later PyTorch adds
+_NOT_IN_PCH = frozenset({"name", "cpp_sources", "functions"})
+
+
+def _pch_material(arguments: dict[str, Any]) -> dict[str, Any]:
+    skip = _IGNORED | _NOT_IN_MAIN_CPP | _NOT_IN_PCH
+    material = {k: v for k, v in arguments.items() if k not in skip}
+    return {**material, **_languages(arguments)}
 
 
 def pch_key(arguments: dict[str, Any], environment: dict[str, Any]) -> str:
     """The key of the precompiled ``torch/extension.h`` a build's ``main.cpp`` can use
-    (:mod:`kf.cuda.pch`): the flag arguments and the toolchain, nothing of the sources."""
-    material = {k: arguments.get(k) for k in _PCH_ARGUMENTS}
-    return _digest({"pch": {**material, **_languages(arguments)}}, environment)
+    (:mod:`kf.cuda.pch`): every argument that reaches ``main.cpp``'s compile (its flags,
+    ``with_cuda``, ``is_standalone``...) and the toolchain, nothing of the sources. The
+    header is made from exactly these (:func:`pch_arguments`), so it is a function of
+    its key."""
+    return _digest({"pch": _pch_material(arguments)}, environment)
+
+
+#: the module the grader's own step builds a header with (:func:`pch_arguments`)
+_PCH_MODULE = "torch::Tensor kf_pch_same(torch::Tensor x) { return x; }\n"
+
+
+def pch_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The ``load_inline`` call whose ``main.cpp`` compile makes the header of
+    ``arguments``' key: kf's own one-function module with the call's :func:`pch_key`
+    material, nothing else of the call (not its sources, CUDA flags or link flags)."""
+    return {
+        **_pch_material(arguments),
+        "name": "kf_pch",
+        "cpp_sources": _PCH_MODULE,
+        "functions": ["kf_pch_same"],
+    }
 
 
 def pch_wanted(arguments: dict[str, Any]) -> bool:
-    """Whether this build's ``main.cpp`` gets the precompiled header (``$KF_PCH``)."""
+    """Whether this build's ``main.cpp`` gets the precompiled header (``$KF_PCH``): not
+    one without PyTorch's include first (``no_implicit_headers``), nor one with include
+    paths of its own (what they hold is not in the key)."""
     setting = current().pch
     if setting == "off" or not current().objcache:
         return False
+    if arguments.get("no_implicit_headers") or arguments.get("extra_include_paths"):
+        return False
     return setting == "all" or bool(_languages(arguments)["with_cuda"])
+
+
+#: the ``load_inline`` arguments PyTorch writes into ``build.ninja`` as flags, joined
+#: by spaces and unquoted, for ninja to run through ``sh -c``
+_FLAG_ARGUMENTS = ("extra_cflags", "extra_cuda_cflags", "extra_sycl_cflags", "extra_ldflags")
+#: what no line of a ninja file can hold (nor a flag that means one argument)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab"}
+
+
+def literal_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
+    """``arguments`` with each flag made literal for PyTorch's ``build.ninja``: a flag's
+    words (split at spaces, as the shell split them before) each reach the compiler as
+    one argument, whatever characters they hold (shell-quoted, then ``$`` escaped for
+    ninja); an include path is one path (PyTorch quotes it for the shell; ``$`` escaped
+    here). Plain flags come out unchanged. Raises ``ValueError``, one line naming the
+    argument, for what no ninja file can hold (a newline or other control character)
+    or a flag that is not a string."""
+    out = dict(arguments)
+    for name in (*_FLAG_ARGUMENTS, "extra_include_paths"):
+        value = arguments.get(name)
+        if not value:
+            continue
+        items = [value] if isinstance(value, str) else list(value)
+        for item in items:
+            if not isinstance(item, str):
+                raise ValueError(f"{name}: {item!r} is not a string; give flags as strings")
+            bad = _CONTROL.search(item)
+            if bad:
+                what = _CONTROL_NAMES.get(bad.group(), f"the control character {bad.group()!r}")
+                raise ValueError(
+                    f"{name}: {item[:80]!r} holds {what}; a flag is literal text on one "
+                    "line (its words are passed as they are, never through a shell)"
+                )
+        if name == "extra_include_paths":
+            out[name] = [item.strip().replace("$", "$$") for item in items]
+        else:
+            words = [word for item in items for word in item.split(" ") if word]
+            out[name] = [shlex.quote(word).replace("$", "$$") for word in words]
+    return out
 
 
 def extension_module_name(name: str, binding: str) -> str:
@@ -362,7 +435,7 @@ def _build(
     """
     if not torchfree.wanted(arguments, original):
         with _object_cache(pch):
-            original(**arguments)  # builds and imports from the work folder
+            original(**literal_arguments(arguments))  # builds and imports from the work folder
         return "torch" if sources_given(arguments.get("cuda_sources")) else ""
     fd, held = tempfile.mkstemp(prefix="kf-torchfree-", suffix=".log")
     os.close(fd)
@@ -370,7 +443,7 @@ def _build(
     with _object_cache(pch, log=held), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with contextlib.suppress(Exception):
-            original(**torchfree.arguments({**arguments, "verbose": False}))
+            original(**literal_arguments(torchfree.arguments({**arguments, "verbose": False})))
             ok = True
     try:
         verdicts = Path(held).read_text(errors="replace")
@@ -380,7 +453,7 @@ def _build(
         _forget_version(module_name)
         sys.modules.pop(module_name, None)
         with _object_cache(pch):
-            original(**arguments)
+            original(**literal_arguments(arguments))
         return "torch-fallback"
     replay_verdicts(verdicts, bool(arguments.get("verbose")))
     for w in caught:
@@ -413,7 +486,7 @@ def write_build(
         call = torchfree.arguments({**call, "verbose": False})
     _forget_version(module_name)
     with _object_cache(pch, log=held):
-        pytorch_load_inline()(**call)
+        pytorch_load_inline()(**literal_arguments(call))
 
 
 def replay_verdicts(verdicts: str, verbose: bool) -> None:

@@ -24,12 +24,13 @@ made with, ``--pch-dir`` and ``--pch-make``):
   refuses is marked unusable, never offered.
 
 Who chooses the two: :func:`kf.cuda.inline.load_inline` (both the cache's
-``pch/<key>``, unboxed), or, through ``$KF_PCH_DIR`` and ``$KF_PCH_MAKE``, the grader's
-build box (:mod:`kf.evaluation.grader.builds`): the shared cache's folder read-only, and the
-build's private folder to make one in, which
-the grader then publishes under the key it computed itself from the call's flag
-arguments (:func:`kf.cuda.inline.pch_key`). A build can so only ever supply the header
-for the flags it was itself given.
+``pch/<key>``, unboxed), or, through ``$KF_PCH_DIR`` and ``$KF_PCH_MAKE``, the grader
+(:mod:`kf.evaluation.grader.builds`): a candidate's build box gets only the shared cache's
+folder, read-only; the header is made by the grader's own step (kf's one-function module
+with the call's flag arguments, ``main.o`` alone, in a box of its own, the only one ever
+given ``$KF_PCH_MAKE``) and published under the key the grader computed itself
+(:func:`kf.cuda.inline.pch_key`), with its sha256 (:data:`DIGEST`), only from a
+successful compile. No candidate's build can so write the header another compiles with.
 """
 
 from __future__ import annotations
@@ -43,12 +44,23 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["GCH", "HEADER", "MARK", "extra_args", "flags_for_header", "starts_with_torch", "usable"]
+__all__ = [
+    "DIGEST",
+    "GCH",
+    "HEADER",
+    "MARK",
+    "extra_args",
+    "flags_for_header",
+    "starts_with_torch",
+    "usable",
+]
 
 HEADER = "torch/extension.h"
 GCH = "torch/extension.h.gch"
 #: written beside a header that passed its probe (``ok``) or failed it (``unusable``)
 MARK = "kf-pch-state"
+#: beside a header the grader published: the sha256 of its ``.gch`` as its step made it
+DIGEST = "kf-pch-sha256"
 
 _DROP_WITH_VALUE = frozenset({"-o", "-MF", "-MT", "-MQ"})
 _DROP = frozenset({"-c", "-MD", "-MMD"})

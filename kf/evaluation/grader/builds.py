@@ -216,7 +216,8 @@ def build_inline(
         work = Path(tempfile.mkdtemp(dir=root, prefix=f"{key}.build-"))
         try:
             begun = time.monotonic()
-            with _pch_folders(arguments, env, work, min(PCH_WAIT_S, timeout_s / 2)) as pch_env:
+            wait_s = min(PCH_WAIT_S, timeout_s / 2)
+            with _pch_folders(arguments, env, wait_s, timeout_s / 2) as pch_env:
                 left = timeout_s - (time.monotonic() - begun)  # the wait is the build's time
                 return _build_inline(
                     _Build(arguments, arch, work, final, key, module_name, left, pch_env)
@@ -238,15 +239,14 @@ PCH_WAIT_S = 120.0
 
 @contextlib.contextmanager
 def _pch_folders(
-    arguments: dict[str, Any], env: dict[str, Any], work: Path, wait_s: float = 0.0
+    arguments: dict[str, Any], env: dict[str, Any], wait_s: float = 0.0, make_s: float = 0.0
 ) -> Iterator[dict[str, str]]:
-    """The build box's ``KF_PCH_DIR``/``KF_PCH_MAKE`` (:mod:`kf.cuda.pch`): the shared
-    cache's ``pch/<pch>`` read-only, and, for the one build at a time that makes the
-    header of a key the cache lacks, a folder in its own ``work`` to make it in, which is
-    published afterwards under the key computed here from the call's flag arguments and
-    the toolchain ``env``: only the ``.gch`` file is taken, the link beside it is made
-    here. A build whose header another build is making waits up to ``wait_s`` for it
-    (then builds without it, as it would have)."""
+    """The build box's ``KF_PCH_DIR`` (:mod:`kf.cuda.pch`): the shared cache's
+    ``pch/<pch>``, read-only, under the key computed here from the call's arguments and
+    the toolchain ``env``. No candidate's build box ever makes the header: where the
+    cache lacks it, the first build of its key has the grader's own step make it
+    (:func:`_make_pch`, at most ``make_s`` of the build's time), and the builds that come
+    meanwhile wait up to ``wait_s`` for it (then build without it, as they would have)."""
     from kf.cuda import inline
     from kf.cuda import pch as pch_mod
 
@@ -255,7 +255,6 @@ def _pch_folders(
         return
     pch = inline.pch_key(arguments, env)
     shared = inline.cache_root() / "pch" / pch
-    box_env = {"KF_PCH_DIR": str(shared)}
     deadline = time.monotonic() + wait_s
     with _pch_done:
         while pch in _pch_making and not pch_mod.usable(shared):
@@ -266,21 +265,76 @@ def _pch_folders(
         maker = not pch_mod.usable(shared) and pch not in _pch_making
         if maker:
             _pch_making.add(pch)
-    made = work / "pch" / pch
     if maker:
-        box_env["KF_PCH_MAKE"] = str(made)
-    try:
-        yield box_env
-        if maker and pch_mod.usable(made) and not pch_mod.usable(shared):
-            _publish_pch(made, shared)
-    finally:
-        if maker:
+        try:
+            _make_pch(arguments, env, shared, make_s)
+        finally:
             with _pch_done:
                 _pch_making.discard(pch)
                 _pch_done.notify_all()
+    yield {"KF_PCH_DIR": str(shared)}
 
 
-def _publish_pch(made: Path, shared: Path) -> None:
+def _make_pch(arguments: dict[str, Any], env: dict[str, Any], shared: Path, limit_s: float) -> None:
+    """The grader's own step that makes the header published as ``shared``: the trusted
+    writer writes kf's one-function module with the call's header material
+    (:func:`kf.cuda.inline.pch_arguments`: its flags, nothing of its sources, CUDA flags
+    or link flags), and a build box whose one writable place is a folder of this step's
+    compiles that module's ``main.o`` alone (no link), making the header on the way. It
+    is published only when that compile succeeded and the header is as the box left it
+    (hashed as the box exits, checked again once it is the grader's)."""
+    from kf.cuda import inline
+    from kf.cuda import pch as pch_mod
+    from kf.evaluation.grader import inline_writer
+
+    call = inline.pch_arguments(arguments)
+    if limit_s < 1 or not inline_writer.usable(call):
+        return
+    root = inline.cache_dir()
+    key = inline.cache_key(call, env)
+    step = Path(tempfile.mkdtemp(dir=root, prefix=f"{key}.pch-"))
+    try:
+        made = step / "pch"
+        build = _Build(
+            call, env.get("arch"), step, step, key, "kf_pch", limit_s, {"KF_PCH_MAKE": str(made)}
+        )
+        with _stage(root, key) as stage:
+            ask = _write_request(build, stage, None, torch_free=False)
+            with contextlib.suppress(inline_writer.WriterFailed):
+                reply = inline_writer.writer().write(ask, min(inline_writer.WRITE_LIMIT_S, limit_s))
+                if reply.get("ok"):
+                    folder = step / "ninja"
+                    folder.mkdir()
+                    command = [*reply["command"], "-f", str(stage / "build.ninja")]
+                    code, _ = build.run([*command, "-C", str(folder), "main.o"], limit_s)
+                    digest = _sha256(made / pch_mod.GCH)
+                    if code == 0 and digest is not None and pch_mod.usable(made):
+                        _publish_pch(made, shared, digest)
+    finally:
+        shutil.rmtree(step, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str | None:
+    """The sha256 of the plain file ``path`` (never through a link), or None."""
+    import hashlib
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        digest = hashlib.sha256()
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _publish_pch(made: Path, shared: Path, digest: str) -> None:
+    """The header the grader's step made in ``made``, published as ``shared`` if it is
+    still the file of sha256 ``digest``: only the ``.gch``, the link beside it the
+    grader's own (to PyTorch's header), the hash recorded beside it."""
     import torch.utils.cpp_extension as ext
 
     from kf.cuda import pch as pch_mod
@@ -289,10 +343,7 @@ def _publish_pch(made: Path, shared: Path) -> None:
     # the link beside the header is the grader's own, to PyTorch's header: never the box's
     found = [Path(d) / pch_mod.HEADER for d in ext.include_paths()]
     real = next((path for path in found if path.is_file()), None)
-    try:
-        if real is None or not stat.S_ISREG(os.lstat(gch).st_mode):
-            return
-    except OSError:
+    if real is None:
         return
     try:
         shared.parent.mkdir(parents=True, exist_ok=True)
@@ -302,9 +353,13 @@ def _publish_pch(made: Path, shared: Path) -> None:
     try:
         (temp / "torch").mkdir()
         os.replace(gch, temp / pch_mod.GCH)
+        _take(temp / pch_mod.GCH)
+        if _sha256(temp / pch_mod.GCH) != digest:
+            raise OSError("the header changed after its step")
         (temp / pch_mod.HEADER).symlink_to(real)
+        (temp / pch_mod.DIGEST).write_text(digest)
         (temp / pch_mod.MARK).write_text("ok")
-        for path in (temp, temp / "torch", temp / pch_mod.GCH, temp / pch_mod.MARK):
+        for path in (temp, temp / "torch", temp / pch_mod.DIGEST, temp / pch_mod.MARK):
             _take(path)
         os.replace(temp, shared)
     except OSError:
@@ -319,9 +374,16 @@ def _take(path: Path) -> None:
 
 
 def _refused_inline_flag(arguments: dict[str, Any]) -> str | None:
-    """Why one of a ``load_inline`` call's compiler or linker flags is refused, or None."""
+    """Why one of a ``load_inline`` call's compiler or linker flags is refused, or None:
+    one that runs a program, or that no ninja file can hold as literal text
+    (:func:`kf.cuda.inline.literal_arguments`)."""
     from kf import native
+    from kf.cuda import inline
 
+    try:
+        inline.literal_arguments(arguments)
+    except ValueError as exc:
+        return str(exc)
     for name in ("extra_cflags", "extra_cuda_cflags", "extra_sycl_cflags", "extra_ldflags"):
         flags = arguments.get(name) or []
         for flag in [flags] if isinstance(flags, str) else flags:
@@ -421,59 +483,152 @@ def _build_inline_in_python(build: _Build) -> dict[str, Any]:
 def _build_inline_written(build: _Build) -> dict[str, Any]:
     """The build as kf's ``load_inline`` does it (:func:`kf.cuda.inline.load_inline`):
     first without the torch include where :mod:`kf.cuda.torchfree` wants it, quietly,
-    then PyTorch's way in the same folder (ninja keeps the identical ``main.o``) if that
-    failed in any way; what the last attempt said is what the runner sees."""
+    then PyTorch's way if that failed in any way; what the last attempt said is what
+    the runner sees. The writer writes each attempt into a folder of the grader's own
+    (:func:`_stage`), which the box reads and never writes, and ninja runs in the box's
+    folder from that ninja file (it keeps the identical ``main.o`` of the first): nothing
+    a build box leaves (a ``lock``, a link) is ever in the trusted writer's way."""
     from kf.cuda import inline, torchfree
     from kf.evaluation.grader import inline_writer
 
-    arguments = build.arguments
     end = time.monotonic() + build.timeout_s
-    toolchain = {**_own_toolchain(), "arch": build.arch}
     folder = build.work / "cuda_ext" / build.key
     folder.mkdir(parents=True)
     held = build.work / "held-verdicts.log"
-    env = build.environment()
-    request: dict[str, Any] = {
-        "arguments": arguments,
-        "module_name": build.module_name,
-        "folder": str(folder),
-        # the grader's choice (_pch_folders), for the toolchain the runner reported
-        "pch": None if build.pch_env.get("KF_PCH") == "0" else inline.pch_key(arguments, toolchain),
-        "settings": {k: env.get(k, "") for k in inline_writer.REQUEST_SETTINGS},
-        "environ": {k: env.get(k) for k in inline_writer.REQUEST_ENVIRON},
-    }
-    tries = torchfree.wanted(arguments, inline.pytorch_load_inline())
-    for torch_free in (True, False) if tries else (False,):
-        held.unlink(missing_ok=True)
-        ask = {**request, "torch_free": torch_free, "held": str(held) if torch_free else None}
-        try:
-            # a hung writer holds every other build's request: its own limit, not the build's
-            limit = min(inline_writer.WRITE_LIMIT_S, max(1.0, end - time.monotonic()))
-            reply = inline_writer.writer().write(ask, limit)
-        except inline_writer.WriterFailed as exc:
-            return _failed(str(exc))
-        if not reply["ok"]:
-            if torch_free:
-                continue
-            return _failed(f"load_inline: {reply['error']}", str(reply.get("log", "")))
-        left = max(0.1, end - time.monotonic())
-        code, out = build.run([*reply["command"], "-C", str(folder)], left)
-        if code is None:
-            return _failed(f"the load_inline build timed out after {build.timeout_s:.0f}s", out)
-        if code == 0:
-            break
-        if not torch_free:
-            log = f"{reply['warnings']}{reply['error_prefix']}: {out}"
-            return _failed(f"the load_inline build exited with status {code}", log)
+    tries = torchfree.wanted(build.arguments, inline.pytorch_load_inline())
+    with _stage(build.work.parent, build.key) as stage:
+        for torch_free in (True, False) if tries else (False,):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(held)  # the box's: a link there is removed, never followed
+            ask = _write_request(build, stage, held if torch_free else None, torch_free)
+            try:
+                # a hung writer holds every other build's request: its own limit, not the build's
+                limit = min(inline_writer.WRITE_LIMIT_S, max(1.0, end - time.monotonic()))
+                reply = inline_writer.writer().write(ask, limit)
+            except inline_writer.WriterFailed as exc:
+                return _failed(str(exc))
+            if not reply["ok"]:
+                if torch_free:
+                    continue
+                return _failed(f"load_inline: {reply['error']}", str(reply.get("log", "")))
+            left = max(0.1, end - time.monotonic())
+            command = [*reply["command"], "-f", str(stage / "build.ninja"), "-C", str(folder)]
+            code, out = build.run(command, left)
+            if code is None:
+                return _failed(f"the load_inline build timed out after {build.timeout_s:.0f}s", out)
+            if code == 0:
+                break
+            if not torch_free:
+                log = f"{reply['warnings']}{reply['error_prefix']}: {out}"
+                return _failed(f"the load_inline build exited with status {code}", log)
+        refused = _copy_written(stage, folder)
+    if refused:
+        return _failed(refused)
+    return _record_and_publish(build, folder, held, torch_free, tries, str(reply["warnings"]))
+
+
+def _record_and_publish(
+    build: _Build, folder: Path, held: Path, torch_free: bool, tries: bool, warnings: str
+) -> dict[str, Any]:
+    """The built ``folder``'s record (how its ``cuda.cu`` was built), then published."""
+    from kf.cuda import inline
+
     if torch_free:
-        inline.replay_verdicts(held.read_text(errors="replace") if held.exists() else "", False)
+        inline.replay_verdicts(_read_box_file(held, _LOG), False)
         prelude = "none"
     elif tries:
         prelude = "torch-fallback"
     else:
-        prelude = "torch" if inline.sources_given(arguments.get("cuda_sources")) else ""
+        prelude = "torch" if inline.sources_given(build.arguments.get("cuda_sources")) else ""
+    record = folder / "kf-build.json"
+    if not _clear(record):
+        return _failed("the build left kf-build.json, which is not a plain file")
     inline.record_build(folder, prelude)
-    return build.publish(str(reply["warnings"]))
+    return build.publish(warnings)
+
+
+def _write_request(
+    build: _Build, stage: Path, held: Path | None, torch_free: bool
+) -> dict[str, Any]:
+    """What the trusted writer is asked to write into ``stage`` for ``build``: the
+    launchers it makes go under the stage too (``$KF_CACHE_DIR``), never the box's folder."""
+    from kf.cuda import inline
+    from kf.evaluation.grader import inline_writer
+
+    env = build.environment()
+    toolchain = {**_own_toolchain(), "arch": build.arch}
+    settings = {k: env.get(k, "") for k in inline_writer.REQUEST_SETTINGS}
+    settings["KF_CACHE_DIR"] = str(stage.parent.parent)
+    no_pch = build.pch_env.get("KF_PCH") == "0"
+    return {
+        "arguments": build.arguments,
+        "module_name": build.module_name,
+        "folder": str(stage),
+        # the grader's choice (_pch_folders), for the toolchain the runner reported
+        "pch": None if no_pch else inline.pch_key(build.arguments, toolchain),
+        "settings": settings,
+        "environ": {k: env.get(k) for k in inline_writer.REQUEST_ENVIRON},
+        "torch_free": torch_free,
+        "held": str(held) if held is not None else None,
+    }
+
+
+@contextlib.contextmanager
+def _stage(root: Path, key: str) -> Iterator[Path]:
+    """A folder of the grader's own under ``root`` (the shared cache, which every box
+    reads and none writes) for the trusted writer: ``<stage>/cuda_ext/<key>``, removed
+    afterwards."""
+    top = Path(tempfile.mkdtemp(dir=root, prefix=f"{key}.stage-"))
+    try:
+        os.chmod(top, 0o755)  # a box of the uid mode reads it
+        stage = top / "cuda_ext" / key
+        stage.mkdir(parents=True)
+        for path in (top / "cuda_ext", stage):
+            os.chmod(path, 0o755)
+        yield stage
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _clear(path: Path) -> bool:
+    """Whether nothing of the box's is left at ``path`` (a file or link it left there is
+    removed, never followed); False for a folder."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return True
+
+
+def _copy_written(stage: Path, folder: Path) -> str | None:
+    """The files the writer wrote (the sources, ``build.ninja``) copied into the box's
+    ``folder`` beside what ninja built, as a ``load_inline`` build folder has them; why
+    not, where the box left a folder in the way."""
+    for source in sorted(stage.iterdir()):
+        if not stat.S_ISREG(os.lstat(source).st_mode):
+            continue
+        target = folder / source.name
+        if not _clear(target):
+            return f"the build left {source.name}, which is not a plain file"
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as out:
+            out.write(source.read_bytes())
+    return None
+
+
+def _read_box_file(path: Path, limit: int) -> str:
+    """The text of a plain file a build box wrote, at most ``limit`` bytes of it (never
+    through a link, never a FIFO or device); empty where there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return ""
+        return f.read(limit).decode(errors="replace")
 
 
 def _publish_inline(

@@ -10,7 +10,10 @@ PyTorch's, and the build box then runs nothing but that ninja file
 
 It is one process per grader, started on first use, its torch imported once. It is
 trusted: it compiles and runs nothing of a candidate's. A candidate's strings become
-files and lines of a ninja file, which only the build box runs. What of PyTorch's
+files and lines of a ninja file, which only the build box runs, each flag as literal
+words (:func:`kf.cuda.inline.literal_arguments`: never shell or ninja syntax), in a
+folder of the grader's own that no box can write (a ``lock`` or a link a box left is
+never in its way). What of PyTorch's
 ``load_inline`` would run a program with a candidate's flags outside the box is
 replaced here or refused by the grader (``use_pch``, which makes PyTorch's own
 precompiled header), and a PyTorch without the functions replaced here is not used:

@@ -2,18 +2,18 @@
 
 A ``load_inline`` build's ``main.cpp`` reads ``torch/extension.h``; with kf's precompiled
 header (:mod:`kf.cuda.pch`) that compile is about half as long. The header is made by
-the first build of its key (the call's flag arguments and the toolchain), in the build
-box, and the builds that come meanwhile wait for it (:data:`builds.PCH_WAIT_S
+the grader's own step when the first build of its key (the call's flag arguments and the
+toolchain) comes, and the builds that come meanwhile wait for it (:data:`builds.PCH_WAIT_S
 <kf.evaluation.grader.builds.PCH_WAIT_S>`). On a fresh machine that first build is a
-candidate's, and the first wave waits while it makes the header (about 40 CPU-seconds of
+candidate's, and the first wave waits while the header is made (about 40 CPU-seconds of
 g++ alone; before the wait they compiled the header themselves, 50-67 s each on the H200).
 
 :func:`prewarm` starts that build as the worker starts, in the background, for the calls
 most candidates make (a CUDA ``load_inline`` without flags of its own, the layout kf's
 prompt asks for): a tiny module of the same shape, built through the grader's own boxed
 path (:func:`kf.evaluation.grader.builds.build_inline`), for the architecture the worker's
-runners will report. Nothing of it is used by a candidate but the header, which the build
-publishes under its key as any build does. It does nothing where the header of that key
+runners will report. Nothing of it is used by a candidate but the header, which the
+grader's step makes for it as for any build. It does nothing where the header of that key
 is there already, where builds are not boxed, or where the architecture cannot be told
 without a CUDA context (``$TORCH_CUDA_ARCH_LIST`` unset and no ``nvidia-smi``).
 """
