@@ -61,6 +61,7 @@ CHEATS: list[tuple[Path, Path | tuple[int, int], str, bool]] = [
     (ADV / "file_hog.py", GELU, "writes a huge file", False),
     (ADV / "cpu_hog.py", GELU, "spins the CPU", False),
     (ADV / "baseline_sabotage.py", GELU, "forks a spinner while eager is timed", False),
+    (ADV / "flag_injection.py", GELU, "a load_inline flag hides a shell command", False),
     (TRUST / "positive_only.py", TRUST / "task_relu_pos.py", "right only on [0, 1) inputs", False),
     (
         TRUST / "constant_zeros.py",
@@ -86,6 +87,7 @@ HONEST_SET: list[tuple[Path, Path | tuple[int, int], str, bool]] = [
     (TRUST / "honest_square.py", TRUST / "task_square.py", "square N x N matmul (lib.mm)", False),
     (HONEST / "triton_wrapper.py", GELU, "Triton, kernel[grid] in a wrapper", True),
     (HONEST / "load_inline_attr.py", GELU, "CUDA load_inline kept as self.op", True),
+    (HONEST / "build_lock.py", GELU, "CUDA load_inline whose first try leaves a lock", True),
 ]
 IGNORED = {"unsandboxed"}
 
