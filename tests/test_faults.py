@@ -94,7 +94,7 @@ def check_counted_once(db: Path, budget: int) -> dict[str, Any]:
     task = report["tasks"][0]
     # the search's candidates; tuning, once the budget is spent, adds its own on top
     assert task["candidates"] - task["tuned_candidates"] == budget
-    assert task["profiled"] + task["failed"] == task["candidates"]
+    assert task["profiled"] + task["failed"] + task["duplicates"] == task["candidates"]
     replay_check(db)
     return report
 
@@ -289,7 +289,7 @@ def test_faults_malformed_events_are_rejected_and_the_run_goes_on(
         assert elog.rejected_count() == 5
     (task,) = json.loads(joined_run["out"])["tasks"]
     assert task["candidates"] - task["tuned_candidates"] == 10
-    assert task["profiled"] + task["failed"] == task["candidates"]
+    assert task["profiled"] + task["failed"] + task["duplicates"] == task["candidates"]
 
 
 def test_faults_client_without_token_is_refused(tmp_path: Path) -> None:

@@ -90,12 +90,13 @@ def test_seedless_cut_off_answer_is_recorded_as_such(seedless_run: Any) -> None:
 
 
 def test_seedless_every_candidate_ends_with_an_outcome(seedless_run: Any) -> None:
-    """No candidate is left waiting: each was profiled or failed with a cause."""
+    """No candidate is left waiting: each was profiled, failed with a cause, or was found
+    the same code as an earlier one (a duplicate, never run)."""
     db, report, _, _ = seedless_run
     from kf.app.report import build_report
 
     (task,) = build_report(db)["tasks"]
-    assert task["profiled"] + task["failed"] == task["candidates"]
+    assert task["profiled"] + task["failed"] + task["duplicates"] == task["candidates"]
     assert task["failures"].get("compile_error", 0) >= 1
     assert sum(task["failures"].values()) == task["failed"]
     assert report["run_stats"]["llm_calls"] >= 5

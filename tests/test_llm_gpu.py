@@ -62,7 +62,7 @@ def test_llm_gpu_first_generation_reaches_the_gpu_in_both_languages(gpu_run: Any
         assert profiled[c.candidate_id].report.ok and profiled[c.candidate_id].report.device
     (task,) = report["tasks"]
     assert task["best_speedup"] is not None
-    assert task["profiled"] + task["failed"] == task["candidates"]
+    assert task["profiled"] + task["failed"] + task["duplicates"] == task["candidates"]
 
 
 def test_llm_gpu_replay_check_passes_with_server_gone(gpu_run: Any) -> None:

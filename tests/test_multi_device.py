@@ -287,7 +287,7 @@ def _counted_once(db: Path) -> None:
 
     task = build_report(db)["tasks"][0]
     assert task["candidates"] > 0
-    assert task["profiled"] + task["failed"] == task["candidates"]
+    assert task["profiled"] + task["failed"] + task["duplicates"] == task["candidates"]
     chk = subprocess.run(
         [sys.executable, "-m", "kf.app.cli", "replay", str(db), "--check"],
         cwd=ROOT, env=ENV, capture_output=True, text=True, check=False,

@@ -31,4 +31,4 @@ def test_a_reference_failing_mid_verification_rejects_the_candidate(tmp_path: Pa
         assert e.report.failure_kind == "task_error", e.report
         assert "reference failed during verification" in (e.report.error or "")
     (task,) = json.loads(proc.stdout)["tasks"]
-    assert task["profiled"] + task["failed"] == task["candidates"], task
+    assert task["profiled"] + task["failed"] + task["duplicates"] == task["candidates"], task
