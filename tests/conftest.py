@@ -67,6 +67,7 @@ def pytest_report_header() -> str | None:
 SLOW_FILES = (
     "test_faults.py",
     "test_pch.py",
+    "test_build_hostile.py",
     "test_tuning.py",
     "test_sandbox_box.py",
     "test_cuda_torchfree.py",
