@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from agents import archive_tuning
+from agents import archive_tuning, lessons
 from agents.tuned import TUNER_LABEL
 from kf.agent import PlanningAgent
 from kf.events import Event, Record
@@ -91,6 +91,8 @@ class SearchConfig(msgspec.Struct, frozen=True, kw_only=True):
     tune_budget: int = 0  # configurations per task and device (0: no tuning)
     # 5: a candidate whose source is an earlier one's up to comments and spacing (same
     # configuration, shape set and device) is a duplicate: recorded, never run again
+    # 6: a child that beats its parent beyond the noise, or fails where it passed, is a
+    # lesson (agents/lessons.py)
     # Issue 34: a result from a device not in this list that would enter the archive (an
     # elite, or a speed-up above confirm_above) is measured again on another device first
     # (ConfirmationRequested / CandidateConfirmed). None (logs without the key, or
@@ -170,6 +172,7 @@ class TaskArchive(msgspec.Struct, kw_only=True):
 
     name: str
     seeds: int = 0
+    reference: str = ""  # the task's source (search version 6: a lesson's task features)
     #: the task's own budget and languages (a task package's kf.toml; None: the run's)
     budget: int | None = None
     languages: list[str] | None = None
@@ -264,6 +267,23 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
 
     def fold(self, state: ArchiveState, rec: Record, plan: list[Event]) -> None:
         ev = rec.event
+        about = state.candidates.get(getattr(ev, "candidate_id", ""))
+        was_in_flight = about is not None and about.in_flight
+        self._fold(state, rec, plan)
+        if (
+            state.config.search_version >= 6
+            and about is not None
+            and was_in_flight
+            and about.status in ("profiled", "failed")
+            and not _unjudged(about)
+        ):
+            lessons.learned(state, about, plan)
+        if state.started and not state.finished:
+            self._dispatch(state, plan)
+            self._top_up(state, plan)
+
+    def _fold(self, state: ArchiveState, rec: Record, plan: list[Event]) -> None:
+        ev = rec.event
         if isinstance(ev, RunStarted):
             self._start(state, ev, plan)
         elif isinstance(ev, CandidateProposed):
@@ -327,9 +347,6 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
                 self._fail(state, c, f"agent_error:{ev.kind}", ev.error)
         elif isinstance(ev, LlmBudgetExhausted) and state.llm_stopped is None:
             state.llm_stopped = ev.reason
-        if state.started and not state.finished:
-            self._dispatch(state, plan)
-            self._top_up(state, plan)
 
     def _start(self, state: ArchiveState, ev: RunStarted, plan: list[Event]) -> None:
         if state.started:
@@ -341,6 +358,7 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
         for spec in ev.tasks:
             t = TaskArchive(
                 name=spec.name,
+                reference=spec.source if state.config.search_version >= 6 else "",
                 seeds=len(spec.seeds),
                 budget=spec.settings.get("budget"),
                 languages=spec.settings.get("languages"),

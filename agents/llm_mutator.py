@@ -38,6 +38,7 @@ from kf.kernels.backends import backend_of, device_kind, language_of
 from kf.llm.budget import Budget, Pricing, Usage
 from kf.llm.client import CallOutcome, ClientSettings, LlmClient, api_key_from_env
 from kf.llm.evidence import compile_outcome, profile_outcome, verify_outcome
+from kf.llm.lessons import quoted
 from kf.llm.parse import Edit, ResponseError, parse_edit, parse_region
 from kf.llm.prompts import (
     SEED_REGIONS,
@@ -73,6 +74,8 @@ from kf.search_facts import (
     CandidateUnroutable,
     CountersMeasured,
     EliteAdmitted,
+    Lesson,
+    LessonsLoaded,
     MutationFailed,
     TunedChosen,
 )
@@ -128,6 +131,7 @@ class LlmMutatorState(msgspec.Struct, kw_only=True):
     usage: Usage = msgspec.field(default_factory=Usage)
     call_ids: set[str] = set()
     budget_announced: bool = False
+    lessons: dict[str, Lesson] = {}  # the run's loaded lessons (lesson.loaded), by id
 
 
 def build_notes(log: str, limit: int = 12) -> str | None:
@@ -152,9 +156,13 @@ def _child_failed(state: LlmMutatorState, c: CandInfo) -> None:
         del fails[:-3]
 
 
-def _duplicate(state: LlmMutatorState, ev: CandidateDuplicate) -> None:
+def _duplicate(state: LlmMutatorState, ev: CandidateDuplicate | LessonsLoaded) -> None:
     """A candidate the archive found the same as an earlier one: a failure of its parent's
-    child, so the next prompt says that this change changed nothing."""
+    child, so the next prompt says that this change changed nothing. (Also the run's
+    lessons, kept by id for prompts to quote.)"""
+    if isinstance(ev, LessonsLoaded):
+        state.lessons = {x.lesson_id: x for x in ev.lessons}
+        return
     c = state.cands.get(ev.candidate_id)
     if c is not None:
         c.failure = (
@@ -196,6 +204,7 @@ class LlmMutator(Agent[LlmMutatorState]):
         PromptChosen,
         PromptRewriteRequested,
         TunedChosen,
+        LessonsLoaded,
     )
 
     def __init__(self, ctx: AgentContext) -> None:
@@ -285,7 +294,7 @@ class LlmMutator(Agent[LlmMutatorState]):
             if c is not None:
                 c.failure = f"unroutable: {ev.reason}"
                 c.outcome = f"never ran: {ev.reason}"
-        elif isinstance(ev, CandidateDuplicate):
+        elif isinstance(ev, (CandidateDuplicate, LessonsLoaded)):
             _duplicate(state, ev)
         elif isinstance(ev, CountersMeasured):
             c = state.cands.get(ev.candidate_id)
@@ -493,6 +502,7 @@ class LlmMutator(Agent[LlmMutatorState]):
             device=state.device_caps,
             parent_outcome=info.outcome,
             language=ev.language,
+            lessons=quoted([state.lessons[i] for i in ev.lessons if i in state.lessons]),
         )
         prompt = mutation_prompt(ctx, self._prompt_budget(state))
         call_id = derived_id("llm-call", event_id)

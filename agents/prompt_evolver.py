@@ -31,6 +31,7 @@ import msgspec
 from kf.agent import PlanningAgent
 from kf.events import Event, Record
 from kf.facts import RunStarted
+from kf.llm.lessons import retrieve, task_features
 from kf.llm.prompts import EVOLVABLE_REGIONS, REWRITE_OPERATORS, SEED_REGIONS
 from kf.llm_facts import (
     LlmBudgetExhausted,
@@ -47,6 +48,8 @@ from kf.search_facts import (
     CandidateProposed,
     CandidateRejected,
     CandidateUnroutable,
+    Lesson,
+    LessonsLoaded,
     MutationFailed,
     ParentSelected,
 )
@@ -108,6 +111,12 @@ class EvolverState(msgspec.Struct, kw_only=True):
     open_requests: list[int] = []
     budget_spent: bool = False
     plan: tuple[str, list[Event]] = ("", [])
+    # issue 48: the lessons the run loaded, the tasks' references and device, and each
+    # candidate's diagnosis (ok | a failure class), from which a prompt's lessons are chosen
+    lessons: list[Lesson] = []
+    references: dict[str, str] = {}
+    device: str = ""
+    diagnosis: dict[str, str] = {}
 
     def summary(self) -> str:
         """One line per prompt: lineage, use and fitness."""
@@ -118,6 +127,20 @@ class EvolverState(msgspec.Struct, kw_only=True):
                 f"finished {p.finished}, fitness {p.fitness:.3f}, best {p.best:.3f}"
             )
         return "\n".join(lines)
+
+
+def _lessons(state: EvolverState, ev: ParentSelected) -> tuple[str, ...]:
+    """The lessons a selection's prompt quotes (issue 48): chosen from those the run
+    loaded by the task's features and the parent's diagnosis, within a token budget."""
+    if not state.lessons:
+        return ()
+    return retrieve(
+        state.lessons,
+        task=ev.task,
+        features=task_features(state.references.get(ev.task, ""), ev.language),
+        diagnosis=state.diagnosis.get(ev.parent_id, ""),
+        device=state.device,
+    )
 
 
 def _rng(*parts: object) -> random.Random:
@@ -156,6 +179,7 @@ class PromptEvolver(PlanningAgent[EvolverState]):
         PromptRewritten,
         PromptRewriteFailed,
         LlmBudgetExhausted,
+        LessonsLoaded,
     )
 
     def initial_state(self) -> EvolverState:
@@ -168,12 +192,16 @@ class PromptEvolver(PlanningAgent[EvolverState]):
                 state.seed = ev.seed
                 state.config = EvolverConfig.of(ev.config)
                 state.active = state.config.llm
+                state.references = {t.name: t.source for t in ev.tasks}
+                state.device = str(ev.config.get("device", ""))
                 if state.active:
                     regions = dict(sorted(SEED_REGIONS.items()))
                     state.prompts["p0"] = PromptStats(id="p0", regions=regions)
                     plan.append(PromptSeeded(prompt_id="p0", regions=regions))
         elif not state.active:
             pass
+        elif isinstance(ev, LessonsLoaded):
+            state.lessons = list(ev.lessons)
         elif isinstance(ev, ParentSelected):
             plan.append(self._choose(state, ev))
         elif isinstance(ev, CandidateProposed):
@@ -190,6 +218,10 @@ class PromptEvolver(PlanningAgent[EvolverState]):
                 self._finish(state, pid, 0.0, ev.task, plan)
         elif isinstance(ev, (CandidateCompiled, CandidateRejected, CandidateProfiled)):
             ok = ev.report.ok if isinstance(ev, (CandidateCompiled, CandidateProfiled)) else False
+            if state.lessons and not (isinstance(ev, CandidateCompiled) and ok):
+                state.diagnosis[ev.candidate_id] = (
+                    "ok" if ok else ev.report.failure_kind or "failed"
+                )
             if isinstance(ev, CandidateCompiled) and ok:
                 return
             pid = state.candidate_prompt.pop(ev.candidate_id, None)
@@ -236,7 +268,9 @@ class PromptEvolver(PlanningAgent[EvolverState]):
         state.selection_prompt[f"{ev.task}:{ev.selection}"] = chosen.id
         # the selection, every field of it, passed on with the prompt and model chosen for it
         selection = msgspec.structs.asdict(ev)
-        return PromptChosen(**selection, prompt_id=chosen.id, model=model, agent=agent)
+        return PromptChosen(
+            **selection, prompt_id=chosen.id, model=model, agent=agent, lessons=_lessons(state, ev)
+        )
 
     def _finish(
         self, state: EvolverState, pid: str, score: float, task: str, plan: list[Event]

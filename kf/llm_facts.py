@@ -127,6 +127,9 @@ class PromptChosen(Decision, frozen=True, kw_only=True):
     # which mutator answers: "" the single-shot LLM call, "tools" a tool-using episode,
     # "cli" a coding-agent CLI (drawn by the run config's ``mutator_weights``)
     agent: str = ""
+    # lessons from the run's library (``lesson.loaded``) the prompt quotes, chosen from the
+    # task's features and the parent's diagnosis within a token budget (issue 48)
+    lessons: tuple[str, ...] = ()
 
 
 @event("prompt.rewrite_requested")

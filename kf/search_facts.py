@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from kf.events import Decision, Observation, Record, event
 from kf.kernels.tasks import TaskInfo
 from kf.reports import CompileReport, CountersReport, ProfileReport, TaskAudit, VerifyReport
@@ -24,6 +26,9 @@ __all__ = [
     "CountersMeasured",
     "EliteAdmitted",
     "GeneralisationFailed",
+    "Lesson",
+    "LessonLearned",
+    "LessonsLoaded",
     "MutationFailed",
     "ParentSelected",
     "StageReported",
@@ -309,3 +314,50 @@ class TunedChosen(Decision, frozen=True, kw_only=True):
     config: dict[str, Any]
     baseline_ms: float | None = None  # the tuner's times at that shape: the parent's config
     best_ms: float | None = None  # and this one
+
+
+class Lesson(msgspec.Struct, frozen=True, kw_only=True):
+    """What one step of a search taught: what changed between a parent and its child, the
+    diagnosis before and after, where (task features, device), what it bought (gain over
+    the parent and the timing noise) and the candidates it came from. ``status`` is
+    ``unverified`` until a controlled comparison shows a gain beyond the noise (not yet
+    built: docs/decisions.md, "Lessons"), or ``retired``."""
+
+    lesson_id: str
+    kind: str  # improvement | failure
+    task: str
+    text: str  # one short paragraph, quoted to models as data
+    technique: str = ""  # the operator and the configuration change, if any
+    cell_before: tuple[int, int, int] | None = None
+    cell_after: tuple[int, int, int] | None = None
+    diff_summary: str = ""
+    diagnosis_before: str = ""  # ok | a failure class
+    diagnosis_after: str = ""
+    features: tuple[str, ...] = ()  # the task's features (torch ops, language)
+    device: str = ""
+    gain: float | None = None  # child speed-up / parent speed-up
+    noise: float | None = None  # relative standard deviation of that ratio
+    parent_id: str = ""
+    child_id: str = ""
+    run_id: str = ""
+    status: str = "unverified"  # unverified | verified | retired
+    uses: int = 0
+
+
+@event("lesson.learned")
+class LessonLearned(Decision, frozen=True, kw_only=True):
+    """The archive derived a lesson: a child beat its profiled parent by more than the
+    timing noise, or failed where its parent passed (search version 6)."""
+
+    lesson: Lesson
+
+
+@event("lesson.loaded")
+class LessonsLoaded(Observation, frozen=True, kw_only=True):
+    """The lessons a run read from its library when it started (``kf run --lessons``),
+    bounded and cleaned, and one line for each entry refused; prompts quote them from here,
+    so replay needs no library."""
+
+    path: str
+    lessons: tuple[Lesson, ...] = ()
+    refused: tuple[str, ...] = ()

@@ -355,6 +355,7 @@ def _run_request(args: argparse.Namespace) -> RunRequest | str:
         timeout_s=args.timeout,
         build_timeout_s=args.build_timeout,
         tune_budget=tune["tune_budget"],
+        lessons=args.lessons,
         llm_url=args.llm_url,
         llm=llm,
         tolerance=tolerance.config(),
@@ -571,8 +572,10 @@ def build_parser() -> argparse.ArgumentParser:
         add(sub)
     from kf.app.check_model import add_parser as _check_model_parser
     from kf.app.extract import add_parser as _extract_parser
+    from kf.app.lessons_cmd import add_parser as _lessons_parser
 
     _extract_parser(sub)
+    _lessons_parser(sub)
     _check_model_parser(sub)
     return p
 
@@ -692,6 +695,13 @@ def _run_parser(sub: Any) -> None:
 
     add_check_options(rn)
     rn.add_argument("--json", action="store_true", help="print the final report as JSON")
+    rn.add_argument(
+        "--lessons",
+        type=Path,
+        default=None,
+        help="a lesson library (kf lessons): its lessons are recorded in the run and quoted "
+        "to the model as data where they fit the task and the parent",
+    )
     _run_deployment_options(rn)
     rn.set_defaults(func=cmd_run)
 

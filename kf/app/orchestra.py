@@ -632,7 +632,7 @@ def _started(run_id: str, tasks: list[Task], o: RunOptions, mutator: str) -> Run
             **({"devices": list(o.devices)} if len(o.devices) > 1 else {}),
             "llm": bool(o.request.llm_url),
             "mutator": mutator,
-            "search_version": 5,
+            "search_version": 6,
             "tune_budget": o.request.tune_budget,
             **o.extra,
         },

@@ -44,6 +44,7 @@ class RunRequest:
     timeout_s: float = 180.0
     build_timeout_s: float | None = None
     tune_budget: int = 12
+    lessons: Path | None = None  # --lessons: a lesson library recorded in the run (issue 48)
     llm_url: str | None = None
     llm: dict[str, Any] = field(default_factory=dict)
     tolerance: dict[str, Any] = field(default_factory=dict)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -110,11 +111,14 @@ def prepare_run(request: RunRequest) -> RunPlan:
         if not tasks:
             raise TaskError(f"{request.tasks}: no usable task ({len(skipped)} skipped)")
         run_id, differs = run_id_for(logged, request, tasks, device, asked)
+        lessons = _lessons_loaded(request, logged)
     except (TaskError, ValueError) as exc:  # DeviceError and LogError are ValueErrors
         raise RunRefused(str(exc), skipped) from exc
     options = _options(request, devices, device, skipped, run_id, logged)
     options.extra.update(conditions.config())  # recorded in the run's config
     options.records = list(records)
+    if lessons is not None:
+        options.records.append((lessons, time.time()))
     notes = (
         [f"kf run: resuming {run_id} as it was started (" + "; ".join(differs) + ")"]
         if differs
@@ -273,3 +277,13 @@ async def search(plan: RunPlan, *, out: TextIO = sys.stdout) -> RunResult:
 def run(request: RunRequest, *, out: TextIO = sys.stdout) -> RunResult:
     """:func:`prepare_run`, then :func:`search` in a new event loop."""
     return asyncio.run(search(prepare_run(request), out=out))
+
+
+def _lessons_loaded(request: RunRequest, logged: LoggedRun) -> Any:
+    """The ``lesson.loaded`` a new run records from ``--lessons`` (None: no library, or a
+    resumed run, which has its own); a library kf cannot read raises a ValueError."""
+    if request.lessons is None or logged.started is not None:
+        return None
+    from kf.app.lessons_cmd import loaded_event
+
+    return loaded_event(request.lessons)

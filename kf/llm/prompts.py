@@ -120,6 +120,7 @@ class MutationContext:
     device: Mapping[str, Any] = field(default_factory=dict)
     parent_outcome: str = ""  # the parent's evidence: errors, failing trials, timings
     language: str = ""
+    lessons: str = ""  # lessons from earlier runs, quoted as data (kf.llm.lessons.quoted)
 
 
 def _clip(text: str, limit: int) -> str:
@@ -460,6 +461,8 @@ def mutation_prompt(ctx: MutationContext, budget_tokens: int | None = None) -> P
                 drop=4,
             )
         )
+    if ctx.lessons:
+        sections.append(Section(name="lessons", text=ctx.lessons, drop=3))
     verb = "Combine the two parents into" if ctx.second_parent_source else "Write"
     sections.append(
         Section(
