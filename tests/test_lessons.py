@@ -126,6 +126,8 @@ def test_lessons_carry_over_two_runs_and_replay_without_library(tmp_path: Path) 
         TwoRunResponder(), SCALE_RELU, db2, "--budget", "3", "--lessons", str(lib), *args
     )
     assert report["finished"] is True
+    used = report["lessons"]
+    assert used["loaded"] >= 2 and used["prompts_with_lessons"] >= 1 and used["verified"] == 0
     (loaded,) = logged(db2, "lesson.loaded")
     assert {x.lesson_id for x in learned} <= {x.lesson_id for x in loaded.lessons}
     chosen = [c for c in logged(db2, "prompt.chosen") if c.operator != "init"]

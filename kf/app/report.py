@@ -145,6 +145,31 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
         ),
         # one row per task in KernelBench's terms, and scores per level (kf.app.kernelbench)
         "kernelbench": kernelbench_section(tasks, envelopes),
+        "lessons": lessons_section(envelopes),
+    }
+
+
+def lessons_section(envelopes: list[Envelope]) -> dict[str, Any]:
+    """The run's lessons (issue 48): how many it learned and loaded, how many prompts quoted
+    lessons and which, how often; none is verified yet (no control arm)."""
+    learned = loaded = prompts = 0
+    used: dict[str, int] = {}
+    for e in envelopes:
+        if e.type == "lesson.learned":
+            learned += 1
+        elif e.type == "lesson.loaded":
+            loaded += len(getattr(decode_event(e), "lessons", ()))
+        elif e.type == "prompt.chosen":
+            ids = getattr(decode_event(e), "lessons", ())
+            prompts += bool(ids)
+            for i in ids:
+                used[i] = used.get(i, 0) + 1
+    return {
+        "learned": learned,
+        "loaded": loaded,
+        "prompts_with_lessons": prompts,
+        "used": dict(sorted(used.items())),
+        "verified": 0,
     }
 
 
@@ -466,6 +491,18 @@ def _task_notes(report: dict[str, Any]) -> list[str]:
     return notes
 
 
+def _lessons_lines(report: dict[str, Any]) -> list[str]:
+    """One line on the run's lessons, if it learned or loaded any."""
+    ls = report.get("lessons") or {}
+    if not (ls.get("learned") or ls.get("loaded")):
+        return []
+    return [
+        f"lessons: {ls['learned']} learned in this run; {ls['loaded']} loaded, "
+        f"{len(ls['used'])} quoted in {ls['prompts_with_lessons']} prompt(s); all "
+        "unverified (no control arm yet)"
+    ]
+
+
 def format_table(report: dict[str, Any]) -> str:
     """A plain-text table of the report."""
     rows = _table_rows(report)
@@ -513,6 +550,7 @@ def format_table(report: dict[str, Any]) -> str:
         for t in report["tasks"]
         if t.get("failures")
     ]
+    lines += _lessons_lines(report)
     if report.get("unsandboxed_results"):
         lines.append(
             f"UNSANDBOXED: {report['unsandboxed_results']} stage result(s) came from runners "
