@@ -27,6 +27,7 @@ import msgspec
 from agents import archive_tuning, lessons
 from agents.tuned import TUNER_LABEL
 from kf.agent import PlanningAgent
+from kf.config import RunConfig
 from kf.events import Event, Record
 from kf.facts import (
     DeviceAnnounced,
@@ -67,7 +68,7 @@ CELLS_PER_ISLAND = 4 * 4 * 4
 
 
 class SearchConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """The run's search settings, read from ``RunStarted.config``."""
+    """The archive's part of the run's config (:class:`kf.config.RunConfig`)."""
 
     budget: int = 20
     islands: int = 2
@@ -101,10 +102,27 @@ class SearchConfig(msgspec.Struct, frozen=True, kw_only=True):
     confirm_above: float = 10.0
 
     @classmethod
-    def of(cls, config: dict[str, Any]) -> SearchConfig:
-        """Known keys from a run config, defaults for the rest."""
-        fields = {f: config[f] for f in cls.__struct_fields__ if f in config}
-        return msgspec.convert(fields, cls)
+    def of(cls, config: RunConfig) -> SearchConfig:
+        """The archive's part of ``config``."""
+        s, llm, trusted = config.search, config.llm, config.trust.confirm_trusted
+        return cls(
+            budget=s.budget,
+            islands=s.islands,
+            max_in_flight=s.max_in_flight,
+            crossover_rate=s.crossover_rate,
+            migrate_every=s.migrate_every,
+            llm=llm.llm,
+            max_attempts=s.max_attempts,
+            search_version=s.search_version,
+            device=config.evaluation.device,
+            init=llm.init,
+            init_with_seeds=llm.init_with_seeds,
+            languages=list(llm.languages),
+            llm_lookahead=llm.llm_lookahead,
+            tune_budget=config.tuning.tune_budget,
+            confirm_trusted=list(trusted) if trusted is not None else None,
+            confirm_above=config.trust.confirm_above,
+        )
 
 
 class Cand(msgspec.Struct, kw_only=True):
@@ -354,7 +372,7 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
         state.started = True
         state.run_id = ev.run_id
         state.seed = ev.seed
-        state.config = SearchConfig.of(ev.config)
+        state.config = SearchConfig.of(ev.run_config())
         for spec in ev.tasks:
             t = TaskArchive(
                 name=spec.name,

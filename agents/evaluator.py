@@ -88,8 +88,9 @@ class EvaluatorAgent(Agent[EvaluatorState]):
         ev = rec.event
         if isinstance(ev, RunStarted):
             state.seed = ev.seed
-            state.tolerance = Tolerance.of(ev.config)
-            state.conditions = Conditions.of(ev.config)
+            config = ev.run_config()
+            state.tolerance = Tolerance.of(config)
+            state.conditions = Conditions.of(config)
             state.tasks = {
                 t.name: Task.from_source(
                     t.name,

@@ -31,6 +31,7 @@ from agents.tool_mutator import Elite, EpisodeResult, EpisodeSpec, ToolFn, run_e
 from agents.tool_server import BusTools
 from agents.tuned import seed_candidates, tuned_candidate
 from kf.agent import Agent, AgentContext
+from kf.config import RunConfig
 from kf.events import Event, Record, derived_id
 from kf.facts import DeviceAnnounced, DeviceLeft, DeviceLost, RunStarted
 from kf.kernels import params
@@ -116,7 +117,7 @@ class LlmMutatorState(msgspec.Struct, kw_only=True):
     device: str = "cpu"
     base_url: str = ""
     budget: Budget = Budget()
-    config: dict[str, Any] = {}
+    config: RunConfig = RunConfig()
     references: dict[str, str] = {}
     seeds: dict[str, list[tuple[str, str]]] = {}
     sources: dict[str, str] = {}
@@ -226,30 +227,29 @@ class LlmMutator(Agent[LlmMutatorState]):
     def snapshot(self, state: LlmMutatorState) -> Any:
         return {"usage": state.usage, "candidates": len(state.sources)}
 
-    def client(self, config: dict[str, Any]) -> LlmClient:
+    def client(self, config: RunConfig) -> LlmClient:
         """The endpoint client, made on first use from the run config and agent options.
 
         Options (``kf agent llm_mutator --option KEY=VALUE``) override the run config's
         ``llm_*`` keys; the API key comes only from options or the environment.
         """
         if self._client is None:
-            o = {**config, **self.ctx.options}
-            url = o.get("llm_url")
-            if not url:
+            o = config.overridden(self.ctx.options).llm
+            if not o.llm_url:
                 raise ValueError("llm_mutator needs llm_url (an OpenAI-compatible base URL)")
             self._client = LlmClient(
                 ClientSettings(
-                    base_url=str(url),
+                    base_url=o.llm_url,
                     api_key=self.ctx.options.get("api_key") or api_key_from_env(),
-                    timeout_s=float(o.get("llm_timeout_s", 120.0)),
-                    max_retries=int(o.get("llm_max_retries", 4)),
-                    backoff_s=float(o.get("llm_backoff_s", 1.0)),
-                    concurrency=int(o.get("llm_concurrency", 4)),
-                    temperature=float(o.get("llm_temperature", 0.7)),
-                    max_tokens=int(o.get("llm_max_tokens", 4096)),
+                    timeout_s=o.llm_timeout_s,
+                    max_retries=o.llm_max_retries,
+                    backoff_s=o.llm_backoff_s,
+                    concurrency=o.llm_concurrency,
+                    temperature=o.llm_temperature,
+                    max_tokens=o.llm_max_tokens,
                     pricing=Pricing(
-                        usd_per_mtok_in=float(o.get("llm_usd_per_mtok_in", 0.0)),
-                        usd_per_mtok_out=float(o.get("llm_usd_per_mtok_out", 0.0)),
+                        usd_per_mtok_in=o.llm_usd_per_mtok_in,
+                        usd_per_mtok_out=o.llm_usd_per_mtok_out,
                     ),
                 )
             )
@@ -266,11 +266,11 @@ class LlmMutator(Agent[LlmMutatorState]):
         if isinstance(ev, RunStarted):
             state.run_id = ev.run_id
             state.seed = ev.seed
-            state.islands = int(ev.config.get("islands", 1)) or 1
-            state.device = str(ev.config.get("device", "cpu"))
-            state.base_url = str(ev.config.get("llm_url", ""))
-            state.budget = Budget.of(ev.config)
-            state.config = dict(ev.config)
+            state.config = config = ev.run_config()
+            state.islands = config.search.islands or 1
+            state.device = config.evaluation.device
+            state.base_url = config.llm.llm_url
+            state.budget = Budget.of(config)
             state.references = {t.name: t.source for t in ev.tasks}
             state.seeds = {t.name: list(t.seeds) for t in ev.tasks}
         elif isinstance(ev, DeviceAnnounced):
@@ -300,8 +300,7 @@ class LlmMutator(Agent[LlmMutatorState]):
             c = state.cands.get(ev.candidate_id)
             # the model is told only the counters of a device the run trusts (issue 34: a
             # device's own word; None in logs before the list, or with every device trusted)
-            trusted = state.config.get("confirm_trusted")
-            if c is not None and ev.report.ok and (trusted is None or ev.device_id in trusted):
+            if c is not None and ev.report.ok and state.config.trusted(ev.device_id):
                 c.counters = dict(ev.report.summary)
         elif isinstance(ev, (CandidateCompiled, CandidateRejected)):
             c = state.cands.get(ev.candidate_id)
@@ -547,7 +546,7 @@ class LlmMutator(Agent[LlmMutatorState]):
     def _label(self, state: LlmMutatorState, ev: PromptChosen) -> str:
         """Who answers ``ev``, honestly: the model (with tools), or the agent command."""
         if ev.agent == "cli":
-            return agent_label(str(state.config.get("agent_cmd", "")))
+            return agent_label(state.config.agents.agent_cmd)
         if ev.agent == "tools":
             return f"llm+tools: {ev.model} via {state.base_url}"
         return llm_label(ev.model, state.base_url)
@@ -614,8 +613,8 @@ class LlmMutator(Agent[LlmMutatorState]):
                     episode=episode,
                     task=ev.task,
                     selection=ev.selection,
-                    template=str(state.config.get("agent_cmd", "")),
-                    timeout_s=float(state.config.get("agent_timeout_s", 600.0)),
+                    template=state.config.agents.agent_cmd,
+                    timeout_s=state.config.agents.agent_timeout_s,
                     prompt=prompt,
                     reference=state.references.get(ev.task, ""),
                     parent=parent,
@@ -727,9 +726,8 @@ class LlmMutator(Agent[LlmMutatorState]):
 
     def _prompt_budget(self, state: LlmMutatorState) -> int:
         """Tokens a prompt may take: ``llm_max_context`` less the answer's ``max_tokens``."""
-        o = {**state.config, **self.ctx.options}
-        context = int(o.get("llm_max_context", 32768))
-        answer = int(o.get("llm_max_tokens", 4096))
+        o = state.config.overridden(self.ctx.options).llm
+        context, answer = o.llm_max_context, o.llm_max_tokens
         return max(1024, context - answer) if context > answer else max(1024, context // 2)
 
     async def _draft(

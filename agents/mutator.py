@@ -59,8 +59,9 @@ class OfflineMutator(Agent[MutatorState]):
         ev = rec.event
         if isinstance(ev, RunStarted):
             state.run_id = ev.run_id
-            state.islands = int(ev.config.get("islands", 1)) or 1
-            state.device = str(ev.config.get("device", "cpu"))
+            config = ev.run_config()
+            state.islands = config.search.islands or 1
+            state.device = config.evaluation.device
             state.seeds = {t.name: list(t.seeds) for t in ev.tasks}
         elif isinstance(ev, CandidateProposed):
             state.sources[ev.candidate_id] = ev.source

@@ -24,11 +24,11 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 
 from kf.agent import PlanningAgent
+from kf.config import RunConfig
 from kf.events import Event, Record
 from kf.facts import RunStarted
 from kf.llm.lessons import retrieve, task_features
@@ -72,10 +72,17 @@ class EvolverConfig(msgspec.Struct, frozen=True, kw_only=True):
     mutator_weights: list[tuple[str, float]] = []
 
     @classmethod
-    def of(cls, config: dict[str, Any]) -> EvolverConfig:
-        """Known keys from a run config, defaults for the rest."""
-        fields = {f: config[f] for f in cls.__struct_fields__ if f in config}
-        return msgspec.convert(fields, cls)
+    def of(cls, config: RunConfig) -> EvolverConfig:
+        """The prompt evolver's part of a run's config."""
+        llm = config.llm
+        return cls(
+            llm=llm.llm,
+            llm_models=list(llm.llm_models),
+            prompt_evolve_every=llm.prompt_evolve_every,
+            max_prompts=llm.max_prompts,
+            prompt_explore=llm.prompt_explore,
+            mutator_weights=list(config.agents.mutator_weights),
+        )
 
 
 class PromptStats(msgspec.Struct, kw_only=True):
@@ -190,10 +197,11 @@ class PromptEvolver(PlanningAgent[EvolverState]):
         if isinstance(ev, RunStarted):
             if not state.active and not state.prompts:
                 state.seed = ev.seed
-                state.config = EvolverConfig.of(ev.config)
+                config = ev.run_config()
+                state.config = EvolverConfig.of(config)
                 state.active = state.config.llm
                 state.references = {t.name: t.source for t in ev.tasks}
-                state.device = str(ev.config.get("device", ""))
+                state.device = config.evaluation.device
                 if state.active:
                     regions = dict(sorted(SEED_REGIONS.items()))
                     state.prompts["p0"] = PromptStats(id="p0", regions=regions)

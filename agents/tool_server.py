@@ -102,7 +102,7 @@ class ToolServer:
         """The run's recorded tolerance and measuring conditions (from its ``run.started``,
         read once); :class:`RunUnknown` when they cannot be read."""
         if self._measuring is None:
-            config = (await run_started(self.nc, self.run_id)).config
+            config = (await run_started(self.nc, self.run_id)).run_config()
             try:
                 self._measuring = (Tolerance.of(config), Conditions.of(config))
             except (BaselineSettingError, TypeError, ValueError) as exc:

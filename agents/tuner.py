@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from agents.evaluator import EvaluatorAgent, EvaluatorState
+from kf.config import RunConfig
 from kf.devices.gate import gate_for
 from kf.evaluation import profile_candidate
 from kf.evaluation.grader.task_check import run_task_check
@@ -47,7 +48,7 @@ __all__ = ["MIN_PER_SHAPE", "Tuner", "TunerState", "improvement"]
 class TunerState(EvaluatorState, kw_only=True):
     """Sources and tasks (as every evaluator), plus the run config and what was tuned."""
 
-    config: dict[str, Any] = {}
+    config: RunConfig = RunConfig()
     tuned: dict[str, str] = {}  # task → candidate id last asked for on this device
 
 
@@ -84,7 +85,7 @@ class Tuner(EvaluatorAgent):
         super().evolve(state, rec)
         ev = rec.event
         if isinstance(ev, RunStarted):
-            state.config = dict(ev.config)
+            state.config = ev.run_config()
         elif isinstance(ev, TuningRequested) and self.mine(ev.device_id):
             state.tuned[ev.task] = ev.candidate_id
         return state
@@ -106,7 +107,7 @@ class Tuner(EvaluatorAgent):
         if parsed is None:
             return [self._ended(ev, source, {}, "it declares no template parameters")]
         space, config = parsed
-        limit = max(1, int(state.config.get("tune_shapes", 4)))
+        limit = max(1, state.config.tuning.tune_shapes)
         shapes: list[tuple[int, Task, TaskInfo]] = []
         for index, shaped in shape_sets(task, limit):
             try:

@@ -62,8 +62,8 @@ class Verifier(EvaluatorAgent):
         state = super().evolve(state, rec)
         ev = rec.event
         if isinstance(ev, RunStarted):
-            trusted = ev.config.get("confirm_trusted")
-            self._trusted = [str(d) for d in trusted] if isinstance(trusted, list) else None
+            trusted = ev.run_config().trust.confirm_trusted
+            self._trusted = list(trusted) if trusted is not None else None
         elif isinstance(ev, TaskAudited) and (
             self._trusted is None or ev.device_id in (*self._trusted, self.device_id)
         ):

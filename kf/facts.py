@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kf.config import RunConfig
 from kf.events import Decision, Observation, event
 
 __all__ = [
@@ -46,9 +47,14 @@ class RunStarted(Observation, frozen=True, kw_only=True):
 
     run_id: str
     seed: int
-    config: dict[str, Any] = {}
+    config: dict[str, Any] = {}  # the wire form of a RunConfig (kf.config): every kf's
     tasks: tuple[TaskSpec, ...] = ()
     kf_version: str = ""
+
+    def run_config(self) -> RunConfig:
+        """The run's configuration, typed (:meth:`kf.config.RunConfig.decode`: a log of
+        any kf reads)."""
+        return RunConfig.decode(self.config)
 
 
 @event("run.finished")

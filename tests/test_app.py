@@ -80,7 +80,7 @@ def test_app_folder_run_carries_its_task_checks_to_record(tmp_path: Path) -> Non
     failed = checks["raises"]
     assert isinstance(failed, TaskChecked) and not failed.ok
     assert "reference is broken" in failed.error and failed.path == str(folder / "raises.py")
-    assert plan.options.extra["skipped_tasks"] == dict(plan.skipped)
+    assert plan.options.config.tasks.skipped_tasks == dict(plan.skipped)
     assert not plan.options.resuming and not db.exists()
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from kf.config import RunConfig
 from kf.evaluation.grader import baseline_settings as bs
 from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.runner import baselines
@@ -40,8 +41,8 @@ def test_conditions_from_settings_and_from_the_run_config() -> None:
     assert asked == Conditions(
         compile_baseline=False, compile_mode="max-autotune", tf32="on", device_inputs=False
     )
-    assert Conditions.of(asked.config()) == asked
-    older = Conditions.of({"compile_mode": "max-autotune"})  # before the other keys
+    assert Conditions.of(RunConfig.decode(asked.config())) == asked
+    older = Conditions.of(RunConfig.decode({"compile_mode": "max-autotune"}))  # before the rest
     assert older == Conditions(compile_mode="max-autotune")
     assert Conditions().differences(asked) == [
         "compile_baseline True in the log, False now",
@@ -62,7 +63,7 @@ def test_conditions_from_settings_and_from_the_run_config() -> None:
     ):
         Conditions.from_settings(Settings.from_env({"KF_TF32": "maybe"}))
     with pytest.raises(bs.BaselineSettingError, match="tf32 'maybe'"):
-        Conditions.of({"tf32": "maybe"})  # a config kf did not write
+        Conditions.of(RunConfig.decode({"tf32": "maybe"}))  # a config kf did not write
 
 
 # A task that shows, in the shape of its input, what its runner's environment says of TF32

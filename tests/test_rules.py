@@ -51,8 +51,6 @@ KNOWN_LONG_FUNCTIONS: dict[str, int] = {
     "agents.cli_mutator:run_cli_episode": 118,
     "agents.tool_mutator:run_episode": 117,
     "agents.llm_mutator:LlmMutator._episode": 101,
-    # a fold over the mutator's event kinds, one branch per kind (issue 46: to split by kind)
-    "agents.llm_mutator:LlmMutator.evolve": 82,
     # the offline mutator's child: choose a parent, a move and its parameters in one frame
     # (issue 46: to split by idea)
     "agents.mutator:OfflineMutator._child": 88,

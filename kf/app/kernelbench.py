@@ -44,7 +44,9 @@ from pathlib import PurePath
 from typing import Any
 
 from kf.app.task_select import task_id
+from kf.config import RunConfig
 from kf.events import Envelope, decode_event
+from kf.facts import RunStarted
 
 __all__ = [
     "CSV_COLUMNS",
@@ -207,7 +209,7 @@ def _scan(
 def _task_row(
     t: dict[str, Any],
     path: str | None,
-    config: dict[str, Any],
+    config: RunConfig,
     peaks: dict[str, float],
     times: dict[str, float],
 ) -> dict[str, Any]:
@@ -245,7 +247,7 @@ def _task_row(
         if correct
         else None,
         "compile_mode": t.get("compile_mode") or _compile_mode(config),
-        "tf32": t.get("tf32") or str(config.get("tf32") or ""),
+        "tf32": t.get("tf32") or config.evaluation.tf32,
         "candidates": t.get("candidates", 0),
         "peak_device_mb": peaks.get(name),
         "time_s": times.get(name),
@@ -254,7 +256,7 @@ def _task_row(
     }
 
 
-def _skipped_row(where: str, why: object, config: dict[str, Any]) -> dict[str, Any]:
+def _skipped_row(where: str, why: object, config: RunConfig) -> dict[str, Any]:
     """The KernelBench row of a task file the run skipped (at ``where``, for ``why``)."""
     return {
         "level": level_of(where),
@@ -272,7 +274,7 @@ def _skipped_row(where: str, why: object, config: dict[str, Any]) -> dict[str, A
         "speedup_vs_compile": None,
         "speedup_vs_best": None,
         "compile_mode": _compile_mode(config),
-        "tf32": str(config.get("tf32") or ""),
+        "tf32": config.evaluation.tf32,
         "candidates": 0,
         "peak_device_mb": None,
         "time_s": None,
@@ -281,8 +283,8 @@ def _skipped_row(where: str, why: object, config: dict[str, Any]) -> dict[str, A
     }
 
 
-def _compile_mode(config: dict[str, Any]) -> str:
-    return str(config.get("compile_mode") or "default")
+def _compile_mode(config: RunConfig) -> str:
+    return config.evaluation.compile_mode or "default"
 
 
 def kernelbench_section(tasks: list[dict[str, Any]], envelopes: list[Envelope]) -> dict[str, Any]:
@@ -290,15 +292,13 @@ def kernelbench_section(tasks: list[dict[str, Any]], envelopes: list[Envelope]) 
     ``levels`` (``"level1"``: scores; ``"all"`` for tasks outside a ``levelN`` folder)."""
     started = next((decode_event(e) for e in envelopes if e.type == "run.started"), None)
     specs = {t.name: t for t in getattr(started, "tasks", ())}
-    config: dict[str, Any] = dict(getattr(started, "config", {}) or {})
+    config = started.run_config() if isinstance(started, RunStarted) else RunConfig()
     _, peaks, times = _scan(envelopes)
     rows = [
         _task_row(t, getattr(specs.get(t["task"]), "path", None), config, peaks, times)
         for t in tasks
     ]
-    rows += [
-        _skipped_row(w, why, config) for w, why in dict(config.get("skipped_tasks") or {}).items()
-    ]
+    rows += [_skipped_row(w, why, config) for w, why in config.tasks.skipped_tasks.items()]
     rows.sort(key=lambda r: (r["level"] or 0, r["problem_id"] or 0, r["problem_name"]))
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:

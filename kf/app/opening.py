@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kf.app.request import RunRefused, RunRequest
+from kf.config import RunConfig
 from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.wire.tolerance import Tolerance
 from kf.events import decode_event
@@ -60,22 +61,17 @@ def open_log(request: RunRequest) -> LoggedRun:
 
 
 def run_id_for(
-    logged: LoggedRun,
-    request: RunRequest,
-    tasks: Sequence[Task],
-    device: str,
-    conditions: Conditions,
+    logged: LoggedRun, request: RunRequest, tasks: Sequence[Task], config: RunConfig
 ) -> tuple[str, list[str]]:
     """The id of the run to search in and how the asked settings differ from it: the
     log's run (refused if they differ, unless ``--resume``), or a new one
-    (``request.run_id`` if given). ``device`` is the run's target (the first device of
-    ``--device``), ``conditions`` the measuring conditions asked for."""
+    (``request.run_id`` if given). ``config`` is the run's config as asked now."""
     from kf import bus
     from kf.app.orchestra import new_run_id
 
     if not logged.exists:
         return (bus.valid_run_id(request.run_id) if request.run_id else new_run_id()), []
-    differs = differences(logged, tasks, request, device, conditions)
+    differs = differences(logged, tasks, request.seed, config)
     if differs and not request.resume:
         raise RunRefused(
             f"{request.db} holds run {logged.run_id}, started with other settings ("
@@ -87,16 +83,14 @@ def run_id_for(
 
 
 def differences(
-    logged: LoggedRun,
-    tasks: Sequence[Task],
-    request: RunRequest,
-    device: str,
-    conditions: Conditions,
+    logged: LoggedRun, tasks: Sequence[Task], seed: int, config: RunConfig
 ) -> list[str]:
-    """What differs between the run a log holds and the one asked for now."""
+    """What differs between the run a log holds and the one asked for now (its tasks,
+    ``seed`` and ``config``)."""
     started = logged.started
     if started is None:
         return []
+    was = started.run_config()
     out: list[str] = []
     in_log = {t.name: t.sha256 for t in started.tasks}
     asked = {t.name: t.sha256 for t in tasks}
@@ -106,19 +100,19 @@ def differences(
             out.append(f"tasks {sorted(in_log)} in the log, {sorted(asked)} now")
         if changed:
             out.append(f"task source changed: {', '.join(changed)}")
-    for key, now in (
-        ("budget", request.budget),
-        ("device", device),
-        ("llm", bool(request.llm_url)),
+    for key, then, now in (
+        ("budget", was.search.budget, config.search.budget),
+        ("device", was.evaluation.device, config.evaluation.device),
+        ("llm", was.llm.llm, config.llm.llm),
     ):
-        if started.config.get(key) != now:
-            out.append(f"{key} {started.config.get(key)!r} in the log, {now!r} now")
-    if started.seed != request.seed:
-        out.append(f"seed {started.seed} in the log, {request.seed} now")
-    logged_tolerance, tolerance = Tolerance.of(started.config), Tolerance.of(request.tolerance)
+        if then != now:
+            out.append(f"{key} {then!r} in the log, {now!r} now")
+    if started.seed != seed:
+        out.append(f"seed {started.seed} in the log, {seed} now")
+    logged_tolerance, tolerance = Tolerance.of(was), Tolerance.of(config)
     if logged_tolerance != tolerance:
         out.append(f"tolerance {_said(logged_tolerance)} in the log, {_said(tolerance)} now")
-    return out + Conditions.of(started.config).differences(conditions)
+    return out + Conditions.of(was).differences(Conditions.of(config))
 
 
 def _said(tolerance: Tolerance) -> str:

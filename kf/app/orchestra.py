@@ -19,10 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import msgspec
+
 from kf import bus
 from kf.agent import Agent, AgentContext, make_agent_id
 from kf.app.request import RunRequest
 from kf.auth import RunBus
+from kf.config import RunConfig
 from kf.devices.slots import DeviceSlot
 from kf.events import Envelope, Event, Record, decode_event, derived_id, make_envelope
 from kf.facts import RunFinished, RunStarted, TaskSpec
@@ -57,7 +60,7 @@ class RunOptions:
     max_in_flight: int = 2
     measure_device: bool = True
     resuming: bool = False  # the log holds this run already: continue it (kf.app.opening)
-    extra: dict[str, Any] = field(default_factory=dict)  # the run config's other keys
+    config: RunConfig = field(default_factory=RunConfig)  # recorded in run.started
     # observations made before the run started (the task checks, kf.app.checks), each with
     # the time it was made: recorded right after ``run.started`` (also on resume)
     records: list[tuple[Event, float]] = field(default_factory=list)
@@ -619,23 +622,18 @@ async def _record_start(
 
 
 def _started(run_id: str, tasks: list[Task], o: RunOptions, mutator: str) -> RunStarted:
-    """The run's first event: its config, seed and tasks (their sources)."""
+    """The run's first event: its config (``o.config``, with the search version this kf
+    decides by and the mutator, unless the model named it), seed and tasks (their
+    sources)."""
+    search = msgspec.structs.replace(
+        o.config.search,
+        search_version=6,
+        mutator=o.config.search.mutator or mutator,
+    )
     return RunStarted(
         run_id=run_id,
         seed=o.request.seed,
-        config={
-            "budget": o.request.budget,
-            "islands": o.request.islands,
-            "max_in_flight": o.max_in_flight,
-            "device": o.device,
-            # several local devices: which (a new key; one device's config is as before)
-            **({"devices": list(o.devices)} if len(o.devices) > 1 else {}),
-            "llm": bool(o.request.llm_url),
-            "mutator": mutator,
-            "search_version": 6,
-            "tune_budget": o.request.tune_budget,
-            **o.extra,
-        },
+        config=msgspec.structs.replace(o.config, search=search).wire(),
         tasks=tuple(
             TaskSpec(
                 name=t.name,

@@ -22,9 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+import msgspec
+
 from kf.app.checks import check_tasks
 from kf.app.opening import LoggedRun, open_log, run_id_for
 from kf.app.request import RunRefused, RunRequest
+from kf.config import Evaluation, RunConfig, Search, Tasks, Trust, Tuning
 from kf.evaluation.grader.baseline_settings import Conditions
 from kf.events import Envelope
 from kf.kernels.tasks import Task, TaskError
@@ -89,9 +92,9 @@ def prepare_run(request: RunRequest) -> RunPlan:
     try:
         tasks, skipped = _load(request)
         logged = open_log(request)
-        asked = asked_conditions(request)
         # the run's measuring conditions: a logged run's as it recorded them
-        conditions = Conditions.of(logged.started.config) if logged.started else asked
+        logged_config = logged.started.run_config() if logged.started else None
+        conditions = Conditions.of(logged_config) if logged_config else asked_conditions(request)
         if not request.join:  # a joined deployment's workers check on their own devices
             if request.local_worker:
                 from kf.app.orchestra import prepare_worker
@@ -110,12 +113,12 @@ def prepare_run(request: RunRequest) -> RunPlan:
             records = []
         if not tasks:
             raise TaskError(f"{request.tasks}: no usable task ({len(skipped)} skipped)")
-        run_id, differs = run_id_for(logged, request, tasks, device, asked)
+        config = run_config(request, devices, device, skipped)
+        run_id, differs = run_id_for(logged, request, tasks, config)
         lessons = _lessons_loaded(request, logged)
     except (TaskError, ValueError) as exc:  # DeviceError and LogError are ValueErrors
         raise RunRefused(str(exc), skipped) from exc
-    options = _options(request, devices, device, skipped, run_id, logged)
-    options.extra.update(conditions.config())  # recorded in the run's config
+    options = _options(request, devices, device, run_id, logged, config)
     options.records = list(records)
     if lessons is not None:
         options.records.append((lessons, time.time()))
@@ -199,42 +202,72 @@ def _options(
     request: RunRequest,
     devices: list[str],
     device: str,
-    skipped: list[tuple[str, str]],
     run_id: str,
     logged: LoggedRun,
+    config: RunConfig,
 ) -> RunOptions:
-    """The process's settings of the run (:class:`kf.app.orchestra.RunOptions`); the run's
-    config records them."""
+    """The process's settings of the run (:class:`kf.app.orchestra.RunOptions`), with its
+    config."""
     from kf.app.orchestra import RunOptions
-    from kf.devices.slots import default_in_flight
     from kf.settings import current
 
-    local = devices if request.local_worker else []
-    o = RunOptions(
+    return RunOptions(
         request=request,
         device=device,
-        devices=local,
+        devices=devices if request.local_worker else [],
         db=request.db or Path("runs") / f"{run_id}.db",
         run_id=run_id,
-        # two candidates in flight per local CPU, 24 per local GPU, unless told
-        max_in_flight=request.max_in_flight
-        if request.max_in_flight is not None
-        else default_in_flight(local),
+        max_in_flight=config.search.max_in_flight,
         measure_device=current().device_measure,
         resuming=logged.exists,
+        config=config,
     )
-    o.extra.update(request.tolerance)  # the run's tolerance, if not the default
+
+
+def run_config(
+    request: RunRequest, devices: list[str], device: str, skipped: list[tuple[str, str]]
+) -> RunConfig:
+    """The run's config (:class:`kf.config.RunConfig`), made once from what was asked and
+    what was resolved from it: the devices, the tasks left out, the measuring conditions
+    (:func:`asked_conditions`), the devices trusted. ``kf run`` records it; the search
+    version and the offline mutator's name are stamped by :mod:`kf.app.orchestra`."""
+    from kf.devices.slots import default_in_flight
+
+    local = devices if request.local_worker else []
+    # the LLM's and the tolerance's options come as their converters give them
+    given = RunConfig.decode({**request.llm, **request.tolerance})
+    conditions = asked_conditions(request)
     trusted = _trusted_devices(request, devices or [device])
-    if trusted is not None:  # other devices' archive-bound results are measured twice
-        o.extra["confirm_trusted"] = trusted
-    if skipped:
-        o.extra["skipped_tasks"] = dict(skipped)  # recorded in the run's first event
-    if request.select is not None:
-        o.extra["task_selection"] = request.select
-    if request.shape_cap is not None:
-        o.extra["shape_cap"] = request.shape_cap  # robust-kbench configs capped
-    o.extra.update(request.llm)
-    return o
+    return RunConfig(
+        search=Search(
+            budget=request.budget,
+            islands=request.islands,
+            # two candidates in flight per local CPU, 24 per local GPU, unless told
+            max_in_flight=request.max_in_flight
+            if request.max_in_flight is not None
+            else default_in_flight(local),
+            mutator=given.search.mutator,
+        ),
+        tuning=Tuning(tune_budget=request.tune_budget),
+        evaluation=Evaluation(
+            device=device,
+            # several local devices: which (one device's config is as before)
+            devices=tuple(local) if len(local) > 1 else (),
+            **msgspec.structs.asdict(conditions),
+            atol=given.evaluation.atol,
+            rtol=given.evaluation.rtol,
+            tolerance=given.evaluation.tolerance,
+        ),
+        # other devices' archive-bound results are measured twice
+        trust=Trust(confirm_trusted=tuple(trusted) if trusted is not None else None),
+        llm=msgspec.structs.replace(given.llm, llm=bool(request.llm_url)),
+        agents=given.agents,
+        tasks=Tasks(
+            skipped_tasks=dict(skipped),
+            task_selection=request.select,
+            shape_cap=request.shape_cap,  # robust-kbench configs capped
+        ),
+    )
 
 
 def asked_conditions(request: RunRequest) -> Conditions:
@@ -243,8 +276,7 @@ def asked_conditions(request: RunRequest) -> Conditions:
     a bad value raises its ``BaselineSettingError``, a ``ValueError``)."""
     from kf.settings import current
 
-    flags = {"KF_COMPILE_MODE": request.compile_mode, "KF_TF32": request.tf32}
-    return Conditions.from_settings(current().with_values({k: v for k, v in flags.items() if v}))
+    return Conditions.from_settings(current(), compile_mode=request.compile_mode, tf32=request.tf32)
 
 
 def _trusted_devices(request: RunRequest, devices: list[str]) -> list[str] | None:

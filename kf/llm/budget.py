@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
+
+from kf.config import RunConfig
 
 __all__ = ["Budget", "Pricing", "Usage"]
 
@@ -51,13 +51,10 @@ class Budget(msgspec.Struct, frozen=True, kw_only=True):
     usd: float | None = None
 
     @classmethod
-    def of(cls, config: dict[str, Any]) -> Budget:
-        """Read ``llm_budget_tokens/calls/usd`` from a run config."""
-        return cls(
-            tokens=config.get("llm_budget_tokens"),
-            calls=config.get("llm_budget_calls"),
-            usd=config.get("llm_budget_usd"),
-        )
+    def of(cls, config: RunConfig) -> Budget:
+        """The run's ``--llm-budget-tokens/calls/usd``."""
+        llm = config.llm
+        return cls(tokens=llm.llm_budget_tokens, calls=llm.llm_budget_calls, usd=llm.llm_budget_usd)
 
     def exhausted(self, used: Usage, in_flight: int = 0) -> str | None:
         """Why no further call may start (counting calls in flight), or None."""

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kf.config import RunConfig
 from kf.llm.evidence import compile_outcome, profile_outcome, trim_error, verify_outcome
 
 if TYPE_CHECKING:
@@ -134,14 +135,15 @@ class ToolLimits:
     tool_timeout_s: float = 300.0
 
     @classmethod
-    def of(cls, config: dict[str, Any]) -> ToolLimits:
-        """``tool_turns``, ``tool_calls``, ``tool_tokens``, ``tool_seconds`` of a run config."""
+    def of(cls, config: RunConfig) -> ToolLimits:
+        """The run's ``--tool-turns``, ``--tool-calls``, ``--tool-tokens``, ``--tool-seconds``."""
+        a = config.agents
         return cls(
-            turns=int(config.get("tool_turns", cls.turns)),
-            tool_calls=int(config.get("tool_calls", cls.tool_calls)),
-            tokens=int(config.get("tool_tokens", cls.tokens)),
-            seconds=float(config.get("tool_seconds", cls.seconds)),
-            tool_timeout_s=float(config.get("tool_timeout_s", cls.tool_timeout_s)),
+            turns=a.tool_turns,
+            tool_calls=a.tool_calls,
+            tokens=a.tool_tokens,
+            seconds=a.tool_seconds,
+            tool_timeout_s=a.tool_timeout_s,
         )
 
 

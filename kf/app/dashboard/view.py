@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from kf.agent import AgentContext
+from kf.config import RunConfig
 from kf.events import Record, UnknownEvent
 from kf.facts import (
     DeviceAnnounced,
@@ -114,7 +115,8 @@ class RunView:
         self.started_at: float | None = None
         self.last_time: float | None = None
         self.finished: str | None = None
-        self.config: dict[str, Any] = {}
+        self.config: dict[str, Any] = {}  # shown as the log holds it
+        self.run_config = RunConfig()
         self._audited: set[str] = set()  # tasks whose counted audit was seen (kf.app.report)
         self.kf_version = ""
         self.type_counts: dict[str, int] = {}
@@ -152,14 +154,15 @@ class RunView:
         meta = {"seq": rec.seq, "type": env.type, "time": t, "source": env.source}
         if isinstance(ev, RunStarted):
             self.config = dict(ev.config)
+            self.run_config = ev.run_config()
             self.kf_version = ev.kf_version
         elif isinstance(ev, RunFinished):
             self.finished = ev.reason
         elif isinstance(ev, TaskSkipped):
             self.skipped[ev.task] = ev.reason
         elif isinstance(ev, TaskAudited) and ev.task not in self._audited:
-            trusted = self.config.get("confirm_trusted")  # as kf.app.report: the first trusted
-            if not isinstance(trusted, list) or ev.device_id in trusted:
+            # as kf.app.report: the first audit of a trusted device
+            if self.run_config.trusted(ev.device_id):
                 self._audited.add(ev.task)
                 if ev.audit.degenerate:
                     self.degenerate[ev.task] = ev.audit.reason

@@ -6,7 +6,7 @@ They are part of the run's recorded config (``RunStarted.config``, keys
 ``compile_baseline``, ``compile_mode``, ``tf32``, ``device_inputs``), as the tolerance is:
 ``kf run`` makes them once from its flags and settings (:meth:`Conditions.from_settings`)
 and records them; every grader (the local worker's, a ``kf worker``'s, a resumed run's)
-folds them from the log (:meth:`Conditions.of`) and hands them down in its grading session
+reads them from the log's config (:meth:`Conditions.of`) and hands them down in its grading session
 (:class:`kf.evaluation.grader.session.GradingSession`), which sends them to its runners in
 the protocol's messages (``Setup.tf32``, ``Setup.device_inputs``, ``CompileBaseline.mode``).
 No runner reads them from its environment. The runners apply them
@@ -39,6 +39,7 @@ from typing import Any
 
 import msgspec
 
+from kf.config import RunConfig
 from kf.evaluation.wire.protocol import COMPILE_MODES, TF32_SETTINGS, BaselineSettingError
 from kf.settings import Settings
 
@@ -73,29 +74,36 @@ class Conditions(msgspec.Struct, frozen=True, kw_only=True):
         _known("tf32", self.tf32, TF32_SETTINGS)
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Conditions:
+    def from_settings(
+        cls, settings: Settings, *, compile_mode: str | None = None, tf32: str | None = None
+    ) -> Conditions:
         """The conditions ``settings`` ask for (``$KF_COMPILE_BASELINE``,
-        ``$KF_COMPILE_MODE``, ``$KF_TF32``, ``$KF_DEVICE_INPUTS``); a bad value's error
-        names its variable."""
-        _known("$KF_COMPILE_MODE", settings.compile_mode, COMPILE_MODES)
-        _known("$KF_TF32", settings.tf32, TF32_SETTINGS)
+        ``$KF_COMPILE_MODE``, ``$KF_TF32``, ``$KF_DEVICE_INPUTS``), ``compile_mode`` and
+        ``tf32`` (``kf run``'s flags) over theirs; a bad value's error names its variable
+        or flag."""
+        if compile_mode is None:
+            _known("$KF_COMPILE_MODE", settings.compile_mode, COMPILE_MODES)
+        if tf32 is None:
+            _known("$KF_TF32", settings.tf32, TF32_SETTINGS)
+        _known("--compile-mode", compile_mode or "default", COMPILE_MODES)
+        _known("--tf32", tf32 or "off", TF32_SETTINGS)
         return cls(
             compile_baseline=settings.compile_baseline,
-            compile_mode=settings.compile_mode,
-            tf32=settings.tf32,
+            compile_mode=compile_mode or settings.compile_mode,
+            tf32=tf32 or settings.tf32,
             device_inputs=settings.device_inputs,
         )
 
     @classmethod
-    def of(cls, config: dict[str, Any]) -> Conditions:
-        """From a run config (``RunStarted.config``); a key an older log lacks takes the
-        default."""
-        default = cls()
+    def of(cls, config: RunConfig) -> Conditions:
+        """From a run's config (:meth:`kf.facts.RunStarted.run_config`); what an older log
+        did not record takes the default."""
+        e, default = config.evaluation, cls()
         return cls(
-            compile_baseline=bool(config.get("compile_baseline", default.compile_baseline)),
-            compile_mode=str(config.get("compile_mode") or default.compile_mode),
-            tf32=str(config.get("tf32") or default.tf32),
-            device_inputs=bool(config.get("device_inputs", default.device_inputs)),
+            compile_baseline=e.compile_baseline,
+            compile_mode=e.compile_mode or default.compile_mode,
+            tf32=e.tf32 or default.tf32,
+            device_inputs=e.device_inputs,
         )
 
     def config(self) -> dict[str, Any]:

@@ -37,6 +37,8 @@ from typing import Any
 
 import msgspec
 
+from kf.config import RunConfig
+
 __all__ = [
     "FLOAT64_FLOOR",
     "FLOAT64_MULTIPLIER",
@@ -77,14 +79,10 @@ class Tolerance(msgspec.Struct, frozen=True, kw_only=True):
     preset: str = ""
 
     @classmethod
-    def of(cls, config: dict[str, Any]) -> Tolerance:
-        """From a run config; missing keys (every older log) give the default."""
-        atol, rtol = config.get("atol"), config.get("rtol")
-        return cls(
-            atol=float(atol) if atol is not None else None,
-            rtol=float(rtol) if rtol is not None else None,
-            preset=str(config.get("tolerance") or ""),
-        )
+    def of(cls, config: RunConfig) -> Tolerance:
+        """From a run's config; what an older log did not record gives the default."""
+        e = config.evaluation
+        return cls(atol=e.atol, rtol=e.rtol, preset=e.tolerance)
 
     def config(self) -> dict[str, Any]:
         """The run-config keys for this choice (none for the default)."""
