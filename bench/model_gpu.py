@@ -18,8 +18,18 @@
    region's share of the gain, and the fallbacks;
 5. prints the check (``kf report OUT/check.json``) and writes OUT/model_gpu.json.
 
+``--seeds DIR`` (e.g. bench/seeds/decoder_block): before the run, each task whose region
+class has a seed in DIR (``RMSNorm.py``, ``SiluMul.py``: bf16 CUDA kernels *written by
+kf's developers, not by a model*) gets it in ``OUT/tasks/seeds/`` (bench/model_seeds.py),
+and ``kf run`` runs without an LLM: kf's offline mutator proposes the seeds and tunes the
+parameters they declare; a task without a seed is skipped by kf, and the patched block
+keeps its own code there (cuBLAS for the projections, SDPA for the attention core). With
+``--llm-url`` as well, a model starts from the seeds. The bench prints which regions got
+a developer seed and which did not.
+
     python bench/model_gpu.py --out bench/results/model_gpu            # scripted kernels
     python bench/model_gpu.py --llm-url http://host:8000/v1 --model M  # a model's kernels
+    python bench/model_gpu.py --seeds bench/seeds/decoder_block --budget 8  # developer seeds
 """
 
 from __future__ import annotations
@@ -35,6 +45,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from model_seeds import SEED_NOTE, check_seed_dir, install_seeds, summary_lines
 
 from tests.llm_server import ScriptedServer
 from tests.test_extract import _echo_reference
@@ -60,6 +73,9 @@ def _run(args: argparse.Namespace, out: Path, env: dict[str, str]) -> int:
     run += ["--db", str(out / "run.db")]
     if args.llm_url:
         return _kf(*run, "--llm-url", args.llm_url, "--model", args.model, env=env).returncode
+    if args.seeds:  # kf's offline mutator: the developer seeds, tuned; no model at all
+        return _kf(*run, env=env).returncode
+    print("every task runs the scripted echo (its own reference as ModelNew; no kernel)")
     with ScriptedServer(responder=_echo_reference) as server:
         return _kf(*run, "--llm-url", server.url, "--model", "scripted", env=env).returncode
 
@@ -73,17 +89,43 @@ def main() -> int:
     p.add_argument("--llm-url", default="")
     p.add_argument("--model", default="")
     p.add_argument("--time-s", type=float, default=0.5)
+    p.add_argument(
+        "--seeds",
+        type=Path,
+        help=f"a folder of developer seeds per region class ({SEED_NOTE}), e.g. "
+        "bench/seeds/decoder_block; without --llm-url kf's offline mutator runs them",
+    )
+    p.add_argument("--size", choices=("tiny", "small", "full"), default="full",
+                   help="DECODER_BLOCK_SIZE (default full: bf16, hidden 4096)")  # fmt: skip
     args = p.parse_args()
+    try:
+        if args.seeds:
+            check_seed_dir(args.seeds)
+    except ValueError as exc:
+        print(f"model_gpu: {exc}", file=sys.stderr)
+        return 2
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "DECODER_BLOCK_SIZE": "full"}
+    env = {**os.environ, "DECODER_BLOCK_SIZE": args.size}
     if (out / "run.db").exists():
         (out / "run.db").unlink()
-    steps: dict[str, Any] = {"scripted": not args.llm_url, "budget": args.budget}
+    kernels = "llm" if args.llm_url else "developer seeds" if args.seeds else "scripted echo"
+    steps: dict[str, Any] = {
+        "scripted": not args.llm_url and not args.seeds, "kernels": kernels,
+        "budget": args.budget, "size": args.size,
+    }  # fmt: skip
     ex = _kf("extract", ENTRY, "-o", str(out / "tasks"), "--device", args.device,
              "--top", "6", "--min-share", "0", env=env)  # fmt: skip
     if ex.returncode != 0:
         return ex.returncode
+    if args.seeds:
+        try:
+            installed = install_seeds(out / "tasks", args.seeds.resolve())
+        except ValueError as exc:
+            print(f"model_gpu: {exc}", file=sys.stderr)
+            return 2
+        print("\n".join(summary_lines(installed, args.seeds, llm=bool(args.llm_url))))
+        steps["seeds"] = {t.task: t.seeds for t in installed}
     if _run(args, out, env) != 0:
         return 1
     _kf("report", str(out / "run.db"), env=env)
