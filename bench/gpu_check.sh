@@ -14,6 +14,8 @@
 #   bench/gpu_check.sh OUT phases      # bench/build_phases.py: one build at a time, alone
 #   bench/gpu_check.sh OUT extract     # bench/extract_gpu.py: the bf16 decoder block's tasks
 #   bench/gpu_check.sh OUT model       # bench/model_gpu.py: extract, run, patch, check the block
+#   bench/gpu_check.sh OUT seeds       # the same with the developer-written seeds of
+#                                      # bench/seeds/decoder_block (offline mutator, tuned)
 #   bench/gpu_check.sh OUT venv        # the carried wheels and kf into the image's own python,
 #                                      # so tests' subprocesses (which set their own PYTHONPATH)
 #                                      # import everything
@@ -139,6 +141,15 @@ for what in "$@"; do
         ${MODEL_ARGS:-}
       cp "$out/mg/check.json" "$out/mg/model_gpu.json" "$out/" 2>/dev/null
       rm -rf "$out/mg"
+      ;;
+    seeds)
+      # the same with the developer-written seeds of bench/seeds/decoder_block (not a
+      # model's): kf's offline mutator runs and tunes them; SEEDS_ARGS passes on
+      step seeds "${SEEDS_LIMIT:-580}" python3 bench/model_gpu.py --out "$out/ms" --device cuda:0 \
+        --seeds bench/seeds/decoder_block --budget "${SEEDS_BUDGET:-8}" ${SEEDS_ARGS:-}
+      cp "$out/ms/check.json" "$out/check_seeds.json" 2>/dev/null
+      cp "$out/ms/model_gpu.json" "$out/model_gpu_seeds.json" 2>/dev/null
+      rm -rf "$out/ms"
       ;;
     *) echo "unknown step $what" >&2 ;;
   esac
