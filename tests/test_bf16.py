@@ -22,7 +22,7 @@ KF_EXTRACT = (
     "kf.app.cli",
     "extract",
     "examples/models/decoder_block.py:build",
-)  # noqa: E501
+)
 ROWSUM = Task.from_source(
     "bf16_rowsum",
     """import torch
