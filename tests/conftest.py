@@ -12,6 +12,10 @@ import pytest
 from kf.bus import EmbeddedServer
 from kf.logs import configure
 
+# a task package's own user tests (tests/fixtures/packages/*/tests/) are candidates' gates,
+# run by kf inside a box with the arguments kf gives them, not tests of kf
+collect_ignore_glob = ["fixtures/*"]
+
 if TYPE_CHECKING:
     from kf.evaluation import RunnerPool
 
