@@ -143,7 +143,13 @@ def test_check_model_refuses_a_model_changed_since_export(patched: Path, tmp_pat
     line = _one_line(
         run_kf("check-model", f"{changed}:build", "--patch", str(patched / "kf_patch.py"), *FAST)
     )
-    assert "attn.q_proj: weight has shape [96, 96], the manifest's [64, 64]" in line
+    # which region comes first follows the manifest's ranking by share of time, which is
+    # noisy on a CPU: any region whose weight widened, named with both shapes
+    assert re.search(
+        r"kf_patch: [\w.]+: weight has shape \[96(, 96)?\], the manifest's \[64(, 64)?\]; "
+        r"export the patch again",
+        line,
+    ), line
 
 
 def test_check_model_refuses_a_device_without_the_patch_backends(
