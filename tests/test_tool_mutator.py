@@ -453,7 +453,17 @@ def test_mixed_population_run_compares_its_mutators_and_replays_without_the_serv
     assert turns and all(c.purpose in ("init", "mutate") for c in turns)
     compared = report["mutators"]
     assert set(compared) == {"single", "tools", "cli"}
-    assert all(r["correct"] >= 1 for r in compared.values())
+    # a kind whose kernel was the same code as another's correct one (comments and spacing
+    # aside) is recorded as its duplicate and not run again: that counts as correct here
+    kind_of = {"llm:": "single", "llm+tools:": "tools", "agent-cmd:": "cli"}
+    kind_by_candidate = {p.candidate_id: kind_of.get(p.mutator.split(" ", 1)[0]) for p in proposed}
+    correct_ids = {v.candidate_id for v in logged(db, "kernel.candidate_verified")}
+    dup_kinds = {
+        kind_by_candidate.get(d.candidate_id)
+        for d in logged(db, "search.candidate_duplicate")
+        if d.duplicate_of in correct_ids
+    }
+    assert all(r["correct"] >= 1 or k in dup_kinds for k, r in compared.items()), compared
     assert compared["tools"]["tokens"] > 0 and compared["cli"]["tool_calls"] >= 2
     check = run_kf("replay", str(db), "--check")
     assert check.returncode == 0, check.stdout + check.stderr
