@@ -1,4 +1,5 @@
-"""The ``kf`` command: run, eval, agent, worker, replay, report, serve, export."""
+"""The ``kf`` command: run, eval, agent, worker, replay, report, serve, export, extract,
+check-model, lessons."""
 
 from __future__ import annotations
 
