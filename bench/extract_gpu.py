@@ -29,30 +29,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.llm_server import ScriptedServer, user_text
+from tests.llm_server import ScriptedServer, echo_reference
 
 ENTRY = "examples/models/decoder_block.py:build"
-
-
-def _echo_reference(body: dict[str, Any]) -> dict[str, Any]:
-    """A scripted answer: the prompt's reference with ``ModelNew`` its ``Model``."""
-    text = user_text(body)
-    if "Rewrite ONE region" in text:
-        return {"content": "```\nKeep the reference's ops.\n```"}
-    m = re.search(r"the PyTorch reference\n```python\n(.*?)\n```", text, re.S)
-    if m is None:
-        return {"content": "no reference in the prompt"}
-    return {"content": f"```python\n{m.group(1)}\n\nclass ModelNew(Model):\n    pass\n```"}
 
 
 def _kf(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -123,7 +110,7 @@ def main() -> int:
     print(f"block eager per example input, CUDA events, median of 20: {events} ms")
     db = args.out / "run.db"
     db.unlink(missing_ok=True)
-    with ScriptedServer(responder=_echo_reference) as server:
+    with ScriptedServer(responder=echo_reference) as server:
         run = _kf(
             "run", str(tasks), "--device", args.device, "--llm-url", server.url, "--model",
             "scripted", "--budget", str(args.budget), "--db", str(db), "--json", env=env,

@@ -49,8 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from model_seeds import SEED_NOTE, check_seed_dir, install_seeds, summary_lines
 
-from tests.llm_server import ScriptedServer
-from tests.test_extract import _echo_reference
+from tests.llm_server import ScriptedServer, echo_reference
 
 ENTRY = "examples/models/decoder_block.py:build"
 
@@ -76,7 +75,7 @@ def _run(args: argparse.Namespace, out: Path, env: dict[str, str]) -> int:
     if args.seeds:  # kf's offline mutator: the developer seeds, tuned; no model at all
         return _kf(*run, env=env).returncode
     print("every task runs the scripted echo (its own reference as ModelNew; no kernel)")
-    with ScriptedServer(responder=_echo_reference) as server:
+    with ScriptedServer(responder=echo_reference) as server:
         return _kf(*run, "--llm-url", server.url, "--model", "scripted", env=env).returncode
 
 

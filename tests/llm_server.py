@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -187,6 +188,17 @@ def user_text(body: dict[str, Any]) -> str:
     """The last user message of a request."""
     msgs = [m for m in body.get("messages", []) if m.get("role") == "user"]
     return str(msgs[-1]["content"]) if msgs else ""
+
+
+def echo_reference(body: dict[str, Any]) -> dict[str, Any]:
+    """A scripted answer (not a model): the prompt's reference, with ModelNew its Model."""
+    text = user_text(body)
+    if "Rewrite ONE region" in text:
+        return {"content": "```\nKeep the reference's ops.\n```"}
+    m = re.search(r"the PyTorch reference\n```python\n(.*?)\n```", text, re.S)
+    if m is None:
+        return {"content": "no reference in the prompt"}
+    return {"content": f"```python\n{m.group(1)}\n\nclass ModelNew(Model):\n    pass\n```"}
 
 
 def tool_results(body: dict[str, Any]) -> list[str]:

@@ -11,13 +11,12 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kf.app.manifest import read_manifest
 from tests.harness import replay_check, run_kf, scripted_llm_run
-from tests.llm_server import user_text
+from tests.llm_server import echo_reference
 
 BLOCK = "examples/models/decoder_block.py:build"
 
@@ -95,17 +94,6 @@ def test_extract_manifest_groups_identical_regions_and_states_coverage(extracted
     assert m.skipped == []
 
 
-def _echo_reference(body: dict[str, Any]) -> dict[str, Any]:
-    """A scripted answer (not a model): the prompt's reference, with ModelNew its Model."""
-    text = user_text(body)
-    if "Rewrite ONE region" in text:
-        return {"content": "```\nKeep the reference's ops.\n```"}
-    m = re.search(r"the PyTorch reference\n```python\n(.*?)\n```", text, re.S)
-    if m is None:
-        return {"content": "no reference in the prompt"}
-    return {"content": f"```python\n{m.group(1)}\n\nclass ModelNew(Model):\n    pass\n```"}
-
-
 def test_extract_tasks_run_to_final_verdicts_and_replay(
     extracted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -114,7 +102,7 @@ def test_extract_tasks_run_to_final_verdicts_and_replay(
     monkeypatch.setenv("KF_COMPILE_BASELINE", "0")  # the eager baseline is what is needed
     db = tmp_path / "run.db"
     report, _ = scripted_llm_run(
-        _echo_reference, extracted, db, "--budget", "2", "--tasks", "AttentionCore,Linear_attn"
+        echo_reference, extracted, db, "--budget", "2", "--tasks", "AttentionCore,Linear_attn"
     )
     assert report["finished"] and len(report["tasks"]) == 2
     for t in report["tasks"]:

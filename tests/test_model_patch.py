@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.harness import run_kf, scripted_llm_run
-from tests.test_extract import BLOCK, _echo_reference
+from tests.llm_server import echo_reference
+from tests.test_extract import BLOCK
 
 FAST = ("--no-compile", "--time-s", "0.01")
 
@@ -31,7 +32,7 @@ def patched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     mp.setenv("KF_COMPILE_BASELINE", "0")
     try:
         report, _ = scripted_llm_run(
-            _echo_reference, tasks, root / "run.db", "--budget", "1",
+            echo_reference, tasks, root / "run.db", "--budget", "1",
             "--tasks", "AttentionCore,Linear_attn",
         )  # fmt: skip
     finally:
