@@ -649,6 +649,13 @@ def _run_parser(sub: Any) -> None:
         help="robust-kbench folders: set every integer of their configs above N to N (their "
         "shapes made small enough for a small machine); recorded in the run",
     )
+    rn.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="a TOML file of these options, keys named as the flags (budget = 8, "
+        "max-in-flight = 4; examples/run.toml); flags given here win over it",
+    )
     rn.add_argument("--budget", type=int, default=20, help="candidates per task (seeds included)")
     rn.add_argument(
         "--tasks",
@@ -865,18 +872,34 @@ def _split_eval(argv: Sequence[str]) -> tuple[list[str], list[str]] | None:
     return None
 
 
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """``kf``'s command line, with ``kf run --config FILE``'s values under its flags
+    (:mod:`kf.app.run_file`; a file it cannot take raises its ``ConfigFileError``, a
+    ``ValueError`` of one line)."""
+    split = _split_eval(argv)
+    if split is not None:
+        args = build_parser().parse_args([*split[0], "eval"])
+        args.rest = split[1]
+        return args
+    args = build_parser().parse_args(argv)
+    if getattr(args, "config", None) is not None:
+        from kf.app.run_file import apply_file
+
+        args = apply_file(build_parser, args.verb, argv, args)
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kf`` console script."""
     # the process's own command (not a call from Python, e.g. a test's): a stop kills
     # its children and ends it at once (kf.shutdown)
     own_process = argv is None
     argv = sys.argv[1:] if argv is None else argv
-    split = _split_eval(argv)
-    if split is not None:
-        args = build_parser().parse_args([*split[0], "eval"])
-        args.rest = split[1]
-    else:
-        args = build_parser().parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ValueError as exc:  # a --config file kf run cannot take: nothing started
+        print(f"kf run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     level = args.log_level
     if (
         level is None
