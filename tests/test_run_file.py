@@ -4,6 +4,7 @@ flags and over the defaults, refused in one line when it is not what kf run take
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,32 @@ def test_run_file_bad_file_is_refused_in_one_line_and_nothing_starts(
     assert len(err.splitlines()) == 1, err
     assert err.startswith(f"kf run: {path}: ") and said in err, err
     assert not db.exists()
+
+
+def test_run_file_config_is_shown_by_report_and_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What the file gave and the run recorded is shown by kf report (JSON and text) and
+    kf replay (text and JSON), read back from the log."""
+    from kf.kernels.tasks import load_task
+    from kf.log import EventLog
+
+    request = _request(tmp_path, 'budget = 3\nislands = 1\ntf32 = "on"\natol = 0.01\n')
+    config = run_config(request, [], "cpu", [])
+    options = RunOptions(request=request, config=config)
+    started = _started("r-file", [load_task(Path(TASK))], options, "offline")
+    db = tmp_path / "r.db"
+    with EventLog(db) as elog:
+        elog.append([make_envelope(started, run_id="r-file", source="cli@t")])
+    assert main(["report", str(db), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["config"]
+    assert {k: shown[k] for k in ("budget", "islands", "tf32", "atol")} == {
+        "budget": 3, "islands": 1, "tf32": "on", "atol": 0.01,
+    }  # fmt: skip
+    assert main(["report", str(db)]) == 0
+    text = capsys.readouterr().out
+    assert "config: budget 3, islands 1," in text and "tf32 on" in text and "atol 0.01" in text
+    assert main(["replay", str(db)]) == 0
+    assert "config: budget 3, islands 1," in capsys.readouterr().out
+    assert main(["replay", str(db), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["tf32"] == "on"

@@ -198,6 +198,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     """Fold a log; with --check, recompute every decision and stop at the first difference."""
+    from kf.app.report import config_line, recorded_config
     from kf.log import EventLog, LogError
     from kf.replay import check, deciding_agent_types, fold
 
@@ -215,6 +216,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         with elog:
             result = fold(elog, types)
             checked = check(elog, types) if args.check else None
+            config = recorded_config(elog.read(1, 1))
     except LogError as exc:
         print(f"kf replay: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -225,6 +227,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             "events": result.events,
             "head": result.head,
             "hash": result.hash,
+            "config": config,
             "state": _jsonable(result.snapshots),
             "task_checks": _jsonable(result.task_checks),
         }
@@ -246,6 +249,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         run = result.run_id or "?"
         print(f"log {args.db}: run {run}, {result.events} events (head {result.head})")
+        if config:
+            print(config_line(config))
         for kind, snap in result.snapshots.items():
             print(f"[{kind}]")
             print(_summary(snap))

@@ -117,7 +117,9 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
         "events": events,
         "finished": bool(finished),
         "finish_reason": finished[0].reason if finished else None,  # type: ignore[attr-defined]
+        # the config the run recorded in run.started (a flag's or a --config file's)
         "config": {
+            **recorded_config(envelopes),
             "budget": state.config.budget,
             "islands": state.config.islands,
             "max_in_flight": state.config.max_in_flight,
@@ -147,6 +149,34 @@ def build_report_from(envelopes: list[Envelope]) -> dict[str, Any]:
         "kernelbench": kernelbench_section(tasks, envelopes),
         "lessons": lessons_section(envelopes),
     }
+
+
+def recorded_config(envelopes: Iterable[Envelope]) -> dict[str, Any]:
+    """The config the run recorded in its ``run.started``, decoded once
+    (:meth:`kf.facts.RunStarted.run_config`) and written back as the log's map ({} for a
+    log without one)."""
+    from kf.facts import RunStarted
+
+    for e in envelopes:
+        if e.type == RunStarted.tag:
+            started = decode_event(e)
+            return started.run_config().wire() if isinstance(started, RunStarted) else {}
+    return {}
+
+
+def config_line(config: dict[str, Any]) -> str:
+    """The recorded config in one line: ``config: budget 3, islands 1, ...`` (the tasks
+    left out are said elsewhere)."""
+    shown = {k: v for k, v in config.items() if k != "skipped_tasks"}
+    return "config: " + ", ".join(f"{k} {_said(v)}" for k, v in shown.items())
+
+
+def _said(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return "[" + ", ".join(_said(v) for v in value) + "]"
+    return str(value)
 
 
 def lessons_section(envelopes: list[Envelope]) -> dict[str, Any]:
@@ -541,6 +571,7 @@ def format_table(report: dict[str, Any]) -> str:
 
         lines += format_levels(kb)
     a = report["archive"]
+    lines.append(config_line(report["config"]))
     lines.append(
         f"archive: {a['filled_cells']} of {a['total_cells']} cells filled; "
         f"mutator: {report['mutator']}"
