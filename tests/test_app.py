@@ -17,6 +17,7 @@ from kf.fold import fold
 from kf.kernels.tasks import load_task
 from kf.log import EventLog
 from kf.search_facts import TaskChecked, TaskChecks
+from kf.settings import current
 
 ROOT = Path(__file__).resolve().parent.parent
 SEARCH = ROOT / "tests/fixtures/search"
@@ -96,7 +97,12 @@ def test_app_resume_reuses_the_checks_its_log_recorded(tmp_path: Path) -> None:
         run_id="r-app",
         seed=0,
         # the settings kf run records, as this request asks for them
-        config={"budget": 20, "device": "cpu", "llm": False, **asked_conditions(request).config()},
+        config={
+            "budget": 20,
+            "device": "cpu",
+            "llm": False,
+            **asked_conditions(request, current()).config(),
+        },
         tasks=(TaskSpec(name=task.name, source=task.source, sha256=task.sha256),),
     )
     passed = TaskChecked(task=task.name, sha256=task.sha256, device="cpu", ok=True)

@@ -17,6 +17,7 @@ from kf.evaluation.wire.tolerance import Tolerance
 from kf.facts import RunStarted
 from kf.llm.cli import add_llm_options, llm_config
 from kf.log import EventLog
+from kf.settings import current
 
 ROOT = Path(__file__).resolve().parent.parent
 #: a log of 2 December, before compile_baseline, device_inputs and confirm_trusted
@@ -84,7 +85,8 @@ def test_run_config_records_what_kf_run_recorded(monkeypatch: pytest.MonkeyPatch
         select="a,b",
         local_worker=False,
     )
-    config = run_config(request, ["cpu"], "cpu", [("bad.py", "no Model")])
+    asked = asked_conditions(request, current())
+    config = run_config(request, ["cpu"], "cpu", [("bad.py", "no Model")], conditions=asked)
     started = _started("r", [], RunOptions(request=request, config=config), "llm")
     assert started.config == {
         "budget": 3,
@@ -116,5 +118,6 @@ def test_asked_conditions_are_the_flags_over_the_settings(
     (no KF_* variable made up for them); a bad setting the flag replaces is not read."""
     monkeypatch.setenv("KF_TF32", "maybe")
     monkeypatch.setenv("KF_COMPILE_BASELINE", "off")
-    asked = asked_conditions(RunRequest(tasks=Path("t"), tf32="on", compile_mode="max-autotune"))
+    request = RunRequest(tasks=Path("t"), tf32="on", compile_mode="max-autotune")
+    asked = asked_conditions(request, current())
     assert asked == Conditions(compile_baseline=False, compile_mode="max-autotune", tf32="on")

@@ -15,11 +15,12 @@ from kf.agent import AgentContext
 from kf.app.cli import _run_request, main, parse_args
 from kf.app.orchestra import RunOptions, _started
 from kf.app.request import RunRequest
-from kf.app.run import run_config
+from kf.app.run import asked_conditions, run_config
 from kf.evaluation.grader.baseline_settings import Conditions
 from kf.evaluation.wire.tolerance import Tolerance
 from kf.events import Record, decode_envelope, decode_event, encode_envelope, make_envelope
 from kf.facts import RunStarted
+from kf.settings import current
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "run.toml"
@@ -37,7 +38,8 @@ def _request(tmp_path: Path, text: str, *argv: str) -> RunRequest:
 
 def _recorded(request: RunRequest) -> Record:
     """The run.started ``kf run`` records for ``request``, as the log gives it back."""
-    config = run_config(request, [], request.device, [])
+    asked = asked_conditions(request, current())
+    config = run_config(request, [], request.device, [], conditions=asked)
     started = _started("r", [], RunOptions(request=request, config=config), "offline")
     env = make_envelope(started, run_id="r", source="t@x", event_id="e1", seq=1)
     env = decode_envelope(encode_envelope(env))
@@ -140,7 +142,7 @@ def test_run_file_config_is_shown_by_report_and_replay(
     from kf.log import EventLog
 
     request = _request(tmp_path, 'budget = 3\nislands = 1\ntf32 = "on"\natol = 0.01\n')
-    config = run_config(request, [], "cpu", [])
+    config = run_config(request, [], "cpu", [], conditions=asked_conditions(request, current()))
     options = RunOptions(request=request, config=config)
     started = _started("r-file", [load_task(Path(TASK))], options, "offline")
     db = tmp_path / "r.db"

@@ -34,6 +34,7 @@ from kf.kernels.tasks import Task, TaskError
 
 if TYPE_CHECKING:
     from kf.app.orchestra import RunOptions
+    from kf.settings import Settings
 
 __all__ = ["RunPlan", "RunResult", "prepare_run", "run", "search"]
 
@@ -80,8 +81,10 @@ def prepare_run(request: RunRequest) -> RunPlan:
     (bad input or settings, one line); ``KeyboardInterrupt`` while the tasks are checked
     reaches the caller, with no run started."""
     from kf.devices.slots import DeviceError, parse_devices, primary_device
+    from kf.settings import current
 
     refuse_early(request)
+    settings = current()  # the process's settings, read once for the run
     try:
         # a joined run's workers have the devices; here only the kind matters
         devices = [] if request.join else parse_devices(request.device)
@@ -94,7 +97,8 @@ def prepare_run(request: RunRequest) -> RunPlan:
         logged = open_log(request)
         # the run's measuring conditions: a logged run's as it recorded them
         logged_config = logged.started.run_config() if logged.started else None
-        conditions = Conditions.of(logged_config) if logged_config else asked_conditions(request)
+        asked = asked_conditions(request, settings)
+        conditions = Conditions.of(logged_config) if logged_config else asked
         if not request.join:  # a joined deployment's workers check on their own devices
             if request.local_worker:
                 from kf.app.orchestra import prepare_worker
@@ -113,12 +117,13 @@ def prepare_run(request: RunRequest) -> RunPlan:
             records = []
         if not tasks:
             raise TaskError(f"{request.tasks}: no usable task ({len(skipped)} skipped)")
-        config = run_config(request, devices, device, skipped)
+        config = run_config(request, devices, device, skipped, conditions=asked)
         run_id, differs = run_id_for(logged, request, tasks, config)
         lessons = _lessons_loaded(request, logged)
     except (TaskError, ValueError) as exc:  # DeviceError and LogError are ValueErrors
         raise RunRefused(str(exc), skipped) from exc
     options = _options(request, devices, device, run_id, logged, config)
+    options.measure_device = settings.device_measure  # this machine's knob, not the run's
     options.records = list(records)
     if lessons is not None:
         options.records.append((lessons, time.time()))
@@ -209,7 +214,6 @@ def _options(
     """The process's settings of the run (:class:`kf.app.orchestra.RunOptions`), with its
     config."""
     from kf.app.orchestra import RunOptions
-    from kf.settings import current
 
     return RunOptions(
         request=request,
@@ -218,25 +222,29 @@ def _options(
         db=request.db or Path("runs") / f"{run_id}.db",
         run_id=run_id,
         max_in_flight=config.search.max_in_flight,
-        measure_device=current().device_measure,
         resuming=logged.exists,
         config=config,
     )
 
 
 def run_config(
-    request: RunRequest, devices: list[str], device: str, skipped: list[tuple[str, str]]
+    request: RunRequest,
+    devices: list[str],
+    device: str,
+    skipped: list[tuple[str, str]],
+    *,
+    conditions: Conditions,
 ) -> RunConfig:
     """The run's config (:class:`kf.config.RunConfig`), made once from what was asked and
-    what was resolved from it: the devices, the tasks left out, the measuring conditions
-    (:func:`asked_conditions`), the devices trusted. ``kf run`` records it; the search
-    version and the offline mutator's name are stamped by :mod:`kf.app.orchestra`."""
+    what was resolved from it: the devices, the tasks left out, the measuring
+    ``conditions`` (:func:`asked_conditions`), the devices trusted. ``kf run`` records it;
+    the search version and the offline mutator's name are stamped by
+    :mod:`kf.app.orchestra`."""
     from kf.devices.slots import default_in_flight
 
     local = devices if request.local_worker else []
     # the LLM's and the tolerance's options come as their converters give them
     given = RunConfig.decode({**request.llm, **request.tolerance})
-    conditions = asked_conditions(request)
     trusted = _trusted_devices(request, devices or [device])
     return RunConfig(
         search=Search(
@@ -270,13 +278,12 @@ def run_config(
     )
 
 
-def asked_conditions(request: RunRequest) -> Conditions:
+def asked_conditions(request: RunRequest, settings: Settings) -> Conditions:
     """The measuring conditions ``request`` asks for: its ``--compile-mode`` and ``--tf32``
-    over the process's settings (:class:`~kf.evaluation.grader.baseline_settings.Conditions`;
-    a bad value raises its ``BaselineSettingError``, a ``ValueError``)."""
-    from kf.settings import current
-
-    return Conditions.from_settings(current(), compile_mode=request.compile_mode, tf32=request.tf32)
+    (a flag's or a ``--config`` file's) over the process's ``settings``
+    (:class:`~kf.evaluation.grader.baseline_settings.Conditions`; a bad value raises its
+    ``BaselineSettingError``, a ``ValueError``)."""
+    return Conditions.from_settings(settings, compile_mode=request.compile_mode, tf32=request.tf32)
 
 
 def _trusted_devices(request: RunRequest, devices: list[str]) -> list[str] | None:
