@@ -41,7 +41,7 @@ from kf.kernels.backends import backend_of, device_kind, language_of, languages_
 from kf.kernels.behaviour import describe
 from kf.kernels.normal_form import digest as normal_digest
 from kf.kernels.params import family as param_family
-from kf.llm_facts import ConfigTuned, LlmBudgetExhausted
+from kf.llm_facts import ConfigTuned, LlmBudgetExhausted, PromptChosen
 from kf.reports import ProfileReport, is_suspect
 from kf.search_facts import (
     CandidateAssigned,
@@ -56,6 +56,7 @@ from kf.search_facts import (
     ConfirmationRequested,
     EliteAdmitted,
     GeneralisationFailed,
+    LessonsLoaded,
     MutationFailed,
     ParentSelected,
     TaskSkipped,
@@ -94,6 +95,9 @@ class SearchConfig(msgspec.Struct, frozen=True, kw_only=True):
     # configuration, shape set and device) is a duplicate: recorded, never run again
     # 6: a child that beats its parent beyond the noise, or fails where it passed, is a
     # lesson (agents/lessons.py)
+    # 7: a selection whose prompt quotes lessons has a control arm (the same, without
+    # them), waited for like a selection; the two are compared and lessons verified or
+    # retired by the comparisons (agents/lessons.py)
     # Issue 34: a result from a device not in this list that would enter the archive (an
     # elite, or a speed-up above confirm_above) is measured again on another device first
     # (ConfirmationRequested / CandidateConfirmed). None (logs without the key, or
@@ -202,6 +206,7 @@ class TaskArchive(msgspec.Struct, kw_only=True):
     failed: int = 0
     duplicates: int = 0  # proposed candidates found the same as an earlier one, never run
     pending: list[int] = []  # selections not yet answered by a proposal or failure
+    controls: list[int] = []  # search version 7: control arms not yet answered (issue 48)
     elites: dict[str, str] = {}  # cell_key → candidate id
     skipped: str | None = None
     exhausted: bool = False
@@ -230,6 +235,8 @@ class ArchiveState(msgspec.Struct, kw_only=True):
     # search version 5: a candidate's normal-form key (:func:`dedup_key`) → the candidate
     # judged (or being judged) under it
     normal: dict[str, str] = {}
+    # search version 7: controlled comparisons of lessons and their counts (issue 48)
+    trust: lessons.Trust = msgspec.field(default_factory=lessons.Trust)
 
     def best(self, task: str) -> Cand | None:
         """The fastest profiled candidate of ``task`` (:func:`best_candidate`): the archive
@@ -276,6 +283,8 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
         LlmBudgetExhausted,
         TuningRequested,
         ConfigTuned,
+        PromptChosen,
+        LessonsLoaded,
     )
 
     def initial_state(self) -> ArchiveState:
@@ -296,6 +305,8 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
             and not _unjudged(about)
         ):
             lessons.learned(state, about, plan)
+        if state.config.search_version >= 7 and state.trust.trials:
+            lessons.settle(state, plan, _unjudged)
         if state.started and not state.finished:
             self._dispatch(state, plan)
             self._top_up(state, plan)
@@ -310,8 +321,12 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
             archive_tuning.proposed(state, ev.task, "", -1)
         elif isinstance(ev, MutationFailed):
             t = state.tasks.get(ev.task)
-            if t is not None and ev.selection in t.pending:
-                t.pending.remove(ev.selection)
+            if t is not None:
+                _answered(t, ev.selection, ev.arm)
+            if state.config.search_version >= 7:
+                lessons.failed(state.trust, ev, state.llm_stopped is not None)
+        elif isinstance(ev, (PromptChosen, LessonsLoaded)):
+            self._lessons(state, ev)
         elif isinstance(ev, CandidateAssigned):
             # the effect was applied when it was planned; remember the id for failures
             state.event_candidate[rec.event_id] = ev.candidate_id
@@ -365,6 +380,19 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
                 self._fail(state, c, f"agent_error:{ev.kind}", ev.error)
         elif isinstance(ev, LlmBudgetExhausted) and state.llm_stopped is None:
             state.llm_stopped = ev.reason
+
+    def _lessons(self, state: ArchiveState, ev: PromptChosen | LessonsLoaded) -> None:
+        """Search version 7 (issue 48): a library's counts; a prompt quoting lessons opens
+        a controlled comparison, and its control arm is waited for like a selection."""
+        if state.config.search_version < 7:
+            return
+        if isinstance(ev, LessonsLoaded):
+            lessons.loaded(state.trust, ev)
+            return
+        t = state.tasks.get(ev.task)
+        if ev.arm == "control" and t is not None:
+            t.controls.append(ev.selection)
+        lessons.chosen(state.trust, ev)
 
     def _start(self, state: ArchiveState, ev: RunStarted, plan: list[Event]) -> None:
         if state.started:
@@ -528,8 +556,10 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
             archive_tuning.proposed(state, ev.task, ev.tuned_on, ev.shape_index, ev.parent_id or "")
         state.event_candidate[event_id] = ev.candidate_id
         t.proposed += 1
-        if ev.selection is not None and ev.selection in t.pending:
-            t.pending.remove(ev.selection)
+        if ev.selection is not None:
+            _answered(t, ev.selection, ev.arm)
+        if state.config.search_version >= 7:
+            lessons.proposed(state.trust, ev)
         if state.config.search_version >= 5 and self._duplicate(state, ev, plan):
             return
         state.queue.append(ev.candidate_id)
@@ -732,7 +762,7 @@ class ArchiveAgent(PlanningAgent[ArchiveState]):
         n = 0
         for t in state.tasks.values():
             if task is None or t.name == task:
-                n += len(t.pending)
+                n += len(t.pending) + len(t.controls)
         for c in state.candidates.values():
             if c.in_flight and (task is None or c.task == task):
                 n += 1
@@ -937,6 +967,13 @@ def dedup_key(ev: CandidateProposed) -> tuple[str, str]:
     digest = normal_digest(ev.source)
     config = json.dumps(ev.config, sort_keys=True, default=str)
     return f"{ev.task}|{ev.device}|{ev.shape_index}|{ev.tuned_on}|{config}|{digest}", digest
+
+
+def _answered(t: TaskArchive, selection: int, arm: str) -> None:
+    """A selection (or, for ``arm == "control"``, its control arm) was answered."""
+    waiting = t.controls if arm == "control" else t.pending
+    if selection in waiting:
+        waiting.remove(selection)
 
 
 def _unjudged(c: Cand) -> bool:

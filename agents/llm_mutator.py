@@ -469,7 +469,9 @@ class LlmMutator(Agent[LlmMutatorState]):
 
     async def _mutate(self, state: LlmMutatorState, ev: PromptChosen, event_id: str) -> list[Event]:
         def failed_as(who: str, reason: str) -> MutationFailed:
-            return MutationFailed(task=ev.task, selection=ev.selection, reason=reason, mutator=who)
+            return MutationFailed(
+                task=ev.task, selection=ev.selection, reason=reason, mutator=who, arm=ev.arm
+            )
 
         def failed(reason: str) -> MutationFailed:
             return failed_as(self._label(state, ev), reason)
@@ -532,6 +534,8 @@ class LlmMutator(Agent[LlmMutatorState]):
                 parent_id=ev.parent_id,
                 second_parent_id=ev.second_parent_id if crossed else None,
                 device=state.device,
+                arm=ev.arm,
+                lessons=ev.lessons,
                 family=params.family(edit.source),
                 config=dict(parsed[1]) if parsed else {},
                 note=(
@@ -720,7 +724,9 @@ class LlmMutator(Agent[LlmMutatorState]):
             edit = parse_edit(out.response, parent, finish_reason=out.finish_reason)
         except ResponseError as exc:
             return called, None, f"unusable LLM response: {exc}"
-        if _digest(edit.source) in state.seen.get(ev.task, set()):
+        # an arm of a controlled comparison is proposed even so: the archive records it as
+        # a duplicate (never run), which its comparison scores as the candidate it repeats
+        if not ev.arm and _digest(edit.source) in state.seen.get(ev.task, set()):
             return called, None, "the LLM's candidate duplicates one already proposed"
         return called, edit, ""
 
@@ -788,6 +794,8 @@ class LlmMutator(Agent[LlmMutatorState]):
                 island=ev.island,
                 selection=ev.selection,
                 device=state.device,
+                arm=ev.arm,
+                lessons=ev.lessons,
                 family=params.family(edit.source),
                 config=dict(parsed[1]) if parsed else {},
                 note=(

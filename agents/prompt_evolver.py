@@ -49,7 +49,9 @@ from kf.search_facts import (
     CandidateRejected,
     CandidateUnroutable,
     Lesson,
+    LessonRetired,
     LessonsLoaded,
+    LessonVerified,
     MutationFailed,
     ParentSelected,
 )
@@ -124,6 +126,10 @@ class EvolverState(msgspec.Struct, kw_only=True):
     references: dict[str, str] = {}
     device: str = ""
     diagnosis: dict[str, str] = {}
+    # search version 7: prompts of a task that quoted lessons so far (the turn of the
+    # retrieval's schedule); each such selection is answered twice, with and without them
+    version: int = 1
+    turns: dict[str, int] = {}
 
     def summary(self) -> str:
         """One line per prompt: lineage, use and fitness."""
@@ -141,13 +147,34 @@ def _lessons(state: EvolverState, ev: ParentSelected) -> tuple[str, ...]:
     loaded by the task's features and the parent's diagnosis, within a token budget."""
     if not state.lessons:
         return ()
-    return retrieve(
+    controlled = state.version >= 7
+    chosen = retrieve(
         state.lessons,
         task=ev.task,
         features=task_features(state.references.get(ev.task, ""), ev.language),
         diagnosis=state.diagnosis.get(ev.parent_id, ""),
         device=state.device,
+        turn=state.turns.get(ev.task, 0) if controlled else None,
     )
+    if controlled and chosen:
+        state.turns[ev.task] = state.turns.get(ev.task, 0) + 1
+    return chosen
+
+
+def _judged(state: EvolverState, ev: LessonVerified | LessonRetired) -> None:
+    """A lesson the archive verified or retired: later prompts see it so."""
+    status = "verified" if isinstance(ev, LessonVerified) else "retired"
+    state.lessons = [
+        msgspec.structs.replace(x, status=status) if x.lesson_id == ev.lesson_id else x
+        for x in state.lessons
+    ]
+
+
+def _selection_key(ev: ParentSelected | CandidateProposed | MutationFailed) -> str:
+    """How a selection's prompt is found again: ``task:selection``, and ``:control`` for
+    the control arm of a controlled comparison (issue 48)."""
+    arm = getattr(ev, "arm", "")
+    return f"{ev.task}:{ev.selection}" + (":control" if arm == "control" else "")
 
 
 def _rng(*parts: object) -> random.Random:
@@ -187,6 +214,8 @@ class PromptEvolver(PlanningAgent[EvolverState]):
         PromptRewriteFailed,
         LlmBudgetExhausted,
         LessonsLoaded,
+        LessonVerified,
+        LessonRetired,
     )
 
     def initial_state(self) -> EvolverState:
@@ -202,6 +231,7 @@ class PromptEvolver(PlanningAgent[EvolverState]):
                 state.active = state.config.llm
                 state.references = {t.name: t.source for t in ev.tasks}
                 state.device = config.evaluation.device
+                state.version = config.search.search_version
                 if state.active:
                     regions = dict(sorted(SEED_REGIONS.items()))
                     state.prompts["p0"] = PromptStats(id="p0", regions=regions)
@@ -210,14 +240,20 @@ class PromptEvolver(PlanningAgent[EvolverState]):
             pass
         elif isinstance(ev, LessonsLoaded):
             state.lessons = list(ev.lessons)
+        elif isinstance(ev, (LessonVerified, LessonRetired)):
+            _judged(state, ev)
         elif isinstance(ev, ParentSelected):
-            plan.append(self._choose(state, ev))
+            chosen = self._choose(state, ev)
+            plan.append(chosen)
+            if chosen.arm == "lessons":  # the control arm: the same, without the lessons
+                plan.append(msgspec.structs.replace(chosen, lessons=(), arm="control"))
+                state.selection_prompt[f"{ev.task}:{ev.selection}:control"] = chosen.prompt_id
         elif isinstance(ev, CandidateProposed):
-            pid = state.selection_prompt.pop(f"{ev.task}:{ev.selection}", None)
+            pid = state.selection_prompt.pop(_selection_key(ev), None)
             if pid is not None and ev.selection is not None:
                 state.candidate_prompt[ev.candidate_id] = pid
         elif isinstance(ev, MutationFailed):
-            pid = state.selection_prompt.pop(f"{ev.task}:{ev.selection}", None)
+            pid = state.selection_prompt.pop(_selection_key(ev), None)
             if pid is not None:
                 self._finish(state, pid, 0.0, ev.task, plan)
         elif isinstance(ev, (CandidateUnroutable, CandidateDuplicate)):
@@ -276,8 +312,10 @@ class PromptEvolver(PlanningAgent[EvolverState]):
         state.selection_prompt[f"{ev.task}:{ev.selection}"] = chosen.id
         # the selection, every field of it, passed on with the prompt and model chosen for it
         selection = msgspec.structs.asdict(ev)
+        lessons = _lessons(state, ev)
+        arm = "lessons" if lessons and state.version >= 7 else ""
         return PromptChosen(
-            **selection, prompt_id=chosen.id, model=model, agent=agent, lessons=_lessons(state, ev)
+            **selection, prompt_id=chosen.id, model=model, agent=agent, lessons=lessons, arm=arm
         )
 
     def _finish(

@@ -130,6 +130,9 @@ class PromptChosen(Decision, frozen=True, kw_only=True):
     # lessons from the run's library (``lesson.loaded``) the prompt quotes, chosen from the
     # task's features and the parent's diagnosis within a token budget (issue 48)
     lessons: tuple[str, ...] = ()
+    # issue 48 (search version 7): a selection whose prompt quotes lessons is answered
+    # twice, "lessons" with them and "control" without (same parent, prompt and model)
+    arm: str = ""
 
 
 @event("prompt.rewrite_requested")

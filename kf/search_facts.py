@@ -27,7 +27,10 @@ __all__ = [
     "EliteAdmitted",
     "GeneralisationFailed",
     "Lesson",
+    "LessonCompared",
     "LessonLearned",
+    "LessonRetired",
+    "LessonVerified",
     "LessonsLoaded",
     "MutationFailed",
     "ParentSelected",
@@ -65,6 +68,10 @@ class CandidateProposed(Observation, frozen=True, kw_only=True):
     shape_index: int = 0
     shape: str = ""
     tuned_on: str = ""
+    # issue 48: which arm of a controlled comparison it answers ("lessons": its prompt
+    # quoted ``lessons``; "control": the same parent, prompt and model without them)
+    arm: str = ""
+    lessons: tuple[str, ...] = ()
 
 
 @event("kernel.mutation_failed")
@@ -75,6 +82,7 @@ class MutationFailed(Observation, frozen=True, kw_only=True):
     selection: int
     reason: str
     mutator: str = ""
+    arm: str = ""  # the arm of a controlled comparison it failed (issue 48; "": none)
 
 
 class StageReported(Observation, frozen=True, kw_only=True):
@@ -320,8 +328,9 @@ class Lesson(msgspec.Struct, frozen=True, kw_only=True):
     """What one step of a search taught: what changed between a parent and its child, the
     diagnosis before and after, where (task features, device), what it bought (gain over
     the parent and the timing noise) and the candidates it came from. ``status`` is
-    ``unverified`` until a controlled comparison shows a gain beyond the noise (not yet
-    built: docs/decisions.md, "Lessons"), or ``retired``."""
+    ``unverified`` until controlled comparisons show a gain beyond the noise, ``verified``
+    then, ``retired`` once it stops paying (agents/lessons.py states the rules). The counts
+    are those of every run that wrote the library back (``kf run --lessons``)."""
 
     lesson_id: str
     kind: str  # improvement | failure
@@ -341,7 +350,19 @@ class Lesson(msgspec.Struct, frozen=True, kw_only=True):
     child_id: str = ""
     run_id: str = ""
     status: str = "unverified"  # unverified | verified | retired
-    uses: int = 0
+    uses: int = 0  # prompts that quoted it
+    comparisons: int = 0  # controlled comparisons (with and without it) judged
+    wins: int = 0  # of those, the ones where the arm with it gained beyond the noise
+    dry: int = 0  # comparisons since its last win
+    timed: int = 0  # comparisons where both arms were timed correct
+    gain_sum: float = 0.0  # the sum of their gains (with / without): ``bought`` is the mean
+    counted_runs: tuple[str, ...] = ()  # the runs whose counts these are (the last 64)
+
+    @property
+    def bought(self) -> float | None:
+        """The mean gain of the arm with the lesson over the arm without, where both were
+        timed (None: never)."""
+        return self.gain_sum / self.timed if self.timed else None
 
 
 @event("lesson.learned")
@@ -361,3 +382,46 @@ class LessonsLoaded(Observation, frozen=True, kw_only=True):
     path: str
     lessons: tuple[Lesson, ...] = ()
     refused: tuple[str, ...] = ()
+
+
+@event("lesson.compared")
+class LessonCompared(Decision, frozen=True, kw_only=True):
+    """The archive judged one controlled comparison (issue 48): a selection's child written
+    with ``lessons`` quoted against its control, the same parent, prompt and model without
+    them. A score is the speed-up of a correct kernel (a duplicate scores as the candidate
+    it repeats), 0 for a failed one or a mutation that produced none; ``outcome`` is
+    ``gain`` when the arm with the lessons beat the control beyond the timing noise, ``loss``
+    the other way round, ``none`` otherwise."""
+
+    task: str
+    selection: int
+    lessons: tuple[str, ...]
+    candidate_id: str  # the arm with the lessons ("": its mutation failed)
+    control_id: str  # the control arm ("": its mutation failed)
+    score: float
+    control_score: float
+    gain: float | None = None  # score / control_score, where both are correct
+    noise: float | None = None  # the relative standard deviation of that ratio
+    outcome: str = "none"  # gain | none | loss
+
+
+@event("lesson.verified")
+class LessonVerified(Decision, frozen=True, kw_only=True):
+    """A lesson's controlled comparisons (its library's and this run's) showed it pays:
+    at least one gain beyond the noise, in more than half of them."""
+
+    lesson_id: str
+    comparisons: int
+    wins: int
+    bought: float | None = None
+
+
+@event("lesson.retired")
+class LessonRetired(Decision, frozen=True, kw_only=True):
+    """A lesson stopped paying: its last comparisons showed no gain (``reason`` says how
+    many); prompts no longer quote it."""
+
+    lesson_id: str
+    comparisons: int
+    wins: int
+    reason: str

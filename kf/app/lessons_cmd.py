@@ -4,7 +4,9 @@
 ``import`` takes a run's log (its ``lesson.learned`` decisions) or another library file
 (read as hostile data: :mod:`kf.llm.lessons`); a library kf cannot read is one line and
 changes nothing. ``kf run --lessons PATH`` records the library's lessons in the run
-(``lesson.loaded``), and the run's prompts quote those chosen for them.
+(``lesson.loaded``), and the run's prompts quote those chosen for them; at the run's end
+it writes back what the run decided about them (:func:`write_back`: uses, controlled
+comparisons, gains, verified or retired) and adds the lessons it learned.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import msgspec
 from kf.llm.lessons import LibraryError, clean, default_path, read_library, write_library
 from kf.search_facts import Lesson, LessonsLoaded
 
-__all__ = ["add_parser", "cmd_lessons", "loaded_event"]
+__all__ = ["add_parser", "cmd_lessons", "loaded_event", "write_back"]
+
+#: the events a run's write-back reads
+_WRITTEN_BACK = ("prompt.chosen", "lesson.compared", "lesson.verified", "lesson.retired")
 
 
 def add_parser(sub: Any) -> None:
@@ -40,6 +45,36 @@ def loaded_event(path: Path) -> LessonsLoaded:
     lessons, refused = read_library(path)
     live = tuple(x for x in lessons if x.status != "retired")
     return LessonsLoaded(path=str(path), lessons=live, refused=tuple(refused))
+
+
+def write_back(path: Path, envelopes: list[Any]) -> str:
+    """Fold a finished run's decisions about lessons into the library at ``path`` (as it
+    is now: another run may have written it meanwhile) and add the lessons the run
+    learned; one line says what changed, or why nothing did (a library kf cannot read is
+    left as it is)."""
+    from agents.lessons import counted
+    from kf.events import decode_event
+    from kf.search_facts import LessonLearned
+
+    try:
+        lessons, _ = read_library(path)
+    except (LibraryError, OSError) as exc:
+        return f"kf run: lessons not written back: {exc}"
+    events = [decode_event(e) for e in envelopes if e.type in _WRITTEN_BACK]
+    learned = [
+        clean(ev.lesson)
+        for ev in (decode_event(e) for e in envelopes if e.type == LessonLearned.tag)
+        if isinstance(ev, LessonLearned)
+    ]
+    known = {x.lesson_id for x in lessons}
+    run_id = envelopes[0].run_id if envelopes else ""
+    updated = [counted(x, run_id, events) for x in lessons]
+    changed = sum(1 for a, b in zip(lessons, updated, strict=True) if a != b)
+    added = [x for x in learned if x.lesson_id not in known]
+    if not changed and not added:
+        return f"kf run: lessons: nothing to write back to {path}"
+    write_library(path, [*updated, *added])
+    return f"kf run: lessons written back to {path}: {changed} updated, {len(added)} learned"
 
 
 def _from_log(db: Path) -> list[Lesson]:
@@ -97,7 +132,9 @@ def _act(args: argparse.Namespace, path: Path, lessons: list[Lesson]) -> str:
             return "\n".join(msgspec.json.encode(x).decode() for x in lessons)
         rows = [
             f"{x.lesson_id[:12]}  {x.status:<10} {x.kind:<11} {x.task:<20} "
-            f"{'' if x.gain is None else f'{x.gain:.2f}x'}"
+            f"{'' if x.gain is None else f'{x.gain:.2f}x':<6} used {x.uses}, "
+            f"{x.wins}/{x.comparisons} comparisons gained"
+            + ("" if x.bought is None else f", bought {x.bought:.2f}x")
             for x in lessons
         ]
         return "\n".join(rows) or f"no lessons in {path}"

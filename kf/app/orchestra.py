@@ -627,7 +627,7 @@ def _started(run_id: str, tasks: list[Task], o: RunOptions, mutator: str) -> Run
     sources)."""
     search = msgspec.structs.replace(
         o.config.search,
-        search_version=6,
+        search_version=7,
         mutator=o.config.search.mutator or mutator,
     )
     return RunStarted(

@@ -181,25 +181,58 @@ def _said(value: Any) -> str:
 
 def lessons_section(envelopes: list[Envelope]) -> dict[str, Any]:
     """The run's lessons (issue 48): how many it learned and loaded, how many prompts quoted
-    lessons and which, how often; none is verified yet (no control arm)."""
-    learned = loaded = prompts = 0
+    lessons and which, how often; the control arms and controlled comparisons it ran, the
+    lessons it verified or retired, and per lesson used what it bought (the mean gain of
+    the arm with it over its control, where both were timed)."""
+    learned = loaded = prompts = controls = 0
     used: dict[str, int] = {}
+    status: dict[str, str] = {}
+    compared: list[Any] = []
     for e in envelopes:
         if e.type == "lesson.learned":
             learned += 1
         elif e.type == "lesson.loaded":
-            loaded += len(getattr(decode_event(e), "lessons", ()))
+            got = getattr(decode_event(e), "lessons", ())
+            loaded += len(got)
+            status.update({x.lesson_id: x.status for x in got})
         elif e.type == "prompt.chosen":
-            ids = getattr(decode_event(e), "lessons", ())
+            ev = decode_event(e)
+            controls += getattr(ev, "arm", "") == "control"
+            ids = getattr(ev, "lessons", ())
             prompts += bool(ids)
             for i in ids:
                 used[i] = used.get(i, 0) + 1
+        elif e.type == "lesson.compared":
+            compared.append(decode_event(e))
+        elif e.type in ("lesson.verified", "lesson.retired"):
+            status[getattr(decode_event(e), "lesson_id", "")] = e.type.partition(".")[2]
+    per_lesson = {i: _lesson_bought(i, n, status, compared) for i, n in sorted(used.items())}
     return {
         "learned": learned,
         "loaded": loaded,
         "prompts_with_lessons": prompts,
         "used": dict(sorted(used.items())),
-        "verified": 0,
+        "controls": controls,
+        "compared": len(compared),
+        "gains": sum(1 for c in compared if c.outcome == "gain"),
+        "verified": sum(1 for e in envelopes if e.type == "lesson.verified"),
+        "retired": sum(1 for e in envelopes if e.type == "lesson.retired"),
+        "per_lesson": per_lesson,
+    }
+
+
+def _lesson_bought(
+    lesson_id: str, uses: int, status: dict[str, str], compared: list[Any]
+) -> dict[str, Any]:
+    """One lesson's part of the run: prompts, comparisons, gains, mean gain, status."""
+    mine = [c for c in compared if lesson_id in c.lessons]
+    gains = [c.gain for c in mine if c.gain is not None]
+    return {
+        "prompts": uses,
+        "compared": len(mine),
+        "gains": sum(1 for c in mine if c.outcome == "gain"),
+        "bought": round(sum(gains) / len(gains), 4) if gains else None,
+        "status": status.get(lesson_id, "unverified"),
     }
 
 
@@ -522,15 +555,25 @@ def _task_notes(report: dict[str, Any]) -> list[str]:
 
 
 def _lessons_lines(report: dict[str, Any]) -> list[str]:
-    """One line on the run's lessons, if it learned or loaded any."""
+    """A line on the run's lessons, if it learned or loaded any, and one per lesson it
+    quoted: what its controlled comparisons bought."""
     ls = report.get("lessons") or {}
     if not (ls.get("learned") or ls.get("loaded")):
         return []
-    return [
+    lines = [
         f"lessons: {ls['learned']} learned in this run; {ls['loaded']} loaded, "
-        f"{len(ls['used'])} quoted in {ls['prompts_with_lessons']} prompt(s); all "
-        "unverified (no control arm yet)"
+        f"{len(ls['used'])} quoted in {ls['prompts_with_lessons']} prompt(s); "
+        f"{ls.get('controls', 0)} control arm(s), {ls.get('compared', 0)} controlled "
+        f"comparison(s), {ls.get('gains', 0)} gained beyond the noise; "
+        f"{ls.get('verified', 0)} verified, {ls.get('retired', 0)} retired"
     ]
+    for lesson_id, x in (ls.get("per_lesson") or {}).items():
+        bought = "" if x["bought"] is None else f", bought {x['bought']:.2f}x over its control"
+        lines.append(
+            f"  lesson {lesson_id[:12]} {x['status']}: quoted in {x['prompts']} prompt(s), "
+            f"{x['gains']}/{x['compared']} comparisons gained{bought}"
+        )
+    return lines
 
 
 def format_table(report: dict[str, Any]) -> str:

@@ -310,6 +310,10 @@ async def search(plan: RunPlan, *, out: TextIO = sys.stdout) -> RunResult:
         print(line, file=out, flush=True)
     run_id, envelopes = await run_search(plan.tasks, plan.options, out=out)
     db = None if plan.request.join else plan.options.db
+    if plan.request.lessons is not None and not plan.request.join:
+        from kf.app.lessons_cmd import write_back
+
+        print(write_back(plan.request.lessons, envelopes), file=out, flush=True)
     return RunResult(run_id=run_id, db=db, envelopes=envelopes, report=build_report_from(envelopes))
 
 

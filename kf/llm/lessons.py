@@ -16,6 +16,7 @@ decides it and replay recomputes it without the library.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -35,6 +36,7 @@ __all__ = [
     "read_library",
     "retrieve",
     "task_features",
+    "verifies",
     "write_library",
 ]
 
@@ -75,9 +77,37 @@ def clean(lesson: Lesson) -> Lesson:
     for name in ("diagnosis_before", "diagnosis_after", "device", "parent_id", "child_id"):
         fields[name] = _text(getattr(lesson, name), _OTHER_CAP)
     fields["run_id"] = _text(lesson.run_id, _OTHER_CAP)
-    fields["status"] = lesson.status if lesson.status in ("verified", "retired") else "unverified"
     features = tuple(_text(f, 64) for f in lesson.features[:32])
-    return msgspec.structs.replace(lesson, **fields, features=features)
+    runs = tuple(_text(r, 64) for r in lesson.counted_runs[-64:])
+    return _counted(msgspec.structs.replace(lesson, **fields, features=features, counted_runs=runs))
+
+
+def _counted(lesson: Lesson) -> Lesson:
+    """``lesson`` with its counts made consistent (none negative, no more wins, dry or
+    timed comparisons than comparisons, a finite gain sum of at most 1000× a comparison)
+    and ``verified`` only where its own counts meet the rule (:func:`verifies`)."""
+    n = min(max(0, lesson.comparisons), 1_000_000)
+    timed = min(max(0, lesson.timed), n)
+    gain_sum = lesson.gain_sum if math.isfinite(lesson.gain_sum) else 0.0
+    counted = msgspec.structs.replace(
+        lesson,
+        uses=min(max(0, lesson.uses), 1_000_000),
+        comparisons=n,
+        wins=min(max(0, lesson.wins), n),
+        dry=min(max(0, lesson.dry), n),
+        timed=timed,
+        gain_sum=min(max(0.0, gain_sum), 1000.0 * timed),
+    )
+    status = lesson.status if lesson.status in ("verified", "retired") else "unverified"
+    if status == "verified" and not verifies(counted.comparisons, counted.wins):
+        status = "unverified"
+    return msgspec.structs.replace(counted, status=status)
+
+
+def verifies(comparisons: int, wins: int) -> bool:
+    """The rule that makes a lesson verified: at least one controlled comparison gained
+    beyond the noise, and more than half of them did."""
+    return wins >= 1 and 2 * wins > comparisons
 
 
 def read_library(path: Path) -> tuple[list[Lesson], list[str]]:
@@ -150,24 +180,49 @@ def retrieve(
     device: str,
     budget_tokens: int = 400,
     limit: int = 3,
+    turn: int | None = None,
 ) -> tuple[str, ...]:
     """The ids of the lessons a prompt gets: those that share the task, its features or
-    the parent's diagnosis, best first (ties by id), as many as fit ``budget_tokens``."""
+    the parent's diagnosis, best first (ties by id), as many as fit ``budget_tokens``.
+
+    With ``turn`` (search version 7: how many prompts of the task quoted lessons before),
+    one comparison tests one unverified lesson at a time: an unverified lesson is quoted
+    alone, in turn; where verified ones are eligible too, every other turn quotes them
+    instead."""
     feats = set(features)
     ranked = sorted(
         (-_score(x, task, feats, diagnosis, device), x.lesson_id, x)
         for x in lessons
         if x.status != "retired"
     )
+    eligible: list[Lesson] = []
+    used = 0
+    for neg, _, x in ranked:
+        cost = _cost(x)
+        if -neg < 3 or (turn is None and len(eligible) >= limit) or cost > budget_tokens:
+            continue
+        if turn is None and used + cost > budget_tokens:
+            continue
+        eligible.append(x)
+        used += cost
+    if turn is None:
+        return tuple(x.lesson_id for x in eligible)
+    trials = [x for x in eligible if x.status == "unverified"]
+    step = 2 if len(trials) < len(eligible) else 1
+    if trials and turn % step == 0:
+        return (trials[(turn // step) % len(trials)].lesson_id,)
     chosen: list[str] = []
     used = 0
-    for neg, lesson_id, x in ranked:
-        cost = len(x.text) // 3 + 20
-        if -neg < 3 or len(chosen) >= limit or used + cost > budget_tokens:
-            continue
-        chosen.append(lesson_id)
-        used += cost
+    for x in eligible:
+        if x.status == "verified" and len(chosen) < limit and used + _cost(x) <= budget_tokens:
+            chosen.append(x.lesson_id)
+            used += _cost(x)
     return tuple(chosen)
+
+
+def _cost(lesson: Lesson) -> int:
+    """A lesson's estimated tokens in a prompt."""
+    return len(lesson.text) // 3 + 20
 
 
 def quoted(lessons: Sequence[Lesson]) -> str:
@@ -182,6 +237,8 @@ def quoted(lessons: Sequence[Lesson]) -> str:
     ]
     for x in lessons:
         gain = f", gain {x.gain:.2f}x ± {100 * (x.noise or 0):.0f}%" if x.gain else ""
+        if x.comparisons:
+            gain += f", {x.wins} of {x.comparisons} controlled comparisons gained"
         meta = json.dumps(f"{x.lesson_id[:12]} {x.status}{gain}")
         parts.append(f"{FENCE} {meta}\n{_text(x.text, _CAPS['text'])}\n{_FENCE_END}")
     return "\n".join(parts)
