@@ -14,8 +14,11 @@ import msgspec
 
 from agents.archive import Cand
 from agents.lessons import RETIRE_AFTER, Tally, _outcome, counted
+from kf.app.dashboard import RunView
+from kf.events import Record, decode_event
 from kf.llm.lessons import FENCE, read_library, write_library
 from kf.llm_facts import PromptChosen
+from kf.log import EventLog
 from kf.search_facts import Lesson, LessonCompared
 from tests.harness import SCALE_RELU, logged, replay_check, run_kf, scripted_llm_run
 from tests.llm_server import user_text
@@ -143,7 +146,7 @@ def test_lessons_control_arm_verifies_and_carries_over(tmp_path: Path) -> None:
     whose arm beat its control beyond the noise is verified, the one whose arm broke stays
     unverified, and the library gets the counts and the failure run 1 learned; run 2's
     prompts quote the verified lesson as verified, its control arm runs, and both runs
-    replay with the library gone."""
+    replay with the library gone; the dashboard shows the counts."""
     db1, db2, lib = tmp_path / "r1.db", tmp_path / "r2.db", tmp_path / "lib.jsonl"
     _library(lib)
     args = ("--max-in-flight", "1", "--tune-budget", "0", "--seed", "2", "--budget", "3")
@@ -165,6 +168,13 @@ def test_lessons_control_arm_verifies_and_carries_over(tmp_path: Path) -> None:
     assert after[USELESS].status == "unverified" and after[USELESS].comparisons == 1
     assert after[USELESS].uses == 1 and after[USELESS].wins == 0
     assert {x.lesson_id for x in learned} <= set(after)
+    view = RunView()
+    with EventLog(db1, readonly=True) as elog:
+        for env in elog.read():
+            view.feed(Record(env, decode_event(env)))
+    shown = view.lessons_view()["lessons"]
+    assert shown[HELPFUL]["status"] == "verified" and shown[HELPFUL]["wins"] == 1
+    assert shown[USELESS]["status"] == "unverified" and shown[USELESS]["comparisons"] == 1
     proc = run_kf("lessons", "import", str(db1), "--lessons", str(lib))
     assert f"imported 0 lesson(s) from {db1} ({len(learned)} known)" in proc.stdout
     lines = run_kf("lessons", "list", "--lessons", str(lib)).stdout

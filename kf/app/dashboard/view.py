@@ -449,6 +449,23 @@ class RunView:
             "message": None if tasks else "no template tuning in this run",
         }
 
+    def lessons_view(self) -> dict[str, Any]:
+        """Per lesson the run quoted or loaded, its counts (its library's and this run's:
+        prompts, controlled comparisons, gains beyond the noise, what it bought over its
+        control) and status (search version 7, issue 48; from the archive's own fold)."""
+        tally = self.archive.trust.tally
+        rows = {
+            lesson_id: {
+                "status": t.status,
+                "uses": t.uses,
+                "comparisons": t.comparisons,
+                "wins": t.wins,
+                "bought": t.gain_sum / t.timed if t.timed else None,
+            }
+            for lesson_id, t in sorted(tally.items())
+        }
+        return {"lessons": rows, "message": None if rows else "no lessons in this run"}
+
     def candidates(self) -> list[dict[str, Any]]:
         """Every candidate in proposal order, one line each."""
         return [self._line(c) for c in self.archive.candidates.values()]
@@ -524,5 +541,6 @@ class RunView:
             "devices": self.devices_view(),
             "prompts": self.prompts_view(),
             "tuning": self.tuning_view(),
+            "lessons": self.lessons_view(),
             "candidates": self.candidates(),
         }

@@ -137,6 +137,7 @@
     renderCandidates();
     renderPrompts();
     renderTuning();
+    renderLessons();
   }
 
   function renderIntegrity() {
@@ -509,6 +510,27 @@
           el("td", { text: r.shape ? (r.improved ? "yes" : "no") : "—" }),
           el("td", { class: "mono", text: r.tuned_candidate_id ? short(r.tuned_candidate_id) + " " + (r.tuned_status || "") : "—" }),
           el("td", { class: "num", text: fmtX(r.tuned_speedup) }))))))));
+  }
+
+  function renderLessons() {
+    const box = document.getElementById("lessons");
+    const t = state.lessons || { lessons: {}, message: "no lessons in this run" };
+    const ids = Object.keys(t.lessons);
+    if (!ids.length) {
+      box.replaceChildren(el("p", { class: "empty lessons-none", text: t.message }));
+      return;
+    }
+    box.replaceChildren(el("table", { class: "list" },
+      el("thead", {}, el("tr", {}, ...["lesson", "status", "prompts", "comparisons gained", "bought"].map((h) => el("th", { text: h })))),
+      el("tbody", {}, ids.map((id) => {
+        const x = t.lessons[id];
+        return el("tr", { class: "lesson-row " + x.status, "data-lesson": id },
+          el("td", { class: "mono", text: short(id) }),
+          el("td", { text: x.status }),
+          el("td", { class: "num", text: String(x.uses) }),
+          el("td", { class: "num", text: `${x.wins} / ${x.comparisons}` }),
+          el("td", { class: "num", text: fmtX(x.bought) }));
+      }))));
   }
 
   // -- candidate detail ------------------------------------------------------------------
