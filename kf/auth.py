@@ -47,7 +47,16 @@ from urllib.parse import urlsplit
 from nats.aio.client import Client
 
 from kf import bus
-from kf.events import Decision, Envelope, Event, Observation, decode_event, event_class
+from kf.events import (
+    DEVICE_ID_SPACE,
+    Decision,
+    Envelope,
+    Event,
+    Observation,
+    decode_event,
+    device_id_prefix,
+    event_class,
+)
 from kf.settings import current
 
 __all__ = [
@@ -270,7 +279,10 @@ class Entitlements:
 
     def check(self, device: str | None, env: Envelope, ev: Event) -> str | None:
         """Why ``env`` may not be accepted from the intake of ``device`` (None: the
-        general intake), or None when it may."""
+        general intake), or None when it may: what it says, then its id."""
+        return self._content(device, env, ev) or _id_space(device, env.event_id)
+
+    def _content(self, device: str | None, env: Envelope, ev: Event) -> str | None:
         tag = env.type
         if isinstance(ev, Decision):
             return f"{tag} is a decision: only the archivist's hosted agents make decisions"
@@ -334,6 +346,24 @@ class Entitlements:
         if tag == "tuning.config_tuned" and (task, device) not in self.tuning_asked:
             return f"{tag}: {device!r} was never asked to tune task {task!r}"
         return None
+
+
+def _id_space(device: str | None, event_id: str) -> str | None:
+    """Why ``event_id`` may not come from the intake of ``device``: a device's events
+    carry ids in its own space, and no other intake may use an id in a device's space
+    (:func:`kf.events.device_id_prefix`: otherwise one worker could take the id of
+    another's coming result, which the log would then drop as a duplicate)."""
+    if device is not None:
+        prefix = device_id_prefix(device)
+        if event_id.startswith(prefix):
+            return None
+        return (
+            f"event id {event_id[:64]!r} is not in the id space of device {device!r} "
+            f"(ids sent on its intake begin with {prefix!r}: kf.events.device_event_id)"
+        )
+    if DEVICE_ID_SPACE.match(event_id):
+        return f"event id {event_id[:64]!r} lies in a device's id space: not for the general intake"
+    return None
 
 
 # -- the connections of a local run -------------------------------------------------------

@@ -14,6 +14,7 @@ forever.
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from typing import Any, ClassVar, TypeVar
 import msgspec
 
 __all__ = [
+    "DEVICE_ID_SPACE",
     "Decision",
     "Envelope",
     "Event",
@@ -33,6 +35,8 @@ __all__ = [
     "decode_envelope",
     "decode_event",
     "derived_id",
+    "device_event_id",
+    "device_id_prefix",
     "encode_envelope",
     "event",
     "event_class",
@@ -152,6 +156,26 @@ def new_id() -> str:
 def derived_id(*parts: object) -> str:
     """A deterministic event id from its causes (so a retried reaction reuses its id)."""
     return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:32]
+
+
+def device_id_prefix(device_id: str) -> str:
+    """What every event id sent on ``device_id``'s intake begins with.
+
+    Ids derived from their causes are predictable, and the log keeps the first event of
+    an id; so, without this, a worker could commit an event it is entitled to under the id
+    another device's coming result will have, and that result would be dropped as a
+    duplicate. The archivist accepts on a device's intake only ids in that device's space
+    (:class:`kf.auth.Entitlements`), and on the general intake none in any device's."""
+    return "d" + hashlib.sha256(device_id.encode()).hexdigest()[:12] + "-"
+
+
+def device_event_id(device_id: str, event_id: str | None = None) -> str:
+    """``event_id`` (a fresh one if None) in ``device_id``'s id space."""
+    return device_id_prefix(device_id) + (event_id or new_id())
+
+
+#: the shape of an id in some device's space (:func:`device_id_prefix`)
+DEVICE_ID_SPACE = re.compile(r"d[0-9a-f]{12}-")
 
 
 def make_envelope(

@@ -51,6 +51,7 @@ from kf.events import (
     decode_envelope,
     decode_event,
     derived_id,
+    device_event_id,
     make_envelope,
 )
 from kf.facts import AgentStarted, AgentStopped, ReactionFailed
@@ -351,6 +352,8 @@ class AgentRunner:
         # an agent that speaks for a device (it has a ``device_id``) sends on that device's
         # intake, the only subject its credentials may publish on (kf.auth)
         device = getattr(agent, "device_id", None)
+        # ... and its event ids lie in that device's id space (kf.events.device_id_prefix)
+        self.device: str | None = device if isinstance(device, str) else None
         self.outbox = Outbox(
             nc,
             self.ctx.run_id,
@@ -374,13 +377,22 @@ class AgentRunner:
     # -- emitting --------------------------------------------------------------------
 
     def _emit_spontaneous(self, ev: Event, *, event_id: str | None = None) -> None:
+        if self.device is not None:
+            event_id = device_event_id(self.device, event_id)
         self.outbox.put(
             [make_envelope(ev, run_id=self.ctx.run_id, source=self.ctx.agent_id, event_id=event_id)]
         )
 
     def envelopes_for(self, rec: Record, events: Sequence[Event]) -> list[Envelope]:
-        """Stamp the events a reaction returned (see :func:`reaction_envelopes`)."""
-        return reaction_envelopes(self.agent.kind, self.ctx.agent_id, rec.envelope, events)
+        """Stamp the events a reaction returned (see :func:`reaction_envelopes`), in the
+        id space of the device the agent speaks for, if any."""
+        envs = reaction_envelopes(self.agent.kind, self.ctx.agent_id, rec.envelope, events)
+        if self.device is None:
+            return envs
+        return [
+            msgspec.structs.replace(e, event_id=device_event_id(self.device, e.event_id))
+            for e in envs
+        ]
 
     # -- folding and reacting ----------------------------------------------------------
 

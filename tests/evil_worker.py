@@ -24,7 +24,14 @@ import msgspec
 import nats
 
 from kf import bus
-from kf.events import Event, decode_envelope, decode_event, derived_id, make_envelope
+from kf.events import (
+    Event,
+    decode_envelope,
+    decode_event,
+    derived_id,
+    device_event_id,
+    make_envelope,
+)
 from kf.facts import DeviceAnnounced, DeviceHeartbeat
 from kf.kernels import params
 from kf.llm_facts import ConfigTuned, TuningTrial
@@ -100,7 +107,10 @@ async def main(url: str, run: str, user: str, password: str, me: str) -> None:
 
     async def send(*events: Event, event_id: str | None = None) -> None:
         envs = [
-            make_envelope(ev, run_id=run, source=f"evil@{me}", event_id=event_id) for ev in events
+            make_envelope(
+                ev, run_id=run, source=f"evil@{me}", event_id=device_event_id(me, event_id)
+            )
+            for ev in events
         ]
         while True:  # until the run's archivist is there to answer
             try:

@@ -9,7 +9,11 @@ It follows the committed log (a worker may read it) until a candidate is assigne
 4. the profile on the victim's intake subject, and on the general intake;
 5. on its own intake, as itself, results it was never given the work for (issue 43, ND1):
    a degenerate audit of the victim's task, a tuning answer nobody asked it for, and a
-   failed reaction to the victim candidate's proposal (which would fail that candidate).
+   failed reaction to the victim candidate's proposal (which would fail that candidate);
+6. first of all, as soon as the victim is assigned a candidate: a heartbeat of its own
+   (an event it may send) under the id the victim's compiler will give its result, plain
+   and in the victim's id space, so that the log would drop the real result as a
+   duplicate (the probe's "predictable reaction ids").
 
 It prints one JSON object: the server's errors it heard (permission violations) and the
 archivist's replies to its requests (what it refused, and why).
@@ -26,8 +30,16 @@ import msgspec
 import nats
 
 from kf import bus
-from kf.events import Envelope, decode_envelope, decode_event, encode_envelope, make_envelope
-from kf.facts import ReactionFailed, RunFinished
+from kf.events import (
+    Envelope,
+    decode_envelope,
+    decode_event,
+    derived_id,
+    device_event_id,
+    encode_envelope,
+    make_envelope,
+)
+from kf.facts import DeviceHeartbeat, ReactionFailed, RunFinished
 from kf.llm_facts import ConfigTuned
 from kf.reports import ProfileReport, TaskAudit
 from kf.runtime import fetch_range
@@ -41,7 +53,7 @@ async def main(url: str, run: str, user: str, password: str, me: str, victim: st
         errors.append(str(exc))
 
     nc = await nats.connect(url, user=user, password=password, error_cb=on_error)
-    assigned: asyncio.Future[tuple[CandidateAssigned, int]] = asyncio.Future()
+    assigned: asyncio.Future[tuple[CandidateAssigned, int, str]] = asyncio.Future()
 
     async def on_log(msg: Any) -> None:
         env = decode_envelope(msg.data)
@@ -49,10 +61,11 @@ async def main(url: str, run: str, user: str, password: str, me: str, victim: st
             ev = decode_event(env)
             assert isinstance(ev, CandidateAssigned)
             if ev.device_id == victim:
-                assigned.set_result((ev, env.seq or 0))
+                assigned.set_result((ev, env.seq or 0, env.event_id))
 
     await nc.subscribe(bus.log_subject(run), cb=on_log)
-    ev, seq = await asyncio.wait_for(assigned, 240)
+    ev, seq, assign_id = await asyncio.wait_for(assigned, 240)
+    replies: dict[str, Any] = {"preempt": await _preempt(nc, run, me, victim, assign_id)}
 
     forged_end = make_envelope(
         RunFinished(reason="budget spent"), run_id=run, source="archive@forged", seq=seq + 1
@@ -73,7 +86,6 @@ async def main(url: str, run: str, user: str, password: str, me: str, victim: st
         env = make_envelope(fake, run_id=run, source="profiler@forged", event_id=f"forged-{tag}")
         return msgspec.msgpack.encode([env])
 
-    replies: dict[str, Any] = {}
     mine = bus.device_inbound_subject(run, me)
     for tag, device in (("as-victim", victim), ("as-me", me)):
         reply = await nc.request(mine, profile(device, tag), timeout=10)
@@ -101,6 +113,18 @@ async def main(url: str, run: str, user: str, password: str, me: str, victim: st
             }
         )
     )
+
+
+async def _preempt(nc: Any, run: str, me: str, victim: str, assign_id: str) -> Any:
+    """Step 6: take the ids the victim's compiler will give its result to ``assign_id``."""
+    plain = derived_id("compiler", assign_id, 0)
+    envs = [
+        make_envelope(DeviceHeartbeat(device_id=me), run_id=run, source=f"x@{me}", event_id=i)
+        for i in (plain, device_event_id(victim, plain))
+    ]
+    subject = bus.device_inbound_subject(run, me)
+    reply = await nc.request(subject, msgspec.msgpack.encode(envs), timeout=10)
+    return {"ids": [e.event_id for e in envs], **msgspec.msgpack.decode(reply.data)}
 
 
 async def _proposal(nc: Any, run: str, candidate_id: str) -> str:

@@ -15,7 +15,7 @@ import msgspec
 import nats
 
 from kf import bus
-from kf.events import Event, decode_envelope, decode_event, make_envelope
+from kf.events import Event, decode_envelope, decode_event, device_event_id, make_envelope
 from kf.facts import DeviceAnnounced, DeviceHeartbeat
 from kf.search_facts import CandidateAssigned
 
@@ -25,7 +25,7 @@ async def main(url: str, run: str, user: str, password: str, me: str) -> None:
     intake = bus.device_inbound_subject(run, me)
 
     async def send(ev: Event) -> None:
-        envs = [make_envelope(ev, run_id=run, source=f"silent@{me}")]
+        envs = [make_envelope(ev, run_id=run, source=f"silent@{me}", event_id=device_event_id(me))]
         while True:  # until the run's archivist is there to answer
             try:
                 await nc.request(intake, msgspec.msgpack.encode(envs), timeout=5)

@@ -18,7 +18,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from kf import bus
 from kf.auth import Entitlements, RunBus, deployment_config, password_env
 from kf.bus import EmbeddedServer
-from kf.events import Envelope, Event, decode_event, make_envelope
+from kf.events import Envelope, Event, decode_event, device_event_id, make_envelope
 from kf.facts import DeviceHeartbeat, DeviceLost, ReactionFailed, RunFinished
 from kf.llm_facts import ConfigTuned
 from kf.reports import CountersReport, ProfileReport, TaskAudit
@@ -128,7 +128,8 @@ def _committed(ev: Event, seq: int, event_id: str) -> Envelope:
 
 
 def _check(ent: Entitlements, device: str | None, ev: Event, caused_by: str | None = None) -> Any:
-    env = make_envelope(ev, run_id="r", source="someone@x", caused_by=caused_by)
+    event_id = device_event_id(device) if device is not None else None
+    env = make_envelope(ev, run_id="r", source="someone@x", caused_by=caused_by, event_id=event_id)
     return ent.check(device, env, decode_event(env))
 
 

@@ -107,6 +107,25 @@ def test_forgery_worker_cannot_publish_committed_events(scenario: dict[str, Any]
     check_counted_once(scenario["db"], BUDGET)
 
 
+def test_forgery_a_worker_cannot_take_the_id_of_another_devices_result(
+    scenario: dict[str, Any],
+) -> None:
+    """A worker's own heartbeat under the id the victim's compiler will give its result
+    (plain, or in the victim's id space) is refused, and the victim's result commits."""
+    pre = scenario["forger"]["replies"]["preempt"]
+    assert [r[0] for r in pre["rejected"]] == pre["ids"], pre
+    assert all("is not in the id space of device 'evil'" in r[1] for r in pre["rejected"])
+    db = scenario["db"]
+    by_id = {e.event_id: e for e in events(db)}
+    plain, in_victims_space = pre["ids"]
+    assert plain not in by_id
+    # the id the forger aimed at holds the victim's own result
+    taken = by_id[in_victims_space]
+    assert taken.type == "kernel.candidate_compiled", taken
+    result = decode(taken)
+    assert result.device_id == "wA" and result.candidate_id == scenario["forger"]["candidate_id"]
+
+
 def test_forgery_profile_for_a_candidate_not_assigned_is_refused_and_recorded(
     scenario: dict[str, Any],
 ) -> None:
