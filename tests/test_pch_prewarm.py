@@ -1,8 +1,8 @@
 """The precompiled ``torch/extension.h`` made before the first wave of builds
-(kf.evaluation.grader.pch_prewarm), and builds waiting for a header being made
-(kf.evaluation.grader.builds._pch_folders). The GPU side (a real CUDA build making the
-header) runs on the H200 (docs/gpu.md); here the waiting, the architecture and the
-prewarm's refusals, with a scripted ``nvidia-smi``."""
+(kf.evaluation.grader.pch_prewarm), and builds while a header is being made
+(kf.evaluation.grader.builds._pch_folders: the first goes on, the others wait). The GPU
+side (a real CUDA build making the header) runs on the H200 (docs/gpu.md); here the
+waiting, the architecture and the prewarm's refusals, with a scripted ``nvidia-smi``."""
 
 from __future__ import annotations
 
@@ -49,22 +49,26 @@ def test_no_prewarm_without_an_architecture_or_a_box(
     assert "not boxed" in pch_prewarm.prewarm_now("cuda:0")
 
 
-def test_a_build_waits_for_the_header_another_build_is_making(
+def test_pch_first_build_does_not_wait_for_a_slow_header(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Of builds of one header key, the first has the grader's own step make the header
-    and a second waits for it and reads the published one; with no wait, one builds
-    without it as before; no build box is ever given a folder to make one in."""
+    """While the grader's step makes a header (held here until released), the first build
+    of its key goes on without it at once, a second waits for the first to be done (one
+    compile of torch/extension.h at a time beside the step), one that may not wait goes
+    on, and a build after the step reads the published header; the step runs once and no
+    build box is ever given a folder to make one in."""
+    from kf.cuda import inline
     from kf.cuda import pch as pch_mod
 
     published, making, release = threading.Event(), threading.Event(), threading.Event()
     steps: list[Path] = []
 
-    def make(arguments: Any, env: Any, shared: Path, limit_s: float) -> None:
+    def make(arguments: Any, env: Any, shared: Path, limit_s: float) -> str:
         steps.append(shared)
         making.set()
-        assert release.wait(30)
+        assert release.wait(60)
         published.set()
+        return "ok"
 
     monkeypatch.setattr(pch_mod, "usable", lambda folder: published.is_set())
     monkeypatch.setattr(builds, "_make_pch", make)
@@ -72,31 +76,82 @@ def test_a_build_waits_for_the_header_another_build_is_making(
     monkeypatch.setenv("KF_PCH", "all")
     args: dict[str, Any] = {"name": "x", "cpp_sources": "", "with_cuda": False}
     env = builds.toolchain(None)
+    pch = inline.pch_key(args, env)
     seen: dict[str, Any] = {}
+    inside = {name: threading.Event() for name in ("first", "second")}
+    leave = {name: threading.Event() for name in ("first", "second")}
 
     def build(name: str, wait_s: float) -> None:
-        with builds._pch_folders(args, env, wait_s) as box_env:
+        with builds._pch_folders(args, env, wait_s, 60.0) as box_env:
             seen[name] = (box_env, published.is_set())
+            if name in inside:
+                inside[name].set()
+                assert leave[name].wait(60)
 
-    first = threading.Thread(target=build, args=("maker", 60.0))
+    first = threading.Thread(target=build, args=("first", 60.0))
     first.start()
-    assert making.wait(30)
+    assert inside["first"].wait(60), "the first build waited for the header"
+    assert making.is_set() and not published.is_set()
+    second = threading.Thread(target=build, args=("second", 60.0))
+    second.start()
+    with builds._pch_done:  # until the second waits for its turn
+        assert builds._pch_done.wait_for(lambda: builds._pch_waiting.get(pch) == 1, 60)
+    assert not inside["second"].is_set()
     build("impatient", 0.0)  # no wait: without the header, as before
-    waiter = threading.Thread(target=build, args=("waiter", 60.0))
-    waiter.start()
-    pause = threading.Event()
-    for _ in range(3000):  # until the waiter waits on the maker's step
-        if builds._pch_done._waiters:  # type: ignore[attr-defined]
-            break
-        pause.wait(0.01)
+    leave["first"].set()
+    first.join(60)
+    assert inside["second"].wait(60)  # the first's turn is over: the second goes on
+    leave["second"].set()
+    second.join(60)
     release.set()
-    first.join(30)
-    waiter.join(30)
-    assert len(steps) == 1 and seen["impatient"][1] is False
-    assert seen["waiter"][1] is True  # it waited for the maker's header
-    dirs = {box_env["KF_PCH_DIR"] for box_env, _ in seen.values()}
-    assert dirs == {str(steps[0])}
+    with builds._pch_done:
+        assert builds._pch_done.wait_for(lambda: pch not in builds._pch_making, 60)
+    build("after", 60.0)
+    assert [seen[n][1] for n in ("first", "second", "impatient", "after")] == [
+        False,
+        False,
+        False,
+        True,
+    ]
+    assert len(steps) == 1
+    assert {box_env["KF_PCH_DIR"] for box_env, _ in seen.values()} == {str(steps[0])}
     assert not any("KF_PCH_MAKE" in box_env for box_env, _ in seen.values())
+
+
+def test_pch_make_waits_for_a_step_in_progress(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prewarm's :func:`builds.make_pch` makes the header in its own thread, and a
+    second caller for the same key waits for that step instead of running another."""
+    from kf.cuda import pch as pch_mod
+
+    published, making, release = threading.Event(), threading.Event(), threading.Event()
+    steps: list[Path] = []
+
+    def make(arguments: Any, env: Any, shared: Path, limit_s: float) -> str:
+        steps.append(shared)
+        making.set()
+        assert release.wait(60)
+        published.set()
+        return "ok"
+
+    monkeypatch.setattr(pch_mod, "usable", lambda folder: published.is_set())
+    monkeypatch.setattr(builds, "_make_pch", make)
+    monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KF_PCH", "all")
+    args: dict[str, Any] = {"name": "x", "cpp_sources": "", "with_cuda": False}
+    env = builds.toolchain(None)
+    said: list[str] = []
+    first = threading.Thread(target=lambda: said.append(builds.make_pch(args, env, 60.0)))
+    first.start()
+    assert making.wait(60)
+    second = threading.Thread(target=lambda: said.append(builds.make_pch(args, env, 60.0)))
+    second.start()
+    release.set()
+    first.join(60)
+    second.join(60)
+    assert said == ["ok", "ok"] and len(steps) == 1
+    assert builds.make_pch(args, env, 60.0) == "made already"
 
 
 def _cuda_build_possible() -> bool:

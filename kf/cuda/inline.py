@@ -20,8 +20,11 @@ own ``sys.modules`` name.
 
 CUDA sources that name nothing of torch are first built without the
 ``#include <torch/types.h>`` PyTorch puts in front of them (:mod:`kf.cuda.torchfree`,
-``$KF_TORCHFREE``), and PyTorch's way if that fails; the key says which was tried, the
-build folder's ``kf-build.json`` and :class:`BuildRecord` which was used.
+``$KF_TORCHFREE``), and PyTorch's way if that fails; sources in KernelBench's usual
+layout (the ``torch::Tensor`` wrapper in ``cuda_sources`` too) are first built split,
+their kernels so and their host code in ``main.cpp`` (:mod:`kf.cuda.torchsplit`, the
+same switch). The key says which was tried (:func:`variant`), the build folder's
+``kf-build.json`` and :class:`BuildRecord` which was used.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kf.cuda import torchfree
+from kf.cuda import torchfree, torchsplit
 from kf.settings import current
 
 __all__ = [
@@ -66,6 +69,8 @@ __all__ = [
     "replay_verdicts",
     "sources_given",
     "uninstall",
+    "variant",
+    "variant_arguments",
     "write_build",
 ]
 
@@ -94,8 +99,10 @@ class BuildRecord(dict[str, Any]):
     """What one ``load_inline`` call did: ``name``, ``key``, ``cached``, ``seconds``,
     ``torch_in_cuda`` and ``cuda_prelude``: how its ``cuda.cu`` was built, ``torch``
     (PyTorch's way, with ``#include <torch/types.h>``), ``none`` (without it,
-    :mod:`kf.cuda.torchfree`), ``torch-fallback`` (PyTorch's way after the build without
-    it failed) or ``""`` (no CUDA sources)."""
+    :mod:`kf.cuda.torchfree`), ``split`` (its kernels without it, its host code in
+    ``main.cpp``: :mod:`kf.cuda.torchsplit`), ``torch-fallback`` or ``split-fallback``
+    (PyTorch's way after the build without it, or split, failed) or ``""`` (no CUDA
+    sources)."""
 
 
 _BUILDS: list[BuildRecord] = []
@@ -148,14 +155,43 @@ def cache_key(arguments: dict[str, Any], environment: dict[str, Any]) -> str:
     and whether its CUDA sources are first built without the torch include
     (:mod:`kf.cuda.torchfree`; such a build and PyTorch's own never share a key)."""
     material = {k: v for k, v in arguments.items() if k not in _IGNORED}
-    if torchfree.wanted(arguments, pytorch_load_inline()):
+    kind = variant(arguments, pytorch_load_inline())
+    if kind == "none":
         material[_TORCHFREE_KEY] = torchfree.PLACEHOLDER
+    elif kind == "split":
+        material[_TORCHFREE_KEY] = f"{torchfree.PLACEHOLDER} split {torchsplit.VERSION}"
     return _digest(material, environment)
 
 
-#: in the key's material of a build that tries :mod:`kf.cuda.torchfree` first (not an
-#: argument name PyTorch uses)
+#: in the key's material of a build that tries :mod:`kf.cuda.torchfree` (or
+#: :mod:`kf.cuda.torchsplit`) first (not an argument name PyTorch uses)
 _TORCHFREE_KEY = "kf:torchfree"
+
+
+def variant(arguments: dict[str, Any], original: Callable[..., Any]) -> str | None:
+    """How a call (its bound arguments) is first built without PyTorch's include in
+    ``cuda.cu``: ``none`` (its CUDA sources name nothing of torch,
+    :mod:`kf.cuda.torchfree`), ``split`` (KernelBench's usual layout, split,
+    :mod:`kf.cuda.torchsplit`), or None (only PyTorch's way). ``original``: PyTorch's own
+    ``load_inline``, whose implicit lines must be the ones kf knows."""
+    if torchfree.wanted(arguments, original):
+        return "none"
+    if not current().torchfree or not torchfree.prelude_known(original):
+        return None
+    parts = torchsplit.split(arguments)
+    if parts is None or not torchfree.wanted(parts.arguments(arguments), original):
+        return None
+    return "split"
+
+
+def variant_arguments(arguments: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The call that builds ``arguments`` the :func:`variant` way ``kind`` says."""
+    if kind == "split":
+        parts = torchsplit.split(arguments)
+        if parts is None:
+            raise ValueError("variant_arguments: the call is not split (kf.cuda.torchsplit)")
+        arguments = parts.arguments(arguments)
+    return torchfree.arguments(arguments)
 
 
 def _digest(material: dict[str, Any], environment: dict[str, Any]) -> str:
@@ -398,8 +434,15 @@ _META = "kf-build.json"
 #: the build report's words for how ``cuda.cu`` was built (read by the model)
 _PRELUDE_NOTES = {
     "none": " (cuda.cu without PyTorch's #include <torch/types.h>)",
+    "split": (
+        " (split: the kernels in cuda.cu without PyTorch's #include <torch/types.h>, "
+        "the host code in main.cpp)"
+    ),
     "torch-fallback": (
         " (cuda.cu with PyTorch's #include <torch/types.h>: it did not build without it)"
+    ),
+    "split-fallback": (
+        " (cuda.cu as written, with PyTorch's #include <torch/types.h>: it did not build split)"
     ),
 }
 
@@ -426,14 +469,15 @@ def _build(
     original: Callable[..., Any], arguments: dict[str, Any], module_name: str, pch: str | None
 ) -> str:
     """Build with PyTorch's ``load_inline`` into ``arguments``' build folder, first without
-    the torch include where :func:`kf.cuda.torchfree.wanted`; how ``cuda.cu`` was built.
+    the torch include where :func:`variant` says; how ``cuda.cu`` was built.
 
     The attempt is quiet (``verbose=False``, its warnings and object-cache verdicts held
     back) and, if it fails in any way, forgotten: the standard build then runs in the same
     folder (ninja reuses the identical ``main.o``) and what it raises is what the caller
     sees. Its verdicts and warnings are given out only when it succeeded.
     """
-    if not torchfree.wanted(arguments, original):
+    kind = variant(arguments, original)
+    if kind is None:
         with _object_cache(pch):
             original(**literal_arguments(arguments))  # builds and imports from the work folder
         return "torch" if sources_given(arguments.get("cuda_sources")) else ""
@@ -443,7 +487,7 @@ def _build(
     with _object_cache(pch, log=held), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with contextlib.suppress(Exception):
-            original(**literal_arguments(torchfree.arguments({**arguments, "verbose": False})))
+            original(**literal_arguments(variant_arguments({**arguments, "verbose": False}, kind)))
             ok = True
     try:
         verdicts = Path(held).read_text(errors="replace")
@@ -454,11 +498,11 @@ def _build(
         sys.modules.pop(module_name, None)
         with _object_cache(pch):
             original(**literal_arguments(arguments))
-        return "torch-fallback"
+        return "split-fallback" if kind == "split" else "torch-fallback"
     replay_verdicts(verdicts, bool(arguments.get("verbose")))
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return "none"
+    return kind
 
 
 def write_build(
@@ -477,13 +521,16 @@ def write_build(
     For a process whose PyTorch neither runs ninja nor imports the result (the grader's
     trusted writer, :mod:`kf.evaluation.grader.inline_writer`). ``arguments``: bound,
     PyTorch's defaults filled in; ``module_name``: its :func:`extension_module_name`;
-    ``torch_free``: the variant without the torch include (:mod:`kf.cuda.torchfree`);
+    ``torch_free``: the variant without the torch include (:func:`variant`: the
+    sources as they are, :mod:`kf.cuda.torchfree`, or split, :mod:`kf.cuda.torchsplit`);
     ``pch``: the precompiled header's key, None for none; ``held``: the file the
     launchers' verdicts go to instead of ``$KF_OBJCACHE_LOG``.
     """
     call = {**arguments, "name": module_name, "build_directory": str(folder)}
     if torch_free:
-        call = torchfree.arguments({**call, "verbose": False})
+        # the grader chose (variant); sources that name torch can only have been split
+        named = torchfree.why_not(arguments.get("cuda_sources")) is not None
+        call = variant_arguments({**call, "verbose": False}, "split" if named else "none")
     _forget_version(module_name)
     with _object_cache(pch, log=held):
         pytorch_load_inline()(**literal_arguments(call))
@@ -562,7 +609,7 @@ def load_inline(*args: Any, **kwargs: Any) -> Any:
             + _PRELUDE_NOTES.get(record["cuda_prelude"], ""),
             flush=True,
         )
-        if record["torch_in_cuda"] and not cached:
+        if record["torch_in_cuda"] and not cached and record["cuda_prelude"] != "split":
             print(_TORCH_IN_CUDA_NOTE, flush=True)
     return module
 

@@ -228,13 +228,76 @@ def build_inline(
 
 _pch_lock = threading.Lock()
 _pch_making: set[str] = set()
-#: notified when a build that made a precompiled header is done with it
+#: per header key being made: the builds going on without it meanwhile, and those waiting
+_pch_pioneers: dict[str, int] = {}
+_pch_waiting: dict[str, int] = {}
+#: notified when a header is made (or not), a build stops waiting, or a pioneer is done
 _pch_done = threading.Condition(_pch_lock)
 #: at most this long (and half the build's own limit) a build waits for the header of its
-#: key that another build (or :mod:`kf.evaluation.grader.pch_prewarm`) is making, rather
-#: than compile ``torch/extension.h`` itself meanwhile: a first wave of fifteen builds on
-#: the H200 took 50-67 s each that way, against 16-34 s where the header was made
+#: key that the grader's step is making, rather than compile ``torch/extension.h`` itself
+#: meanwhile: a first wave of fifteen builds on the H200 took 50-67 s each that way,
+#: against 16-34 s where the header was made
 PCH_WAIT_S = 120.0
+#: builds of a key whose header is being made that go on without it at once (the rest
+#: wait): the first candidate's verdict never waits for the header (59 s on the H200),
+#: and no more than this many compiles of ``torch/extension.h`` share the host with it
+PCH_PIONEERS = 1
+
+
+def _pch_place(arguments: dict[str, Any], env: dict[str, Any]) -> tuple[str, Path]:
+    from kf.cuda import inline
+
+    pch = inline.pch_key(arguments, env)
+    return pch, inline.cache_root() / "pch" / pch
+
+
+def _run_pch_step(
+    pch: str, arguments: dict[str, Any], env: dict[str, Any], shared: Path, limit_s: float
+) -> str:
+    """:func:`_make_pch` for the key ``pch`` this thread registered as being made, then
+    the key let go of and every waiting build told; why no header, or ``ok``."""
+    try:
+        return _make_pch(arguments, env, shared, limit_s)
+    finally:
+        with _pch_done:
+            _pch_making.discard(pch)
+            _pch_done.notify_all()
+
+
+def _start_pch_step(
+    pch: str, arguments: dict[str, Any], env: dict[str, Any], shared: Path, limit_s: float
+) -> None:
+    """The header's step in a thread of its own (``_pch_done`` held, ``pch`` not being
+    made): the build that found it missing does not wait for it."""
+    _pch_making.add(pch)
+    threading.Thread(
+        target=_run_pch_step,
+        args=(pch, arguments, env, shared, limit_s),
+        name="kf-pch-step",
+        daemon=True,
+    ).start()
+
+
+def make_pch(arguments: dict[str, Any], env: dict[str, Any], limit_s: float) -> str:
+    """Make the precompiled header a build of ``arguments`` (bound) and the toolchain
+    ``env`` would read, in this thread, unless it is there (``made already``) or being
+    made (then wait for it, at most ``limit_s``); ``ok``, or why there is none
+    (:mod:`kf.evaluation.grader.pch_prewarm`)."""
+    from kf.cuda import pch as pch_mod
+
+    pch, shared = _pch_place(arguments, env)
+    with _pch_done:
+        if pch_mod.usable(shared):
+            return "made already"
+        maker = pch not in _pch_making
+        if maker:
+            _pch_making.add(pch)
+        else:
+            _pch_done.wait_for(lambda: pch not in _pch_making, limit_s)
+    if maker:
+        why = _run_pch_step(pch, arguments, env, shared, limit_s)
+        return "ok" if pch_mod.usable(shared) else why
+    return "ok" if pch_mod.usable(shared) else "another step did not make it"
 
 
 @contextlib.contextmanager
@@ -244,38 +307,47 @@ def _pch_folders(
     """The build box's ``KF_PCH_DIR`` (:mod:`kf.cuda.pch`): the shared cache's
     ``pch/<pch>``, read-only, under the key computed here from the call's arguments and
     the toolchain ``env``. No candidate's build box ever makes the header: where the
-    cache lacks it, the first build of its key has the grader's own step make it
-    (:func:`_make_pch`, at most ``make_s`` of the build's time), and the builds that come
-    meanwhile wait up to ``wait_s`` for it (then build without it, as they would have)."""
+    cache lacks it, the first build of its key starts the grader's own step
+    (:func:`_make_pch`, at most ``make_s``) in the background. While the header is being
+    made, :data:`PCH_PIONEERS` builds at a time go on without it (the first verdict does
+    not wait for it), and the others wait up to ``wait_s`` for it or for a pioneer's turn
+    (then build without it, as they would have)."""
     from kf.cuda import inline
     from kf.cuda import pch as pch_mod
 
     if not inline.pch_wanted(arguments):
         yield {"KF_PCH": "0"}  # the box would otherwise decide by its own default
         return
-    pch = inline.pch_key(arguments, env)
-    shared = inline.cache_root() / "pch" / pch
+    pch, shared = _pch_place(arguments, env)
     deadline = time.monotonic() + wait_s
+    pioneer = False
     with _pch_done:
-        while pch in _pch_making and not pch_mod.usable(shared):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            _pch_done.wait(left)
-        maker = not pch_mod.usable(shared) and pch not in _pch_making
-        if maker:
-            _pch_making.add(pch)
-    if maker:
+        if not pch_mod.usable(shared) and pch not in _pch_making and make_s >= 1:
+            _start_pch_step(pch, arguments, env, shared, make_s)
+        _pch_waiting[pch] = _pch_waiting.get(pch, 0) + 1
+        _pch_done.notify_all()
         try:
-            _make_pch(arguments, env, shared, make_s)
+            while pch in _pch_making and not pch_mod.usable(shared):
+                if _pch_pioneers.get(pch, 0) < PCH_PIONEERS:
+                    pioneer = True
+                    _pch_pioneers[pch] = _pch_pioneers.get(pch, 0) + 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                _pch_done.wait(left)
         finally:
+            _pch_waiting[pch] -= 1
+    try:
+        yield {"KF_PCH_DIR": str(shared)}
+    finally:
+        if pioneer:
             with _pch_done:
-                _pch_making.discard(pch)
+                _pch_pioneers[pch] -= 1
                 _pch_done.notify_all()
-    yield {"KF_PCH_DIR": str(shared)}
 
 
-def _make_pch(arguments: dict[str, Any], env: dict[str, Any], shared: Path, limit_s: float) -> None:
+def _make_pch(arguments: dict[str, Any], env: dict[str, Any], shared: Path, limit_s: float) -> str:
     """The grader's own step that makes the header published as ``shared``: the trusted
     writer writes kf's one-function module with the call's header material
     (:func:`kf.cuda.inline.pch_arguments`: its flags, nothing of its sources, CUDA flags
@@ -288,8 +360,10 @@ def _make_pch(arguments: dict[str, Any], env: dict[str, Any], shared: Path, limi
     from kf.evaluation.grader import inline_writer
 
     call = inline.pch_arguments(arguments)
-    if limit_s < 1 or not inline_writer.usable(call):
-        return
+    if limit_s < 1:
+        return "no time left for it"
+    if not inline_writer.usable(call):
+        return "the trusted writer cannot write its build"
     root = inline.cache_dir()
     key = inline.cache_key(call, env)
     step = Path(tempfile.mkdtemp(dir=root, prefix=f"{key}.pch-"))
@@ -300,16 +374,21 @@ def _make_pch(arguments: dict[str, Any], env: dict[str, Any], shared: Path, limi
         )
         with _stage(root, key) as stage:
             ask = _write_request(build, stage, None, torch_free=False)
-            with contextlib.suppress(inline_writer.WriterFailed):
+            try:
                 reply = inline_writer.writer().write(ask, min(inline_writer.WRITE_LIMIT_S, limit_s))
-                if reply.get("ok"):
-                    folder = step / "ninja"
-                    folder.mkdir()
-                    command = [*reply["command"], "-f", str(stage / "build.ninja")]
-                    code, _ = build.run([*command, "-C", str(folder), "main.o"], limit_s)
-                    digest = _sha256(made / pch_mod.GCH)
-                    if code == 0 and digest is not None and pch_mod.usable(made):
-                        _publish_pch(made, shared, digest)
+            except inline_writer.WriterFailed as exc:
+                return str(exc)
+            if not reply.get("ok"):
+                return f"load_inline: {reply.get('error')}"
+            folder = step / "ninja"
+            folder.mkdir()
+            command = [*reply["command"], "-f", str(stage / "build.ninja")]
+            code, out = build.run([*command, "-C", str(folder), "main.o"], limit_s)
+            digest = _sha256(made / pch_mod.GCH)
+            if code != 0 or digest is None or not pch_mod.usable(made):
+                return f"its compile exited with status {code}: {out[-300:]}"
+            _publish_pch(made, shared, digest)
+            return "ok"
     finally:
         shutil.rmtree(step, ignore_errors=True)
 
@@ -482,22 +561,23 @@ def _build_inline_in_python(build: _Build) -> dict[str, Any]:
 
 def _build_inline_written(build: _Build) -> dict[str, Any]:
     """The build as kf's ``load_inline`` does it (:func:`kf.cuda.inline.load_inline`):
-    first without the torch include where :mod:`kf.cuda.torchfree` wants it, quietly,
+    first without the torch include where :func:`kf.cuda.inline.variant` says (the
+    sources as they are, or split: :mod:`kf.cuda.torchsplit`), quietly,
     then PyTorch's way if that failed in any way; what the last attempt said is what
     the runner sees. The writer writes each attempt into a folder of the grader's own
     (:func:`_stage`), which the box reads and never writes, and ninja runs in the box's
     folder from that ninja file (it keeps the identical ``main.o`` of the first): nothing
     a build box leaves (a ``lock``, a link) is ever in the trusted writer's way."""
-    from kf.cuda import inline, torchfree
+    from kf.cuda import inline
     from kf.evaluation.grader import inline_writer
 
     end = time.monotonic() + build.timeout_s
     folder = build.work / "cuda_ext" / build.key
     folder.mkdir(parents=True)
     held = build.work / "held-verdicts.log"
-    tries = torchfree.wanted(build.arguments, inline.pytorch_load_inline())
+    kind = inline.variant(build.arguments, inline.pytorch_load_inline())
     with _stage(build.work.parent, build.key) as stage:
-        for torch_free in (True, False) if tries else (False,):
+        for torch_free in (True, False) if kind else (False,):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(held)  # the box's: a link there is removed, never followed
             ask = _write_request(build, stage, held if torch_free else None, torch_free)
@@ -524,20 +604,21 @@ def _build_inline_written(build: _Build) -> dict[str, Any]:
         refused = _copy_written(stage, folder)
     if refused:
         return _failed(refused)
-    return _record_and_publish(build, folder, held, torch_free, tries, str(reply["warnings"]))
+    return _record_and_publish(build, folder, held, torch_free, kind, str(reply["warnings"]))
 
 
 def _record_and_publish(
-    build: _Build, folder: Path, held: Path, torch_free: bool, tries: bool, warnings: str
+    build: _Build, folder: Path, held: Path, torch_free: bool, kind: str | None, warnings: str
 ) -> dict[str, Any]:
-    """The built ``folder``'s record (how its ``cuda.cu`` was built), then published."""
+    """The built ``folder``'s record (how its ``cuda.cu`` was built: ``kind``, the
+    :func:`kf.cuda.inline.variant` tried first, or its fallback), then published."""
     from kf.cuda import inline
 
-    if torch_free:
+    if torch_free and kind:
         inline.replay_verdicts(_read_box_file(held, _LOG), False)
-        prelude = "none"
-    elif tries:
-        prelude = "torch-fallback"
+        prelude = kind
+    elif kind:
+        prelude = "split-fallback" if kind == "split" else "torch-fallback"
     else:
         prelude = "torch" if inline.sources_given(build.arguments.get("cuda_sources")) else ""
     record = folder / "kf-build.json"

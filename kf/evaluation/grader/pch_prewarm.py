@@ -2,20 +2,20 @@
 
 A ``load_inline`` build's ``main.cpp`` reads ``torch/extension.h``; with kf's precompiled
 header (:mod:`kf.cuda.pch`) that compile is about half as long. The header is made by
-the grader's own step when the first build of its key (the call's flag arguments and the
-toolchain) comes, and the builds that come meanwhile wait for it (:data:`builds.PCH_WAIT_S
-<kf.evaluation.grader.builds.PCH_WAIT_S>`). On a fresh machine that first build is a
-candidate's, and the first wave waits while the header is made (about 40 CPU-seconds of
-g++ alone; before the wait they compiled the header themselves, 50-67 s each on the H200).
+the grader's own step, in the background, when the first build of its key (the call's
+flag arguments and the toolchain) comes; meanwhile one build at a time goes on without
+it (:data:`builds.PCH_PIONEERS <kf.evaluation.grader.builds.PCH_PIONEERS>`: the first
+verdict does not wait for the header, 59 s on the H200) and the others wait for it
+(:data:`builds.PCH_WAIT_S <kf.evaluation.grader.builds.PCH_WAIT_S>`; without the wait a
+first wave of fifteen compiled the header each, 50-67 s each on the H200).
 
-:func:`prewarm` starts that build as the worker starts, in the background, for the calls
+:func:`prewarm` starts that step as the worker starts, in the background, for the calls
 most candidates make (a CUDA ``load_inline`` without flags of its own, the layout kf's
-prompt asks for): a tiny module of the same shape, built through the grader's own boxed
-path (:func:`kf.evaluation.grader.builds.build_inline`), for the architecture the worker's
-runners will report. Nothing of it is used by a candidate but the header, which the
-grader's step makes for it as for any build. It does nothing where the header of that key
-is there already, where builds are not boxed, or where the architecture cannot be told
-without a CUDA context (``$TORCH_CUDA_ARCH_LIST`` unset and no ``nvidia-smi``).
+prompt asks for: :data:`ARGUMENTS`), for the architecture the worker's runners will
+report (:func:`kf.evaluation.grader.builds.make_pch`: the grader's boxed step, nothing
+else built). It does nothing where the header of that key is there already, where builds
+are not boxed, or where the architecture cannot be told without a CUDA context
+(``$TORCH_CUDA_ARCH_LIST`` unset and no ``nvidia-smi``).
 """
 
 from __future__ import annotations
@@ -91,12 +91,12 @@ def prewarm_now(device: str, timeout_s: float = 600.0) -> str:
             why = "made already"
         else:
             began = time.monotonic()
-            result = builds.build_inline(dict(ARGUMENTS), env, timeout_s)
+            made = builds.make_pch(bound, env, timeout_s)
             seconds = round(time.monotonic() - began, 1)
-            if result.get("ok") and pch_mod.usable(shared):
+            if pch_mod.usable(shared):
                 log.info("pch_prewarmed", device=device, arch=arch, seconds=seconds)
                 return f"made in {seconds} s"
-            why = f"its build did not make it: {str(result.get('error', ''))[:300]}"
+            why = f"its build did not make it: {made[:300]}"
     log.info("pch_prewarm_skipped", device=device, why=why)
     return why
 
