@@ -5,16 +5,20 @@ content-addressed ``load_inline`` (unboxed, in a child process, ``verbose=True``
 into a fresh cache (``KF_CACHE_DIR``) unless told to share one, and prints per build its
 wall seconds, the CPU seconds of the child and everything it started (nvcc, g++, ninja:
 the honest figure on a shared machine), how its ``cuda.cu`` was built (``cuda_prelude``:
-``none`` without PyTorch's ``#include <torch/types.h>``, kf.cuda.torchfree; ``torch``
-with it) and the object cache's verdict lines (which compile took how long, and whether
+``none`` without PyTorch's ``#include <torch/types.h>``, kf.cuda.torchfree; ``split``
+kernels so and the host code in ``main.cpp``, kf.cuda.torchsplit; ``torch`` with it) and
+the object cache's verdict lines (which compile took how long, and whether
 it had the precompiled header). Runs in order:
 
 1. ``split`` layout, fresh cache: makes the precompiled header on the way;
 2. ``split``, another variant, same cache: uses it;
 3. ``split``, another variant, same cache, ``KF_TORCHFREE=0`` (``cuda.cu`` PyTorch's way);
 4. ``split`` with ``KF_PCH=0``;
-5. ``torch`` layout (kernel and wrapper in the ``.cu`` under ``torch/extension.h``: its
-   ``cuda.cu`` names torch, so it is built PyTorch's way whatever ``KF_TORCHFREE`` says).
+5. ``torch`` layout (kernel and wrapper in the ``.cu`` under ``torch/extension.h``), same
+   cache: kf splits it (kf.cuda.torchsplit: the kernels without torch, the wrapper in
+   ``main.cpp`` with the header);
+6. ``torch`` layout, another variant, same cache, ``KF_TORCHFREE=0``: PyTorch's way, the
+   whole ``.cu`` under ``torch/extension.h`` (what every such answer cost before).
 
     python bench/build_phases.py --out OUT
 
@@ -140,7 +144,8 @@ def main() -> int:
             (shared, 1, "split", {}),
             (shared, 2, "split", {"KF_TORCHFREE": "0"}),
             (Path(tmp) / "nopch", 3, "split", {"KF_PCH": "0"}),
-            (Path(tmp) / "torch", 4, "torch", {}),
+            (shared, 4, "torch", {}),
+            (shared, 5, "torch", {"KF_TORCHFREE": "0"}),
         ]
         for cache, variant, layout, env in plan:
             row = build(cache, args.task, variant, layout, {**base, **env})

@@ -122,7 +122,7 @@ for what in "$@"; do
       step box 60 python3 -c "from kf.evaluation.grader import box; print(box.probe() or 'the box works'); print(box.process_limit_note())"
       ;;
     phases)
-      step phases "${BP_LIMIT:-200}" python3 bench/build_phases.py --out "$out/bp"
+      step phases "${BP_LIMIT:-300}" python3 bench/build_phases.py --out "$out/bp"
       cp "$out/bp/"*.json "$out/" 2>/dev/null
       rm -rf "$out/bp"
       ;;
