@@ -150,6 +150,22 @@ def test_graph_figures_headline_only_when_every_side_has_one() -> None:
     assert _hold_lines(report)[0].startswith("  200 calls in a CUDA graph: none (candidate: the")
 
 
+def test_graph_mismatch_of_a_legacy_stream_launch_is_said_not_flagged() -> None:
+    """A candidate whose source launches with no stream (KernelBench's ``<<<grid,
+    block>>>``, which a CUDA graph on torch's stream does not capture) keeps the per-call
+    headline with the reason, unflagged; the same mismatch from a source that launches
+    on a stream, or none, is flagged."""
+    why = "the graph's output on other inputs differs from the same call's outside a graph"
+    half = GraphFigures(200, {"candidate": [], "eager": [0.01] * 5}, {"candidate": why}, "")
+    legacy = "k<<<(n + 255) / 256, 256>>>(x, y, n);"
+    report = with_hold(_profiled(), half, ClockWatch(None), "", legacy)
+    assert report.method == "events" and report.flags == ()
+    assert "legacy default stream" in report.graph_error and why in report.graph_error
+    for source in ("k<<<blocks, 256, 0, stream>>>(x, y, n);", "import torch", ""):
+        report = with_hold(_profiled(), half, ClockWatch(None), "", source)
+        assert [f.split(":", 1)[0] for f in report.flags] == [GRAPH_MISMATCH], source
+
+
 def test_hold_lines_state_the_clocks() -> None:
     """kf eval's profile states the clocks' range beside the figures."""
     watch = ClockWatch(_Scripted([HIGH, LOW, HIGH, HIGH]))  # type: ignore[arg-type]

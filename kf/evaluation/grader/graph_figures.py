@@ -18,6 +18,7 @@ the per-call figures are kept beside (``events_*``). Otherwise the per-call figu
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, NamedTuple
 
 import msgspec
@@ -39,6 +40,14 @@ ROUNDS, REPLAYS = 3, 5
 SIDES = ("candidate", "eager", "compiled")
 #: a graph's flag: the candidate's call captured in a graph is not its call outside one
 GRAPH_MISMATCH = "graph_mismatch"
+#: a CUDA launch with no stream (``<<<grid, block>>>`` or ``<<<grid, block, shared>>>``):
+#: it goes to the legacy default stream, which a graph captured on torch's stream does
+#: not hold, so such a kernel is not in the graph. KernelBench's own examples launch so.
+_LEGACY_LAUNCH = re.compile(r"<<<\s*[^,<>;]+,\s*[^,<>;]+(?:,\s*[^,<>;]+)?\s*>>>")
+LEGACY_STREAM_NOTE = (
+    "the source launches a kernel on the legacy default stream (<<<grid, block>>> with no "
+    "stream), which a CUDA graph on torch's stream does not capture: timed call by call"
+)
 
 
 def graph_calls(median_ms: float) -> int:
@@ -99,19 +108,33 @@ def _request(timed: Any, side: str, msg: Time) -> Timed:
 
 
 def with_hold(
-    report: ProfileReport, graph: GraphFigures | None, clocks: Any, state_found: str
+    report: ProfileReport,
+    graph: GraphFigures | None,
+    clocks: Any,
+    state_found: str,
+    source: str = "",
 ) -> ProfileReport:
     """``report`` with what issue 47 records: the clocks around its timings
     (``clocks``: a :class:`~kf.evaluation.grader.clock_watch.ClockWatch`), the device
     state a call had left, and the graph's figures, the headline chosen as the module
-    says."""
+    says. A graph whose output differs is flagged, except where ``source`` (the
+    candidate's) launches on the legacy default stream, which a graph does not capture:
+    then the reason says so, unflagged (the per-call figure is the headline either way,
+    so a candidate gains nothing from a graph that holds less)."""
     flags = list(report.flags)
     if clocks.kept_dropped:
         flags.append(f"clocks_dropped: {clocks.kept_dropped[-1]} (timed again up to 2 times)")
     if state_found:
         flags.append(f"device_state_left: {state_found} (reset before each timed call)")
     if graph is not None and graph.errors.get("candidate", "").startswith("the graph's output"):
-        flags.append(f"{GRAPH_MISMATCH}: {graph.errors['candidate']}")
+        if _LEGACY_LAUNCH.search(source):
+            errors = {
+                **graph.errors,
+                "candidate": f"{LEGACY_STREAM_NOTE} ({graph.errors['candidate']})",
+            }
+            graph = graph._replace(errors=errors)
+        else:
+            flags.append(f"{GRAPH_MISMATCH}: {graph.errors['candidate']}")
     report = msgspec.structs.replace(
         report, clocks=clocks.summary(), device_state_found=state_found, flags=tuple(flags)
     )

@@ -215,7 +215,7 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
             return _failed(stage, exc.kind, exc.error, start)
     report = _report(timed, samples, checks, fresh.runtime_ms, setup, cand.threads, start)
     found = timed.state_found or (graph.state_found if graph is not None else "")
-    report = with_hold(report, graph, timed.clocks, found)
+    report = with_hold(report, graph, timed.clocks, found, session.source)
     log.info(
         "candidate_profiled",
         task=task.name,

@@ -186,10 +186,17 @@ class CUDABackend(Backend):
         #: say, and ``state_error`` says why; the timing records it)
         self.state: DeviceState | None = None
         self.state_error = ""
+        self.machine_state = ""
         try:
             self.state = DeviceState(int(torch.cuda.current_stream(self.device).cuda_stream))
         except (OSError, AttributeError) as exc:
             self.state_error = f"device state not reset: {exc}"
+        else:
+            # the machine's own setting (a driver default, $CUDA_DEVICE_DEFAULT_PERSISTING_
+            # L2_CACHE_PERCENTAGE_LIMIT: an H100 came up with 9,830,400 bytes set aside) is
+            # reset here, before any candidate is imported, and kept apart: what a reset
+            # before a timed call finds after this, a candidate left
+            self.machine_state = self.state.reset()
 
     def synchronize(self) -> None:
         """Wait for all work on the device, every stream (``torch.cuda.synchronize``)."""
