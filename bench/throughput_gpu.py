@@ -78,6 +78,22 @@ OPS: dict[str, tuple[str, str]] = {
 }
 _TASK = re.compile(r"^#+ Task `([^`]+)`", re.MULTILINE)
 _BUILT = re.compile(r"kf\.cuda\.inline: \S+ \S+ built in ([0-9.]+)s")
+#: a build's report line and its note on how ``cuda.cu`` was built (kf.cuda.inline)
+_BUILT_NOTE = re.compile(r"kf\.cuda\.inline: \S+ \S+ built in [0-9.]+s([^\n\\]*)")
+
+
+def prelude_of(note: str) -> str:
+    """How ``cuda.cu`` was built, from a report line's note (``cuda_prelude``)."""
+    for words, prelude in (
+        ("it did not build split", "split-fallback"),
+        ("(split:", "split"),
+        ("it did not build without it", "torch-fallback"),
+        ("without PyTorch's", "none"),
+    ):
+        if words in note:
+            return prelude
+    return "torch"
+
 
 _KERNEL = r"""
 __global__ void ew_kernel(const float* __restrict__ x, float* __restrict__ y, long long n,
@@ -250,6 +266,7 @@ def analyse(db: Path) -> dict[str, Any]:
     assigned: dict[str, float] = {}
     done: dict[str, float] = {}
     builds: list[float] = []
+    preludes: list[str] = []
     phases: dict[str, dict[str, float]] = {}
     envelopes = []
     with EventLog(db, readonly=True) as log:
@@ -264,6 +281,7 @@ def analyse(db: Path) -> dict[str, Any]:
                 continue
             text = json.dumps(_builtins(event))
             builds += [float(s) for s in _BUILT.findall(text)]
+            preludes += [prelude_of(note) for note in _BUILT_NOTE.findall(text)]
             for stage_phases in re.findall(r'"phases": (\{[^{}]*\})', text):
                 bucket = phases.setdefault(env.type, {})
                 for k, v in json.loads(stage_phases).items():
@@ -288,6 +306,8 @@ def analyse(db: Path) -> dict[str, Any]:
         "span_s": round(span, 1),
         "candidates_per_min": round(len(done) / span * 60, 2),
         "per_min_after_first_verdict": round(after_first, 2) if after_first else None,
+        "first_verdict_s": round(first_done - first, 1) if done else None,
+        "cuda_preludes": {p: preludes.count(p) for p in sorted(set(preludes))},
         "first_assigned": first,
         "last_verdict": last,
         "builds_s": sorted(round(b, 2) for b in builds),
@@ -460,7 +480,7 @@ def main() -> int:
         f"KF_KEPT_RUNNERS={result['kept_runners'] or 'unset'})"
     )
     keys = ("candidates", "final_verdicts", "ends", "span_s", "candidates_per_min")
-    for key in (*keys, "per_min_after_first_verdict"):
+    for key in (*keys, "per_min_after_first_verdict", "first_verdict_s", "cuda_preludes"):
         print(f"{key}: {result.get(key)}")
     print(f"build median: {result.get('build_median_s')} s over {len(result.get('builds_s', []))}")
     print(f"GPU busy (nvidia-smi utilisation, mean over the span): {result.get('gpu_busy')}")
