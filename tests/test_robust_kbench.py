@@ -30,7 +30,10 @@ pytestmark = pytest.mark.skipif(not RK.is_dir(), reason=f"no robust-kbench copy 
 
 def _reference_copy(body: dict[str, Any]) -> dict[str, Any]:
     """The scripted model's answer: the task's own reference as ModelNew (correct, no
-    kernel: what it checks is the plumbing, not a speed-up)."""
+    kernel: what it checks is the plumbing, not a speed-up). A prompt rewrite (asked as
+    the run ends) gets a short region, not an error the client retries for seconds."""
+    if "Rewrite ONE region" in user_text(body):
+        return {"content": "```\nKeep the reference's ops.\n```"}
     name = re.search(r"# Task `([^`]+)`", user_text(body))
     assert name is not None, user_text(body)[:500]
     folder = name.group(1).removesuffix("_backward")
