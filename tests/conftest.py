@@ -62,43 +62,56 @@ def pytest_report_header() -> str | None:
 
 
 #: The slowest test files (their whole runs and real builds), slowest first, by their seconds
-#: on CI's 2-core machine (eleventh and twelfth sessions' runs). They are collected first, so
-#: that under pytest-xdist (scripts/test: --dist loadfile, --no-loadscope-reorder) the two
-#: workers start on them and the run ends on short files: xdist's own order (files with
-#: the most tests first) left these few-test files for the end, where one worker could
-#: still be on one of them, with the next queued behind it, while the other had finished.
-#: Order only; no test depends on it. A file not listed runs after these, in name order.
+#: in a whole-suite run on the 2-core machine (2026-12-07, docs/benchmarks.md). They
+#: are collected first, so that under pytest-xdist (scripts/test: --dist loadfile,
+#: --no-loadscope-reorder) the two workers start on them and the run ends on short files:
+#: xdist's own order (files with the most tests first) left these few-test files for the
+#: end, where one worker could still be on one of them, with the next queued behind it,
+#: while the other had finished. A file not listed (all under about 15 s) runs after
+#: these, in name order; a new file of whole runs or real builds belongs here, by its time.
+#: Order only; no test depends on it.
 SLOW_FILES = (
-    "test_faults.py",
+    "test_cuda_torchsplit.py",
     "test_pch.py",
     "test_build_hostile.py",
+    "test_cuda_objcache.py",
+    "test_cuda_torchfree.py",
+    "test_faults.py",
     "test_tuning.py",
     "test_sandbox_box.py",
-    "test_cuda_torchfree.py",
     "test_compile_baseline.py",
-    "test_adversarial.py",
-    "test_recovery.py",
-    "test_kernelbench.py",
-    "test_forgery.py",
-    "test_stop.py",
     "test_build_timeout.py",
-    "test_evaluation.py",
-    "test_tool_mutator.py",
-    "test_multi_device.py",
-    "test_dashboard.py",
+    "test_recovery.py",
+    "test_extract.py",
+    "test_adversarial.py",
+    "test_stop.py",
     "test_hostile.py",
+    "test_tool_mutator.py",
+    "test_dashboard.py",
+    "test_forgery.py",
+    "test_worker_trust.py",
     "test_llm_first_generation.py",
-    "test_loop.py",
+    "test_evaluation.py",
+    "test_kernelbench.py",
+    "test_multi_device.py",
+    "test_trust.py",
+    "test_inline_build_box.py",
+    "test_cli_refusals.py",
+    "test_baseline_settings.py",
     "test_log_integrity.py",
     "test_llm_run.py",
-    "test_inline_build_box.py",
-    "test_cuda_objcache.py",
-    "test_timing_load.py",
-    "test_baseline_settings.py",
-    "test_cli_refusals.py",
-    "test_trust.py",
+    "test_numerics.py",
+    "test_robust_kbench.py",
+    "test_lesson_trust.py",
     "test_eval_memory.py",
     "test_shared_memory.py",
+    "test_loop.py",
+    "test_timing_load.py",
+    "test_runner_reuse.py",
+    "test_bench_seeds.py",
+    "test_runtime.py",
+    "test_task_packages.py",
+    "test_duplicates.py",
 )
 
 
