@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from kf.cuda import inline, torchfree
-from kf.evaluation.grader import box, inline_writer
+from kf.evaluation.grader import box, builds, inline_writer
 from kf.evaluation.grader.builds import _own_toolchain, build_inline
 
 pytestmark = pytest.mark.skipif(box.probe() is not None, reason=f"no box here: {box.probe()}")
@@ -126,6 +126,8 @@ def test_a_candidate_cannot_replace_the_shared_precompiled_header(
     hostile = _torch_call(extra_ldflags=[f"-Wl,-Map={target}"])
     assert inline.pch_key(inline.build_material(inline.bound_arguments(**hostile)), env) == key
     build_inline(hostile, env, 600)
+    # the header is made in the background (the first build does not wait for it)
+    assert builds.wait_for_pch(inline.bound_arguments(**_torch_call()), env, 600)
     shared = inline.cache_root() / "pch" / key
     assert pch_mod.usable(shared)
     made = (shared / pch_mod.GCH).read_bytes()

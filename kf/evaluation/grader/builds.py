@@ -300,6 +300,18 @@ def make_pch(arguments: dict[str, Any], env: dict[str, Any], limit_s: float) -> 
     return "ok" if pch_mod.usable(shared) else "another step did not make it"
 
 
+def wait_for_pch(arguments: dict[str, Any], env: dict[str, Any], limit_s: float) -> bool:
+    """Wait, at most ``limit_s``, until no step is making the header a build of
+    ``arguments`` (bound) and ``env`` would read (it is made in the background:
+    :func:`_pch_folders`); whether it is there now. Makes nothing itself."""
+    from kf.cuda import pch as pch_mod
+
+    pch, shared = _pch_place(arguments, env)
+    with _pch_done:
+        _pch_done.wait_for(lambda: pch not in _pch_making, limit_s)
+    return pch_mod.usable(shared)
+
+
 @contextlib.contextmanager
 def _pch_folders(
     arguments: dict[str, Any], env: dict[str, Any], wait_s: float = 0.0, make_s: float = 0.0
