@@ -19,7 +19,7 @@ from agents.archivist import Archivist
 from kf import bus
 from kf.agent import AgentContext
 from kf.bus import EmbeddedServer
-from kf.events import make_envelope
+from kf.events import device_event_id, make_envelope
 from kf.facts import DeviceAnnounced, DeviceHeartbeat
 from kf.log import EventLog
 from kf.runtime import Outbox
@@ -151,7 +151,13 @@ async def test_recovery_archivist_cut_off_from_nats_declares_no_device_lost(
     outbox_task = asyncio.create_task(outbox.run())
 
     def emit(ev: object) -> None:
-        outbox.put([make_envelope(ev, run_id=run, source="hardware@t")])  # type: ignore[arg-type]
+        envelope = make_envelope(
+            ev,  # type: ignore[arg-type]
+            run_id=run,
+            source="hardware@t",
+            event_id=device_event_id("d1"),
+        )
+        outbox.put([envelope])
 
     async def beat() -> None:
         while True:
