@@ -152,6 +152,11 @@ class Tally(msgspec.Struct, kw_only=True):
     timed: int = 0
     gain_sum: float = 0.0
 
+    @classmethod
+    def of(cls, lesson: Lesson) -> Tally:
+        """The counts ``lesson`` carries."""
+        return cls(**{f: getattr(lesson, f) for f in cls.__struct_fields__})
+
     def count(self, outcome: str, gain: float | None) -> None:
         """One controlled comparison more."""
         self.comparisons += 1
@@ -184,15 +189,7 @@ class Trust(msgspec.Struct, kw_only=True):
 def loaded(trust: Trust, ev: LessonsLoaded) -> None:
     """The run's library: each lesson's counts start from its own."""
     for x in ev.lessons:
-        trust.tally[x.lesson_id] = Tally(
-            status=x.status,
-            uses=x.uses,
-            comparisons=x.comparisons,
-            wins=x.wins,
-            dry=x.dry,
-            timed=x.timed,
-            gain_sum=x.gain_sum,
-        )
+        trust.tally[x.lesson_id] = Tally.of(x)
 
 
 def chosen(trust: Trust, ev: PromptChosen) -> None:
@@ -317,15 +314,7 @@ def counted(lesson: Lesson, run_id: str, events: Iterable[Any]) -> Lesson:
     resumed run's second write-back changes nothing)."""
     if run_id in lesson.counted_runs:
         return lesson
-    t = Tally(
-        status=lesson.status,
-        uses=lesson.uses,
-        comparisons=lesson.comparisons,
-        wins=lesson.wins,
-        dry=lesson.dry,
-        timed=lesson.timed,
-        gain_sum=lesson.gain_sum,
-    )
+    t = Tally.of(lesson)
     for ev in events:
         if isinstance(ev, PromptChosen) and ev.arm == "lessons" and lesson.lesson_id in ev.lessons:
             t.uses += 1
@@ -337,7 +326,7 @@ def counted(lesson: Lesson, run_id: str, events: Iterable[Any]) -> Lesson:
             and t.status != "retired"
         ):
             t.status = "verified" if isinstance(ev, LessonVerified) else "retired"
-    if t == Tally(**{f: getattr(lesson, f) for f in Tally.__struct_fields__}):
+    if t == Tally.of(lesson):
         return lesson
     runs = (*lesson.counted_runs, run_id)[-64:]
     return msgspec.structs.replace(lesson, **msgspec.structs.asdict(t), counted_runs=runs)
