@@ -10,7 +10,7 @@ import os
 import stat
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -49,33 +49,51 @@ def test_no_prewarm_without_an_architecture_or_a_box(
     assert "not boxed" in pch_prewarm.prewarm_now("cuda:0")
 
 
-def test_pch_first_build_does_not_wait_for_a_slow_header(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+class _HeldStep(NamedTuple):
+    """The grader's header step, replaced by one held until ``release`` is set: it
+    records each folder it was asked to make (``steps``), sets ``making`` when it starts
+    and ``published`` when released; a folder reads as usable once published."""
+
+    published: threading.Event
+    making: threading.Event
+    release: threading.Event
+    steps: list[Path]
+    args: dict[str, Any]
+    env: dict[str, Any]
+
+
+@pytest.fixture
+def held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> _HeldStep:
+    """A header step held until released, for a C++ call's key (see :class:`_HeldStep`)."""
+    from kf.cuda import pch as pch_mod
+
+    step = _HeldStep(threading.Event(), threading.Event(), threading.Event(), [], {}, {})
+
+    def make(arguments: Any, env: Any, shared: Path, limit_s: float) -> str:
+        step.steps.append(shared)
+        step.making.set()
+        assert step.release.wait(60)
+        step.published.set()
+        return "ok"
+
+    monkeypatch.setattr(pch_mod, "usable", lambda folder: step.published.is_set())
+    monkeypatch.setattr(builds, "_make_pch", make)
+    monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KF_PCH", "all")
+    step.args.update(name="x", cpp_sources="", with_cuda=False)
+    step.env.update(builds.toolchain(None))
+    return step
+
+
+def test_pch_first_build_does_not_wait_for_a_slow_header(held: _HeldStep) -> None:
     """While the grader's step makes a header (held here until released), the first build
     of its key goes on without it at once, a second waits for the first to be done (one
     compile of torch/extension.h at a time beside the step), one that may not wait goes
     on, and a build after the step reads the published header; the step runs once and no
     build box is ever given a folder to make one in."""
     from kf.cuda import inline
-    from kf.cuda import pch as pch_mod
 
-    published, making, release = threading.Event(), threading.Event(), threading.Event()
-    steps: list[Path] = []
-
-    def make(arguments: Any, env: Any, shared: Path, limit_s: float) -> str:
-        steps.append(shared)
-        making.set()
-        assert release.wait(60)
-        published.set()
-        return "ok"
-
-    monkeypatch.setattr(pch_mod, "usable", lambda folder: published.is_set())
-    monkeypatch.setattr(builds, "_make_pch", make)
-    monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("KF_PCH", "all")
-    args: dict[str, Any] = {"name": "x", "cpp_sources": "", "with_cuda": False}
-    env = builds.toolchain(None)
+    published, making, release, steps, args, env = held
     pch = inline.pch_key(args, env)
     seen: dict[str, Any] = {}
     inside = {name: threading.Event() for name in ("first", "second")}
@@ -104,8 +122,7 @@ def test_pch_first_build_does_not_wait_for_a_slow_header(
     leave["second"].set()
     second.join(60)
     release.set()
-    with builds._pch_done:
-        assert builds._pch_done.wait_for(lambda: pch not in builds._pch_making, 60)
+    assert builds.wait_for_pch(args, env, 60)
     build("after", 60.0)
     assert [seen[n][1] for n in ("first", "second", "impatient", "after")] == [
         False,
@@ -118,29 +135,10 @@ def test_pch_first_build_does_not_wait_for_a_slow_header(
     assert not any("KF_PCH_MAKE" in box_env for box_env, _ in seen.values())
 
 
-def test_pch_make_waits_for_a_step_in_progress(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_pch_make_waits_for_a_step_in_progress(held: _HeldStep) -> None:
     """The prewarm's :func:`builds.make_pch` makes the header in its own thread, and a
     second caller for the same key waits for that step instead of running another."""
-    from kf.cuda import pch as pch_mod
-
-    published, making, release = threading.Event(), threading.Event(), threading.Event()
-    steps: list[Path] = []
-
-    def make(arguments: Any, env: Any, shared: Path, limit_s: float) -> str:
-        steps.append(shared)
-        making.set()
-        assert release.wait(60)
-        published.set()
-        return "ok"
-
-    monkeypatch.setattr(pch_mod, "usable", lambda folder: published.is_set())
-    monkeypatch.setattr(builds, "_make_pch", make)
-    monkeypatch.setenv("KF_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("KF_PCH", "all")
-    args: dict[str, Any] = {"name": "x", "cpp_sources": "", "with_cuda": False}
-    env = builds.toolchain(None)
+    _, making, release, steps, args, env = held
     said: list[str] = []
     first = threading.Thread(target=lambda: said.append(builds.make_pch(args, env, 60.0)))
     first.start()
