@@ -9,7 +9,9 @@
 #   bench/gpu_check.sh OUT kernelbench # kf run on shared-kb/level1 with the scripted LLM
 #   bench/gpu_check.sh OUT kbtable     # bench/kernelbench.py on shared-kb/kb/<level>, resumable
 #   bench/gpu_check.sh OUT throughput  # bench/throughput_gpu.py: candidates per minute, its
-#                                      # log kept as OUT/throughput.db and replayed (--check)
+#                                      # log kept as OUT/throughput_<layout>.db and replayed
+#                                      # (--check); throughput-split / throughput-torch name
+#                                      # the layout
 #   bench/gpu_check.sh OUT box         # the box's probe and its process-limit mode
 #   bench/gpu_check.sh OUT phases      # bench/build_phases.py: one build at a time, alone
 #   bench/gpu_check.sh OUT extract     # bench/extract_gpu.py: the bf16 decoder block's tasks
@@ -90,15 +92,18 @@ for what in "$@"; do
       [ -f "$out/kbt/kernelbench.db" ] && backup "$out/kbt/kernelbench.db" "$out/kbt-$lvl.db" \
         && rm -f "$out/kbt/kernelbench.db"*
       ;;
-    throughput)
+    throughput|throughput-split|throughput-torch)
       # TP_LAYOUT (split), TP_BUDGET (6 a task), TP_LIMIT (480 s), TP_ARGS: candidates per
-      # minute of kf run on shared-kb/kb/level1's elementwise tasks at v0 sizes
-      step "throughput-${TP_LAYOUT:-split}" "${TP_LIMIT:-480}" python3 bench/throughput_gpu.py \
-        --kernelbench shared-kb/kb/level1 --out "$out/tp" --layout "${TP_LAYOUT:-split}" \
+      # minute of kf run on shared-kb/kb/level1's elementwise tasks at v0 sizes;
+      # throughput-split and throughput-torch name the layout, so one call runs both
+      lay=${TP_LAYOUT:-split}
+      [ "$what" != throughput ] && lay=${what#throughput-}
+      step "throughput-$lay" "${TP_LIMIT:-480}" python3 bench/throughput_gpu.py \
+        --kernelbench shared-kb/kb/level1 --out "$out/tp" --layout "$lay" \
         --budget "${TP_BUDGET:-6}" --timeout "$(( ${TP_LIMIT:-480} - 30 ))" ${TP_ARGS:-}
-      cp "$out/tp/throughput_gpu_${TP_LAYOUT:-split}.json" "$out/" 2>/dev/null
-      [ -f "$out/tp/throughput_${TP_LAYOUT:-split}.db" ] && backup "$out/tp/throughput_${TP_LAYOUT:-split}.db" "$out/throughput.db" \
-        && step replay 120 python3 -m kf.app.cli replay --check "$out/throughput.db"
+      cp "$out/tp/throughput_gpu_$lay.json" "$out/" 2>/dev/null
+      [ -f "$out/tp/throughput_$lay.db" ] && backup "$out/tp/throughput_$lay.db" "$out/throughput_$lay.db" \
+        && step "replay-$lay" 120 python3 -m kf.app.cli replay --check "$out/throughput_$lay.db"
       rm -rf "$out/tp"
       ;;
     venv)
