@@ -166,6 +166,29 @@ def test_graph_mismatch_of_a_legacy_stream_launch_is_said_not_flagged() -> None:
         assert [f.split(":", 1)[0] for f in report.flags] == [GRAPH_MISMATCH], source
 
 
+def test_graph_mismatch_legacy_launches_read_as_their_configuration() -> None:
+    """A launch's configuration is split at its top-level commas: ``dim3(a, b)`` grids with
+    no stream, or stream ``0``, are the legacy stream (said, unflagged); a ``dim3`` launch
+    on a stream, or a legacy launch only in a comment, is flagged."""
+    why = "the graph's output on other inputs differs from the same call's outside a graph"
+    half = GraphFigures(200, {"candidate": [], "eager": [0.01] * 5}, {"candidate": why}, "")
+    said = (
+        "k<<<dim3(gx, gy), dim3(16, 16)>>>(x, y, n);",
+        "k<<<dim3(gx, gy), dim3(16, 16), 0, 0>>>(x, y, n);",
+        "k<<<grid, block, smem, nullptr>>>(x, y, n);",
+    )
+    flagged = (
+        "k<<<dim3(gx, gy), dim3(16, 16), 0, stream>>>(x, y, n);",
+        "// k<<<g, b>>>(x, y, n);\nk<<<g, b, 0, at::cuda::getCurrentCUDAStream()>>>(x, y, n);",
+    )
+    for source in said:
+        report = with_hold(_profiled(), half, ClockWatch(None), "", source)
+        assert report.flags == () and "legacy default stream" in report.graph_error, source
+    for source in flagged:
+        report = with_hold(_profiled(), half, ClockWatch(None), "", source)
+        assert [f.split(":", 1)[0] for f in report.flags] == [GRAPH_MISMATCH], source
+
+
 def test_hold_lines_state_the_clocks() -> None:
     """kf eval's profile states the clocks' range beside the figures."""
     watch = ClockWatch(_Scripted([HIGH, LOW, HIGH, HIGH]))  # type: ignore[arg-type]

@@ -70,6 +70,9 @@ from pathlib import Path
 from typing import Any
 
 from kf.cuda import torchfree
+from kf.kernels.launches import LAUNCH as _LAUNCH
+from kf.kernels.launches import blank as _blank
+from kf.kernels.launches import split_top as _split_top
 
 __all__ = ["LAUNCHER_PREFIX", "VERSION", "Split", "cuda_only_names", "split", "why_not"]
 
@@ -164,7 +167,6 @@ _DEFINE = re.compile(r"#\s*define\s+([A-Za-z_]\w*)(\()?")
 _INCLUDE = re.compile(r"#\s*include\s*([<\"])([^>\"]+)[>\"]\s*$")
 _LITERAL_VALUE = re.compile(r"[\s\w.+\-*/%()<>|&^~]*")
 _DECLARATION = re.compile(r"[\w:<>,\s*&]+?[\s*&]([A-Za-z_]\w*)\s*\([^;{}]*\)\s*;", re.DOTALL)
-_LAUNCH = re.compile(r"([A-Za-z_]\w*)\s*<<<(.*?)>>>\s*\(", re.DOTALL)
 
 
 @dataclass
@@ -196,39 +198,6 @@ class Split:
 
 class _Refused(Exception):
     """Why a source is not split (one line)."""
-
-
-def _blank(text: str) -> str:
-    """``text`` the same length, comments blanked (newlines kept) and the insides of
-    string and character literals blanked (their quotes kept)."""
-    out = list(text)
-    i, n = 0, len(text)
-
-    def clear(a: int, b: int) -> None:
-        for k in range(a, b):
-            if out[k] != "\n":
-                out[k] = " "
-
-    while i < n:
-        if text.startswith("//", i):
-            end = text.find("\n", i)
-            end = n if end < 0 else end
-            clear(i, end)
-            i = end
-        elif text.startswith("/*", i):
-            end = text.find("*/", i + 2)
-            end = n if end < 0 else end + 2
-            clear(i, end)
-            i = end
-        elif text[i] == '"' or (text[i] == "'" and not (i and text[i - 1].isalnum())):
-            j = i + 1
-            while j < n and text[j] != text[i] and text[j] != "\n":
-                j += 2 if text[j] == "\\" else 1
-            clear(i + 1, min(j, n))
-            i = j + 1
-        else:
-            i += 1
-    return "".join(out)
 
 
 def _top_level(text: str, masked: str) -> list[tuple[str, str, str]]:
@@ -392,20 +361,6 @@ def _parameters(kernel: str, text: str) -> tuple[str, list[str]]:
             raise _Refused(f"kernel {kernel} has an unnamed parameter")
         names.append(words[-1])
     return " ".join(listed.split()), names
-
-
-def _split_top(config: str) -> list[str]:
-    parts, depth, last = [], 0, 0
-    for i, char in enumerate(config):
-        if char in "([{":
-            depth += 1
-        elif char in ")]}":
-            depth -= 1
-        elif char == "," and depth == 0:
-            parts.append(config[last:i])
-            last = i + 1
-    parts.append(config[last:])
-    return parts
 
 
 def _closing(masked: str, open_at: int) -> int:

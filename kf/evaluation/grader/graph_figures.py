@@ -18,7 +18,6 @@ the per-call figures are kept beside (``events_*``). Otherwise the per-call figu
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, NamedTuple
 
 import msgspec
@@ -27,6 +26,7 @@ from kf.evaluation.grader.measuring import turn
 from kf.evaluation.grader.sandbox import RunnerFailed
 from kf.evaluation.grader.timing_checks import timing_stats
 from kf.evaluation.wire.protocol import Time, Timed
+from kf.kernels.launches import legacy_stream_launch
 from kf.reports import ProfileReport
 
 __all__ = ["GRAPH_BELOW_MS", "GraphFigures", "graph_calls", "graph_timing", "with_hold"]
@@ -40,10 +40,8 @@ ROUNDS, REPLAYS = 3, 5
 SIDES = ("candidate", "eager", "compiled")
 #: a graph's flag: the candidate's call captured in a graph is not its call outside one
 GRAPH_MISMATCH = "graph_mismatch"
-#: a CUDA launch with no stream (``<<<grid, block>>>`` or ``<<<grid, block, shared>>>``):
-#: it goes to the legacy default stream, which a graph captured on torch's stream does
-#: not hold, so such a kernel is not in the graph. KernelBench's own examples launch so.
-_LEGACY_LAUNCH = re.compile(r"<<<\s*[^,<>;]+,\s*[^,<>;]+(?:,\s*[^,<>;]+)?\s*>>>")
+#: a kernel launched on the legacy default stream (``<<<grid, block>>>``, no stream, as
+#: KernelBench's own examples launch) is not in a graph captured on torch's stream
 LEGACY_STREAM_NOTE = (
     "the source launches a kernel on the legacy default stream (<<<grid, block>>> with no "
     "stream), which a CUDA graph on torch's stream does not capture: timed call by call"
@@ -127,7 +125,7 @@ def with_hold(
     if state_found:
         flags.append(f"device_state_left: {state_found} (reset before each timed call)")
     if graph is not None and graph.errors.get("candidate", "").startswith("the graph's output"):
-        if _LEGACY_LAUNCH.search(source):
+        if legacy_stream_launch(source):
             errors = {
                 **graph.errors,
                 "candidate": f"{LEGACY_STREAM_NOTE} ({graph.errors['candidate']})",
