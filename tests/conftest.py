@@ -115,6 +115,38 @@ SLOW_FILES = (
 )
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """With $KF_TEST_PROFILE set (a path prefix), one JSON line per test to
+    ``<prefix>.<worker>.jsonl``: its file, wall seconds (setup, call and teardown) and
+    the CPU seconds of the test process and the children it reaped meanwhile, so that
+    bench/suite_profile.py can tell tests that compute from tests that wait."""
+    prefix = os.environ.get("KF_TEST_PROFILE")
+    if not prefix:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    wall0, cpu0 = time.monotonic(), cpu()
+    yield
+    line = {
+        "test": item.nodeid,
+        "file": item.path.name,
+        "wall_s": round(time.monotonic() - wall0, 3),
+        "cpu_s": round(cpu() - cpu0, 3),
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+    }
+    with open(f"{prefix}.{line['worker']}.jsonl", "a") as out:
+        out.write(json.dumps(line) + "\n")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The files of SLOW_FILES first, in its order; each file's tests keep their order."""
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
