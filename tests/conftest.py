@@ -115,6 +115,41 @@ SLOW_FILES = (
 )
 
 
+#: The files whose time is mostly compiling (nvcc and g++ over torch's headers, each build
+#: on both cores): under pytest-xdist they form one unit of work, run one after another by
+#: one worker, so that two of them never compile side by side (each then took about twice
+#: as long) and the other workers run the files that wait on whole runs meanwhile.
+COMPILE_LANE = {
+    "test_cuda_torchsplit.py",
+    "test_pch.py",
+    "test_build_hostile.py",
+    "test_cuda_objcache.py",
+    "test_cuda_torchfree.py",
+    "test_tuning.py",
+    "test_compile_baseline.py",
+    "test_build_timeout.py",
+    "test_inline_build_box.py",
+    "test_pch_prewarm.py",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under ``--dist loadfile``: each file is a unit of work, as xdist's own, except the
+    files of :data:`COMPILE_LANE`, which are one unit (at the place of the first of them
+    in the collection order)."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class CompileLane(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "compile-lane" if Path(path).name in COMPILE_LANE else path
+
+    return CompileLane(config, log)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     """With $KF_TEST_PROFILE set (a path prefix), one JSON line per test to
