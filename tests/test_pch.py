@@ -37,23 +37,34 @@ def _flags() -> list[str]:
     return ["-DTORCH_API_INCLUDE_EXTENSION_H", *paths, "-isystem", include, "-fPIC", "-std=c++17"]
 
 
-def _compile(
-    folder: Path, env: dict[str, str], *pch_folders: str
-) -> subprocess.CompletedProcess[str]:
-    """Compile folder/main.cpp through the object-cache launcher as ninja would, with
-    the launcher's ``--pch-dir``/``--pch-make`` options ``pch_folders``."""
+def _start(folder: Path, env: dict[str, str], *pch_folders: str) -> subprocess.Popen[str]:
+    """Start compiling folder/main.cpp through the object-cache launcher as ninja would,
+    with the launcher's ``--pch-dir``/``--pch-make`` options ``pch_folders``."""
     command = [sys.executable, "-m", "kf.cuda.objcache", *pch_folders, str(GXX)]
     command += ["-MMD", "-MF", "main.o.d"]
     command += ["-DTORCH_EXTENSION_NAME=kf_pch_test", *_flags(), "-c", "main.cpp", "-o", "main.o"]
-    return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
+    return subprocess.Popen(
+        command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _compile(
+    folder: Path, env: dict[str, str], *pch_folders: str
+) -> subprocess.CompletedProcess[str]:
+    """:func:`_start`, waited for."""
+    proc = _start(folder, env, *pch_folders)
+    out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """main.cpp compiled twice through the launcher, in two caches: with the header made
-    on the way (``KF_PCH_MAKE``), and with none."""
+    on the way (``KF_PCH_MAKE``), and with none (both at once: the second core compiles
+    the plain one while the first makes the header)."""
     root = tmp_path_factory.mktemp("pch")
     results: dict[str, object] = {"folder": root / "pch" / "k"}
+    procs = {}
     for arm in ("with", "without"):
         folder = root / arm
         folder.mkdir()
@@ -61,10 +72,12 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         env = {**os.environ, "KF_CACHE_DIR": str(root / f"cache-{arm}")}
         where = str(results["folder"])
         options = ("--pch-dir", where, "--pch-make", where) if arm == "with" else ()
-        proc = _compile(folder, env, *options)
-        assert proc.returncode == 0, proc.stderr
-        results[arm] = (folder / "main.o").read_bytes()
-        results[f"{arm}_log"] = proc.stderr
+        procs[arm] = _start(folder, env, *options)
+    logs = {arm: proc.communicate()[1] for arm, proc in procs.items()}
+    for arm, proc in procs.items():
+        assert proc.returncode == 0, logs[arm]
+        results[arm] = (root / arm / "main.o").read_bytes()
+        results[f"{arm}_log"] = logs[arm]
     return results
 
 
