@@ -91,22 +91,59 @@ __global__ void kf_math(float* y) { y[0] = kf_undeclared_value; }
 
 ARGS = {"name": "kf_tf", "cpp_sources": WRAPPER, "functions": ["kf_run"]}
 
-#: run in a child: the CUDA_HOME patch and the stand-in libraries stay out of pytest
+#: run in a child: the CUDA_HOME patch and the stand-in libraries stay out of pytest. The
+#: steps are forked off all at once after the imports (the builds are independent: their
+#: keys differ, and the cache's locks make one compile of a shared ``main.cpp`` serve the
+#: others), so a build that waits on one core leaves the other to the next step; each
+#: step's output goes to a file of its own, given back in the plan's order.
 _CHILD = r"""
-import json, os, sys
+import json, os, sys, traceback
 import torch.utils.cpp_extension as ext
 if ext.CUDA_HOME is None:  # a CPU-only wheel: it would refuse to build CUDA sources
     ext.CUDA_HOME = os.environ["KF_TEST_CUDA_HOME"]
 from kf.cuda import inline
 inline.install()
-out = []
-for step in json.loads(sys.argv[1]):
-    os.environ["KF_TORCHFREE"] = step["torchfree"]
+plan, folder = json.loads(sys.argv[1]), sys.argv[2]
+
+def step(i, s):
+    log = os.open(os.path.join(folder, f"{i}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ["KF_TORCHFREE"] = s["torchfree"]
     try:
-        ext.load_inline(**step["args"])
-        out.append({"ok": True, "record": dict(inline.builds()[-1])})
+        ext.load_inline(**s["args"])
+        out = {"ok": True, "record": dict(inline.builds()[-1])}
     except Exception as exc:
-        out.append({"ok": False, "error": str(exc)})
+        out = {"ok": False, "error": str(exc)}
+    with open(os.path.join(folder, f"{i}.json"), "w") as result:
+        json.dump(out, result)
+
+sys.stdout.flush()
+sys.stderr.flush()
+children = []
+for i, s in enumerate(plan):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            step(i, s)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+    children.append(pid)
+for pid in children:
+    os.waitpid(pid, 0)
+out = []
+for i in range(len(plan)):
+    with open(os.path.join(folder, f"{i}.log")) as log:
+        sys.stdout.write(log.read())
+    path = os.path.join(folder, f"{i}.json")
+    if not os.path.exists(path):
+        sys.exit(f"step {i} gave no result")
+    with open(path) as result:
+        out.append(json.load(result))
 print("KF_RESULT " + json.dumps(out))
 """
 
@@ -134,8 +171,9 @@ def _cuda_home() -> str:
 
 
 def build(root: Path, plan: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
-    """Run kf's ``load_inline`` for each step of ``plan`` in a child, in one cache: each
-    step's outcome, and all the child printed (with ``KF_CUDA_REPORT``'s lines)."""
+    """Run kf's ``load_inline`` for each step of ``plan`` in a child, all at once, in one
+    cache: each step's outcome, and all the child printed (with ``KF_CUDA_REPORT``'s
+    lines), step by step in the plan's order."""
     cuda_home = _cuda_home()
     stubs = root / "stubs"
     if torch.version.cuda is None:
@@ -154,8 +192,10 @@ def build(root: Path, plan: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
         "LD_LIBRARY_PATH": os.pathsep.join([*libs, os.environ.get("LD_LIBRARY_PATH", "")]),
         "PATH": os.pathsep.join([os.path.join(cuda_home, "bin"), os.environ["PATH"]]),
     }
+    steps = root / "steps"
+    steps.mkdir()
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(plan)],
+        [sys.executable, "-c", _CHILD, json.dumps(plan), str(steps)],
         env=env,
         capture_output=True,
         text=True,
@@ -357,7 +397,8 @@ def test_the_sources_and_flags_are_pytorchs(builds: dict[str, Any]) -> None:
     launchers = re.compile(r"/bin/(c\+\+|nvcc)-[0-9a-f]{16}")
     ninja_a = launchers.sub(r"/bin/\1", (a / "build.ninja").read_text().replace(a.name, "<key>"))
     ninja_b = launchers.sub(r"/bin/\1", (b / "build.ninja").read_text().replace(b.name, "<key>"))
-    assert ninja_a.replace(".build-", "") == ninja_b.replace(".build-", "")
+    work = re.compile(r"\.build-\d+")  # each build's work folder (its process id)
+    assert work.sub("", ninja_a) == work.sub("", ninja_b)
     assert (a / "main.o").read_bytes() == (b / "main.o").read_bytes()
 
 
