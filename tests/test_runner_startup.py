@@ -9,6 +9,7 @@ an honest one is not, through real runners) are tests/test_evaluation.py's
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kf.bus import EmbeddedServer
 from kf.evaluation import RunnerPool
 from kf.evaluation.runner.guard import OpRecorder
 from kf.evaluation.wire.protocol import Ping, Pong
@@ -131,3 +133,31 @@ def test_a_runner_warmed_for_the_gpu_has_its_context_and_no_dynamo() -> None:
             assert isinstance(handle.request(Ping(), 60.0), Pong)
     finally:
         pool.close()
+
+
+def test_run_without_worker_keeps_no_idle_runners_after_its_task_check(
+    nats_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """``kf run --no-worker`` evaluates nothing after checking its tasks, so once the run
+    has started no runner is left below it (warm idle ones would each have imported
+    torch for nothing: about 1.3 s of a core apiece)."""
+    from kf.shutdown import descendants
+    from tests.test_faults import kf_proc, of_type, run_args, stop, wait_until
+
+    def runners() -> list[str]:
+        cmds = []
+        for pid in descendants(main.pid):
+            with contextlib.suppress(OSError):
+                cmds.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "))
+        return [c.decode() for c in cmds if b"kf.evaluation.runner" in c]
+
+    db = tmp_path / "run.db"
+    main = kf_proc(*run_args(nats_server.url, db, "no-worker", 1, "--no-worker"))
+    try:
+        wait_until(lambda: of_type(db, "run.started") or main.poll() is not None, 120, "start")
+        assert main.poll() is None, main.communicate()[1][-3000:]
+        assert of_type(db, "kernel.task_checked")  # the check ran in a runner
+        wait_until(lambda: not runners(), 30, "no runner left below kf run --no-worker")
+    finally:
+        stop(main)
+        main.communicate()

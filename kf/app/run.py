@@ -104,6 +104,10 @@ def prepare_run(request: RunRequest) -> RunPlan:
                 from kf.app.orchestra import prepare_worker
 
                 prepare_worker(request.device)
+            else:  # the check is all this process evaluates: no idle runners warmed for later
+                from kf.evaluation.grader.sandbox import configure_default_pool
+
+                configure_default_pool(size=0, warm=settings.runner_warm)
             checked = check_tasks(
                 tasks,
                 device,
