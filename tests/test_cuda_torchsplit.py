@@ -166,8 +166,8 @@ def test_torchsplit_blocks_names_cuda_declares_for_nvcc_only() -> None:
     assert not {"cudaGetLastError", "cudaMemcpy", "TORCH_CHECK", "if", "sizeof"} & names
 
 
-#: the builds' tests: three nvcc builds (one with PyTorch's headers, about 4 minutes on
-#: the shared 2-core machine, all in the first test's setup)
+#: the builds' tests: three builds, run at once in the first test's setup (some 190 CPU-s
+#: in all; the longest, nvcc over PyTorch's headers in the answer's cuda.cu, about 85)
 _compiles = pytest.mark.timeout(900)
 
 
