@@ -451,3 +451,65 @@ def test_a_reference_runner_is_dropped_for_its_own_failure_only() -> None:
         assert pool._refs["task"] == [] and ref.closed
     finally:
         pool.close()
+
+
+def test_a_profile_without_the_compiled_baseline_does_not_wait_for_its_runner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A profile that times against eager only (a tuner's trial, ``compile_baseline``
+    False) takes another reference runner at once while the one holding the task's
+    compiled baseline is leased elsewhere: it has nothing to gain from that runner, and
+    its wait (``BASELINE_WAIT_S``) would hold the device's turn."""
+    import threading
+
+    from kf.evaluation.grader import profiling
+    from kf.evaluation.grader.session import GradingSession
+
+    monkeypatch.setattr(profiling, "BASELINE_WAIT_S", 300.0)
+    task = load_task(EVAL / "task_uncompilable.py")
+    source = (EVAL / "honest_twice.py").read_text()
+    pool = RunnerPool(size=1, references=4)
+    key = GradingSession(task, source, device="cpu", pool=pool).reference_key
+    mode = GradingSession(task, source, device="cpu", pool=pool).cond.compile_mode
+    used: list[Any] = []
+    lease = pool.reference_lease
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        cm = lease(*args, **kwargs)
+
+        class Spy:
+            def __enter__(self) -> Any:
+                used.append(cm.__enter__())
+                return used[-1]
+
+            def __exit__(self, *exc: Any) -> Any:
+                return cm.__exit__(*exc)
+
+        return Spy()
+
+    try:
+        with pool.reference_lease(key) as holder:
+            holder.baselines.add(mode)  # as if it had compiled the baseline
+        leased, back = threading.Event(), threading.Event()
+
+        def verification() -> None:  # holds the baselined runner until the profile ends
+            with pool.reference_lease(key):
+                leased.set()
+                back.wait(120)
+
+        other = threading.Thread(target=verification)
+        other.start()
+        assert leased.wait(60)
+        monkeypatch.setattr(pool, "reference_lease", spied)
+        safety = threading.Timer(60.0, back.set)  # a profile that waits gets it then
+        safety.start()
+        try:
+            report = profile_candidate(task, source, pool=pool, compile_baseline=False, **FAST)
+        finally:
+            back.set()
+            safety.cancel()
+            other.join(60)
+        assert report.ok, report.error
+        assert used and all(handle is not holder for handle in used)
+    finally:
+        pool.close()

@@ -171,8 +171,12 @@ def _profile(stage: Stage, options: Timing, compile_baseline: bool) -> ProfileRe
     """
     session, task, device, seed = stage.session, stage.task, stage.device, stage.session.seed
     with (
+        # only a profile that times the compiled baseline waits for the runner holding
+        # it (one timed against eager, a tuner's trial, has nothing to gain from it)
         stage.reference_lease(
-            trimmed=True, prefer=has_baseline(session), wait_s=BASELINE_WAIT_S
+            trimmed=True,
+            prefer=has_baseline(session),
+            wait_s=BASELINE_WAIT_S if compile_baseline else 0.0,
         ) as ref,
         stage.candidate_lease() as cand,
     ):
