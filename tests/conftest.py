@@ -37,6 +37,13 @@ os.environ.setdefault("KF_TRUSTED_DEVICES", "*")
 # the suite's runs do not look at those figures. The shared search run measures
 # (tests/shared_runs.py; tests/test_loop.py asserts the figure), as do the probe's own tests.
 os.environ.setdefault("KF_DEVICE_MEASURE", "0")
+# Each kf process keeps idle runners warm (default 2), and most of the suite's whole runs
+# evaluate one to four candidates: the runners that only imported torch (about 1.35 CPU-s
+# each) were a large share of the suite's CPU (test_faults started 72 runners at 2, 52 at
+# 1: docs/decisions.md). One idle runner keeps the warm path production takes (an idle
+# runner taken, a replacement started, a CPU timing waiting for it); the tests of the
+# default size unset it.
+os.environ.setdefault("KF_EVAL_POOL", "1")
 
 
 def _box_unavailable() -> str | None:
