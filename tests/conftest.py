@@ -76,7 +76,9 @@ def pytest_report_header() -> str | None:
 #: end, where one worker could still be on one of them, with the next queued behind it,
 #: while the other had finished. A file not listed (all under about 15 s) runs after
 #: these, in name order; a new file of whole runs or real builds belongs here, by its time.
-#: Order only; no test depends on it.
+#: The files of :data:`COMPILE_LANE` among them are one unit of work, handed out where
+#: the first of them stands (first: the lane is the longest unit). Order only; no test
+#: depends on it.
 SLOW_FILES = (
     "test_cuda_torchsplit.py",
     "test_pch.py",
