@@ -486,3 +486,29 @@ async def test_dashboard_shows_the_tuned_configuration_per_shape(
     assert all("FAST_8=1" in v for v in small.values())
     assert all(r[1] and r[4] for r in rows)  # every row names its device and its elite
     assert len({r[4] for r in rows}) == 2  # both elites
+
+
+def test_tuning_line_says_when_the_candidates_own_configuration_was_fastest() -> None:
+    """The report's tuning line says the tuner found nothing faster than the candidate's
+    own configuration when that was the fastest it timed, rather than comparing that
+    configuration with itself; another configuration is named with both times, and the
+    noise verdict stays."""
+    from kf.app.report import _tuning_line
+
+    own = {"VEC_WIDTH": 512, "THREADS": 2}
+    s = {
+        "device_id": "cpu0",
+        "shape": "[[8, 4096]]",
+        "baseline_config": dict(own),
+        "best_config": dict(own),
+        "best_ms": 0.0607,
+        "baseline_ms": 0.0607,
+        "improved": False,
+    }
+    line = _tuning_line("gelu_bias", s)
+    assert "vs own" not in line, line
+    assert "nothing faster than its own configuration" in line and "0.0607 ms" in line, line
+    other = {**s, "best_config": {"VEC_WIDTH": 256, "THREADS": 2}, "best_ms": 0.05}
+    line = _tuning_line("gelu_bias", other)
+    assert "{'VEC_WIDTH': 256, 'THREADS': 2} 0.0500 ms vs own 0.0607 ms" in line, line
+    assert line.endswith("not beyond the noise: no candidate"), line

@@ -461,16 +461,19 @@ def _tuning_line(task: str, s: dict[str, Any]) -> str:
     where = f"{task} tuned on {s['device_id']}"
     if "shape" not in s:
         return f"{where}: {s.get('note', '')}"
-    found = (
-        f"{s['best_config']} {s['best_ms']:.4f} ms vs own {s['baseline_ms']:.4f} ms"
-        if s.get("best_ms") is not None and s.get("baseline_ms") is not None
-        else "nothing timed"
-    )
+    timed = s.get("best_ms") is not None and s.get("baseline_ms") is not None
+    own = timed and s.get("best_config") == s.get("baseline_config")
+    if own:
+        found = f"nothing faster than its own configuration ({s['baseline_ms']:.4f} ms)"
+    elif timed:
+        found = f"{s['best_config']} {s['best_ms']:.4f} ms vs own {s['baseline_ms']:.4f} ms"
+    else:
+        found = "nothing timed"
     tuned = (
         f"; candidate {s['tuned_candidate_id'][:12]} {s['tuned_status']}"
         + (f" {s['tuned_speedup']:.2f}× over eager" if s.get("tuned_speedup") else "")
         if s.get("tuned_candidate_id")
-        else ("" if s.get("improved") else "; not beyond the noise: no candidate")
+        else ("" if s.get("improved") or own else "; not beyond the noise: no candidate")
     )
     return f"{where} at {s['shape']}: {found}{tuned}"
 
