@@ -469,8 +469,8 @@ def test_a_profile_without_the_compiled_baseline_does_not_wait_for_its_runner(
     task = load_task(EVAL / "task_uncompilable.py")
     source = (EVAL / "honest_twice.py").read_text()
     pool = RunnerPool(size=1, references=4)
-    key = GradingSession(task, source, device="cpu", pool=pool).reference_key
-    mode = GradingSession(task, source, device="cpu", pool=pool).cond.compile_mode
+    session = GradingSession(task, source, device="cpu", pool=pool)
+    key, mode = session.reference_key, session.cond.compile_mode
     used: list[Any] = []
     lease = pool.reference_lease
 

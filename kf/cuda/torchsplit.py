@@ -70,9 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from kf.cuda import torchfree
-from kf.kernels.launches import LAUNCH as _LAUNCH
-from kf.kernels.launches import blank as _blank
-from kf.kernels.launches import split_top as _split_top
+from kf.kernels import launches
 
 __all__ = ["LAUNCHER_PREFIX", "VERSION", "Split", "cuda_only_names", "split", "why_not"]
 
@@ -345,7 +343,7 @@ def _cuda_home() -> str | None:
 def _parameters(kernel: str, text: str) -> tuple[str, list[str]]:
     """A kernel definition's parameter list (its text, comments dropped) and their names;
     refused unless each is a named parameter of an allowed type."""
-    masked = _blank(text)
+    masked = launches.blank(text)
     found = re.search(rf"\b{kernel}\s*\(", masked)
     assert found is not None
     listed = masked[found.end() : _closing(masked, found.end() - 1)]
@@ -383,8 +381,8 @@ def _rewrite_launches(text: str, kernels: dict[str, str]) -> tuple[str, set[str]
     launcher; the kernels launched."""
     out, launched = text, set[str]()
     while True:
-        masked = _blank(out)
-        found = _LAUNCH.search(masked)
+        masked = launches.blank(out)
+        found = launches.LAUNCH.search(masked)
         if found is None:
             if "<<<" in masked:
                 raise _Refused("a launch not of the form kernel<<<config>>>(arguments);")
@@ -402,7 +400,7 @@ def _rewrite_launches(text: str, kernels: dict[str, str]) -> tuple[str, set[str]
         arguments = masked[found.end() : close]
         if "<" in config or ">" in config or _SIDE_EFFECT.search(config + " " + arguments):
             raise _Refused(f"a launch of {name} whose configuration or arguments it cannot read")
-        parts = _split_top(config)
+        parts = launches.split_top(config)
         if not 2 <= len(parts) <= 4 or not all(p.strip() for p in parts):
             raise _Refused(f"a launch of {name} with {len(parts)} configuration values")
         config_text = ", ".join(p.strip() for p in [*parts, *["0"] * (4 - len(parts))])
@@ -437,7 +435,7 @@ def _check_call(arguments: dict[str, Any]) -> None:
     for text in [cpp] if isinstance(cpp, str) else list(cpp or []):
         if not isinstance(text, str):
             raise _Refused("cpp_sources that are not strings")
-        for kind, item, masked in _top_level(text, _blank(text)):
+        for kind, item, masked in _top_level(text, launches.blank(text)):
             if kind == "directive":
                 include = _INCLUDE.match(masked.strip())
                 if include is None or _classify_directive(item, masked, False).side == "device":
@@ -464,7 +462,7 @@ def _split(arguments: dict[str, Any]) -> Split:
         raise _Refused(f"the source names {LAUNCHER_PREFIX}...")
     _check_call(arguments)
     items, seen_code = [], False
-    for kind, text, masked in _top_level(source, _blank(source)):
+    for kind, text, masked in _top_level(source, launches.blank(source)):
         if kind == "directive":
             items.append(_classify_directive(text, masked, seen_code))
         else:
@@ -481,7 +479,7 @@ def _place_macros(items: list[_Item]) -> None:
         uses = {
             other.side
             for other in items
-            if other is not item and item.name in _words(_blank(other.text))
+            if other is not item and item.name in _words(launches.blank(other.text))
         }
         if {"host", "device"} <= uses or "both" in uses:
             raise _Refused(f"the macro {item.name} is used by host and device code")
@@ -515,7 +513,7 @@ def _assemble(items: list[_Item]) -> Split:
     if why is not None:
         raise _Refused(f"the device part {why}")
     device_text = "\n".join(i.text for i in items if i.side == "device")
-    if _words(_blank(device_text)) & host_names:
+    if _words(launches.blank(device_text)) & host_names:
         raise _Refused("the device part names a host function")
     host = ["#include <cuda_runtime.h>"]
     for item, text in host_texts:
@@ -538,7 +536,7 @@ def _check_host(
     for item, text in host:
         if item.kind == "include":
             continue
-        masked = _blank(text)
+        masked = launches.blank(text)
         if item.kind == "function" and re.search(r"^[ \t]*#", masked, re.MULTILINE):
             raise _Refused(f"a directive inside {item.name}")
         words = _words(masked)

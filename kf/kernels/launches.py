@@ -78,8 +78,7 @@ def configs(source: str) -> list[tuple[str, list[str]]]:
 def legacy_stream_launch(source: str) -> bool:
     """Whether a launch of ``source`` goes to the legacy default stream: no stream
     argument (``<<<grid, block>>>``, ``<<<grid, block, shared>>>``) or stream ``0``."""
-    for _, parts in configs(source):
-        stream = parts[3].replace(" ", "") if len(parts) > 3 else "0"
-        if stream in _LEGACY_STREAMS:
-            return True
-    return False
+    return any(
+        len(parts) < 4 or parts[3].replace(" ", "") in _LEGACY_STREAMS
+        for _, parts in configs(source)
+    )
